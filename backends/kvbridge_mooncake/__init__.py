@@ -1,0 +1,1 @@
+"""Mooncake Transfer Engine backend for kvbridge (work in progress)."""

@@ -1,0 +1,1 @@
+"""NIXL backend for kvbridge (work in progress)."""

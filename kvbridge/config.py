@@ -1,0 +1,186 @@
+"""One typed configuration from defaults, ``kv_connector_extra_config`` and ``KVBRIDGE_*``.
+
+Precedence (highest wins): environment variable ``KVBRIDGE_<KEY>`` > ``kv_connector_extra_config``
+key > built-in default. :meth:`Config.describe` prints every value with where it came from;
+``kvbridge config`` shows it and the connector logs it once at start-up.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from kvbridge.errors import ConfigError
+
+__all__ = ["Config", "TransferMode", "ENV_PREFIX"]
+
+ENV_PREFIX = "KVBRIDGE_"
+
+
+class TransferMode(str, enum.Enum):
+    """How one request's KV moves from P to D."""
+
+    PULL = "pull"
+    PUSH = "push"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Effective kvbridge settings. Field docs double as the configuration reference."""
+
+    backend: str = "shm"
+    """Transport backend name (``kvbridge backends`` lists them)."""
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific options, e.g. ``{"backends": ["LIBFABRIC"]}`` for nixl."""
+    mode: TransferMode = TransferMode.PULL
+    """Default transfer mode for requests whose ``kv_transfer_params`` name none."""
+    side_channel_host: str = "127.0.0.1"
+    """Address the control channel binds to and advertises."""
+    side_channel_port: int = 0
+    """Control-channel port of tp rank 0 (rank r uses port + r); 0 picks a free port."""
+    lease_s: float = 30.0
+    """How long P keeps a request's blocks pinned without a heartbeat from D."""
+    heartbeat_s: float = 5.0
+    """How often D renews P's lease while a transfer is queued or running."""
+    push_timeout_s: float = 120.0
+    """How long D waits for a pushed KV (registration to DONE) before failing the request."""
+    transfer_timeout_s: float = 60.0
+    """Upper bound on one READ/WRITE; a timeout is a failure."""
+    control_timeout_s: float = 5.0
+    """Upper bound on one control-channel round trip."""
+    secret: str | None = None
+    """Optional shared secret; control messages are HMAC-authenticated with it."""
+    max_message_bytes: int = 16 << 20
+    """Largest control message accepted."""
+    checksum: bool = False
+    """Verify every transferred byte end to end (blake2b over the blocks on both sides)."""
+    layerwise: bool = False
+    """Push: WRITE each layer as soon as the forward pass has written it."""
+    idle_wait_ms: float = 20.0
+    """Longest an idle engine step sleeps while only waiting on transfers (0 disables)."""
+    log_level: str = "INFO"
+    """Level of the ``kvbridge`` loggers."""
+
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    # -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "sources"]
+
+    @classmethod
+    def load(
+        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> Config:
+        """Merge defaults, ``extra`` (vLLM's ``kv_connector_extra_config``) and ``env``.
+
+        Raises :class:`ConfigError` for an unknown key (with a suggestion) or a bad value.
+        """
+        env = os.environ if env is None else env
+        known = cls.keys()
+        values: dict[str, Any] = {}
+        sources = {k: "default" for k in known}
+        for key, raw in (extra or {}).items():
+            if key not in known:
+                raise ConfigError(_unknown(key, known, "kv_connector_extra_config key"))
+            values[key] = _coerce(key, raw)
+            sources[key] = "kv_connector_extra_config"
+        for name, raw in env.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            key = name[len(ENV_PREFIX) :].lower()
+            if key not in known:
+                raise ConfigError(_unknown(key, known, f"environment variable {name}"))
+            values[key] = _coerce(key, raw)
+            sources[key] = f"env {name}"
+        cfg = cls(**values, sources=sources)
+        cfg._validate()
+        return cfg
+
+    def with_overrides(self, **kw: Any) -> Config:
+        """A copy with ``kw`` applied (marked as source ``override``)."""
+        src = dict(self.sources)
+        src.update({k: "override" for k in kw})
+        cfg = replace(self, **{k: _coerce(k, v) for k, v in kw.items()}, sources=src)
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        for key in ("lease_s", "heartbeat_s", "push_timeout_s", "transfer_timeout_s",
+                    "control_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.heartbeat_s >= self.lease_s:
+            raise ConfigError(
+                f"heartbeat_s ({self.heartbeat_s}) must be shorter than lease_s ({self.lease_s})"
+            )
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port out of range: {self.side_channel_port}")
+        if self.max_message_bytes < 4096:
+            raise ConfigError("max_message_bytes must be at least 4096")
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """``(key, value, source)`` rows; the secret is masked."""
+        rows = []
+        for key in self.keys():
+            value = getattr(self, key)
+            if key == "secret" and value:
+                shown = "***"
+            elif isinstance(value, enum.Enum):
+                shown = str(value.value)
+            elif isinstance(value, dict):
+                shown = json.dumps(value, sort_keys=True)
+            else:
+                shown = str(value)
+            rows.append((key, shown, self.sources.get(key, "default")))
+        return rows
+
+    def summary(self) -> str:
+        """One log line: ``key=value (source)`` for every non-default value, then the rest."""
+        return ", ".join(f"{k}={v} ({s})" for k, v, s in self.describe())
+
+
+def _unknown(key: str, known: list[str], what: str) -> str:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown {what} {key!r}{hint} (known: {', '.join(known)})"
+
+
+_BOOL = {"1": True, "true": True, "yes": True, "on": True,
+         "0": False, "false": False, "no": False, "off": False}
+
+
+def _coerce(key: str, raw: Any) -> Any:
+    """Convert ``raw`` (a string from the environment, or a JSON value) to ``key``'s type."""
+    default = Config.__dataclass_fields__[key]
+    kind = default.type
+    try:
+        if key == "mode":
+            return TransferMode(str(raw).lower())
+        if key == "backend_options":
+            value = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(value, dict):
+                raise TypeError("expected a JSON object")
+            return dict(value)
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            return _BOOL[str(raw).strip().lower()]
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "str | None":
+            return None if raw in (None, "") else str(raw)
+        if key == "log_level":
+            return str(raw).upper()
+        return str(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"bad value for {key}: {raw!r} ({exc})") from exc

@@ -1,0 +1,114 @@
+"""The one error tree of kvbridge.
+
+Every error kvbridge raises on purpose is a :class:`KVBridgeError`. Backends translate their
+native errors into these classes at their boundary (the way httpx maps socket errors), so callers
+catch one tree whatever the transport.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVBridgeError",
+    "ConfigError",
+    "BackendNotFound",
+    "BackendUnavailable",
+    "LayoutError",
+    "LayoutMismatch",
+    "DescriptorError",
+    "MessageError",
+    "MessageTooLarge",
+    "AuthError",
+    "TransportError",
+    "PeerError",
+    "UnknownPeer",
+    "PeerUnreachable",
+    "TransferFailed",
+    "TransferTimeout",
+    "TransportClosed",
+    "LookupBufferFull",
+    "LeaseExpired",
+    "PipeClosed",
+]
+
+
+class KVBridgeError(Exception):
+    """Root of every error kvbridge raises on purpose."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class BackendNotFound(ConfigError):
+    """No backend of that name is installed (the message lists the installed ones)."""
+
+
+class BackendUnavailable(KVBridgeError, ImportError):
+    """The backend is installed but cannot load: a missing package or system library."""
+
+
+class LayoutError(KVBridgeError, ValueError):
+    """A KV-cache layout or a list of block ids is not usable."""
+
+
+class LayoutMismatch(LayoutError):
+    """Two engines' layouts (or model, dtype, block size…) are incompatible; names the field."""
+
+
+class DescriptorError(KVBridgeError, ValueError):
+    """Descriptor lists are malformed: unequal length, unequal sizes, outside registered memory."""
+
+
+class MessageError(KVBridgeError, ValueError):
+    """A control message or metadata blob could not be decoded or is of the wrong kind."""
+
+
+class MessageTooLarge(MessageError):
+    """A message exceeds the configured size limit."""
+
+
+class AuthError(MessageError):
+    """A control message failed authentication against the shared secret."""
+
+
+class TransportError(KVBridgeError):
+    """A transport operation failed."""
+
+
+class PeerError(TransportError):
+    """Something is wrong with a remote peer."""
+
+
+class UnknownPeer(PeerError, KeyError):
+    """The peer was never added (or was removed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else "unknown peer"
+
+
+class PeerUnreachable(PeerError):
+    """The peer did not answer in time or its process is gone."""
+
+
+class TransferFailed(TransportError):
+    """A posted READ/WRITE ended in failure. No byte of it may be trusted."""
+
+
+class TransferTimeout(TransferFailed):
+    """A transfer did not finish in time. A timeout is a failure, never a success."""
+
+
+class TransportClosed(TransportError):
+    """The transport was closed; no new operation is accepted."""
+
+
+class LookupBufferFull(KVBridgeError):
+    """The LookupBuffer is at capacity and the insert could not wait any longer."""
+
+
+class LeaseExpired(KVBridgeError):
+    """The lease of a transfer ended before the matching side arrived."""
+
+
+class PipeClosed(KVBridgeError):
+    """The pipe was closed, or the other half reached end-of-stream."""

@@ -1,0 +1,316 @@
+"""KV-cache geometry and vectorised, coalesced descriptor building.
+
+A :class:`KVLayout` describes where an engine's KV blocks live: for every layer, one or more
+*planes* (K and V separately, or K and V interleaved inside a block as vLLM's CPU backend does),
+each a sequence of equally spaced blocks. From it, :func:`descriptor_pair` turns two lists of block
+ids into two equal-length descriptor arrays, merging runs of consecutive blocks (on both sides at
+once) into single descriptors. Everything is numpy; nothing here loops over blocks in Python.
+
+Descriptor arrays are ``int64`` arrays of shape ``(N, 3)``: address, length, device id — the form
+NIXL's ``prep_xfer_dlist`` takes directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.errors import LayoutError, LayoutMismatch
+
+__all__ = ["KVPlane", "KVLayout", "descriptor_pair", "check_block_ids", "DescriptorArray"]
+
+DescriptorArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class KVPlane:
+    """One layer's blocks in one plane: ``block i`` is ``[base + i*block_stride, +block_bytes)``."""
+
+    layer: str
+    base: int
+    block_stride: int
+    block_bytes: int
+
+    @property
+    def dense(self) -> bool:
+        """True when consecutive blocks touch, so runs of blocks can merge into one range."""
+        return self.block_stride == self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The geometry of one engine rank's KV cache (see the module docstring)."""
+
+    planes: tuple[KVPlane, ...]
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.planes:
+            raise LayoutError("a KV layout needs at least one plane")
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise LayoutError(
+                f"num_blocks ({self.num_blocks}) and block_size ({self.block_size}) must be > 0"
+            )
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_tensors(
+        cls,
+        kv_caches: Mapping[str, Any],
+        num_blocks: int,
+        block_size: int,
+        *,
+        block_dim: int | None = None,
+    ) -> KVLayout:
+        """Build a layout from per-layer KV tensors (torch tensors or numpy arrays).
+
+        The block dimension is ``block_dim`` or else the first dimension of size ``num_blocks``.
+        Dimensions before it become planes (e.g. ``(2, num_blocks, …)`` gives a K and a V plane);
+        dimensions after it must be contiguous, so one block of one plane is one byte range. This
+        covers vLLM's CPU layout ``(num_blocks, 2, block_size, heads*head_dim)`` and the GPU
+        layouts ``(2, num_blocks, block_size, heads, head_dim)``.
+
+        Raises :class:`LayoutError` naming the layer and the problem.
+        """
+        if not kv_caches:
+            raise LayoutError("no KV-cache tensors were given")
+        planes: list[KVPlane] = []
+        dtypes: set[str] = set()
+        devices: set[int] = set()
+        for name, tensor in kv_caches.items():
+            info = _TensorInfo.of(tensor)
+            dtypes.add(info.dtype)
+            devices.add(info.device)
+            dim = block_dim
+            if dim is None:
+                if num_blocks not in info.shape:
+                    raise LayoutError(
+                        f"layer {name!r}: no dimension of size num_blocks={num_blocks} in shape "
+                        f"{info.shape}"
+                    )
+                dim = info.shape.index(num_blocks)
+            if not 0 <= dim < len(info.shape) or info.shape[dim] != num_blocks:
+                raise LayoutError(
+                    f"layer {name!r}: dimension {dim} of shape {info.shape} is not num_blocks"
+                )
+            inner_shape = info.shape[dim + 1 :]
+            inner_strides = info.strides[dim + 1 :]
+            expected = info.itemsize
+            for size, stride in zip(reversed(inner_shape), reversed(inner_strides), strict=True):
+                if size != 1 and stride != expected:
+                    raise LayoutError(
+                        f"layer {name!r}: a block is not contiguous (shape {info.shape}, strides "
+                        f"{info.strides} bytes); a permuted KV layout is not supported"
+                    )
+                expected *= size
+            block_bytes = expected
+            block_stride = info.strides[dim]
+            outer = [
+                (sz, st) for sz, st in zip(info.shape[:dim], info.strides[:dim], strict=True)
+            ]
+            offsets = np.zeros(1, dtype=np.int64)
+            for size, stride in outer:
+                offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+            for k, off in enumerate(offsets.tolist()):
+                label = name if len(offsets) == 1 else f"{name}#{k}"
+                planes.append(KVPlane(label, info.ptr + int(off), block_stride, block_bytes))
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise LayoutError(f"layers disagree on dtype {sorted(dtypes)} or device {sorted(devices)}")
+        return cls(tuple(planes), num_blocks, block_size, dtypes.pop(), devices.pop())
+
+    # -- identity -------------------------------------------------------------------------------
+
+    def geometry(self) -> dict[str, Any]:
+        """Everything two engines must agree on to exchange blocks (no addresses, no counts)."""
+        return {
+            "planes": [[p.layer, p.block_bytes] for p in self.planes],
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+        }
+
+    def fingerprint(self) -> str:
+        """A short stable hash of :meth:`geometry`, exchanged in handshakes."""
+        blob = json.dumps(self.geometry(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise :class:`LayoutMismatch` naming the first field on which the layouts differ."""
+        if self.dtype != other.dtype:
+            raise LayoutMismatch(f"dtype differs: {self.dtype} here, {other.dtype} at the peer")
+        if self.block_size != other.block_size:
+            raise LayoutMismatch(
+                f"block_size differs: {self.block_size} here, {other.block_size} at the peer"
+            )
+        if len(self.planes) != len(other.planes):
+            raise LayoutMismatch(
+                f"number of KV planes differs: {len(self.planes)} here, {len(other.planes)} at "
+                "the peer (different model, layer count or K/V split)"
+            )
+        for mine, theirs in zip(self.planes, other.planes, strict=True):
+            if mine.block_bytes != theirs.block_bytes:
+                raise LayoutMismatch(
+                    f"bytes per block of {mine.layer!r} differ: {mine.block_bytes} here, "
+                    f"{theirs.block_bytes} at the peer (heads, head dim or dtype)"
+                )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block id across all layers and planes."""
+        return sum(p.block_bytes for p in self.planes)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """Disjoint ``(address, length)`` ranges covering every plane, for memory registration."""
+        spans = sorted(
+            (p.base, p.base + (self.num_blocks - 1) * p.block_stride + p.block_bytes)
+            for p in self.planes
+        )
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(s, e - s) for s, e in merged]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict for the wire (see :meth:`from_dict`)."""
+        return {
+            "planes": [[p.layer, p.base, p.block_stride, p.block_bytes] for p in self.planes],
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
+        """Inverse of :meth:`to_dict`; raises :class:`LayoutError` on malformed input."""
+        try:
+            planes = tuple(
+                KVPlane(str(n), int(b), int(s), int(l)) for n, b, s, l in data["planes"]
+            )
+            return cls(
+                planes,
+                int(data["num_blocks"]),
+                int(data["block_size"]),
+                str(data["dtype"]),
+                int(data.get("device", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LayoutError(f"malformed layout metadata: {exc!r}") from exc
+
+    # -- descriptors ----------------------------------------------------------------------------
+
+    def descriptors(self, block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> DescriptorArray:
+        """Descriptors for ``block_ids`` on this side alone, contiguous runs coalesced."""
+        return descriptor_pair(self, block_ids, self, block_ids)[0]
+
+
+def check_block_ids(
+    block_ids: Sequence[int] | npt.NDArray[np.integer[Any]], num_blocks: int, side: str = "local"
+) -> npt.NDArray[np.int64]:
+    """Validate a list of block ids: integers in ``[0, num_blocks)``, no duplicates."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        return ids
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {lo}, max {hi}")
+    if np.unique(ids).size != ids.size:
+        raise LayoutError(f"{side} block ids contain duplicates")
+    return ids
+
+
+def descriptor_pair(
+    local: KVLayout,
+    local_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+    remote: KVLayout,
+    remote_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+) -> tuple[DescriptorArray, DescriptorArray]:
+    """Two equal-length descriptor arrays moving ``local_ids[i] <-> remote_ids[i]`` in every plane.
+
+    Runs where both the local and the remote ids increase by one are merged into one descriptor
+    per plane (when the plane is dense on both sides). Order: plane-major, then run order.
+    Raises :class:`LayoutMismatch` for incompatible layouts and :class:`LayoutError` for bad ids.
+    """
+    local.check_compatible(remote)
+    lids = check_block_ids(local_ids, local.num_blocks, "local")
+    rids = check_block_ids(remote_ids, remote.num_blocks, "remote")
+    if lids.size != rids.size:
+        raise LayoutError(f"{lids.size} local block ids but {rids.size} remote block ids")
+    empty = np.zeros((0, 3), dtype=np.int64)
+    if lids.size == 0:
+        return empty, empty.copy()
+
+    l_base = np.fromiter((p.base for p in local.planes), np.int64, len(local.planes))
+    l_stride = np.fromiter((p.block_stride for p in local.planes), np.int64, len(local.planes))
+    r_base = np.fromiter((p.base for p in remote.planes), np.int64, len(remote.planes))
+    r_stride = np.fromiter((p.block_stride for p in remote.planes), np.int64, len(remote.planes))
+    nbytes = np.fromiter((p.block_bytes for p in local.planes), np.int64, len(local.planes))
+
+    dense = all(p.dense for p in local.planes) and all(p.dense for p in remote.planes)
+    if dense and lids.size > 1:
+        brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+        starts = np.concatenate(([0], brk))
+        counts = np.diff(np.concatenate((starts, [lids.size])))
+    else:
+        starts = np.arange(lids.size)
+        counts = np.ones(lids.size, dtype=np.int64)
+
+    n = len(local.planes) * starts.size
+    lengths = (nbytes[:, None] * counts[None, :]).ravel()
+    out_l = np.empty((n, 3), dtype=np.int64)
+    out_r = np.empty((n, 3), dtype=np.int64)
+    out_l[:, 0] = (l_base[:, None] + l_stride[:, None] * lids[starts][None, :]).ravel()
+    out_r[:, 0] = (r_base[:, None] + r_stride[:, None] * rids[starts][None, :]).ravel()
+    out_l[:, 1] = lengths
+    out_r[:, 1] = lengths
+    out_l[:, 2] = local.device
+    out_r[:, 2] = remote.device
+    return out_l, out_r
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    itemsize: int
+    ptr: int
+    dtype: str
+    device: int
+
+    @classmethod
+    def of(cls, t: Any) -> _TensorInfo:
+        if isinstance(t, np.ndarray):
+            return cls(
+                tuple(int(s) for s in t.shape),
+                tuple(int(s) for s in t.strides),
+                int(t.itemsize),
+                int(t.ctypes.data),
+                str(t.dtype),
+                0,
+            )
+        try:  # a torch.Tensor, read through its public attributes (no torch import here)
+            itemsize = int(t.element_size())
+            dev = getattr(t, "device", None)
+            index = getattr(dev, "index", None)
+            return cls(
+                tuple(int(s) for s in t.shape),
+                tuple(int(s) * itemsize for s in t.stride()),
+                itemsize,
+                int(t.data_ptr()),
+                str(t.dtype).removeprefix("torch."),
+                int(index) if index is not None else 0,
+            )
+        except AttributeError as exc:
+            raise LayoutError(f"not a tensor or numpy array: {type(t).__name__}") from exc

@@ -1,0 +1,215 @@
+"""FIFO pipes: ordered channels with send and receive halves, close and end-of-stream.
+
+Two kinds, one contract (modelled on anyio's memory object streams):
+
+* :func:`memory_pipe` — an in-process pair, bounded (``send`` blocks while full: back-pressure).
+* :class:`PipeReceiver` / :class:`PipeSender` — over ZeroMQ PUSH/PULL on the control network.
+  Many senders may feed one receiver; order is kept per sender (ZeroMQ keeps per-connection
+  order) and checked with sequence numbers, so a gap is reported, never silently skipped.
+
+``recv`` raises :class:`PipeClosed` once the stream ended (the sender closed it, or this half was
+closed) and :class:`TimeoutError` when nothing arrived in time. Payloads are bytes, framed in
+typed :class:`~kvbridge.messages.PipeFrame` messages — never pickle.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvbridge.errors import MessageError, PipeClosed
+from kvbridge.messages import Codec, PipeFrame
+
+__all__ = ["memory_pipe", "MemorySendHalf", "MemoryRecvHalf", "PipeSender", "PipeReceiver"]
+
+
+class _MemoryState:
+    def __init__(self, capacity: int) -> None:
+        self.items: collections.deque[bytes] = collections.deque()
+        self.capacity = capacity
+        self.cond = threading.Condition()
+        self.send_closed = False
+        self.recv_closed = False
+
+
+class MemorySendHalf:
+    """Send half of :func:`memory_pipe`. Thread-safe."""
+
+    def __init__(self, state: _MemoryState) -> None:
+        self._s = state
+
+    def send(self, item: bytes, timeout: float | None = None) -> None:
+        """Append ``item``; blocks while the pipe is full. Raises :class:`PipeClosed`."""
+        s = self._s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with s.cond:
+            while True:
+                if s.send_closed or s.recv_closed:
+                    raise PipeClosed("pipe is closed")
+                if s.capacity <= 0 or len(s.items) < s.capacity:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("pipe full")
+                s.cond.wait(left)
+            s.items.append(item)
+            s.cond.notify_all()
+
+    def close(self) -> None:
+        """End the stream: the receiver drains what was sent, then gets :class:`PipeClosed`."""
+        with self._s.cond:
+            self._s.send_closed = True
+            self._s.cond.notify_all()
+
+
+class MemoryRecvHalf:
+    """Receive half of :func:`memory_pipe`. Thread-safe."""
+
+    def __init__(self, state: _MemoryState) -> None:
+        self._s = state
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        s = self._s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with s.cond:
+            while not s.items:
+                if s.send_closed or s.recv_closed:
+                    raise PipeClosed("end of stream")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("nothing received")
+                s.cond.wait(left)
+            item = s.items.popleft()
+            s.cond.notify_all()
+            return item
+
+    def close(self) -> None:
+        """Stop receiving; pending items are dropped and senders get :class:`PipeClosed`."""
+        with self._s.cond:
+            self._s.recv_closed = True
+            self._s.items.clear()
+            self._s.cond.notify_all()
+
+
+def memory_pipe(capacity: int = 0) -> tuple[MemorySendHalf, MemoryRecvHalf]:
+    """An in-memory FIFO pair; ``capacity`` 0 means unbounded."""
+    state = _MemoryState(capacity)
+    return MemorySendHalf(state), MemoryRecvHalf(state)
+
+
+class PipeSender:
+    """Send half over ZeroMQ to a :class:`PipeReceiver` address. Thread-safe (one lock)."""
+
+    def __init__(
+        self, address: str, sender: str, codec: Codec | None = None, hwm: int = 10000
+    ) -> None:
+        self._codec = codec or Codec()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.connect(address)
+        self._sender = sender.encode()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.address = address
+
+    def send(self, payload: bytes, timeout: float | None = 5.0) -> None:
+        """Queue ``payload``; raises :class:`PipeClosed` if closed, TimeoutError if the peer
+        stays unreachable while the queue is full."""
+        with self._lock:
+            if self._closed:
+                raise PipeClosed(f"pipe to {self.address} is closed")
+            self._send(PipeFrame(seq=self._seq, payload=payload), timeout)
+            self._seq += 1
+
+    def _send(self, frame: PipeFrame, timeout: float | None) -> None:
+        data = self._codec.encode(frame)
+        self._sock.setsockopt(zmq.SNDTIMEO, -1 if timeout is None else int(timeout * 1000))
+        try:
+            self._sock.send_multipart([self._sender, data])
+        except zmq.Again as exc:
+            raise TimeoutError(f"pipe to {self.address} is full") from exc
+
+    def close(self) -> None:
+        """Send end-of-stream (best effort) and release the socket. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._send(PipeFrame(seq=self._seq, eos=True), 1.0)
+            except (TimeoutError, zmq.ZMQError):
+                pass
+            self._sock.close()
+
+
+class PipeReceiver:
+    """Receive half over ZeroMQ: binds ``tcp://host:port`` (0 = any free port).
+
+    ``recv`` returns ``(sender, payload)`` in per-sender FIFO order. Frames from a sender after
+    its end-of-stream, or out of sequence, raise :class:`MessageError`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, codec: Codec | None = None) -> None:
+        self._codec = codec or Codec()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self._codec.max_bytes + 1024)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._next: dict[str, int] = {}
+        self._ended: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def recv(self, timeout: float | None = None) -> tuple[str, bytes]:
+        """Next ``(sender, payload)``. Raises TimeoutError, :class:`PipeClosed` or
+        :class:`MessageError`. An end-of-stream from a sender raises :class:`PipeClosed`
+        naming it."""
+        with self._lock:
+            if self._closed:
+                raise PipeClosed("receiver is closed")
+            if not self._sock.poll(None if timeout is None else int(timeout * 1000)):
+                raise TimeoutError("nothing received")
+            parts = self._sock.recv_multipart()
+            if len(parts) != 2:
+                raise MessageError(f"pipe frame with {len(parts)} parts")
+            sender = parts[0].decode(errors="replace")
+            frame = self._codec.decode(parts[1])
+            if not isinstance(frame, PipeFrame):
+                raise MessageError(f"expected a pipe frame, got {type(frame).__name__}")
+            if sender in self._ended:
+                raise MessageError(f"frame from {sender!r} after its end-of-stream")
+            expected = self._next.get(sender, 0)
+            if frame.seq != expected:
+                raise MessageError(f"pipe from {sender!r}: frame {frame.seq}, expected {expected}")
+            self._next[sender] = expected + 1
+            if frame.eos:
+                self._ended.add(sender)
+                raise PipeClosed(f"end of stream from {sender!r}")
+            return sender, frame.payload
+
+    def reset_sender(self, sender: str) -> None:
+        """Forget a sender's sequence (it restarted and will count from zero again)."""
+        with self._lock:
+            self._next.pop(sender, None)
+            self._ended.discard(sender)
+
+    def fileno(self) -> Any:
+        return self._sock.getsockopt(zmq.FD)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close()

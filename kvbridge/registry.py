@@ -1,0 +1,101 @@
+"""Backend discovery through stevedore (entry-point group ``kvbridge.backends``).
+
+The core never imports a backend by name: every backend, the built-in ``shm`` included, is an
+entry point exactly as a third-party plugin would be. Listing is cheap (no backend module is
+imported until one is loaded); heavy native imports happen in the backend's constructor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
+
+__all__ = ["GROUP", "BackendStatus", "available", "load_class", "create", "status"]
+
+GROUP = "kvbridge.backends"
+log = logging.getLogger("kvbridge.registry")
+
+#: What to install when a backend's native dependency is missing.
+INSTALL_HINTS: dict[str, str] = {
+    "nixl": "pip install 'kvbridge[nixl]'  (nixl==1.5.1 nixl-cu13==1.5.1 --no-deps on CPU hosts)",
+    "mooncake": "pip install 'kvbridge[mooncake]' and apt-get install -y libibverbs1",
+}
+
+
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def available() -> list[str]:
+    """Names of the installed backends (cheap: imports nothing)."""
+    return sorted(_entry_points())
+
+
+def load_class(name: str) -> type[Any]:
+    """Import backend ``name`` and return its Transport class.
+
+    Raises :class:`BackendNotFound` (with the installed names and a "did you mean") or
+    :class:`BackendUnavailable` (with the import error and what to install).
+    """
+    from kvbridge.transport import Transport
+
+    eps = _entry_points()
+    ep = eps.get(name)
+    if ep is None:
+        near = difflib.get_close_matches(name, list(eps), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise BackendNotFound(
+            f"unknown kvbridge backend {name!r}{hint} (installed: {', '.join(sorted(eps)) or 'none'})"
+        )
+    try:
+        cls = ep.load()
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc)) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise BackendUnavailable(f"backend {name!r} ({ep.value}) is not a kvbridge Transport")
+    return cls
+
+
+def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """Load backend ``name`` and construct it for ``agent_name`` with ``options``."""
+    cls = load_class(name)
+    try:
+        return cls(agent_name, options or {})
+    except KVBridgeError:
+        raise
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc)) from exc
+
+
+def _unavailable(name: str, exc: BaseException) -> str:
+    hint = INSTALL_HINTS.get(name)
+    return f"backend {name!r} cannot load: {exc}" + (f" — install: {hint}" if hint else "")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    target: str
+    loadable: bool
+    detail: str
+
+
+def status() -> list[BackendStatus]:
+    """Each installed backend, whether its module imports, and why not."""
+    rows = []
+    for name, ep in sorted(_entry_points().items()):
+        try:
+            cls = load_class(name)
+            probe = getattr(cls, "probe", None)
+            detail = probe() if callable(probe) else "ok"
+            rows.append(BackendStatus(name, ep.value, True, str(detail)))
+        except KVBridgeError as exc:
+            rows.append(BackendStatus(name, ep.value, False, str(exc)))
+    return rows

@@ -83,6 +83,8 @@ class TransferDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     transfer_id: str
     nbytes: int = 0
     checksum: str | None = None
+    #: Pull with checksums: the sender's block ids that were read, so P can hash its side.
+    source_blocks: list[int] = []
 
 
 class TransferFail(msgspec.Struct, tag=True, frozen=True, kw_only=True):

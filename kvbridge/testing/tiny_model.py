@@ -1,0 +1,238 @@
+"""A tiny random-weight Qwen3 model for tests, benchmarks and the demo.
+
+:func:`build_tiny_model` writes a complete Hugging Face model directory (``config.json``,
+``model.safetensors``, ``generation_config.json`` and a ``tokenizers`` WordLevel tokenizer saved
+as ``PreTrainedTokenizerFast``) that ``vllm serve`` loads like any checkpoint:
+
+- Qwen3ForCausalLM, hidden 128, 2 layers, 4 attention heads / 2 KV heads, head dim 32,
+  vocabulary 1024, float32, ``max_position_embeddings`` 4096 (about 0.6 M parameters, 2.5 MB).
+- Deterministic from the seed: a rebuild with the same seed writes the same bytes.
+- Idempotent and cheap: a stamp file holds a hash of the full specification; when it matches,
+  nothing is rebuilt (no transformers import at all).
+- Never touches the network: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are set before
+  transformers is imported, and nothing is downloaded.
+
+Concurrent builders of the same directory are serialised with an ``flock`` on a sibling lock
+file, and a build goes to a temporary directory first, so a reader never sees half a model.
+
+:func:`random_prompts` returns seeded token-id prompts that avoid the special ids.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "VOCAB_SIZE",
+    "NUM_SPECIAL_TOKENS",
+    "PAD_ID",
+    "UNK_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "STAMP_NAME",
+    "tiny_model_spec",
+    "build_tiny_model",
+    "random_prompts",
+    "default_cache_dir",
+]
+
+log = logging.getLogger("kvbridge.testing.tiny_model")
+
+VOCAB_SIZE = 1024
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+NUM_SPECIAL_TOKENS = 4
+STAMP_NAME = ".kvbridge-tiny-model.json"
+_BUILDER_VERSION = 1
+
+# A few real words first, so that text prompts like "hello world" map to known tokens.
+_WORDS = (
+    "the of and to in is was for on that with as by at from it be this are an or which "
+    "hello world capital city france paris germany berlin japan tokyo river mountain sea "
+    "one two three four five six seven eight nine ten red green blue black white cat dog "
+    "bird fish tree house car road book water fire earth air sun moon star day night time "
+    "year man woman child people good new first last long great little own other old right "
+    "big high small large next early young important few public bad same able what when "
+    "where who how why yes no not all any each many more most some such only very can will "
+    "just do go get make know think take see come want look use find give tell work call try "
+    "ask need feel become leave put mean keep let begin seem help show hear play run move "
+    "live believe hold bring happen write provide sit stand lose pay meet include continue "
+    "set learn change lead understand watch follow stop create speak read allow add spend "
+    "grow open walk win offer remember love consider appear buy wait serve die send expect "
+    "build stay fall cut reach kill remain"
+).split()
+
+
+def tiny_model_spec(seed: int = 0) -> dict[str, Any]:
+    """The full specification the model is built from; its hash is the stamp."""
+    return {
+        "builder_version": _BUILDER_VERSION,
+        "seed": seed,
+        "config": {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 128,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "initializer_range": 0.02,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "pad_token_id": PAD_ID,
+            "dtype": "float32",
+        },
+    }
+
+
+def _spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """``$KVBRIDGE_CACHE_DIR`` or ``~/.cache/kvbridge``."""
+    env = os.environ.get("KVBRIDGE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvbridge"
+
+
+def _is_built(path: Path, digest: str) -> bool:
+    stamp = path / STAMP_NAME
+    try:
+        data = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(data, dict)
+        and data.get("hash") == digest
+        and (path / "model.safetensors").is_file()
+        and (path / "config.json").is_file()
+        and (path / "tokenizer.json").is_file()
+    )
+
+
+def _vocab() -> dict[str, int]:
+    vocab = {"<pad>": PAD_ID, "<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    for word in _WORDS:
+        if word not in vocab and len(vocab) < VOCAB_SIZE:
+            vocab[word] = len(vocab)
+    while len(vocab) < VOCAB_SIZE:
+        vocab[f"t{len(vocab)}"] = len(vocab)
+    return vocab
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(str(out))
+
+
+def _write_model(out: Path, spec: dict[str, Any]) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(spec["config"])
+    cfg.pop("architectures")
+    cfg.pop("model_type")
+    cfg.pop("dtype")
+    config = Qwen3Config(**cfg)
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(spec["seed"])
+    with torch.no_grad():
+        model = Qwen3ForCausalLM(config).to(torch.float32)
+        # Re-draw every parameter from a private generator: the result depends on the seed only,
+        # not on how transformers happens to order its default initialisation.
+        gen = torch.Generator().manual_seed(spec["seed"])
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
+    """Build (or reuse) the tiny model at *path* and return its directory.
+
+    *path* defaults to ``default_cache_dir() / f"tiny-qwen3-s{seed}"``. Blocking (about 5–10 s
+    for a fresh build, dominated by importing transformers; milliseconds when the stamp matches).
+    Safe to call from several processes at once. Raises ``OSError`` if the directory cannot be
+    written.
+    """
+    target = Path(path) if path is not None else default_cache_dir() / f"tiny-qwen3-s{seed}"
+    target = target.expanduser().resolve()
+    spec = tiny_model_spec(seed)
+    digest = _spec_hash(spec)
+    if _is_built(target, digest):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if _is_built(target, digest):  # another process built it meanwhile
+                return target
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+            log.info("building tiny model (seed %d) at %s", seed, target)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            try:
+                _write_model(tmp, spec)
+                _write_tokenizer(tmp)
+                (tmp / STAMP_NAME).write_text(
+                    json.dumps({"hash": digest, "spec": spec}, sort_keys=True, indent=1) + "\n"
+                )
+                tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
+                for child in tmp.iterdir():
+                    child.chmod(0o644)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """*n* prompts of *length* token ids each, drawn from the non-special ids; deterministic."""
+    if n < 0 or length < 1:
+        raise ValueError(f"need n >= 0 and length >= 1, got n={n} length={length}")
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(NUM_SPECIAL_TOKENS, VOCAB_SIZE) for _ in range(length)] for _ in range(n)
+    ]

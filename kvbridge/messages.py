@@ -26,6 +26,8 @@ __all__ = [
     "TransferDone",
     "TransferFail",
     "Heartbeat",
+    "StatsQuery",
+    "StatsReply",
     "Ack",
     "PipeFrame",
     "Message",
@@ -100,6 +102,17 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     transfer_ids: list[str]
 
 
+class StatsQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Ask an engine rank for its transfer counters (``kvbridge stats``, tests)."""
+
+
+class StatsReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    engine_id: str
+    generation: str
+    stats: dict[str, int]
+    pending: int
+
+
 class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     ok: bool = True
     error: str | None = None
@@ -113,7 +126,10 @@ class PipeFrame(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     eos: bool = False
 
 
-Message = Union[Hello, HelloReply, PushRegister, TransferDone, TransferFail, Heartbeat, Ack, PipeFrame]
+Message = Union[
+    Hello, HelloReply, PushRegister, TransferDone, TransferFail, Heartbeat, StatsQuery,
+    StatsReply, Ack, PipeFrame,
+]
 
 
 class Codec:

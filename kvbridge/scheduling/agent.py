@@ -49,6 +49,8 @@ from kvbridge.messages import (
     HelloReply,
     Message,
     PushRegister,
+    StatsQuery,
+    StatsReply,
     TransferDone,
     TransferFail,
 )
@@ -275,6 +277,9 @@ class TransferAgent:
         if isinstance(msg, Hello):
             self.peers.accept(msg.info)
             return HelloReply(info=self.info)
+        if isinstance(msg, StatsQuery):
+            return StatsReply(engine_id=self.engine_id, generation=self.generation,
+                              stats=dict(self.stats), pending=self.pending())
         if isinstance(msg, Heartbeat):
             for tid in msg.transfer_ids:
                 if not (self._staged.extend(tid, self._lease) or self._ready.extend(tid, self._lease)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ VOCAB_SIZE = 1024
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 NUM_SPECIAL_TOKENS = 4
 STAMP_NAME = ".kvbridge-tiny-model.json"
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 2
 
 # A few real words first, so that text prompts like "hello world" map to known tokens.
 _WORDS = (
@@ -139,12 +140,12 @@ def _vocab() -> dict[str, int]:
 
 def _write_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
+    transformers: Any = importlib.import_module("transformers")
     tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
+    fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         pad_token="<pad>",
@@ -157,28 +158,32 @@ def _write_tokenizer(out: Path) -> None:
 
 def _write_model(out: Path, spec: dict[str, Any]) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    transformers: Any = importlib.import_module("transformers")
     cfg = dict(spec["config"])
     cfg.pop("architectures")
     cfg.pop("model_type")
     cfg.pop("dtype")
-    config = Qwen3Config(**cfg)
+    config = transformers.Qwen3Config(**cfg)
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(spec["seed"])
     with torch.no_grad():
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
         # Re-draw every parameter from a private generator: the result depends on the seed only,
         # not on how transformers happens to order its default initialisation.
         gen = torch.Generator().manual_seed(spec["seed"])
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif "embed" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+                # 2/sqrt(fan_in): large enough that attention over the whole prompt decides the
+                # next token (with the usual 0.02 a random model repeats one token whatever its
+                # KV cache holds, and a P/D test comparing outputs would have no teeth).
+                scale = 2.0 / param.shape[1] ** 0.5
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(str(out), safe_serialization=True)
 
 

@@ -1,0 +1,125 @@
+"""The transfer agent's pull and push state machines between two real processes over shm."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.testing.agents import AgentProcess
+
+SHAPE = (2, 64, 16, 64)
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple[AgentProcess, AgentProcess]]:
+    procs: list[AgentProcess] = []
+    try:
+        procs.append(AgentProcess("prefill", SHAPE, {"lease_s": 3, "heartbeat_s": 1,
+                                                      "push_timeout_s": 4}))
+        procs.append(AgentProcess("decode", SHAPE, {"lease_s": 3, "heartbeat_s": 1,
+                                                     "push_timeout_s": 4}))
+        procs[0].call("fill", 1)
+        procs[1].call("fill", 2)
+        yield procs[0], procs[1]
+    finally:
+        for p in procs:
+            p.close()
+
+
+def test_pull_moves_exact_blocks(pd: tuple[AgentProcess, AgentProcess]) -> None:
+    p, d = pd
+    src, dst = [3, 4, 5, 9, 20], [10, 11, 30, 31, 2]
+    p.call("stage", "p-req", "t1", src)
+    d.call("pull", "d-req", "t1", p.address, tuple(dst), tuple(src))
+    rd = d.drain({"d-req"})
+    assert rd["results"]["finished_recving"] == {"d-req"}
+    assert not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.call("blocks", dst), p.call("blocks", src))
+    rp = p.drain({"p-req"})
+    assert rp["results"]["finished_sending"] == {"p-req"}
+    assert rp["pending"] == 0
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_push_either_arrival_order(pd: tuple[AgentProcess, AgentProcess],
+                                   decode_first: bool) -> None:
+    p, d = pd
+    src, dst = [1, 2, 3, 4], [40, 41, 42, 50]
+    if decode_first:
+        d.call("expect", "d-req", "t2", p.address, tuple(dst), 0)
+        time.sleep(0.2)
+        p.call("ready", "p-req", "t2", src)
+    else:
+        p.call("ready", "p-req", "t2", src)
+        time.sleep(0.2)
+        d.call("expect", "d-req", "t2", p.address, tuple(dst), 0)
+    rd = d.drain({"d-req"})
+    assert rd["results"]["finished_recving"] == {"d-req"}
+    assert not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.call("blocks", dst), p.call("blocks", src))
+    assert p.drain({"p-req"})["results"]["finished_sending"] == {"p-req"}
+
+
+def test_push_partial_prefix_moves_only_missing_blocks(
+    pd: tuple[AgentProcess, AgentProcess]
+) -> None:
+    p, d = pd
+    src = [5, 6, 7, 8, 9]
+    dst_missing = [20, 21, 22]  # decode already holds the first two prompt blocks
+    before = d.call("blocks", [10, 11])
+    d.call("expect", "d-req", "t3", p.address, tuple(dst_missing), 2)
+    p.call("ready", "p-req", "t3", src)
+    rd = d.drain({"d-req"})
+    assert not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.call("blocks", dst_missing), p.call("blocks", src[2:]))
+    np.testing.assert_array_equal(d.call("blocks", [10, 11]), before)
+    assert rd["stats"]["push_received_bytes"] == 3 * 2 * 2 * 16 * 64 * 4
+
+
+def test_lease_expiry_releases_and_fences_late_reader(
+    pd: tuple[AgentProcess, AgentProcess]
+) -> None:
+    p, d = pd
+    p.call("stage", "p-req", "t4", [1, 2])
+    rp = p.drain({"p-req"}, timeout=10)  # nobody comes: lease (3 s) ends
+    assert rp["results"]["finished_sending"] == {"p-req"}
+    assert rp["stats"]["lease_expired"] == 1
+    d.call("pull", "d-req", "t4", p.address, (5, 6), (1, 2))
+    rd = d.drain({"d-req"})
+    assert rd["results"]["failed_recving"] == {"d-req"}
+    assert rd["results"]["invalid_blocks"] == {5, 6}
+
+
+def test_push_to_dead_decode_releases_prefill(pd: tuple[AgentProcess, AgentProcess]) -> None:
+    p, d = pd
+    d.call("expect", "d-req", "t5", p.address, (7, 8), 0)
+    time.sleep(0.3)
+    d.kill()
+    p.call("ready", "p-req", "t5", [1, 2])
+    rp = p.drain({"p-req"}, timeout=15)
+    assert rp["results"]["finished_sending"] == {"p-req"}
+    assert rp["pending"] == 0
+
+
+def test_push_timeout_when_prefill_never_comes(pd: tuple[AgentProcess, AgentProcess]) -> None:
+    p, d = pd
+    d.call("expect", "d-req", "t6", p.address, (7, 8), 0)
+    rd = d.drain({"d-req"}, timeout=15)
+    assert rd["results"]["failed_recving"] == {"d-req"}
+    assert rd["stats"]["push_timeout"] >= 1
+
+
+def test_layout_mismatch_is_named() -> None:
+    p = AgentProcess("prefill", (2, 64, 16, 64))
+    d = AgentProcess("decode", (2, 64, 16, 32))
+    try:
+        p.call("stage", "p-req", "t7", [1])
+        d.call("pull", "d-req", "t7", p.address, (1,), (1,))
+        rd = d.drain({"d-req"})
+        assert rd["results"]["failed_recving"] == {"d-req"}
+    finally:
+        p.close()
+        d.close()

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,6 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import (
-    BackendUnavailable,
     ConfigError,
     DescriptorError,
     MessageError,
@@ -150,7 +150,7 @@ def test_read_every_byte_and_notification(local: Any, peer: Peer) -> None:
     loc, rem = scattered(buf.ctypes.data, peer.base, 64 << 10, 100)
     h = t.transfer(Op.READ, name, loc, rem, notification=b"read-done", timeout=30)
     assert h.state is HandleState.DONE
-    for (la, ln, _), (ra, _, _) in zip(loc, rem):
+    for (la, ln, _), (ra, _, _) in zip(loc, rem, strict=True):
         lo, ro = la - buf.ctypes.data, ra - peer.base
         assert np.array_equal(buf[lo : lo + ln], peer.data[ro : ro + ln])
     assert peer.call("notifs", 1) == [("local", b"read-done")]
@@ -163,7 +163,7 @@ def test_write_every_byte(local: Any, peer: Peer) -> None:
     loc, rem = scattered(buf.ctypes.data, peer.base, 32 << 10, 120)
     t.transfer(Op.WRITE, name, loc, rem, notification=b"w", timeout=30)
     expected = peer.data.copy()
-    for (la, ln, _), (ra, _, _) in zip(loc, rem):
+    for (la, ln, _), (ra, _, _) in zip(loc, rem, strict=True):
         lo, ro = la - buf.ctypes.data, ra - peer.base
         expected[ro : ro + ln] = buf[lo : lo + ln]
     assert peer.call("notifs", 1) == [("local", b"w")]  # after the bytes, so digest is final
@@ -181,7 +181,7 @@ def test_lists_beyond_the_engine_batch_limit_are_split(peer: Peer, options: dict
         loc, rem = scattered(buf.ctypes.data, peer.base, 4096, 1500, seed=3)
         h = t.transfer(Op.READ, name, loc, rem, timeout=60)
         assert h.count == 1500
-        for (la, ln, _), (ra, _, _) in zip(loc, rem):
+        for (la, ln, _), (ra, _, _) in zip(loc, rem, strict=True):
             lo, ro = la - buf.ctypes.data, ra - peer.base
             assert np.array_equal(buf[lo : lo + ln], peer.data[ro : ro + ln])
 
@@ -243,6 +243,37 @@ def test_dead_peer_fails_fast(local: Any) -> None:
             assert "unreachable" in (h.error or "")
             assert time.monotonic() - start < 15
     finally:
+        p.stop()
+
+
+def test_hung_peer_is_a_timeout_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped (not dead) peer: the engine's timeout ends the transfer as FAILED, never DONE."""
+    from kvbridge_mooncake import MooncakeTransport
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # the engine's minimum; read at construction
+    p = Peer(seed=9)
+    t = MooncakeTransport("local", {})
+    try:
+        buf = np.zeros(SIZE, dtype=np.uint8)
+        t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+        name = t.add_peer(p.meta)
+        loc, rem = scattered(buf.ctypes.data, p.base, 256 << 10, 16)
+        t.transfer(Op.READ, name, loc, rem, timeout=30)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        h = t.submit(Op.READ, name, loc, rem, notification=b"never")
+        with pytest.raises(TransferFailed):
+            t.wait(h, 1.0)  # TransferTimeout (a TransferFailed): the handle keeps running
+        assert h.state is HandleState.PENDING
+        assert t.wait(h, 40) is HandleState.FAILED
+        assert "timed out" in (h.error or ""), h.error
+        assert time.monotonic() - start < 40
+        os.kill(p.proc.pid, signal.SIGCONT)
+        assert p.call("notifs", 0) == []  # a failed transfer sends no notification
+    finally:
+        if p.proc.is_alive():
+            os.kill(p.proc.pid, signal.SIGCONT)
+        t.close()
         p.stop()
 
 

@@ -72,6 +72,12 @@ def create_engine(host: str, metadata_server: str, protocol: str, device_name: s
     ``Local segment descriptor not found`` line at start-up.
     """
     module = import_engine_module()
+    if protocol == "efa" and not getattr(module, "SUPPORT_EFA", False):
+        raise BackendUnavailable(
+            "mooncake backend: protocol 'efa' needs a Mooncake build with EFA support; the "
+            "installed wheel has none (mooncake.engine.SUPPORT_EFA is false) — use 'rdma'/'tcp' "
+            "or the nixl backend with LIBFABRIC"
+        )
     engine = module.TransferEngine()
     rc = engine.initialize(host, metadata_server, protocol, device_name)
     if rc != 0:

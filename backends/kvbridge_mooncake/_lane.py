@@ -87,6 +87,10 @@ class Lane:
         """Finish the jobs already posted, then stop the thread and close the outbox."""
         self._queue.put(_STOP)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def join(self, timeout: float | None) -> bool:
         """Wait for the thread to stop; True if it did."""
         self._thread.join(timeout)
@@ -142,8 +146,7 @@ class Lane:
             if job.handle.op is Op.READ
             else self._engine.batch_transfer_async_write
         )
-        started = time.monotonic()
-        in_flight: deque[tuple[int, int]] = deque()  # (batch id, first descriptor index)
+        in_flight: deque[tuple[int, int, float]] = deque()  # (batch id, first index, posted)
         error: str | None = None
         for first in range(0, n, self._max_batch):
             if self._closing():
@@ -157,21 +160,22 @@ class Lane:
             if is_bad_batch_id(batch_id):
                 error = self._explain(f"submitting descriptors {first}..{first + len(loc) - 1}")
                 break
-            in_flight.append((batch_id, first))
+            in_flight.append((batch_id, first, time.monotonic()))
             while len(in_flight) >= self._window and error is None:
-                error = self._collect(*in_flight.popleft(), started)
+                error = self._collect(*in_flight.popleft())
             if error is not None:
                 break
         while in_flight:  # posted batches must stop before the handle may finish
-            e = self._collect(*in_flight.popleft(), started)
+            e = self._collect(*in_flight.popleft())
             error = error or e
         return error
 
-    def _collect(self, batch_id: int, first: int, started: float) -> str | None:
+    def _collect(self, batch_id: int, first: int, posted: float) -> str | None:
+        """Block until batch ``batch_id`` is over (the engine frees it); return an error."""
         rc = self._engine.get_batch_transfer_status([batch_id])
         if rc == 0:
             return None
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - posted
         if elapsed >= engine_transfer_timeout_s():
             return (
                 f"timed out after {elapsed:.1f} s at descriptor {first} "

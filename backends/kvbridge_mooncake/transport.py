@@ -162,7 +162,7 @@ class MooncakeTransport(Transport):
             old = self._peers.pop(meta.agent, None)
             if old is not None:
                 old.lane.retire()
-                self._retired.append(old.lane)
+                self._retired = [lane for lane in self._retired if lane.alive] + [old.lane]
             outbox = NotificationSender(meta.notify_address, self.agent_name)
             lane = Lane(
                 self._engine, meta.agent, meta.session, outbox, self.max_batch, self.window,
@@ -177,7 +177,7 @@ class MooncakeTransport(Transport):
             entry = self._peers.pop(peer, None)
             if entry is not None:
                 entry.lane.retire()
-                self._retired.append(entry.lane)
+                self._retired = [lane for lane in self._retired if lane.alive] + [entry.lane]
 
     def _peer(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)

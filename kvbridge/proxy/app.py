@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from kvbridge.errors import ConfigError
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.routing import (
     Decision,
@@ -51,7 +52,7 @@ from kvbridge.proxy.routing import (
     validate_request,
 )
 
-__all__ = ["ProxySettings", "ProxyServer", "serve", "add_arguments", "main"]
+__all__ = ["ProxySettings", "ProxyServer", "serve", "add_arguments", "main", "cli_main"]
 
 log = logging.getLogger("kvbridge.proxy")
 T = TypeVar("T")
@@ -113,7 +114,10 @@ class ProxyServer:
 
     def __init__(self, settings: ProxySettings) -> None:
         if settings.push_headroom < 0:
-            raise ValueError("push_headroom must be >= 0")
+            raise ConfigError(f"--push-headroom must be >= 0, got {settings.push_headroom}")
+        for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s"):
+            if getattr(settings, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(settings, name)}")
         self.settings = settings
         self.prefills = Pool(Role.PREFILL, settings.prefill)
         self.decodes = Pool(Role.DECODE, settings.decode)
@@ -123,6 +127,7 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probe_locks: dict[str, asyncio.Lock] = {}
+        self._probe_backoff: dict[str, tuple[float, str]] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -143,7 +148,8 @@ class ProxyServer:
         """Bind and serve; probes P engines for their control address in the background."""
         s = self.settings
         timeout = aiohttp.ClientTimeout(total=s.timeout_s, sock_connect=s.connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        # keep-alive below uvicorn's 5 s so a pooled connection is never one the engine closed
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -203,6 +209,8 @@ class ProxyServer:
         out: dict[str, ProbeInfo | str] = {}
         for p, r in zip(self.prefills.engines, results, strict=True):
             out[p.url] = r if isinstance(r, ProbeInfo) else str(r)
+            if not isinstance(r, ProbeInfo):
+                log.warning("%s (push will be retried on first use)", r)
         return out
 
     async def probe(self, p: Engine) -> ProbeInfo:
@@ -213,6 +221,9 @@ class ProxyServer:
         async with lock:
             if p.probe is not None:
                 return p.probe
+            until, why = self._probe_backoff.get(p.url, (0.0, ""))
+            if time.monotonic() < until:  # failed a moment ago: don't re-probe per request
+                raise _LegFailed(502, why, "probe_failed")
             timeout = aiohttp.ClientTimeout(
                 total=self.settings.probe_timeout_s, sock_connect=self.settings.connect_timeout_s
             )
@@ -237,12 +248,13 @@ class ProxyServer:
                 TypeError,
             ) as exc:
                 self.metrics.error("probe")
-                raise _LegFailed(
-                    502,
+                why = (
                     f"cannot learn the control address of prefill engine {p.url}: "
-                    f"{exc or type(exc).__name__}",
-                    "probe_failed",
-                ) from exc
+                    f"{exc or type(exc).__name__}"
+                )
+                self._probe_backoff[p.url] = (time.monotonic() + self.settings.cooldown_s, why)
+                raise _LegFailed(502, why, "probe_failed") from exc
+            self._probe_backoff.pop(p.url, None)
             p.probe = info
             log.info(
                 "prefill %s: engine_id=%s control=%s:%d tp=%d kvbridge=%s",
@@ -362,10 +374,14 @@ class ProxyServer:
         d_body = decode_body(body, push_decode_params(info, tid))
         d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
         try:
-            return await self._relay(request, d, d_open, p_leg, call)
-        except _LegFailed:
-            p.probe = None  # re-discover: P may have restarted with a new engine id or port
+            resp = await self._relay(request, d, d_open, p_leg, call)
+        except _LegFailed as exc:
+            if exc.kind.startswith("prefill"):
+                p.probe = None  # re-discover: P may have restarted with a new engine id or port
             raise
+        if resp.status >= 500:
+            p.probe = None  # D may have failed to reach P at the address we gave it
+        return resp
 
     # ---------------------------------------------------------------- legs
 
@@ -679,7 +695,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="upper bound on opening an upstream connection (default 3)",
     )
-    parser.add_argument("--log-level", default="INFO", help="kvbridge.proxy log level")
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -698,7 +713,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``kvbridge proxy``: serve until SIGINT/SIGTERM; returns the exit code."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kvbridge").setLevel(str(getattr(args, "log_level", "INFO")).upper())
+    if getattr(args, "log_level", None):
+        logging.getLogger("kvbridge").setLevel(str(args.log_level).upper())
     settings = settings_from_args(args)
 
     async def run() -> None:
@@ -719,6 +735,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbridge proxy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvbridge proxy", description="kvbridge disaggregation proxy"
+    )
     add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help="kvbridge log level (default INFO)")
     return main(parser.parse_args(argv))
+
+
+cli_main = main  # the name kvbridge.cli's lazy subcommands look for

@@ -238,7 +238,14 @@ class PeerProcess:
                 )
             if time.monotonic() >= deadline:
                 raise PeerUnreachable(f"peer {self.name} did not answer {command} in {timeout} s")
-        status, *rest = self._conn.recv()
+        try:
+            status, *rest = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._proc.join(1)
+            raise PeerUnreachable(
+                f"peer {self.name} closed its pipe during {command} "
+                f"(exit code {self._proc.exitcode})"
+            ) from exc
         if status == "ok":
             return rest[0]
         cls_name, text = rest
@@ -261,17 +268,18 @@ class PeerProcess:
         self.call("remove_peer", name)
 
     def buffer(self, index: int = 0) -> U8:
-        """A copy of the peer's buffer ``index`` (flat uint8)."""
-        return np.frombuffer(self.call("get", index), dtype=np.uint8)
+        """A writable copy of the peer's buffer ``index`` (flat uint8)."""
+        return np.frombuffer(bytearray(self.call("get", index)), dtype=np.uint8)
 
     def transfer(
         self, op: Op, peer: str, local: Any, remote: Any, notification: bytes | None = None
     ) -> tuple[str, str | None]:
         """Submit and wait in the peer; returns ``(state value, error)``."""
-        return tuple(  # type: ignore[return-value]
-            self.call("transfer", op.value, peer, local, remote, notification, self.timeout,
-                      timeout=self.timeout + 5)
+        state, error = self.call(
+            "transfer", op.value, peer, local, remote, notification, self.timeout,
+            timeout=self.timeout + 5,
         )
+        return str(state), None if error is None else str(error)
 
     def send_notification(self, peer: str, message: bytes) -> None:
         self.call("send_notification", peer, message)
@@ -282,7 +290,7 @@ class PeerProcess:
         """Wait in the peer for ``count`` notifications (or ``timeout``); with ``snapshot``, also
         return buffer ``snapshot`` as it was right after they arrived."""
         got, snap = self.call("notifications", count, timeout, snapshot, timeout=timeout + 10)
-        arr = None if snap is None else np.frombuffer(snap, dtype=np.uint8)
+        arr = None if snap is None else np.frombuffer(bytearray(snap), dtype=np.uint8)
         return [(str(n), bytes(m)) for n, m in got], arr
 
     def close_transport(self, timeout: float = 5.0) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import queue
@@ -65,8 +66,8 @@ from kvbridge.transport import (
     HandleState,
     MemoryRegion,
     Op,
-    Transport,
     TransferHandle,
+    Transport,
     check_within,
 )
 from kvbridge.transports._notify import NotificationInbox, NotificationSender
@@ -162,15 +163,15 @@ class _Libc:
 
 def _explain(err: int, pid: int) -> str:
     text = f"{os.strerror(err)} (errno {err})"
-    if err == 1:  # EPERM
+    if err == errno.EPERM:
         text += (
             f": not allowed to access process {pid}; check /proc/sys/kernel/yama/ptrace_scope "
             "(must be 0 or 1, and the peer must have registered memory) and that both processes "
             "run as the same user"
         )
-    elif err == 3:  # ESRCH
+    elif err == errno.ESRCH:
         text += f": peer process {pid} is gone"
-    elif err == 14:  # EFAULT
+    elif err == errno.EFAULT:
         text += ": an address is not mapped (memory freed or never allocated?)"
     return text
 
@@ -338,13 +339,19 @@ class ShmTransport(Transport):
         return meta.agent
 
     def _probe(self, meta: ShmMetadata) -> None:
+        """Read one byte of the peer: a missing permission or process fails the handshake."""
         buf = np.zeros(1, dtype=np.uint8)
         loc = np.array([[buf.ctypes.data, 1]], dtype=np.uint64)
         rem = np.array([[meta.regions[0][0], 1]], dtype=np.uint64)
-        try:
-            copy_iovecs(self._libc.readv, meta.pid, loc, rem)
-        except TransferFailed as exc:
-            raise PeerUnreachable(f"cannot access peer {meta.agent!r}'s memory: {exc}") from exc
+        if self._libc.readv(meta.pid, loc.ctypes.data, 1, rem.ctypes.data, 1, 0) == 1:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.EPERM, errno.ESRCH):
+            raise PeerUnreachable(
+                f"cannot access peer {meta.agent!r}'s memory: {_explain(err, meta.pid)}"
+            )
+        log.warning("probe of peer %r's first region failed: %s", meta.agent,
+                    _explain(err, meta.pid))
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -389,12 +396,12 @@ class ShmTransport(Transport):
         check_within(remote, p.meta.regions, f"remote ({peer})")
         handle = TransferHandle(op, peer, int(local[:, 1].sum()), int(local.shape[0]))
         job = _Job(handle, p.meta.pid, _iov(local), _iov(remote), notification, p.sender)
+        log.debug("shm %r posting %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
+                  op.value, handle.id, handle.nbytes, handle.count, peer)
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"shm transport {self.agent_name!r} is closed")
             self._jobs.put(job)
-        log.debug("shm %r posted %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
-                  op.value, handle.id, handle.nbytes, handle.count, peer)
         return handle
 
     def _work(self) -> None:

@@ -1,0 +1,265 @@
+"""A fault-injecting wrapper around any transport, for testing the core's failure handling.
+
+``FaultyTransport(inner, ...)`` behaves exactly like ``inner`` (same handles, same bytes, same
+notifications) except for the faults it was told to inject. Transfers and notifications are
+counted from 1 in the order they were accepted (a submit that raised does not count; every
+notification handed to ``send_notification`` or attached to a transfer counts, in call order):
+
+``delay``
+    Every transfer's handle — and the notification attached to it — completes no earlier than
+    ``delay`` seconds after submit. The bytes themselves may land earlier (the transfer is posted
+    at once, so descriptor errors still raise from ``submit``). Standalone notifications are not
+    delayed.
+``fail`` (n or a collection of n)
+    Transfer n is posted *without* its notification and its handle ends FAILED with an error
+    naming the injected fault, whatever the inner transport reported. Its bytes may well have
+    landed: a FAILED handle means "trust no byte", and the core must not.
+``corrupt`` (n or a collection of n), ``corrupt_offset``
+    One byte of transfer n is wrong at its destination: the byte at ``corrupt_offset`` (modulo
+    the transfer's size) counted through the local descriptors in order. For a WRITE the peer's
+    memory cannot be touched from here, so the *source* byte is flipped (XOR 0xFF) just before
+    the transfer is posted and restored once it finished: the peer receives the flipped byte and
+    the local buffer ends unchanged (do not read it meanwhile). For a READ the landed local byte
+    is flipped after the transfer finished and before the handle reports DONE. The handle ends
+    DONE and the notification is sent as usual — silent corruption, for checksum tests.
+``drop_notification`` (n or a collection of n)
+    Notification n is swallowed: a standalone one is never sent (and its peer name is not
+    checked); an attached one is stripped and its transfer otherwise runs normally.
+
+Every injected fault is appended to :attr:`FaultyTransport.injected` as ``(kind, n)``, so a test
+can assert it really happened. Transfers with no fault and no delay return the inner transport's
+own handle: the wrapper is then transparent. Faulted or delayed transfers get a wrapper handle
+that one background thread completes in submission order. Thread-safe like the inner transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import TransferTimeout, TransportClosed
+from kvbridge.transport import (
+    DescriptorArray,
+    HandleState,
+    MemoryRegion,
+    Op,
+    TransferHandle,
+    Transport,
+)
+
+__all__ = ["FaultyTransport"]
+
+log = logging.getLogger("kvbridge.testing.faults")
+
+
+def _nths(value: int | Iterable[int] | None) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset((value,))
+    return frozenset(int(v) for v in value)
+
+
+def _byte_address(descs: DescriptorArray, offset: int) -> int:
+    lengths = descs[:, 1]
+    offset %= int(lengths.sum())
+    cum = np.cumsum(lengths)
+    row = int(np.searchsorted(cum, offset, side="right"))
+    before = int(cum[row - 1]) if row else 0
+    return int(descs[row, 0]) + offset - before
+
+
+def _flip(address: int) -> None:
+    byte = ctypes.c_uint8.from_address(address)
+    byte.value ^= 0xFF
+
+
+@dataclass
+class _Pending:
+    inner: TransferHandle
+    number: int
+    deadline: float
+    fail: bool
+    restore: int | None  # WRITE: source byte to flip back
+    flip_landed: int | None  # READ: landed byte to flip
+    notification: bytes | None  # held back until the delay passed
+
+
+class FaultyTransport(Transport):
+    """Wrap ``inner`` and inject the faults described in the module docstring."""
+
+    name = "faulty"
+
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        delay: float = 0.0,
+        fail: int | Iterable[int] | None = None,
+        corrupt: int | Iterable[int] | None = None,
+        corrupt_offset: int = 0,
+        drop_notification: int | Iterable[int] | None = None,
+    ) -> None:
+        super().__init__(inner.agent_name, inner.options)
+        self.inner = inner
+        setattr(self, "capabilities", inner.capabilities)  # noqa: B010 - per instance, not class
+        self.delay = float(delay)
+        self.fail = _nths(fail)
+        self.corrupt = _nths(corrupt)
+        self.corrupt_offset = int(corrupt_offset)
+        self.drop_notification = _nths(drop_notification)
+        self.injected: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._transfers = itertools.count(1)
+        self._notes = itertools.count(1)
+        self._queue: queue.SimpleQueue[TransferHandle | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._abandon = threading.Event()
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._complete, name="kvbridge-faults", daemon=True)
+        self._thread.start()
+
+    # -- delegation -----------------------------------------------------------------------------
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> bytes:
+        return self.inner.register_memory(regions)
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.inner.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        return self.inner.get_notifications()
+
+    def _record(self, kind: str, n: int) -> None:
+        self.injected.append((kind, n))
+        log.info("injected %s into #%d", kind, n)
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        with self._lock:
+            n = next(self._notes)
+            if n in self.drop_notification:
+                self._record("drop_notification", n)
+                return
+            self.inner.send_notification(peer, message)
+
+    def _submit(
+        self,
+        op: Op,
+        peer: str,
+        local: DescriptorArray,
+        remote: DescriptorArray,
+        notification: bytes | None,
+    ) -> TransferHandle:
+        with self._lock:
+            if self._closed:
+                raise TransportClosed(f"faulty transport {self.agent_name!r} is closed")
+            n = next(self._transfers)
+            note_n = next(self._notes) if notification is not None else None
+            fail, corrupt = n in self.fail, n in self.corrupt
+            send = notification
+            if note_n is not None and note_n in self.drop_notification:
+                send = None
+            held = send if (self.delay > 0 and not fail) else None
+            inner_note = None if (fail or held is not None) else send
+            restore = flip_landed = None
+            if corrupt:
+                addr = _byte_address(local, self.corrupt_offset)
+                if op is Op.WRITE:
+                    _flip(addr)
+                    restore = addr
+                else:
+                    flip_landed = addr
+            try:
+                handle = self.inner.submit(op, peer, local, remote, inner_note)
+            except BaseException:
+                if restore is not None:
+                    _flip(restore)
+                self._transfers = itertools.count(n)  # a refused submit does not count
+                if note_n is not None:
+                    self._notes = itertools.count(note_n)
+                raise
+            if note_n is not None and send is None:
+                self._record("drop_notification", note_n)
+            if fail:
+                self._record("fail", n)
+            if corrupt:
+                self._record("corrupt", n)
+            if not (fail or corrupt or self.delay > 0):
+                return handle  # transparent
+            outer = TransferHandle(op, peer, handle.nbytes, handle.count)
+            outer.native = _Pending(
+                handle, n, outer.started + self.delay, fail, restore, flip_landed, held
+            )
+            self._queue.put(outer)
+            return outer
+
+    def _complete(self) -> None:
+        while True:
+            outer = self._queue.get()
+            if outer is None:
+                return
+            p: _Pending = outer.native
+            state = self._wait_inner(p.inner)
+            if p.restore is not None:
+                _flip(p.restore)
+            if state is HandleState.DONE and p.flip_landed is not None:
+                _flip(p.flip_landed)
+            left = p.deadline - time.perf_counter()
+            if left > 0:
+                self._stop.wait(left)
+            if p.fail:
+                outer._finish(HandleState.FAILED, f"injected failure of transfer #{p.number}")
+                continue
+            if state is not HandleState.DONE:
+                outer._finish(HandleState.FAILED, p.inner.error or "transfer failed")
+                continue
+            if p.notification is not None:
+                try:
+                    self.inner.send_notification(outer.peer, p.notification)
+                except Exception as exc:  # noqa: BLE001 - the handle reports it
+                    outer._finish(HandleState.FAILED, f"notification not sent: {exc}")
+                    continue
+            outer._finish(HandleState.DONE)
+
+    def _wait_inner(self, h: TransferHandle) -> HandleState:
+        while True:
+            try:
+                return self.inner.wait(h, 0.2)
+            except TransferTimeout:
+                if self._abandon.is_set():
+                    return HandleState.FAILED
+
+    def poll(self, handle: TransferHandle) -> HandleState:
+        if isinstance(handle.native, _Pending):
+            return handle.state
+        return self.inner.poll(handle)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Skip remaining delays, let pending transfers finish (up to ``timeout``), close inner."""
+        with self._close_lock:
+            if self._closed:
+                return
+            with self._lock:
+                self._closed = True
+                self._queue.put(None)
+            self._stop.set()
+            end = time.monotonic() + timeout
+            self._thread.join(timeout)
+            self.inner.close(max(0.0, end - time.monotonic()))
+            self._abandon.set()
+            self._thread.join(5.0)

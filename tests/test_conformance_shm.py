@@ -1,0 +1,10 @@
+"""The transport conformance suite against the built-in shm transport."""
+
+from __future__ import annotations
+
+from kvbridge.testing.conformance import TransportConformance
+
+
+class TestShmConformance(TransportConformance):
+    backend = "shm"
+    options = {}

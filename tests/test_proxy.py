@@ -1,0 +1,711 @@
+"""The kvbridge proxy over real HTTP against *stand-in* engines.
+
+The stand-in engines below are small aiohttp servers on 127.0.0.1 (port 0) that implement just
+enough of vLLM's OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) and of
+KVBridgeConnector's ``kv_transfer_params`` contract (probe answer, P's returned params) to check
+what the proxy sends, when, and what it does with the answers. They are NOT vLLM: real engines
+are covered by the end-to-end tests. Each stand-in records every request it got with its start
+and end times and whether the proxy went away mid-request (so vLLM would have aborted it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvbridge.proxy.app import ProxyServer, ProxySettings
+from kvbridge.proxy.routing import ProxyMode
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# ------------------------------------------------------------------------------ stand-in engines
+
+
+@dataclass
+class Seen:
+    """One request a stand-in engine received."""
+
+    path: str
+    body: dict[str, Any]
+    headers: Any  # case-insensitive multidict
+    t_start: float
+    t_end: float = 0.0
+    cancelled: bool = False
+
+
+@dataclass
+class StandIn:
+    """A stand-in engine (see the module docstring). Knobs are read per request."""
+
+    role: str  # "prefill" | "decode"
+    prefill_delay: float = 0.0
+    first_delay: float = 0.0  # decode: before the first chunk / the answer
+    chunk_delay: float = 0.0
+    chunks: int = 3
+    fail_status: int | None = None
+    no_params: bool = False  # prefill: answer like an engine without the connector
+    headers_first: bool = False  # decode stream: send headers before first_delay (like vLLM)
+    break_after: int | None = None  # decode stream: drop the connection after N chunks
+    health_status: int = 200
+    engine_id: str = "P-standin"
+    seen: list[Seen] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def requests(self, probe: bool = False) -> list[Seen]:
+        """Generation requests seen (probes excluded unless ``probe``)."""
+        return [
+            s
+            for s in self.seen
+            if bool((s.body.get("kv_transfer_params") or {}).get("kvbridge_probe")) == probe
+        ]
+
+    async def start(self) -> StandIn:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"standin-{self.role}"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen = Seen(request.path, body, request.headers.copy(), time.monotonic())
+        self.seen.append(seen)
+        try:
+            if self.role == "prefill":
+                return await self._prefill(body)
+            return await self._decode(request, body)
+        except asyncio.CancelledError:
+            seen.cancelled = True
+            self.cancelled.set()
+            raise
+        finally:
+            seen.t_end = time.monotonic()
+
+    async def _prefill(self, body: dict[str, Any]) -> web.Response:
+        kvp = body.get("kv_transfer_params") or {}
+        if kvp.get("kvbridge_probe") and not self.no_params:
+            params = {
+                "remote_engine_id": self.engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5601,
+                "tp_size": 1,
+                "kvbridge_version": "0.1.0",
+            }
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+        await asyncio.sleep(self.prefill_delay)
+        if self.fail_status is not None:
+            err = {"error": {"message": "stand-in prefill failure", "code": self.fail_status}}
+            return web.json_response(err, status=self.fail_status)
+        answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "A"}]}
+        if not self.no_params:
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_block_ids": [3, 4, 5],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5601,
+                "tp_size": 1,
+                "transfer_id": kvp.get("transfer_id"),
+                "transfer_mode": kvp.get("transfer_mode", "pull"),
+            }
+        return web.json_response(answer)
+
+    async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.headers_first and body.get("stream") and self.fail_status is None:
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await asyncio.sleep(self.first_delay)
+            for chunk in sse_chunks(self.chunks):
+                await out.write(chunk)
+                await asyncio.sleep(self.chunk_delay)
+            await out.write_eof()
+            return out
+        await asyncio.sleep(self.first_delay)
+        if self.fail_status is not None:
+            err = {"error": {"message": "stand-in decode failure", "code": self.fail_status}}
+            return web.json_response(err, status=self.fail_status)
+        if not body.get("stream"):
+            text = "".join(f"t{i}" for i in range(self.chunks))
+            return web.json_response({"id": "cmpl-d", "choices": [{"index": 0, "text": text}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i, chunk in enumerate(sse_chunks(self.chunks)):
+            if i == self.break_after:
+                assert request.transport is not None
+                request.transport.close()  # the engine dies mid-stream
+                return out
+            await out.write(chunk)
+            await asyncio.sleep(self.chunk_delay)
+        await out.write_eof()
+        return out
+
+
+def sse_chunks(n: int) -> list[bytes]:
+    events = [{"choices": [{"index": 0, "text": f"t{i}"}]} for i in range(n)]
+    return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
+def dead_url() -> str:
+    """A 127.0.0.1 URL nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[..., Any]]:
+    """Factory of started stand-ins; all are stopped at teardown, even on failure."""
+    started: list[StandIn] = []
+
+    async def make(role: str, **knobs: Any) -> StandIn:
+        e = await StandIn(role, **knobs).start()
+        started.append(e)
+        return e
+
+    yield make
+    for e in started:
+        await e.stop()
+
+
+@pytest.fixture
+async def proxies() -> AsyncIterator[Callable[..., Any]]:
+    started: list[ProxyServer] = []
+
+    async def make(prefill: list[str], decode: list[str], **kw: Any) -> ProxyServer:
+        kw.setdefault("mode", ProxyMode.PULL)
+        kw.setdefault("timeout_s", 20.0)
+        kw.setdefault("connect_timeout_s", 1.0)
+        server = ProxyServer(ProxySettings(prefill, decode, port=0, **kw))
+        await server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for s in started:
+        await s.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+COMPLETION = {
+    "model": "m",
+    "prompt": "The capital of France is",
+    "max_tokens": 16,
+    "min_tokens": 2,
+    "temperature": 0.0,
+}
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_completion_tokens": 16,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+XFER = re.compile(r"xfer-[0-9a-f]{32}")
+
+
+async def post(client: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    async with client.post(url, json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+# ------------------------------------------------------------------------------ pull
+
+
+async def test_pull_sequencing(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill", prefill_delay=0.1)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == "t0t1t2"  # D's answer, not P's
+
+    [ps] = p.requests()
+    [ds] = d.requests()
+    assert p.requests(probe=True) == []  # pull never probes
+    assert ps.body["max_tokens"] == 1 and ps.body["stream"] is False
+    assert "min_tokens" not in ps.body and ps.body["prompt"] == COMPLETION["prompt"]
+    kvp = dict(ps.body["kv_transfer_params"])
+    tid = kvp.pop("transfer_id")
+    assert XFER.fullmatch(tid)
+    assert kvp == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_mode": "pull",
+    }
+    # D: the original request, with P's returned params unchanged, sent after P answered
+    assert ds.t_start >= ps.t_end
+    expected = {**COMPLETION, "kv_transfer_params": ds.body["kv_transfer_params"]}
+    assert ds.body == expected
+    assert ds.body["kv_transfer_params"]["remote_block_ids"] == [3, 4, 5]
+    assert ds.body["kv_transfer_params"]["transfer_id"] == tid
+    assert ps.headers["X-Request-Id"] == ds.headers["X-Request-Id"]
+
+
+async def test_pull_chat_streaming_passthrough(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", chunks=4, chunk_delay=0.3)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+
+    arrivals: list[float] = []
+    received = b""
+    async with client.post(proxy.url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        async for chunk in r.content.iter_any():
+            arrivals.append(time.monotonic())
+            received += chunk
+    assert received == b"".join(sse_chunks(4))
+    [ps], [ds] = p.requests(), d.requests()
+    assert ps.path == ds.path == "/v1/chat/completions"
+    assert ps.body["max_completion_tokens"] == 1 and ps.body["max_tokens"] == 1
+    assert "stream_options" not in ps.body and ps.body["stream"] is False
+    assert ds.body["stream"] is True and ds.body["stream_options"] == {"include_usage": True}
+    # passthrough, not buffering: the first bytes arrived while D was still generating
+    assert arrivals[0] < ds.t_end - 0.5
+
+
+async def test_pull_picks_least_loaded_decode_after_prefill(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill")
+    busy = await engines("decode", chunks=2, chunk_delay=0.4)
+    idle = await engines("decode")
+    proxy = await proxies([p.url], [busy.url, idle.url], mode=ProxyMode.PULL)
+    # occupy `busy` with a slow stream, then the next request must go to `idle`
+    slow = asyncio.ensure_future(post_stream(client, proxy.url, {**COMPLETION, "stream": True}))
+    while not busy.requests():
+        await asyncio.sleep(0.01)
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    assert len(idle.requests()) == 1 and len(busy.requests()) == 1
+    await slow
+
+
+async def post_stream(client: aiohttp.ClientSession, base: str, body: Any) -> bytes:
+    async with client.post(base + "/v1/completions", json=body) as r:
+        return await r.read()
+
+
+# ------------------------------------------------------------------------------ push
+
+
+async def test_push_dispatches_prefill_and_decode_concurrently(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", prefill_delay=0.5, engine_id="P-42")
+    d = await engines("decode", first_delay=0.6)  # D "waits for the pushed KV"
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+
+    for _ in range(2):
+        status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == "t0t1t2"
+    assert len(p.requests(probe=True)) == 1  # discovered once, then cached
+    probe = p.requests(probe=True)[0].body
+    assert probe == {
+        "model": "standin-prefill",
+        "prompt": [1],
+        "max_tokens": 1,
+        "kv_transfer_params": {"kvbridge_probe": True},
+    }
+    ps, ds = p.requests()[0], d.requests()[0]
+    # concurrency: D's request started before P's prefill finished, and vice versa
+    assert ds.t_start < ps.t_end and ps.t_start < ds.t_end
+    assert abs(ds.t_start - ps.t_start) < 0.4
+    tid = ps.body["kv_transfer_params"]["transfer_id"]
+    assert XFER.fullmatch(tid)
+    assert ps.body["kv_transfer_params"]["transfer_mode"] == "push"
+    assert ps.body["max_tokens"] == 1 and ps.body["kv_transfer_params"]["do_remote_decode"]
+    assert ds.body["max_tokens"] == 16 and ds.body["min_tokens"] == 2
+    assert ds.body["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_mode": "push",
+        "transfer_id": tid,
+        "remote_engine_id": "P-42",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5601,
+        "tp_size": 1,
+    }
+    # a fresh transfer id per dispatch
+    assert p.requests()[1].body["kv_transfer_params"]["transfer_id"] != tid
+
+
+async def test_push_streaming_passthrough(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill", prefill_delay=0.2)
+    d = await engines("decode", chunks=5)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    assert await post_stream(client, proxy.url, {**COMPLETION, "stream": True}) == b"".join(
+        sse_chunks(5)
+    )
+    [ps] = p.requests()
+    assert ps.body["stream"] is False and not ps.cancelled
+
+
+@pytest.mark.parametrize(("stream", "headers_first"), [(False, False), (True, False), (True, True)])
+async def test_push_prefill_failure_aborts_decode_with_502(
+    engines: Any, proxies: Any, client: Any, stream: bool, headers_first: bool
+) -> None:
+    p = await engines("prefill", prefill_delay=0.2, fail_status=500)
+    d = await engines("decode", first_delay=10.0, headers_first=headers_first)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    await proxy.discover()
+    t0 = time.monotonic()
+    body = {**COMPLETION, "stream": stream}
+    status, answer = await post(client, proxy.url + "/v1/completions", body)
+    assert status == 502 and "prefill" in answer["error"]["message"]
+    assert time.monotonic() - t0 < 3.0
+    await asyncio.wait_for(d.cancelled.wait(), 5.0)  # the D leg's connection was closed
+    assert d.requests()[0].cancelled
+    assert proxy.prefills.engines[0].probe is None  # re-discovered on the next push
+
+
+async def test_push_decode_failure_returns_its_error(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", prefill_delay=5.0)
+    d = await engines("decode", fail_status=503)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    t0 = time.monotonic()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 503 and answer["error"]["message"] == "stand-in decode failure"
+    assert time.monotonic() - t0 < 3.0
+    await asyncio.wait_for(p.cancelled.wait(), 5.0)  # P leg closed too
+
+
+async def test_push_mode_with_dead_prefill_is_502(engines: Any, proxies: Any, client: Any) -> None:
+    d = await engines("decode")
+    proxy = await proxies([dead_url()], [d.url], mode=ProxyMode.PUSH)
+    t0 = time.monotonic()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502 and "control address" in answer["error"]["message"]
+    assert time.monotonic() - t0 < 3.0
+    assert d.requests() == []
+    assert proxy.decodes.engines[0].in_flight == 0
+
+
+# ------------------------------------------------------------------------------ auto
+
+
+async def test_auto_switches_push_to_pull_under_load(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", chunks=3, chunk_delay=0.5)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO, push_headroom=1)
+    await proxy.discover()
+
+    first = asyncio.ensure_future(post_stream(client, proxy.url, {**COMPLETION, "stream": True}))
+    while not d.requests():
+        await asyncio.sleep(0.01)
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)  # D is busy
+    assert status == 200
+    await first
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)  # D idle again
+    assert status == 200
+
+    modes = [s.body["kv_transfer_params"]["transfer_mode"] for s in p.requests()]
+    assert modes == ["push", "pull", "push"]
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'mode_decisions_total{configured="auto",chosen="push",reason="headroom"} 2' in text
+    assert 'mode_decisions_total{configured="auto",chosen="pull",reason="busy"} 1' in text
+
+
+async def test_auto_falls_back_to_pull_without_probe(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", no_params=True)  # a P without the connector: probe fails
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    # the fallback pull then finds no kv_transfer_params in P's answer: a named 502
+    assert status == 502 and "KVBridgeConnector" in answer["error"]["message"]
+    assert d.requests() == []
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'chosen="pull",reason="no_probe"' in text
+    # a failed probe is not repeated for every request (back-off of cooldown_s)
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502 and len(p.requests(probe=True)) == 1
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+async def test_dead_prefill_gives_502_quickly(engines: Any, proxies: Any, client: Any) -> None:
+    d = await engines("decode")
+    proxy = await proxies([dead_url()], [d.url], mode=ProxyMode.PULL)
+    for _ in range(2):
+        t0 = time.monotonic()
+        status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+        assert status == 502 and "unreachable" in answer["error"]["message"]
+        assert time.monotonic() - t0 < 2.0
+    assert d.requests() == []
+
+
+async def test_dead_decode_gives_502_quickly(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    proxy = await proxies([p.url], [dead_url()], mode=ProxyMode.PULL)
+    t0 = time.monotonic()
+    status, answer = await post(client, proxy.url + "/v1/completions", {**COMPLETION})
+    assert status == 502 and "decode engine" in answer["error"]["message"]
+    assert time.monotonic() - t0 < 2.0
+    assert proxy.decodes.engines[0].in_flight == 0 and proxy.prefills.engines[0].in_flight == 0
+
+
+async def test_decode_dying_mid_stream_ends_with_an_error_event(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", chunks=5, chunk_delay=0.05, break_after=2)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    received = await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    assert received.startswith(b"".join(sse_chunks(5)[:2]))
+    last = json.loads(received.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+    assert last["error"]["type"] == "decode_error" and d.url in last["error"]["message"]
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'requests_total{mode="pull",outcome="upstream_error"} 1' in text
+
+
+async def test_prefill_client_error_keeps_its_status(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", fail_status=400)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 400 and "stand-in prefill failure" in answer["error"]["message"]
+    assert d.requests() == []
+
+
+async def test_timeout_gives_504(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", first_delay=5.0)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL, timeout_s=0.5)
+    t0 = time.monotonic()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 504, answer
+    assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", json.dumps({"model": "m"}).encode()),
+        ("/v1/chat/completions", json.dumps({"model": "m", "prompt": "x"}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "many"}).encode()),
+    ],
+)
+async def test_bad_request_is_400_without_touching_engines(
+    engines: Any, proxies: Any, client: Any, path: str, raw: bytes
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO)
+    async with client.post(proxy.url + path, data=raw) as r:
+        assert r.status == 400
+        answer = await r.json()
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    assert p.requests() == [] and d.requests() == []
+
+
+# ------------------------------------------------------------------------------ disconnects
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_client_disconnect_mid_stream_cancels_decode(
+    engines: Any, proxies: Any, client: Any, mode: ProxyMode
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", chunks=50, chunk_delay=0.2)
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    r = await client.post(proxy.url + "/v1/completions", json={**COMPLETION, "stream": True})
+    assert r.status == 200
+    assert (await r.content.readany()).startswith(b"data: ")
+    r.close()  # the client goes away mid-stream
+    await asyncio.wait_for(d.cancelled.wait(), 5.0)
+    [ds] = d.requests()
+    assert ds.cancelled and ds.t_end - ds.t_start < 5.0
+    for _ in range(100):
+        if proxy.decodes.engines[0].in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert proxy.decodes.engines[0].in_flight == 0
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert f'requests_total{{mode="{mode.value}",outcome="cancelled"}} 1' in text
+
+
+async def test_client_disconnect_during_push_prefill_cancels_both_legs(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", prefill_delay=10.0)
+    d = await engines("decode", first_delay=10.0)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    await proxy.discover()
+    task = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    while not (p.requests() and d.requests()):
+        await asyncio.sleep(0.01)
+    task.cancel()  # closes the client's connection
+    await asyncio.wait_for(asyncio.gather(p.cancelled.wait(), d.cancelled.wait()), 5.0)
+    assert p.requests()[0].cancelled and d.requests()[0].cancelled
+
+
+# ------------------------------------------------------------------------------ other endpoints
+
+
+async def test_models_health_and_metrics(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill", engine_id="P-7")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    await proxy.discover()
+
+    async with client.get(proxy.url + "/v1/models") as r:
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "standin-decode"
+
+    async with client.get(proxy.url + "/health") as r:
+        health = await r.json()
+        assert r.status == 200, health
+    assert health["status"] == "ok" and health["mode"] == "push"
+    assert health["prefill"][0]["ok"] and health["prefill"][0]["engine_id"] == "P-7"
+    assert health["decode"][0]["url"] == d.url
+
+    assert await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    async with client.get(proxy.url + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    assert 'kvbridge_proxy_requests_total{mode="push",outcome="ok"} 1' in text
+    assert f'kvbridge_proxy_in_flight{{engine="{d.url}",role="decode"}} 0' in text
+    assert f'kvbridge_proxy_engine_requests_total{{engine="{p.url}",role="prefill"}} 1' in text
+    assert 'kvbridge_proxy_ttft_seconds_count{mode="push"} 1' in text
+    assert 'kvbridge_proxy_ttft_seconds_bucket{mode="push",le="+Inf"} 1' in text
+    assert "# TYPE kvbridge_proxy_ttft_seconds histogram" in text
+    assert 'kvbridge_proxy_request_duration_seconds_count{mode="push"} 1' in text
+
+    d.health_status = 503  # no healthy D: 503 with details
+    async with client.get(proxy.url + "/health") as r:
+        assert r.status == 503
+        health = await r.json()
+    assert health["status"] == "unavailable" and health["decode"][0]["status"] == 503
+
+
+async def test_health_with_dead_engine_is_503(engines: Any, proxies: Any, client: Any) -> None:
+    d = await engines("decode")
+    dead = dead_url()
+    proxy = await proxies([dead], [d.url])
+    t0 = time.monotonic()
+    async with client.get(proxy.url + "/health") as r:
+        assert r.status == 503
+        health = await r.json()
+    assert time.monotonic() - t0 < 3.0
+    assert health["prefill"][0]["url"] == dead and health["prefill"][0]["error"]
+    async with client.get(proxy.url + "/metrics") as r:
+        assert r.status == 200
+
+
+async def test_both_modes_against_the_same_engines(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill", prefill_delay=0.05)
+    d = await engines("decode", chunks=2, chunk_delay=0.05)
+    push = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    pull = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    bodies = [{**COMPLETION, "stream": bool(i % 2)} for i in range(8)]
+    results = await asyncio.gather(
+        *(post_stream(client, (push if i % 3 else pull).url, b) for i, b in enumerate(bodies))
+    )
+    assert all(results)
+    modes = sorted(s.body["kv_transfer_params"]["transfer_mode"] for s in p.requests())
+    assert modes == ["pull"] * 3 + ["push"] * 5
+    ids = {s.body["kv_transfer_params"]["transfer_id"] for s in p.requests()}
+    assert len(ids) == 8
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+@pytest.mark.parametrize("entry", ["python -m kvbridge.proxy", "kvbridge proxy"])
+async def test_cli_serves_on_port_zero_and_stops_on_sigterm(
+    engines: Any, client: Any, entry: str
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    if entry == "kvbridge proxy":
+        script = Path(sys.executable).parent / "kvbridge"
+        if not script.exists():
+            pytest.skip("the kvbridge console script is not installed")
+        cmd = [str(script), "proxy"]
+    else:
+        cmd = [sys.executable, "-m", "kvbridge.proxy", "--log-level", "WARNING"]
+    cmd += ["--prefill", p.url, "--decode", d.url, "--mode", "pull", "--port", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20.0)).decode()
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        status, answer = await post(client, m.group(1) + "/v1/completions", COMPLETION)
+        assert status == 200 and answer["choices"][0]["text"] == "t0t1t2"
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10.0) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,256 @@
+"""shm-specific behaviour beyond the conformance suite (tests/test_conformance_shm.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbridge import registry
+from kvbridge.errors import (
+    DescriptorError,
+    PeerUnreachable,
+    TransferFailed,
+    TransportClosed,
+)
+from kvbridge.testing.peer import PeerProcess, collect_notifications
+from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transports.shm import IOV_MAX, ShmMetadata, ShmTransport, copy_iovecs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def shm() -> Iterator[ShmTransport]:
+    t = ShmTransport(f"shm-{uuid.uuid4().hex[:8]}")
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _descs(base: int, offsets: np.ndarray[Any, Any], length: int) -> np.ndarray[Any, Any]:
+    n = offsets.size
+    return np.stack(
+        [base + offsets.astype(np.int64) * length, np.full(n, length), np.zeros(n, np.int64)], 1
+    ).astype(np.int64)
+
+
+def _loopback(t: ShmTransport, *arrays: np.ndarray[Any, Any]) -> str:
+    meta = t.register_memory([MemoryRegion(a.ctypes.data, a.nbytes) for a in arrays])
+    return t.add_peer(meta)
+
+
+def test_entry_point_and_capabilities() -> None:
+    t = registry.create("shm", "ep-test")
+    try:
+        assert isinstance(t, ShmTransport)
+        caps = t.capabilities
+        assert (caps.read, caps.write, caps.notifications) == (True, True, True)
+        assert (caps.device_memory, caps.cross_host) == (False, False)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("iov_max", [IOV_MAX, 7])
+def test_batches_beyond_iov_max(iov_max: int) -> None:
+    """2500 scattered 512-byte descriptors: several system calls, every byte checked."""
+    t = ShmTransport("batch", {"iov_max": iov_max})
+    try:
+        n, size = 2500, 512
+        src = np.random.default_rng(1).integers(0, 256, n * size, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        name = _loopback(t, src, dst)
+        perm = np.random.default_rng(2).permutation(n)
+        loc, rem = _descs(src.ctypes.data, np.arange(n), size), _descs(dst.ctypes.data, perm, size)
+        h = t.transfer(Op.WRITE, name, loc, rem)
+        assert h.state is HandleState.DONE and h.nbytes == n * size
+        np.testing.assert_array_equal(dst.reshape(n, size)[perm], src.reshape(n, size))
+        back = np.zeros_like(src)
+        name = _loopback(t, back)
+        t.transfer(Op.READ, name, _descs(back.ctypes.data, np.arange(n), size), rem)
+        np.testing.assert_array_equal(back, src)
+    finally:
+        t.close()
+
+
+def test_copy_iovecs_resumes_after_partial_results() -> None:
+    """A system call that moves fewer bytes than asked (even mid-iovec) is resumed exactly."""
+    src = np.random.default_rng(3).integers(0, 256, 10_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    sizes = np.array([1000, 3000, 10, 5990])
+    offs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    local = np.stack([src.ctypes.data + offs, sizes], 1).astype(np.uint64)
+    remote = np.stack([dst.ctypes.data + offs, sizes], 1).astype(np.uint64)
+    calls: list[int] = []
+
+    def stingy(pid: int, lptr: int, lcnt: int, rptr: int, rcnt: int, flags: int) -> int:
+        lv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * lcnt)).from_address(lptr))
+        rv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * rcnt)).from_address(rptr))
+        budget = 1700  # at most this many bytes per call
+        moved = 0
+        for k in range(lcnt):
+            n = min(int(lv[2 * k + 1]), budget - moved)
+            ctypes.memmove(int(rv[2 * k]), int(lv[2 * k]), n)
+            moved += n
+            if moved == budget:
+                break
+        calls.append(moved)
+        return moved
+
+    assert copy_iovecs(stingy, 0, local, remote, iov_max=3) == src.size
+    np.testing.assert_array_equal(dst, src)
+    assert len(calls) > 5 and max(calls) <= 1700
+
+
+def test_system_error_names_the_problem() -> None:
+    """A region that is registered but not mapped: EFAULT → FAILED, no notification sent."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = 4096
+    base = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    assert libc.munmap(base + page, page) == 0  # the second page is gone
+    t = ShmTransport("efault")
+    try:
+        src = np.ones(page, dtype=np.uint8)
+        meta = t.register_memory([MemoryRegion(src.ctypes.data, page),
+                                  MemoryRegion(base, 2 * page)])
+        name = t.add_peer(meta)
+        loc = np.array([[src.ctypes.data, page, 0]])
+        h = t.submit(Op.WRITE, name, loc, np.array([[base + page, page, 0]]), b"must-not-arrive")
+        assert t.wait(h, 10) is HandleState.FAILED
+        assert h.error is not None and "Bad address" in h.error
+        with pytest.raises(TransferFailed, match="Bad address"):
+            t.transfer(Op.READ, name, loc, np.array([[base + page, page, 0]]))
+        ok = t.transfer(Op.WRITE, name, loc, np.array([[base, page, 0]]), notification=b"ok")
+        assert ok.state is HandleState.DONE
+        assert collect_notifications(t, 1, 5) == [("efault", b"ok")]
+    finally:
+        t.close()
+        libc.munmap(base, page)
+
+
+def test_vanished_peer_fails_transfer() -> None:
+    with PeerProcess("shm", timeout=20) as peer, ShmTransport("survivor") as t:
+        mem = peer.setup(1, 4, 4096, 5)
+        name = t.add_peer(mem.metadata)
+        src = np.ones(4096, np.uint8)
+        t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        peer.kill()
+        rem = np.array([[mem.layout.planes[0].base, 4096, 0]])
+        h = t.submit(Op.WRITE, name, np.array([[src.ctypes.data, 4096, 0]]), rem)
+        assert t.wait(h, 10) is HandleState.FAILED
+        assert h.error is not None and "No such process" in h.error
+
+
+def _meta(t: ShmTransport, **change: Any) -> bytes:
+    src = np.zeros(64, np.uint8)
+    meta = msgspec.msgpack.decode(
+        t.register_memory([MemoryRegion(src.ctypes.data, 64)]), type=ShmMetadata
+    )
+    return msgspec.msgpack.encode(msgspec.structs.replace(meta, **change))
+
+
+def test_refuses_other_host(shm: ShmTransport) -> None:
+    with pytest.raises(PeerUnreachable, match="another host.*same host"):
+        shm.add_peer(_meta(shm, agent="far", boot_id="0000-other", hostname="elsewhere"))
+    with pytest.raises(PeerUnreachable, match="PID namespace"):
+        shm.add_peer(_meta(shm, agent="boxed", pid_ns=1))
+
+
+def test_rejects_device_memory(shm: ShmTransport) -> None:
+    with pytest.raises(DescriptorError, match="DRAM"):
+        shm.register_memory([MemoryRegion(0x1000, 4096, device=0, kind="VRAM")])
+
+
+def test_attached_then_standalone_notifications_keep_order(shm: ShmTransport) -> None:
+    src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+    name = _loopback(shm, src, dst)
+    loc, rem = np.array([[src.ctypes.data, 4096, 0]]), np.array([[dst.ctypes.data, 4096, 0]])
+    for i in range(5):
+        shm.transfer(Op.WRITE, name, loc, rem, notification=b"xfer-%d" % i)
+        shm.send_notification(name, b"note-%d" % i)
+    got = [m for _, m in collect_notifications(shm, 10, 10)]
+    assert got == [m for i in range(5) for m in (b"xfer-%d" % i, b"note-%d" % i)]
+    assert shm.wait_notification(0.01) is False
+
+
+def test_wait_notification_blocks_until_one_arrives(shm: ShmTransport) -> None:
+    name = _loopback(shm, np.zeros(8, np.uint8))
+    threading.Timer(0.2, shm.send_notification, (name, b"wake")).start()
+    t0 = time.monotonic()
+    assert shm.wait_notification(5.0) is True
+    assert 0.1 < time.monotonic() - t0 < 4.0
+    assert shm.get_notifications() == [(shm.agent_name, b"wake")]
+
+
+def test_notification_secret() -> None:
+    a = ShmTransport("a", {"secret": "s1"})
+    b = ShmTransport("b", {"secret": "s1"})
+    c = ShmTransport("c", {"secret": "other"})
+    try:
+        mem = np.zeros(8, np.uint8)
+        for t in (a, b, c):
+            t.register_memory([MemoryRegion(mem.ctypes.data, 8)])
+        meta_b = b.register_memory([])
+        a.add_peer(meta_b)
+        c.add_peer(meta_b)
+        c.send_notification("b", b"forged")
+        a.send_notification("b", b"genuine")
+        assert collect_notifications(b, 2, 1.5) == [("a", b"genuine")]
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
+def test_remove_peer_lets_posted_transfer_notify(shm: ShmTransport) -> None:
+    src, dst = np.full(1 << 20, 7, np.uint8), np.zeros(1 << 20, np.uint8)
+    name = _loopback(shm, src, dst)
+    loc, rem = _descs(src.ctypes.data, np.arange(256), 4096), _descs(dst.ctypes.data,
+                                                                      np.arange(256), 4096)
+    handles = [shm.submit(Op.WRITE, name, loc, rem, b"n%d" % i) for i in range(4)]
+    shm.remove_peer(name)
+    assert all(shm.wait(h, 10) is HandleState.DONE for h in handles)
+    assert [m for _, m in collect_notifications(shm, 4, 10)] == [b"n0", b"n1", b"n2", b"n3"]
+
+
+def test_close_fails_queued_work_and_joins_threads() -> None:
+    before = {th.ident for th in threading.enumerate()}
+    t = ShmTransport("closer")
+    src, dst = np.ones(8 << 20, np.uint8), np.zeros(8 << 20, np.uint8)
+    name = _loopback(t, src, dst)
+    loc = _descs(src.ctypes.data, np.arange(2048), 4096)
+    rem = _descs(dst.ctypes.data, np.random.default_rng(0).permutation(2048), 4096)
+    handles = [t.submit(Op.WRITE, name, loc, rem) for _ in range(200)]
+    t.close(timeout=0.0)
+    states = {t.poll(h) for h in handles}
+    assert all(s.terminal for s in states)
+    assert HandleState.FAILED in states  # 1.6 GB cannot have been copied in no time
+    t.close()
+    with pytest.raises(TransportClosed):
+        t.submit(Op.WRITE, name, loc, rem)
+    with pytest.raises(TransportClosed):
+        t.send_notification(name, b"x")
+    with pytest.raises(TransportClosed):
+        t.add_peer(b"")
+    left = [th for th in threading.enumerate() if th.ident not in before and th.is_alive()]
+    assert left == []
+
+
+def test_handshake_probe_refuses_a_dead_process(shm: ShmTransport) -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    with pytest.raises(PeerUnreachable, match="gone"):
+        shm.add_peer(_meta(shm, agent="ghost", pid=proc.pid))

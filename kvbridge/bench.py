@@ -19,7 +19,9 @@ stopped before returning, also on failure.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import multiprocessing as mp
 import statistics
 import sys
@@ -258,14 +260,21 @@ def memcpy_gbps(src: Bytes, dst: Bytes, block: int, perm: npt.NDArray[np.int64],
     return n / best / 1e9
 
 
-def _find_raw_bench(backend: str) -> RawBench | None:
-    """The backend package's ``raw_bench`` (its module, then its top-level package), if any."""
+def _find_raw_bench(backend: str, options: Mapping[str, Any]) -> RawBench | None:
+    """The backend package's ``raw_bench`` (its module, then its top-level package), if any.
+
+    When it takes ``**options``, the backend options are passed on, so both columns run the
+    same configuration.
+    """
     cls = registry.load_class(backend)
-    names = [cls.__module__, cls.__module__.split(".")[0]]
-    for name in names:
+    for name in (cls.__module__, cls.__module__.split(".")[0]):
         fn = getattr(sys.modules.get(name) or importlib.import_module(name), "raw_bench", None)
-        if callable(fn):
-            return fn  # type: ignore[no-any-return]
+        if not callable(fn):
+            continue
+        params = inspect.signature(fn).parameters.values()
+        if options and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return functools.partial(fn, **options)
+        return fn  # type: ignore[no-any-return]
     return None
 
 
@@ -293,7 +302,7 @@ def run_transfer_bench(
     if total_bytes <= 0 or total_bytes > 16 << 30:
         raise ConfigError(f"total bytes must be in (0, 16 GiB], got {total_bytes}")
     opts = dict(options or {})
-    raw_fn = _find_raw_bench(backend) if raw else None
+    raw_fn = _find_raw_bench(backend, opts) if raw else None
     transport: Transport = registry.create(backend, "kvbridge-bench-initiator", opts)
     report = TransferReport(backend, total_bytes, reps)
     target: _Target | None = None
@@ -409,6 +418,8 @@ class DescriptorRow:
     descriptors: int
     median_ms: float
     p90_ms: float
+    cpu_median_ms: float
+    """CPU time of the calling thread: robust to other processes competing for the cores."""
 
 
 @dataclass(frozen=True)
@@ -464,17 +475,19 @@ def run_descriptor_bench(
     report = DescriptorReport(layers, len(local.planes), block_bytes, blocks, tokens, reps)
     for case, (lids, rids) in cases.items():
         lids_list, rids_list = lids.tolist(), rids.tolist()  # as the scheduler hands them over
-        times = []
+        times, cpu = [], []
         count = 0
         for _ in range(reps):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             ldesc, _rdesc = descriptor_pair(local, lids_list, remote, rids_list)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             count = int(ldesc.shape[0])
         times.sort()
         p90 = times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
         report.rows.append(
-            DescriptorRow(case, count, statistics.median(times) * 1e3, p90 * 1e3)
+            DescriptorRow(case, count, statistics.median(times) * 1e3, p90 * 1e3,
+                          statistics.median(cpu) * 1e3)
         )
     return report
 
@@ -485,9 +498,9 @@ def format_descriptor_report(report: DescriptorReport) -> str:
         f"{report.layers} layers x K/V = {report.planes} planes, "
         f"{report.block_bytes} bytes per block per plane, {report.reps} reps",
     ]
-    rows = [[r.case, str(r.descriptors), f"{r.median_ms:.3f}", f"{r.p90_ms:.3f}"]
-            for r in report.rows]
-    lines += _table(["block ids", "descriptors", "median ms", "p90 ms"], rows)
+    rows = [[r.case, str(r.descriptors), f"{r.median_ms:.3f}", f"{r.p90_ms:.3f}",
+             f"{r.cpu_median_ms:.3f}"] for r in report.rows]
+    lines += _table(["block ids", "descriptors", "median ms", "p90 ms", "cpu median ms"], rows)
     return "\n".join(lines)
 
 

@@ -308,7 +308,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
     parser.add_argument(
-        "--log-level", default="WARNING", help="level of the kvbridge loggers (default WARNING)"
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="level of the kvbridge loggers (default WARNING)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in BUILTIN_COMMANDS:
@@ -340,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
-        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     func: Handler = args.func
     try:

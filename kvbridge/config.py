@@ -22,7 +22,7 @@ __all__ = ["Config", "TransferMode", "ENV_PREFIX"]
 ENV_PREFIX = "KVBRIDGE_"
 
 
-class TransferMode(str, enum.Enum):
+class TransferMode(enum.StrEnum):
     """How one request's KV moves from P to D."""
 
     PULL = "pull"

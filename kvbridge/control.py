@@ -41,7 +41,7 @@ class ControlServer:
     def __init__(self, handler: Handler, codec: Codec, host: str = "127.0.0.1", port: int = 0):
         self._handler = handler
         self._codec = codec
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
@@ -113,7 +113,7 @@ class ControlClient:
     def __init__(self, codec: Codec, timeout_s: float = 5.0) -> None:
         self._codec = codec
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()

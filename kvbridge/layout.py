@@ -12,6 +12,7 @@ NIXL's ``prep_xfer_dlist`` takes directly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -125,7 +126,9 @@ class KVLayout:
                 label = name if len(offsets) == 1 else f"{name}#{k}"
                 planes.append(KVPlane(label, info.ptr + int(off), block_stride, block_bytes))
         if len(dtypes) != 1 or len(devices) != 1:
-            raise LayoutError(f"layers disagree on dtype {sorted(dtypes)} or device {sorted(devices)}")
+            raise LayoutError(
+                f"layers disagree on dtype {sorted(dtypes)} or device {sorted(devices)}"
+            )
         return cls(tuple(planes), num_blocks, block_size, dtypes.pop(), devices.pop())
 
     # -- identity -------------------------------------------------------------------------------
@@ -211,9 +214,35 @@ class KVLayout:
 
     # -- descriptors ----------------------------------------------------------------------------
 
-    def descriptors(self, block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> DescriptorArray:
+    @functools.cached_property
+    def _plane_table(self) -> npt.NDArray[np.int64]:
+        """``(3, planes)`` int64: rows base, block_stride, block_bytes (cached; frozen layout)."""
+        table = np.array(
+            [[p.base, p.block_stride, p.block_bytes] for p in self.planes], dtype=np.int64
+        )
+        return np.ascontiguousarray(table.T)
+
+    @functools.cached_property
+    def _dense(self) -> bool:
+        return all(p.dense for p in self.planes)
+
+    def descriptors(
+        self, block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
+    ) -> DescriptorArray:
         """Descriptors for ``block_ids`` on this side alone, contiguous runs coalesced."""
         return descriptor_pair(self, block_ids, self, block_ids)[0]
+
+    def plane_indices(self, layer: str) -> list[int]:
+        """Indices of the planes of ``layer`` (its K/V planes, or its single plane)."""
+        return [i for i, p in enumerate(self.planes)
+                if p.layer == layer or p.layer.startswith(layer + "#")]
+
+    def select(self, plane_indices: Sequence[int]) -> KVLayout:
+        """The same layout restricted to some planes (e.g. one layer, for per-layer transfers)."""
+        if not plane_indices:
+            raise LayoutError("select() needs at least one plane")
+        return KVLayout(tuple(self.planes[i] for i in plane_indices), self.num_blocks,
+                        self.block_size, self.dtype, self.device)
 
 
 def check_block_ids(
@@ -252,32 +281,30 @@ def descriptor_pair(
     if lids.size == 0:
         return empty, empty.copy()
 
-    l_base = np.fromiter((p.base for p in local.planes), np.int64, len(local.planes))
-    l_stride = np.fromiter((p.block_stride for p in local.planes), np.int64, len(local.planes))
-    r_base = np.fromiter((p.base for p in remote.planes), np.int64, len(remote.planes))
-    r_stride = np.fromiter((p.block_stride for p in remote.planes), np.int64, len(remote.planes))
-    nbytes = np.fromiter((p.block_bytes for p in local.planes), np.int64, len(local.planes))
-
-    dense = all(p.dense for p in local.planes) and all(p.dense for p in remote.planes)
-    if dense and lids.size > 1:
+    lp, rp = local._plane_table, remote._plane_table
+    if local._dense and remote._dense and lids.size > 1:
         brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
-        starts = np.concatenate(([0], brk))
-        counts = np.diff(np.concatenate((starts, [lids.size])))
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+        counts = np.diff(np.append(starts, lids.size))
     else:
         starts = np.arange(lids.size)
         counts = np.ones(lids.size, dtype=np.int64)
 
-    n = len(local.planes) * starts.size
-    lengths = (nbytes[:, None] * counts[None, :]).ravel()
-    out_l = np.empty((n, 3), dtype=np.int64)
-    out_r = np.empty((n, 3), dtype=np.int64)
-    out_l[:, 0] = (l_base[:, None] + l_stride[:, None] * lids[starts][None, :]).ravel()
-    out_r[:, 0] = (r_base[:, None] + r_stride[:, None] * rids[starts][None, :]).ravel()
-    out_l[:, 1] = lengths
-    out_r[:, 1] = lengths
-    out_l[:, 2] = local.device
-    out_r[:, 2] = remote.device
-    return out_l, out_r
+    # Fresh pages are most of what a 100k-descriptor request costs, so both outputs share one
+    # allocation (numpy asks for transparent huge pages from 4 MiB on: a few faults, not
+    # thousands) and are written in place, with no temporaries of the output's size.
+    planes, runs = lp.shape[1], starts.size
+    both = np.empty((2, planes, runs, 3), dtype=np.int64)
+    out_l, out_r = both[0], both[1]
+    for out, table, ids in ((out_l, lp, lids[starts]), (out_r, rp, rids[starts])):
+        addr = out[:, :, 0]
+        np.multiply(table[1][:, None], ids[None, :], out=addr)
+        np.add(addr, table[0][:, None], out=addr)
+    np.multiply(lp[2][:, None], counts[None, :], out=out_l[:, :, 1])
+    out_r[:, :, 1] = out_l[:, :, 1]
+    out_l[:, :, 2] = local.device
+    out_r[:, :, 2] = remote.device
+    return out_l.reshape(planes * runs, 3), out_r.reshape(planes * runs, 3)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,9 @@ class StatsReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     generation: str
     stats: dict[str, int]
     pending: int
+    #: transfer_id -> {event: wall-clock time}: kv_ready, write_posted, write_done (P);
+    #: recv_done, first_step (D)
+    timings: dict[str, dict[str, float]] = {}
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -143,7 +146,7 @@ class Codec:
         self._key = secret or None
         self.max_bytes = int(max_bytes)
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+        self._decoder = msgspec.msgpack.Decoder(Message)
 
     def encode(self, msg: Message) -> bytes:
         """Serialise ``msg``; raises :class:`MessageTooLarge` above the limit."""

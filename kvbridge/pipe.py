@@ -108,7 +108,7 @@ class PipeSender:
         self, address: str, sender: str, codec: Codec | None = None, hwm: int = 10000
     ) -> None:
         self._codec = codec or Codec()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
@@ -158,7 +158,7 @@ class PipeReceiver:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, codec: Codec | None = None) -> None:
         self._codec = codec or Codec()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, self._codec.max_bytes + 1024)

@@ -124,7 +124,7 @@ class TransferHandle:
 
 
 def as_descriptors(value: Any, what: str) -> DescriptorArray:
-    """Coerce ``value`` to an ``(N, 3)`` int64 descriptor array or raise :class:`DescriptorError`."""
+    """Coerce ``value`` to an ``(N, 3)`` int64 descriptor array, else :class:`DescriptorError`."""
     try:
         arr = np.asarray(value, dtype=np.int64)
     except (TypeError, ValueError) as exc:

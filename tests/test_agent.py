@@ -123,3 +123,52 @@ def test_layout_mismatch_is_named() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_checksum_catches_a_byte_flipped_in_transit() -> None:
+    """Negative control: a corrupted WRITE (push) and a corrupted READ (pull) are both caught."""
+    extra = {"checksum": True}
+    p = AgentProcess("prefill", SHAPE, extra, faults={"corrupt": {1}})
+    d = AgentProcess("decode", SHAPE, extra, faults={"corrupt": {1}})
+    try:
+        p.call("fill", 1)
+        d.call("fill", 2)
+        # push: P's first WRITE carries a flipped byte
+        d.call("expect", "d-push", "c1", p.address, (10, 11), 0)
+        p.call("ready", "p-push", "c1", [1, 2])
+        rd = d.drain({"d-push"})
+        assert rd["results"]["failed_recving"] == {"d-push"}
+        assert rd["stats"]["checksum_mismatch"] == 1
+        # pull: D's first READ lands with a flipped byte
+        p.call("stage", "p-pull", "c2", [3, 4])
+        d.call("pull", "d-pull", "c2", p.address, (20, 21), (3, 4))
+        rd = d.drain({"d-pull"})
+        assert rd["results"]["failed_recving"] == {"d-pull"}
+        # control: the next transfers are clean and pass
+        p.call("stage", "p-ok", "c3", [5, 6])
+        d.call("pull", "d-ok", "c3", p.address, (30, 31), (5, 6))
+        rd = d.drain({"d-ok"})
+        assert not rd["results"]["failed_recving"]
+        np.testing.assert_array_equal(d.call("blocks", [30, 31]), p.call("blocks", [5, 6]))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_layerwise_push_posts_each_layer_then_completes(
+    pd: tuple[AgentProcess, AgentProcess]
+) -> None:
+    p, d = pd
+    src, dst = [1, 2, 3], [30, 31, 32]
+    d.call("expect", "d-req", "lw", p.address, tuple(dst), 0)
+    time.sleep(0.3)  # D registered: each layer is written as soon as it is ready
+    p.call("layer", "p-req", "lw", src, "layer.0")
+    p.call("layer", "p-req", "lw", src, "layer.1")
+    p.call("ready", "p-req", "lw", src)
+    rd = d.drain({"d-req"})
+    assert rd["results"]["finished_recving"] == {"d-req"}
+    assert not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.call("blocks", dst), p.call("blocks", src))
+    rp = p.drain({"p-req"})
+    assert rp["results"]["finished_sending"] == {"p-req"}
+    assert rp["stats"]["push_layerwise"] == 1

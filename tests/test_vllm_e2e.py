@@ -18,7 +18,13 @@ import pytest
 
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
-from kvbridge.testing.engines import VllmServer, complete, output_token_ids, start_servers
+from kvbridge.testing.engines import (
+    EngineError,
+    VllmServer,
+    complete,
+    output_token_ids,
+    start_servers,
+)
 from kvbridge.testing.proxies import ProxyThread
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
@@ -119,7 +125,8 @@ def test_concurrent_push_and_pull_in_the_same_engines(cluster: Cluster) -> None:
     modes = ["pull", "push", "auto"] * 2
     before = cluster.stats(cluster.d_ctl).stats
     with cf.ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(_via, cluster.proxies.urls[m], p) for m, p in zip(modes, prompts)]
+        futs = [ex.submit(_via, cluster.proxies.urls[m], p)
+                for m, p in zip(modes, prompts, strict=True)]
         outs = [f.result(timeout=300) for f in futs]
     assert outs == refs
     after = cluster.stats(cluster.d_ctl).stats
@@ -136,7 +143,8 @@ def test_stock_toy_proxy_protocol_pull(cluster: Cluster) -> None:
         "remote_block_ids": None, "remote_host": None, "remote_port": None})
     params = p_resp["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
-    assert output_token_ids(complete(cluster.d.url, prompt, MAX_TOKENS, params, extra=_GREEDY)) == ref
+    out = output_token_ids(complete(cluster.d.url, prompt, MAX_TOKENS, params, extra=_GREEDY))
+    assert out == ref
 
 
 def test_partial_prefix_hit_on_decode_moves_only_missing_blocks(cluster: Cluster) -> None:
@@ -204,7 +212,7 @@ def test_zz_decode_killed_mid_request_leaves_nothing_pinned(cluster: Cluster) ->
         fut = ex.submit(complete, cluster.d.url, prompt, 64, d_params, False, _GREEDY)
         time.sleep(1.0)  # D has registered (or is about to)
         cluster.d.stop(grace=0)
-        with pytest.raises(Exception):
+        with pytest.raises(EngineError):
             fut.result(timeout=60)
     complete(cluster.p.url, prompt, 1, {"do_remote_decode": True, "transfer_id": "killed-1",
                                         "transfer_mode": "push"})

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
     push_ready: list[SendPlan] = field(default_factory=list)
     cancel_recvs: list[tuple[str, str]] = field(default_factory=list)
     cancel_sends: list[tuple[str, str]] = field(default_factory=list)
+    #: transfer ids whose prompt KV is complete after this step's forward (P, timing only)
+    prefill_done: list[str] = field(default_factory=list)
+    #: (transfer_id, wall time) of a received request's first step on D (timing only)
+    first_steps: list[tuple[str, float]] = field(default_factory=list)
     wake_address: str | None = None
 
     def __bool__(self) -> bool:
@@ -221,7 +226,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None
+        if self._worker is not None:
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
@@ -276,7 +282,10 @@ class _SchedulerSide:
         self.config = conn.config
         self.kv_cache_manager: Any = None
         self._meta = KVBridgeMetadata()
-        self._push_producers: dict[str, tuple[Request, str]] = {}
+        # P requests still prefilling: req_id -> (request, transfer_id, mode)
+        self._producers: dict[str, tuple[Request, str, TransferMode]] = {}
+        # D requests whose KV arrived, until their first step: req_id -> transfer_id
+        self._first_step_due: dict[str, str] = {}
         self._handed_to_worker: dict[str, str] = {}  # P req_id -> transfer_id (blocks pinned)
         self._recving: dict[str, str] = {}  # D req_id -> transfer_id (transfer in progress)
         self._worker_address: str | None = None
@@ -347,8 +356,9 @@ class _SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = self._params(request)
-        if params.get("do_remote_decode") and self._mode(params) is TransferMode.PUSH:
-            self._push_producers[request.request_id] = (request, self._transfer_id(request, params))
+        if params.get("do_remote_decode") and not params.get("kvbridge_probe"):
+            self._producers[request.request_id] = (
+                request, self._transfer_id(request, params), self._mode(params))
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
@@ -370,12 +380,19 @@ class _SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in [r for r in self._push_producers if r in scheduled]:
-            request, tid = self._push_producers[req_id]
-            if request.num_computed_tokens + scheduled[req_id] >= request.num_prompt_tokens:
-                del self._push_producers[req_id]
+        for req_id in [r for r in self._producers if r in scheduled]:
+            request, tid, mode = self._producers[req_id]
+            if request.num_computed_tokens + scheduled[req_id] < request.num_prompt_tokens:
+                continue  # a chunked prefill that is not finished yet
+            del self._producers[req_id]
+            self._meta.prefill_done.append(tid)
+            if mode is TransferMode.PUSH:
                 self._meta.push_ready.append(SendPlan(req_id, tid, self._prompt_blocks(request)))
                 self._handed_to_worker[req_id] = tid
+        if self._first_step_due:
+            now = time.time()
+            for req_id in [r for r in self._first_step_due if r in scheduled]:
+                self._meta.first_steps.append((self._first_step_due.pop(req_id), now))
         meta, self._meta = self._meta, KVBridgeMetadata()
         if self._wake_address is not None:
             meta.wake_address, self._wake_address = self._wake_address, None
@@ -413,6 +430,7 @@ class _SchedulerSide:
         req_id = request.request_id
         if params.get("kvbridge_probe"):
             return False, self._address_params() or None
+        self._first_step_due.pop(req_id, None)
         if req_id in self._recving:  # D: finished (aborted) while its transfer is in flight
             self._meta.cancel_recvs.append((req_id, self._recving[req_id]))
             self._heartbeats.remove(self._recving[req_id])
@@ -424,7 +442,7 @@ class _SchedulerSide:
             return False, None
         tid = self._transfer_id(request, params)
         mode = self._mode(params)
-        self._push_producers.pop(req_id, None)
+        self._producers.pop(req_id, None)
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                 RequestStatus.FINISHED_STOPPED)
         if req_id in self._handed_to_worker:  # push already handed over: let the WRITE finish
@@ -455,7 +473,9 @@ class _SchedulerSide:
         for req_id in connector_output.finished_sending or ():
             self._handed_to_worker.pop(req_id, None)
         for req_id in connector_output.finished_recving or ():
-            self._recving.pop(req_id, None)
+            tid = self._recving.pop(req_id, None)
+            if tid is not None:
+                self._first_step_due[req_id] = tid
 
     def has_pending_work(self) -> bool:
         return bool(self._meta)
@@ -479,6 +499,7 @@ class _WorkerSide:
         self._kv_cache_config = kv_cache_config
         self.agent: TransferAgent | None = None
         self._ready: list[SendPlan] = []
+        self._prefill_done: list[str] = []
         self._finished_reqs: set[str] = set()
         self._send_reqs: set[str] = set()  # requests whose blocks the agent holds for sending
         self._silent: set[str] = set()  # receives vLLM does not wait for (nothing to load)
@@ -553,10 +574,23 @@ class _WorkerSide:
             agent.cancel_send(req_id, tid)
         # Push-ready plans are released after this step's forward (KV written): see after_forward.
         self._ready.extend(meta.push_ready)
+        self._prefill_done.extend(meta.prefill_done)
+        for tid, ts in meta.first_steps:
+            agent.mark(tid, "first_step", ts)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """Layer-wise push: this layer's KV of the requests finishing prefill is written."""
+        if self.agent is None or not self._ready or not self.config.layerwise:
+            return
+        for plan in self._ready:
+            self.agent.push_layer(plan.req_id, plan.transfer_id, plan.block_ids, layer_name)
 
     def after_forward(self) -> None:
-        if self.agent is None or not self._ready:
+        if self.agent is None:
             return
+        for tid in self._prefill_done:
+            self.agent.mark(tid, "kv_ready")
+        self._prefill_done.clear()
         for plan in self._ready:
             self.agent.push_ready(plan.req_id, plan.transfer_id, plan.block_ids)
         self._ready.clear()

@@ -24,6 +24,7 @@ thread. Results are collected under a lock.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import logging
@@ -55,7 +56,7 @@ from kvbridge.messages import (
     TransferFail,
 )
 from kvbridge.scheduling.peers import Peer, PeerTable, make_info
-from kvbridge.transport import HandleState, MemoryRegion, Op, Transport, TransferHandle
+from kvbridge.transport import HandleState, MemoryRegion, Op, TransferHandle, Transport
 
 __all__ = ["TransferAgent", "Results", "PullSpec", "PushSpec"]
 
@@ -103,6 +104,21 @@ class Results:
 
     def __bool__(self) -> bool:
         return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass
+class _PushJob:
+    """P side: one push whose registration matched; WRITEs posted per layer or all at once."""
+
+    send: _Send
+    reg: PushRegister
+    peer: Peer
+    src: tuple[int, ...]
+    posted: set[int] = field(default_factory=set)  # plane indices already posted
+    handles: list[TransferHandle] = field(default_factory=list)
+    nbytes: int = 0
+    final: bool = False  # the whole prompt's KV is written: post what is left, then DONE
+    error: str | None = None
 
 
 @dataclass
@@ -171,11 +187,13 @@ class TransferAgent:
         self._lease = lease
         # transfer ids that ended (done, failed, expired) → why; bounded by _forget_old().
         self._ended: dict[str, tuple[float, str]] = {}
-        self._writing: set[str] = set()  # push WRITEs in flight (P side)
-        self._inflight: list[_Inflight] = []
+        self._jobs: dict[str, _PushJob] = {}  # P side: pushes with WRITEs posted or due
+        self._inflight: list[_Inflight] = []  # D side: READs in flight
         self._lock = threading.Lock()
         self._results = Results()
         self.stats: Counter[str] = Counter()
+        #: transfer_id -> {event: wall time} for the most recent transfers (hand-off timing)
+        self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
         self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_cb: Any = None
         self._stop = threading.Event()
@@ -203,6 +221,11 @@ class TransferAgent:
         """P: the KV of ``block_ids`` is written; WRITE it as soon as D has registered."""
         self._q.put(("ready", _Send(req_id, transfer_id, tuple(block_ids))))
 
+    def push_layer(self, req_id: str, transfer_id: str, block_ids: list[int], layer: str) -> None:
+        """P (layer-wise push): ``layer``'s KV of ``block_ids`` is final; if D has registered,
+        WRITE that layer now. :meth:`push_ready` must still follow for the whole request."""
+        self._q.put(("layer", (_Send(req_id, transfer_id, tuple(block_ids)), layer)))
+
     def start_pull(self, spec: PullSpec) -> None:
         """D: read the blocks; completion shows in :meth:`drain`."""
         self._q.put(("pull", spec))
@@ -219,6 +242,15 @@ class TransferAgent:
         """D: the request was aborted; give up the transfer as soon as it is safe."""
         self._q.put(("cancel_recv", (req_id, transfer_id)))
 
+    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
+        """Record a timing event (wall clock) for a transfer; keeps the last 1024 transfers."""
+        with self._lock:
+            entry = self.timings.setdefault(transfer_id, {})
+            entry.setdefault(event, time.time() if when is None else when)
+            self.timings.move_to_end(transfer_id)
+            while len(self.timings) > 1024:
+                self.timings.popitem(last=False)
+
     def drain(self) -> Results:
         """Return and clear what finished since the last call."""
         with self._lock:
@@ -228,7 +260,7 @@ class TransferAgent:
     def pending(self) -> int:
         """Transfers this agent still tracks (staged, ready, registered, awaited, in flight)."""
         return (len(self._staged) + len(self._ready) + len(self._regs) + len(self._awaiting)
-                + len(self._inflight))
+                + len(self._inflight) + len(self._jobs))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the mover thread, the control server and the transport. Idempotent."""
@@ -250,6 +282,7 @@ class TransferAgent:
         self._wake()
 
     def _finish_recv(self, spec: PullSpec | PushSpec, ok: bool, why: str = "") -> None:
+        self.mark(spec.transfer_id, "recv_done" if ok else "recv_failed")
         with self._lock:
             self._results.finished_recving.add(spec.req_id)
             if not ok:
@@ -278,11 +311,15 @@ class TransferAgent:
             self.peers.accept(msg.info)
             return HelloReply(info=self.info)
         if isinstance(msg, StatsQuery):
+            with self._lock:
+                timings = {k: dict(v) for k, v in self.timings.items()}
             return StatsReply(engine_id=self.engine_id, generation=self.generation,
-                              stats=dict(self.stats), pending=self.pending())
+                              stats=dict(self.stats), pending=self.pending(), timings=timings)
         if isinstance(msg, Heartbeat):
             for tid in msg.transfer_ids:
-                if not (self._staged.extend(tid, self._lease) or self._ready.extend(tid, self._lease)):
+                renewed = self._staged.extend(tid, self._lease) or self._ready.extend(
+                    tid, self._lease)
+                if not renewed:
                     self.stats["heartbeat_unknown"] += 1
             return Ack()
         if isinstance(msg, PushRegister):
@@ -327,7 +364,7 @@ class TransferAgent:
     def _on_remote_cancel(self, msg: TransferFail) -> Ack:
         """P side: D gave up. Release, unless a WRITE into D is still in flight."""
         tid = msg.transfer_id
-        if tid in self._writing:
+        if tid in self._jobs:
             return Ack(ok=False, error="write in flight")
         self._regs.drop_select(tid)
         for buf in (self._staged, self._ready):
@@ -342,7 +379,7 @@ class TransferAgent:
     def _run(self) -> None:
         delay = 1e-4
         while not self._stop.is_set():
-            timeout = delay if self._inflight else 0.25
+            timeout = delay if (self._inflight or self._jobs) else 0.25
             try:
                 kind, arg = self._q.get(timeout=timeout)
                 self._dispatch(kind, arg)
@@ -378,20 +415,40 @@ class TransferAgent:
         if send.transfer_id in self._ended:
             self._finish_send(send.req_id, send.transfer_id, self._ended[send.transfer_id][1])
             return
-        reg = self._regs.drop_select(send.transfer_id)
-        if reg is None:
-            self._ready.insert(send.transfer_id, send, self._lease)
-        else:
-            self._start_write(send, reg)
+        job = self._jobs.get(send.transfer_id)
+        if job is None:
+            reg = self._regs.drop_select(send.transfer_id)
+            if reg is None:
+                self._ready.insert(send.transfer_id, send, self._lease)
+                return
+            job = self._new_job(send, reg)
+        if job is not None:
+            job.final = True
+            self._post(job, range(len(self.layout.planes)))
+
+    def _ev_layer(self, arg: tuple[_Send, str]) -> None:
+        send, layer = arg
+        job = self._jobs.get(send.transfer_id)
+        if job is None:
+            reg = self._regs.drop_select(send.transfer_id)
+            if reg is None:
+                return  # D has not registered yet: push_ready will post every layer
+            job = self._new_job(send, reg)
+        if job is not None:
+            self._post(job, self.layout.plane_indices(layer))
 
     def _ev_reg(self, reg: PushRegister) -> None:
         send = self._ready.drop_select(reg.transfer_id)
         if send is None:
             self._regs.insert(reg.transfer_id, reg, self.config.push_timeout_s)
-        else:
-            self._start_write(send, reg)
+            return
+        job = self._new_job(send, reg)
+        if job is not None:
+            job.final = True
+            self._post(job, range(len(self.layout.planes)))
 
-    def _start_write(self, send: _Send, reg: PushRegister) -> None:
+    def _new_job(self, send: _Send, reg: PushRegister) -> _PushJob | None:
+        """Match P's blocks with D's registration; None (and FAIL sent) if they cannot match."""
         tid = send.transfer_id
         try:
             peer = self.peers.by_key(reg.engine_id, reg.generation)
@@ -401,20 +458,31 @@ class TransferAgent:
                     f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, prefill "
                     f"has {len(send.block_ids)}"
                 )
-            if not src:
-                self._notify(peer, TransferDone(transfer_id=tid))
-                self._finish_send(send.req_id, tid, "done (nothing to send)")
-                return
-            local, remote = descriptor_pair(self.layout, src, peer.layout, reg.block_ids)
-            handle = self.transport.submit(Op.WRITE, peer.name, local, remote)
         except KVBridgeError as exc:
             log.warning("push %s cannot start: %s", tid, exc)
             self._fail_push_to(reg, str(exc))
             self._finish_send(send.req_id, tid, f"failed: {exc}")
+            return None
+        job = _PushJob(send, reg, peer, tuple(src))
+        self._jobs[tid] = job
+        return job
+
+    def _post(self, job: _PushJob, planes: Any) -> None:
+        """Post WRITEs for the given planes of a job not yet posted (one transfer per call)."""
+        todo = [i for i in planes if i not in job.posted]
+        if not todo or job.error is not None or not job.src:
             return
-        self._writing.add(tid)
-        nbytes = int(local[:, 1].sum())
-        self._inflight.append(_Inflight("push", handle, local, (send, reg), peer, nbytes))
+        job.posted.update(todo)
+        tid = job.send.transfer_id
+        try:
+            local, remote = descriptor_pair(self.layout.select(todo), job.src,
+                                            job.peer.layout.select(todo), job.reg.block_ids)
+            job.handles.append(self.transport.submit(Op.WRITE, job.peer.name, local, remote))
+        except KVBridgeError as exc:
+            job.error = str(exc)
+            return
+        job.nbytes += int(local[:, 1].sum())
+        self.mark(tid, "write_posted")
 
     def _ev_pull(self, spec: PullSpec) -> None:
         try:
@@ -443,7 +511,8 @@ class TransferAgent:
                 skip_blocks=spec.skip_blocks, layout_fingerprint=self.info.layout_fingerprint,
             ))
             if not (isinstance(reply, Ack) and reply.ok):
-                raise KVBridgeError(f"prefill refused the registration: {getattr(reply, 'error', reply)}")
+                why = getattr(reply, "error", reply)
+                raise KVBridgeError(f"prefill refused the registration: {why}")
             self.stats["push_registered"] += 1
         except KVBridgeError as exc:
             self._awaiting.drop_select(spec.transfer_id)
@@ -498,10 +567,10 @@ class TransferAgent:
     # -- completions ----------------------------------------------------------------------------
 
     def _poll_inflight(self) -> bool:
+        progressed = self._poll_jobs()
         if not self._inflight:
-            return False
+            return progressed
         still: list[_Inflight] = []
-        progressed = False
         for item in self._inflight:
             state = self.transport.poll(item.handle)
             if state is HandleState.PENDING:
@@ -511,11 +580,25 @@ class TransferAgent:
                 still.append(item)
                 continue
             progressed = True
-            if item.kind == "pull":
-                self._pull_completed(item, state)
-            else:
-                self._push_completed(item, state)
+            self._pull_completed(item, state)
         self._inflight = still
+        return progressed
+
+    def _poll_jobs(self) -> bool:
+        progressed = False
+        for tid, job in list(self._jobs.items()):
+            states = [self.transport.poll(h) for h in job.handles]
+            if any(st is HandleState.PENDING for st in states):
+                continue
+            for h, st in zip(job.handles, states, strict=True):
+                if st is HandleState.FAILED and job.error is None:
+                    job.error = h.error or "WRITE failed"
+            if not job.final and job.error is None:
+                continue  # more layers to come
+            # Every posted WRITE has stopped: only now may the blocks be released.
+            del self._jobs[tid]
+            progressed = True
+            self._push_completed(job)
         return progressed
 
     def _pull_completed(self, item: _Inflight, state: HandleState) -> None:
@@ -542,19 +625,23 @@ class TransferAgent:
         else:
             self._finish_recv(spec, False, getattr(reply, "error", None) or "prefill refused DONE")
 
-    def _push_completed(self, item: _Inflight, state: HandleState) -> None:
-        send, reg = item.spec
-        tid = send.transfer_id
-        self._writing.discard(tid)
-        if state is HandleState.FAILED:
-            self._fail_push_to(reg, item.handle.error or "WRITE failed")
+    def _push_completed(self, job: _PushJob) -> None:
+        send, tid = job.send, job.send.transfer_id
+        if job.error is not None:
+            log.warning("push %s failed: %s", tid, job.error)
+            self._fail_push_to(job.reg, job.error)
             self._finish_send(send.req_id, tid, "failed")
             return
-        checksum = digest(item.local) if self.config.checksum else None
-        self._notify(item.peer, TransferDone(transfer_id=tid, nbytes=item.nbytes,
-                                             checksum=checksum))
-        self.stats["push_bytes"] += item.nbytes
+        checksum = None
+        if self.config.checksum and job.src:
+            checksum = digest(self.layout.descriptors(job.src))
+        self._notify(job.peer, TransferDone(transfer_id=tid, nbytes=job.nbytes,
+                                            checksum=checksum))
+        self.mark(tid, "write_done")
+        self.stats["push_bytes"] += job.nbytes
         self.stats["push_sent"] += 1
+        if len(job.handles) > 1:
+            self.stats["push_layerwise"] += 1
         self._finish_send(send.req_id, tid, "done")
 
     def _notify(self, peer: Peer, msg: Message) -> bool:

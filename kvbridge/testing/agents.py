@@ -59,6 +59,9 @@ def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
             elif cmd == "stage":
                 agent.stage_pull(*args)
                 out = None
+            elif cmd == "layer":
+                agent.push_layer(*args)
+                out = None
             elif cmd == "ready":
                 agent.push_ready(*args)
                 out = None

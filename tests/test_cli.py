@@ -1,0 +1,223 @@
+"""The ``kvbridge`` console script (run as a real subprocess) and its lazy subcommands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvbridge import cli
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def kvbridge(*args: str, env: dict[str, str] | None = None,
+             timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the installed console script (or ``python -m kvbridge.cli`` if it is missing)."""
+    script = Path(sys.executable).with_name("kvbridge")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvbridge.cli"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    full_env.update(env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, check=False)
+
+
+# -- backends -------------------------------------------------------------------------------------
+
+
+def test_backends_table() -> None:
+    res = kvbridge("backends")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:2] == ["backend", "loadable"]
+    shm = next(line for line in lines if line.startswith("shm "))
+    assert shm.split()[1] == "yes"
+
+
+def test_backends_json() -> None:
+    res = kvbridge("backends", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {row["name"]: row for row in json.loads(res.stdout)}
+    assert rows["shm"]["loadable"] is True
+    assert set(rows["shm"]) == {"name", "target", "loadable", "detail"}
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def test_config_table_shows_sources() -> None:
+    res = kvbridge("config", "--extra-config", '{"backend": "nixl", "mode": "push"}',
+                   env={"KVBRIDGE_MODE": "pull", "KVBRIDGE_SECRET": "hunter2"})
+    assert res.returncode == 0, res.stderr
+    assert "precedence: env KVBRIDGE_<KEY> > kv_connector_extra_config > default" in res.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines()[3:]}
+    assert rows["backend"] == ["nixl", "kv_connector_extra_config"]
+    assert rows["mode"] == ["pull", "env", "KVBRIDGE_MODE"]
+    assert rows["lease_s"] == ["30.0", "default"]
+    assert "hunter2" not in res.stdout
+
+
+def test_config_json() -> None:
+    res = kvbridge("config", "--json", "--extra-config", '{"lease_s": 10, "checksum": true}',
+                   env={"KVBRIDGE_BACKEND_OPTIONS": '{"backends": ["UCX"]}'})
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["lease_s"] == {"value": 10.0, "source": "kv_connector_extra_config"}
+    assert data["checksum"]["value"] is True
+    assert data["backend_options"] == {"value": {"backends": ["UCX"]},
+                                       "source": "env KVBRIDGE_BACKEND_OPTIONS"}
+    assert data["mode"] == {"value": "pull", "source": "default"}
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--extra-config", '{"bakend": "x"}'], {}, "did you mean 'backend'?"),
+        (["--extra-config", "{oops"], {}, "--extra-config is not valid JSON"),
+        (["--extra-config", "[1]"], {}, "--extra-config must be a JSON object"),
+        ([], {"KVBRIDGE_LEASE_S": "soon"}, "bad value for lease_s: 'soon'"),
+    ],
+    ids=["unknown-key", "bad-json", "not-object", "bad-env"],
+)
+def test_config_errors_are_one_line(args: list[str], env: dict[str, str], message: str) -> None:
+    res = kvbridge("config", *args, env=env)
+    assert res.returncode == 1
+    assert res.stderr.startswith("kvbridge: error: ") and message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# -- bench ----------------------------------------------------------------------------------------
+
+
+def test_bench_transfer_shm_checks_bytes_and_prints_ratios() -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8",
+                   "--block-kib", "16", "256", "--reps", "2")
+    assert res.returncode == 0, res.stderr
+    assert "every byte checked" in res.stdout
+    header = next(line for line in res.stdout.splitlines() if "kvb/memcpy" in line)
+    assert header.split() == ["block", "op", "descs", "kvbridge", "memcpy", "raw", "kvb/memcpy",
+                              "kvb/raw"]
+    rows = [line.split() for line in res.stdout.splitlines() if line.strip().endswith("-")
+            and ("read" in line or "write" in line)]
+    assert [(r[0] + r[1], r[2]) for r in rows] == [("16KiB", "read"), ("16KiB", "write"),
+                                                   ("256KiB", "read"), ("256KiB", "write")]
+
+
+def test_bench_transfer_shm_json() -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8", "--block-kib",
+                   "64", "--reps", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["backend"] == "shm" and report["verified"] is True
+    assert report["total_bytes"] == 8 << 20
+    assert [(r["block_bytes"], r["op"]) for r in report["rows"]] == [(65536, "read"),
+                                                                     (65536, "write")]
+    for row in report["rows"]:
+        assert row["descriptors"] == 128  # scattered: nothing coalesced
+        assert row["kvbridge_gbps"] > 0 and row["memcpy_gbps"] > 0
+        assert row["ratio_memcpy"] == pytest.approx(row["kvbridge_gbps"] / row["memcpy_gbps"])
+        assert row["raw_gbps"] is None and row["ratio_raw"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "shn"], "did you mean 'shm'?"),
+        (["--block-kib", "0"], "block size 0 bytes must be > 0"),
+        (["--total-mib", "1", "--block-kib", "2048"], "at most the total"),
+        (["--reps", "0"], "reps must be >= 1"),
+        (["--options", "nope"], "--options is not valid JSON"),
+    ],
+    ids=["unknown-backend", "zero-block", "block-too-big", "zero-reps", "bad-options"],
+)
+def test_bench_transfer_bad_input(args: list[str], message: str) -> None:
+    res = kvbridge("bench", "transfer", *args)
+    assert res.returncode == 1, res.stdout
+    assert res.stderr.startswith("kvbridge: error: ") and message in res.stderr
+
+
+def test_bench_descriptors_json() -> None:
+    res = kvbridge("bench", "descriptors", "--reps", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["planes"] == 128 and report["blocks"] == 1024
+    assert report["block_bytes"] == 16 * 8 * 128 * 2
+    rows = {r["case"]: r for r in report["rows"]}
+    assert rows["scattered"]["descriptors"] == 128 * 1024
+    assert rows["contiguous"]["descriptors"] == 128
+    assert 0 < rows["scattered"]["median_ms"] <= rows["scattered"]["p90_ms"]
+
+
+def test_bench_descriptors_bad_input() -> None:
+    res = kvbridge("bench", "descriptors", "--num-blocks", "10")
+    assert res.returncode == 1
+    assert "num_blocks 10 is below the 1024 blocks" in res.stderr
+
+
+# -- parser and lazy subcommands (in process) -----------------------------------------------------
+
+
+def test_help_lists_all_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("backends", "config", "bench", "proxy", "demo"):
+        assert name in out
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["backends", "--bogus"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--log-level", "loud", "backends"])
+    assert info.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+def test_lazy_command_missing_module_gives_clear_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ghost = cli.LazyCommand("ghost", "kvbridge_no_such_module_xyz.app", "a ghost", "pip install x")
+    monkeypatch.setattr(cli, "LAZY_COMMANDS", (*cli.LAZY_COMMANDS, ghost))
+    assert cli.main(["ghost", "--port", "1", "extra"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge: error: `kvbridge ghost` is not available: ")
+    assert "kvbridge_no_such_module_xyz" in err and "(install: pip install x)" in err
+
+
+def test_lazy_command_loads_only_when_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "kvbridge_fake_cmd.py").write_text(textwrap.dedent("""
+        LOADED = True
+
+        def add_arguments(parser):
+            parser.add_argument("--answer", type=int, required=True)
+
+        def cli_main(args):
+            print("answer", args.answer)
+            return args.answer
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvbridge_fake_cmd", raising=False)
+    fake = cli.LazyCommand("fake", "kvbridge_fake_cmd", "a fake command")
+    monkeypatch.setattr(cli, "LAZY_COMMANDS", (*cli.LAZY_COMMANDS, fake))
+    assert cli.main(["backends", "--json"]) == 0
+    assert "kvbridge_fake_cmd" not in sys.modules
+    capsys.readouterr()
+    assert cli.main(["--log-level", "ERROR", "fake", "--answer", "7"]) == 7
+    assert "answer 7" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fake", "--answer", "1", "--bogus"])
+    assert info.value.code == 2

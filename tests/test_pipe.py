@@ -1,0 +1,310 @@
+"""kvbridge.pipe: the in-memory pair and the ZeroMQ pipe (senders in real processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from kvbridge.errors import AuthError, MessageError, PipeClosed
+from kvbridge.messages import Codec, PipeFrame, TransferDone
+from kvbridge.pipe import PipeReceiver, PipeSender, memory_pipe
+
+pytestmark = pytest.mark.timeout(60)
+
+# -- memory pair ----------------------------------------------------------------------------------
+
+
+def test_memory_pipe_keeps_order() -> None:
+    tx, rx = memory_pipe()
+    for i in range(100):
+        tx.send(b"%d" % i)
+    assert [rx.recv(timeout=1) for _ in range(100)] == [b"%d" % i for i in range(100)]
+
+
+def test_memory_pipe_across_threads_keeps_order() -> None:
+    tx, rx = memory_pipe(capacity=4)
+    items = [b"item-%d" % i for i in range(500)]
+
+    def produce() -> None:
+        for item in items:
+            tx.send(item, timeout=10)
+        tx.close()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    got = []
+    try:
+        while True:
+            got.append(rx.recv(timeout=10))
+    except PipeClosed:
+        pass
+    thread.join(10)
+    assert got == items
+
+
+def test_memory_pipe_back_pressure() -> None:
+    tx, rx = memory_pipe(capacity=2)
+    tx.send(b"a")
+    tx.send(b"b")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="pipe full"):
+        tx.send(b"c", timeout=0.1)
+    assert time.monotonic() - t0 >= 0.09
+
+    sent = threading.Event()
+
+    def blocked_send() -> None:
+        tx.send(b"c", timeout=10)
+        sent.set()
+
+    thread = threading.Thread(target=blocked_send)
+    thread.start()
+    time.sleep(0.05)
+    assert not sent.is_set()  # still blocked while full
+    assert rx.recv(timeout=1) == b"a"
+    assert sent.wait(5)
+    thread.join(5)
+    assert [rx.recv(timeout=1), rx.recv(timeout=1)] == [b"b", b"c"]
+
+
+def test_memory_pipe_eos_after_drain() -> None:
+    tx, rx = memory_pipe()
+    tx.send(b"1")
+    tx.send(b"2")
+    tx.close()
+    assert rx.recv() == b"1" and rx.recv() == b"2"
+    with pytest.raises(PipeClosed, match="end of stream"):
+        rx.recv(timeout=1)
+    with pytest.raises(PipeClosed):
+        tx.send(b"3")
+
+
+def test_memory_pipe_receiver_close_wakes_blocked_sender() -> None:
+    tx, rx = memory_pipe(capacity=1)
+    tx.send(b"x")
+    errors: list[BaseException] = []
+
+    def blocked_send() -> None:
+        try:
+            tx.send(b"y", timeout=10)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_send)
+    thread.start()
+    time.sleep(0.05)
+    rx.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], PipeClosed)
+    with pytest.raises(PipeClosed):
+        rx.recv(timeout=0.1)
+
+
+def test_memory_pipe_close_wakes_blocked_receiver() -> None:
+    tx, rx = memory_pipe()
+    errors: list[BaseException] = []
+
+    def blocked_recv() -> None:
+        try:
+            rx.recv(timeout=10)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_recv)
+    thread.start()
+    time.sleep(0.05)
+    tx.close()
+    thread.join(5)
+    assert len(errors) == 1 and isinstance(errors[0], PipeClosed)
+
+
+def test_memory_pipe_recv_timeout() -> None:
+    _tx, rx = memory_pipe()
+    with pytest.raises(TimeoutError, match="nothing received"):
+        rx.recv(timeout=0.05)
+
+
+# -- ZeroMQ pipe ----------------------------------------------------------------------------------
+
+_SENDER = """
+import sys
+from kvbridge.messages import Codec
+from kvbridge.pipe import PipeSender
+address, name, count, secret = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+tx = PipeSender(address, name, Codec(secret or None))
+for i in range(count):
+    tx.send(f"{name}:{i}".encode(), timeout=20)
+tx.close()
+"""
+
+
+@pytest.fixture
+def receiver() -> Iterator[PipeReceiver]:
+    rx = PipeReceiver("127.0.0.1", 0)
+    try:
+        yield rx
+    finally:
+        rx.close()
+
+
+def start_sender(address: str, name: str, count: int, secret: str = "") -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SENDER, address, name, str(count), secret],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for proc in procs:
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def drain(rx: PipeReceiver, senders: int) -> dict[str, list[bytes]]:
+    """Receive until every sender reached end-of-stream."""
+    got: dict[str, list[bytes]] = {}
+    ended = 0
+    while ended < senders:
+        try:
+            sender, payload = rx.recv(timeout=30)
+        except PipeClosed:
+            ended += 1
+            continue
+        got.setdefault(sender, []).append(payload)
+    return got
+
+
+def test_zmq_pipe_order_and_eos_from_another_process(receiver: PipeReceiver) -> None:
+    proc = start_sender(receiver.address, "p0", 200)
+    try:
+        got = drain(receiver, 1)
+    finally:
+        reap([proc])
+    assert proc.returncode == 0
+    assert got == {"p0": [b"p0:%d" % i for i in range(200)]}
+    with pytest.raises(TimeoutError):
+        receiver.recv(timeout=0.05)
+
+
+def test_zmq_pipe_eos_names_the_sender(receiver: PipeReceiver) -> None:
+    proc = start_sender(receiver.address, "engine-d", 1)
+    try:
+        assert receiver.recv(timeout=30) == ("engine-d", b"engine-d:0")
+        with pytest.raises(PipeClosed, match="end of stream from 'engine-d'"):
+            receiver.recv(timeout=30)
+    finally:
+        reap([proc])
+
+
+def test_zmq_pipe_multiple_senders_keep_per_sender_order(receiver: PipeReceiver) -> None:
+    names = ["a", "b", "c"]
+    procs = [start_sender(receiver.address, n, 100) for n in names]
+    try:
+        got = drain(receiver, len(names))
+    finally:
+        reap(procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert got == {n: [f"{n}:{i}".encode() for i in range(100)] for n in names}
+
+
+def test_zmq_pipe_in_process_and_reset_sender(receiver: PipeReceiver) -> None:
+    tx = PipeSender(receiver.address, "local")
+    try:
+        tx.send(b"one")
+        assert receiver.recv(timeout=10) == ("local", b"one")
+    finally:
+        tx.close()
+    with pytest.raises(PipeClosed):
+        receiver.recv(timeout=10)
+    with pytest.raises(PipeClosed, match="is closed"):
+        tx.send(b"late")
+    tx.close()  # idempotent
+    # the same sender name restarts: without reset its frames are refused
+    tx2 = PipeSender(receiver.address, "local")
+    try:
+        tx2.send(b"again")
+        with pytest.raises(MessageError, match="after its end-of-stream"):
+            receiver.recv(timeout=10)
+        receiver.reset_sender("local")
+        tx2.send(b"after-reset")
+        with pytest.raises(MessageError, match="frame 1, expected 0"):
+            receiver.recv(timeout=10)
+    finally:
+        tx2.close()
+
+
+def test_zmq_pipe_wrong_secret_is_refused() -> None:
+    rx = PipeReceiver("127.0.0.1", 0, Codec("right"))
+    proc = start_sender(rx.address, "intruder", 1, secret="wrong")
+    try:
+        with pytest.raises(AuthError):
+            rx.recv(timeout=30)
+    finally:
+        reap([proc])
+        rx.close()
+
+
+def test_zmq_pipe_shared_secret_works() -> None:
+    rx = PipeReceiver("127.0.0.1", 0, Codec("s3cret"))
+    proc = start_sender(rx.address, "friend", 3, secret="s3cret")
+    try:
+        assert drain(rx, 1) == {"friend": [b"friend:0", b"friend:1", b"friend:2"]}
+    finally:
+        reap([proc])
+        rx.close()
+
+
+@pytest.fixture
+def raw_push(receiver: PipeReceiver) -> Iterator[zmq.Socket[bytes]]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(receiver.address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def test_zmq_pipe_reports_gaps(receiver: PipeReceiver, raw_push: zmq.Socket[bytes]) -> None:
+    raw_push.send_multipart([b"gappy", Codec().encode(PipeFrame(seq=5, payload=b"x"))])
+    with pytest.raises(MessageError, match="frame 5, expected 0"):
+        receiver.recv(timeout=10)
+
+
+def test_zmq_pipe_rejects_malformed_frames(
+    receiver: PipeReceiver, raw_push: zmq.Socket[bytes]
+) -> None:
+    raw_push.send_multipart([b"bad", b"\xc1garbage"])
+    with pytest.raises(MessageError, match="malformed control message"):
+        receiver.recv(timeout=10)
+    raw_push.send_multipart([b"one-part-only"])
+    with pytest.raises(MessageError, match="pipe frame with 1 parts"):
+        receiver.recv(timeout=10)
+    raw_push.send_multipart([b"wrong-kind", Codec().encode(TransferDone(transfer_id="t"))])
+    with pytest.raises(MessageError, match="expected a pipe frame, got TransferDone"):
+        receiver.recv(timeout=10)
+
+
+def test_zmq_receiver_timeout_and_close() -> None:
+    rx = PipeReceiver("127.0.0.1", 0)
+    assert rx.address.startswith("tcp://127.0.0.1:")
+    with pytest.raises(TimeoutError):
+        rx.recv(timeout=0.05)
+    rx.close()
+    rx.close()
+    with pytest.raises(PipeClosed, match="receiver is closed"):
+        rx.recv(timeout=0.05)

@@ -1,0 +1,100 @@
+"""kvbridge.registry: entry-point discovery, did-you-mean, unavailable backends."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import pytest
+
+from kvbridge import registry
+from kvbridge.errors import BackendNotFound, BackendUnavailable, ConfigError, KVBridgeError
+from kvbridge.transport import Transport
+
+
+def test_shm_is_listed_and_loads() -> None:
+    assert "shm" in registry.available()
+    cls = registry.load_class("shm")
+    assert issubclass(cls, Transport)
+
+
+def test_listing_imports_nothing() -> None:
+    names = registry.available()
+    assert names == sorted(names)
+    assert {"shm", "nixl", "mooncake"} <= set(names)
+
+
+def test_unknown_backend_lists_installed_with_suggestion() -> None:
+    with pytest.raises(BackendNotFound) as info:
+        registry.load_class("shn")
+    msg = str(info.value)
+    assert "unknown kvbridge backend 'shn'" in msg
+    assert "did you mean 'shm'?" in msg
+    assert "installed: " in msg and "shm" in msg.split("installed: ")[1]
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, KVBridgeError)
+
+
+def test_unknown_backend_without_near_match() -> None:
+    with pytest.raises(BackendNotFound, match=r"'zzzz' \(installed: .*shm") as info:
+        registry.create("zzzz", "agent")
+    assert "did you mean" not in str(info.value)
+
+
+def test_create_shm() -> None:
+    transport = registry.create("shm", "test-registry-agent", {})
+    try:
+        assert isinstance(transport, Transport)
+        assert transport.agent_name == "test-registry-agent"
+    finally:
+        transport.close()
+
+
+def test_status_reports_shm_loadable() -> None:
+    rows = {row.name: row for row in registry.status()}
+    assert rows["shm"].loadable, rows["shm"].detail
+    assert rows["shm"].target == "kvbridge.transports.shm:ShmTransport"
+    for row in rows.values():
+        assert row.loadable or row.detail  # every failure says why
+
+
+def _fake_entry_points(monkeypatch: pytest.MonkeyPatch, **targets: str) -> None:
+    """Install fake plugins next to the real ones, the way a third-party package would appear."""
+    real = registry._entry_points()
+    fake = {n: EntryPoint(name=n, value=v, group=registry.GROUP) for n, v in targets.items()}
+
+    def entry_points() -> dict[str, Any]:
+        return {**real, **fake}
+
+    monkeypatch.setattr(registry, "_entry_points", entry_points)
+
+
+def test_missing_module_is_unavailable_with_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_entry_points(monkeypatch, nixl="kvbridge_no_such_module_xyz:NixlTransport")
+    with pytest.raises(BackendUnavailable, match=r"backend 'nixl' cannot load: .*"
+                                                 r"kvbridge_no_such_module_xyz.*install: ") as info:
+        registry.load_class("nixl")
+    assert isinstance(info.value, ImportError) and isinstance(info.value, KVBridgeError)
+
+
+def test_missing_attribute_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_entry_points(monkeypatch, broken="kvbridge.errors:NoSuchTransport")
+    with pytest.raises(BackendUnavailable, match=r"'broken' .*NoSuchTransport"):
+        registry.load_class("broken")
+
+
+def test_not_a_transport_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_entry_points(monkeypatch, wrong="kvbridge.errors:KVBridgeError")
+    with pytest.raises(BackendUnavailable, match="is not a kvbridge Transport"):
+        registry.create("wrong", "agent")
+
+
+def test_status_survives_broken_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_entry_points(
+        monkeypatch,
+        ghost="kvbridge_no_such_module_xyz:T",
+        broken="kvbridge.errors:NoSuchTransport",
+    )
+    rows = {row.name: row for row in registry.status()}
+    assert not rows["ghost"].loadable and "kvbridge_no_such_module_xyz" in rows["ghost"].detail
+    assert not rows["broken"].loadable and "NoSuchTransport" in rows["broken"].detail
+    assert rows["shm"].loadable

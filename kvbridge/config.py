@@ -68,12 +68,14 @@ class Config:
     """Level of the ``kvbridge`` loggers."""
 
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: problems that did not stop loading (unknown ``KVBRIDGE_*`` variables); logged at start-up
+    warnings: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     # -------------------------------------------------------------------------------------------
 
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "sources"]
+        return [f.name for f in fields(cls) if f.name not in ("sources", "warnings")]
 
     @classmethod
     def load(
@@ -81,12 +83,16 @@ class Config:
     ) -> Config:
         """Merge defaults, ``extra`` (vLLM's ``kv_connector_extra_config``) and ``env``.
 
-        Raises :class:`ConfigError` for an unknown key (with a suggestion) or a bad value.
+        Raises :class:`ConfigError` for an unknown extra_config key (with a suggestion) or a bad
+        value. An unknown ``KVBRIDGE_*`` variable is only a warning (kept in :attr:`warnings`):
+        fleets share environments across versions, and a newer variable must not stop an older
+        engine.
         """
         env = os.environ if env is None else env
         known = cls.keys()
         values: dict[str, Any] = {}
         sources = {k: "default" for k in known}
+        warnings: list[str] = []
         for key, raw in (extra or {}).items():
             if key not in known:
                 raise ConfigError(_unknown(key, known, "kv_connector_extra_config key"))
@@ -97,10 +103,11 @@ class Config:
                 continue
             key = name[len(ENV_PREFIX) :].lower()
             if key not in known:
-                raise ConfigError(_unknown(key, known, f"environment variable {name}"))
+                warnings.append(_unknown(key, known, f"environment variable {name}") + "; ignored")
+                continue
             values[key] = _coerce(key, raw)
             sources[key] = f"env {name}"
-        cfg = cls(**values, sources=sources)
+        cfg = cls(**values, sources=sources, warnings=tuple(warnings))
         cfg._validate()
         return cfg
 

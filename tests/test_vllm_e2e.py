@@ -1,4 +1,7 @@
-"""End to end on real vLLM engines: one P and one D with KVBridgeConnector over ``shm``.
+"""End to end on real vLLM engines: one P and one D with KVBridgeConnector, per backend.
+
+The whole module runs once per transport backend (``shm``, ``nixl``, ``mooncake``; restrict with
+``KVB_E2E_BACKENDS=shm,nixl``); a backend that cannot load here is skipped with its reason.
 
 D's greedy output must equal a single engine's output for the same prompt, in pull, push and auto
 mode, sequential and concurrent, and the KV must really have moved (the agents' counters, read
@@ -9,6 +12,7 @@ session (≈1–2 min on 2 cores) and are killed on teardown, also on failure.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge import registry
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.testing.engines import (
@@ -60,13 +65,17 @@ class Cluster:
 _GREEDY = {"ignore_eos": True}
 
 
-def _connector(role: str, engine_id: str) -> dict[str, Any]:
+BACKENDS = [b for b in os.environ.get("KVB_E2E_BACKENDS", "shm,nixl,mooncake").split(",")
+            if b]
+
+
+def _connector(role: str, engine_id: str, backend: str) -> dict[str, Any]:
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"backend": "shm", "lease_s": LEASE_S, "heartbeat_s": 2,
-                                      "push_timeout_s": 30},
+        "kv_connector_extra_config": {"backend": backend, "lease_s": LEASE_S,
+                                      "heartbeat_s": 2, "push_timeout_s": 30},
     }
 
 
@@ -75,16 +84,24 @@ def _control_address(url: str) -> str:
     return f"tcp://{params['remote_host']}:{params['remote_port']}"
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="session", params=BACKENDS)
+def cluster(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    backend = str(request.param)
+    status = {s.name: s for s in registry.status()}
+    if backend not in status or not status[backend].loadable:
+        pytest.skip(f"backend {backend} unavailable: "
+                    f"{status[backend].detail if backend in status else 'not installed'}")
     model = build_tiny_model()
-    logs = tmp_path_factory.mktemp("logs")
+    logs = tmp_path_factory.mktemp(f"logs-{backend}")
     env = {"VLLM_TARGET_DEVICE": "cpu"}
     args = ["--block-size", "32"]
-    p = VllmServer(model, name="prefill", kv_transfer_config=_connector("kv_producer", "e2e-P"),
-                   cpu_bind="0", env=env, extra_args=args, log_path=logs / "prefill.log")
-    d = VllmServer(model, name="decode", kv_transfer_config=_connector("kv_consumer", "e2e-D"),
-                   cpu_bind="1", env=env, extra_args=args, log_path=logs / "decode.log")
+    p = VllmServer(model, name="prefill",
+                   kv_transfer_config=_connector("kv_producer", "e2e-P", backend), cpu_bind="0",
+                   env=env, extra_args=args, log_path=logs / "prefill.log")
+    d = VllmServer(model, name="decode",
+                   kv_transfer_config=_connector("kv_consumer", "e2e-D", backend), cpu_bind="1",
+                   env=env, extra_args=args, log_path=logs / "decode.log")
     proxies: ProxyThread | None = None
     try:
         start_servers([p, d], timeout=600)
@@ -194,6 +211,24 @@ def test_push_whose_decode_never_arrives_is_released_after_lease(cluster: Cluste
     reply = cluster.stats(cluster.p_ctl)
     assert reply.stats.get("lease_expired", 0) == before + 1
     assert reply.pending == 0
+
+
+def test_layerwise_push_matches_single_engine(cluster: Cluster) -> None:
+    prompt = random_prompts(1, 250, seed=81)[0]
+    ref = cluster.reference(prompt)
+    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
+    before = cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0)
+    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "layerwise-1",
+                **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, cluster.d.url, prompt, MAX_TOKENS, d_params, False, _GREEDY)
+        time.sleep(1.0)  # let D register first, so P can write layer by layer
+        complete(cluster.p.url, prompt, 1, {"do_remote_decode": True, "transfer_mode": "push",
+                                            "transfer_id": "layerwise-1",
+                                            "kvbridge_layerwise": True})
+        out = output_token_ids(fut.result(timeout=120))
+    assert out == ref
+    assert cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0) == before + 1
 
 
 def _wait_idle(cluster: Cluster, address: str, timeout: float = 30.0) -> None:

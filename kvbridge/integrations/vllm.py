@@ -88,6 +88,7 @@ class SendPlan:
     req_id: str
     transfer_id: str
     block_ids: list[int]
+    layerwise: bool = False
 
 
 @dataclass
@@ -154,6 +155,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             log.info("KVBridgeConnector %s (kvbridge %s, role %s): %s", self.engine_id,
                      kvbridge.__version__, ktc.kv_role, self.config.summary())
+            for warning in self.config.warnings:
+                log.warning("%s", warning)
             self._sched = _SchedulerSide(self)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
@@ -315,6 +318,10 @@ class _SchedulerSide:
             mode = TransferMode.PULL
         return TransferMode.PULL if mode is TransferMode.AUTO else mode
 
+    def _layerwise(self, params: dict[str, Any]) -> bool:
+        """Per-request ``kvbridge_layerwise`` wins over the ``layerwise`` setting."""
+        return bool(params.get("kvbridge_layerwise", self.config.layerwise))
+
     def _transfer_id(self, request: Request, params: dict[str, Any]) -> str:
         tid = params.get("transfer_id")
         return str(tid) if tid else f"{self.conn.engine_id}-{request.request_id}"
@@ -387,7 +394,9 @@ class _SchedulerSide:
             del self._producers[req_id]
             self._meta.prefill_done.append(tid)
             if mode is TransferMode.PUSH:
-                self._meta.push_ready.append(SendPlan(req_id, tid, self._prompt_blocks(request)))
+                self._meta.push_ready.append(SendPlan(
+                    req_id, tid, self._prompt_blocks(request),
+                    self._layerwise(self._params(request))))
                 self._handed_to_worker[req_id] = tid
         if self._first_step_due:
             now = time.time()
@@ -580,10 +589,12 @@ class _WorkerSide:
 
     def layer_saved(self, layer_name: str) -> None:
         """Layer-wise push: this layer's KV of the requests finishing prefill is written."""
-        if self.agent is None or not self._ready or not self.config.layerwise:
+        if self.agent is None or not self._ready:
             return
         for plan in self._ready:
-            self.agent.push_layer(plan.req_id, plan.transfer_id, plan.block_ids, layer_name)
+            if plan.layerwise:
+                self.agent.push_layer(plan.req_id, plan.transfer_id, plan.block_ids,
+                                      layer_name)
 
     def after_forward(self) -> None:
         if self.agent is None:

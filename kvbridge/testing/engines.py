@@ -8,9 +8,10 @@ in its own session and process group, with the settings that work on small CPU h
 - :meth:`VllmServer.start` returns at once; :meth:`VllmServer.wait_ready` polls ``/health``
   over HTTP (no subprocesses) and raises :class:`EngineError` with the tail of the log when the
   engine dies or does not become ready in time.
-- :meth:`VllmServer.stop` kills the whole process group (SIGTERM, then SIGKILL after a grace
-  period) and reaps the leader. It is idempotent, safe to call from ``finally`` blocks and from
-  a KeyboardInterrupt, and every started server is also stopped at interpreter exit (atexit).
+- :meth:`VllmServer.stop` ends the whole process group (SIGTERM to the leader, then SIGKILL to
+  the group after a grace period) and reaps the leader. It is idempotent, safe to call from
+  ``finally`` blocks and from a KeyboardInterrupt, and every started server is also stopped at
+  interpreter exit (atexit).
 - :func:`start_servers` starts several engines concurrently and waits for all of them; if one
   fails, all are stopped.
 
@@ -284,8 +285,9 @@ class VllmServer:
     def stop(self, grace: float | None = None) -> int | None:
         """Terminate the whole process group; return the leader's exit code (None if never run).
 
-        SIGTERM to the group, up to *grace* seconds (default ``stop_grace``) for it to exit, then
-        SIGKILL. Blocks until the group is gone (at most ``grace + 5`` s). Idempotent.
+        SIGTERM to the leader (which stops its own children), up to *grace* seconds (default
+        ``stop_grace``) for the whole group to exit, then SIGKILL to the group. Blocks until the
+        group is gone (at most ``grace + 6`` s). Idempotent.
         """
         if grace is None:
             grace = self.stop_grace
@@ -297,7 +299,14 @@ class VllmServer:
                 return proc.returncode
             pgid = proc.pid
             try:
-                self._signal_group(pgid, signal.SIGTERM)
+                # SIGTERM to the leader only: vLLM's API server then shuts its EngineCore and
+                # workers down in order (a group-wide SIGTERM makes them die first, and the
+                # server logs a spurious EngineDeadError). Whatever is left gets SIGKILL.
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pgid, signal.SIGTERM)
+                else:  # the leader is gone already: tell its orphans directly
+                    self._signal_group(pgid, signal.SIGTERM)
                 if not self._wait_group(proc, pgid, grace):
                     log.warning("engine %s did not exit in %.0f s; SIGKILL", self.name, grace)
                     self._signal_group(pgid, signal.SIGKILL)
@@ -528,7 +537,9 @@ def stream_complete(
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    break
+                    # Keep reading to the end of the body: closing now would cut the server
+                    # off before its last chunk terminator (a reset on its side).
+                    continue
                 now = time.perf_counter() - t0
                 if now > timeout:
                     raise EngineError(f"stream from {url} exceeded {timeout:.0f} s")

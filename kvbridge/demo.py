@@ -385,12 +385,20 @@ def _engines(model: Path, work: Path, args: argparse.Namespace) -> tuple[VllmSer
     p = VllmServer(
         model, name="P", cpu_bind="0", log_path=work / "prefill.log",
         kv_transfer_config=kv("kv_producer", _P_ENGINE_ID), python=args.engine_python,
+        env=_ENGINE_ENV, extra_args=_ENGINE_ARGS,
     )  # fmt: skip
     d = VllmServer(
         model, name="D", cpu_bind="1", log_path=work / "decode.log",
         kv_transfer_config=kv("kv_consumer", _D_ENGINE_ID), python=args.engine_python,
+        env=_ENGINE_ENV, extra_args=_ENGINE_ARGS,
     )  # fmt: skip
     return p, d
+
+
+#: On a small CPU host: stop idle engines from spinning a core each (see docs/usage.md), and use
+#: 32-token blocks so every request moves several blocks.
+_ENGINE_ENV = {"KVBRIDGE_ENGINE_SPIN_MS": "2"}
+_ENGINE_ARGS = ["--block-size", "32"]
 
 
 def _validate(args: argparse.Namespace) -> str | None:

@@ -94,7 +94,7 @@ def cluster(request: pytest.FixtureRequest,
                     f"{status[backend].detail if backend in status else 'not installed'}")
     model = build_tiny_model()
     logs = tmp_path_factory.mktemp(f"logs-{backend}")
-    env = {"VLLM_TARGET_DEVICE": "cpu"}
+    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"}
     args = ["--block-size", "32"]
     p = VllmServer(model, name="prefill",
                    kv_transfer_config=_connector("kv_producer", "e2e-P", backend), cpu_bind="0",
@@ -229,6 +229,47 @@ def test_layerwise_push_matches_single_engine(cluster: Cluster) -> None:
         out = output_token_ids(fut.result(timeout=120))
     assert out == ref
     assert cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0) == before + 1
+
+
+def _group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every process in a process group (read from /proc, no forking)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # field 5 (pgrp), counted after the comm field
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_decode_waiting_for_a_push_sleeps_and_abort_releases(cluster: Cluster) -> None:
+    """A D request waiting for KV must not spin D's engine loop; aborting it frees everything.
+
+    vLLM steps an engine continuously while a request waits for remote KV; kvbridge's idle wait
+    turns those empty steps into sleeps. A busy loop burns >= 1 CPU-second per second here; the
+    bound below is 3x looser than what the idle wait measures, so it is not a timing test.
+    """
+    prompt = random_prompts(1, 100, seed=91)[0]
+    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
+    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "never-1",
+                **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    assert cluster.d.pid is not None
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, cluster.d.url, prompt, 4, d_params, False, None, timeout=8)
+        time.sleep(2.0)  # the request is parked, waiting for a push that never comes
+        cpu0, t0 = _group_cpu_seconds(cluster.d.pid), time.monotonic()
+        time.sleep(4.0)
+        used = (_group_cpu_seconds(cluster.d.pid) - cpu0) / (time.monotonic() - t0)
+        with pytest.raises(EngineError):
+            fut.result(timeout=30)  # the client gives up: vLLM aborts the request
+    assert used < 0.35, f"decode engine used {used:.2f} CPU-s/s while only waiting"
+    _wait_idle(cluster, cluster.d_ctl)
+    assert cluster.stats(cluster.d_ctl).pending == 0
 
 
 def _wait_idle(cluster: Cluster, address: str, timeout: float = 30.0) -> None:

@@ -548,9 +548,13 @@ class ProxyServer:
                     event = {
                         "error": {"message": exc.message, "type": exc.kind, "code": exc.status}
                     }
-                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    with contextlib.suppress(ConnectionError):
+                        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                     break
-            await out.write_eof()
+            try:
+                await out.write_eof()
+            except ConnectionError:  # the client hung up right after the last chunk: harmless
+                log.debug("%s client closed before the end of the stream", call.rid)
             return out
         finally:
             if resp is not None:

@@ -49,7 +49,8 @@ class Cluster:
     refs: dict[tuple[int, ...], list[int]]
 
     def stats(self, address: str) -> StatsReply:
-        reply = ControlClient(Codec(), 5.0).request(address, StatsQuery())
+        # generous: on a loaded 2-core host a busy engine process can be slow to answer
+        reply = ControlClient(Codec(), 30.0).request(address, StatsQuery())
         assert isinstance(reply, StatsReply)
         return reply
 

@@ -17,10 +17,10 @@ SHAPE = (2, 64, 16, 64)
 def pd() -> Iterator[tuple[AgentProcess, AgentProcess]]:
     procs: list[AgentProcess] = []
     try:
-        procs.append(AgentProcess("prefill", SHAPE, {"lease_s": 3, "heartbeat_s": 1,
-                                                      "push_timeout_s": 4}))
-        procs.append(AgentProcess("decode", SHAPE, {"lease_s": 3, "heartbeat_s": 1,
-                                                     "push_timeout_s": 4}))
+        extra = {"lease_s": 3, "heartbeat_s": 1, "push_timeout_s": 4,
+                 "control_timeout_s": 20}  # generous: the host may be loaded
+        procs.append(AgentProcess("prefill", SHAPE, extra))
+        procs.append(AgentProcess("decode", SHAPE, extra))
         procs[0].call("fill", 1)
         procs[1].call("fill", 2)
         yield procs[0], procs[1]
@@ -109,7 +109,7 @@ def test_push_timeout_when_prefill_never_comes(pd: tuple[AgentProcess, AgentProc
     d.call("expect", "d-req", "t6", p.address, (7, 8), 0)
     rd = d.drain({"d-req"}, timeout=15)
     assert rd["results"]["failed_recving"] == {"d-req"}
-    assert rd["stats"]["push_timeout"] >= 1
+    assert rd["stats"].get("push_timeout", 0) >= 1, rd["stats"]
 
 
 def test_layout_mismatch_is_named() -> None:
@@ -172,3 +172,13 @@ def test_layerwise_push_posts_each_layer_then_completes(
     rp = p.drain({"p-req"})
     assert rp["results"]["finished_sending"] == {"p-req"}
     assert rp["stats"]["push_layerwise"] == 1
+
+
+def test_a_reused_transfer_id_is_released_not_leaked(pd: tuple[AgentProcess, AgentProcess]) -> None:
+    p, _d = pd
+    p.call("stage", "p-1", "dup", [1, 2])
+    p.call("stage", "p-2", "dup", [3, 4])  # the same transfer_id again: refused, blocks released
+    rp = p.drain({"p-2"}, timeout=5)
+    assert rp["results"]["finished_sending"] == {"p-2"}
+    assert rp["stats"]["internal_errors"] == 1
+    assert rp["pending"] == 1  # the first one still waits for its decode

@@ -397,7 +397,25 @@ class TransferAgent:
     def _dispatch(self, kind: str, arg: Any) -> None:
         if kind == "stop":
             return
-        getattr(self, f"_ev_{kind}")(arg)
+        try:
+            getattr(self, f"_ev_{kind}")(arg)
+        except Exception as exc:  # noqa: BLE001 - never lose a request on an unexpected error
+            log.exception("%s event failed; failing its transfer", kind)
+            self._fail_event(kind, arg, f"{type(exc).__name__}: {exc}")
+
+    def _fail_event(self, kind: str, arg: Any, why: str) -> None:
+        """An event could not be handled: end its transfer so no block stays pinned."""
+        self.stats["internal_errors"] += 1
+        if isinstance(arg, tuple) and arg and isinstance(arg[0], _Send):
+            arg = arg[0]
+        if isinstance(arg, _Send):
+            if arg.transfer_id not in self._jobs:
+                self._finish_send(arg.req_id, arg.transfer_id, f"failed: {why}")
+        elif isinstance(arg, (PullSpec, PushSpec)):
+            if arg.transfer_id not in self._ended:
+                self._finish_recv(arg, False, why)
+        elif isinstance(arg, PushRegister):
+            self._fail_push_to(arg, why)
 
     def _ev_stage(self, send: _Send) -> None:
         self._staged.insert(send.transfer_id, send, self._lease)

@@ -1,1 +1,27 @@
-"""NIXL backend for kvbridge (work in progress)."""
+"""NIXL backend for kvbridge (entry point ``nixl``): UCX by default, LIBFABRIC for AWS EFA.
+
+Importing this package is cheap: nixl is imported only when a :class:`NixlTransport` is
+constructed (or :meth:`NixlTransport.probe` / :func:`raw_bench` is called). See
+``docs/backends/nixl.md`` and ``docs/efa.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge_nixl.transport import NixlTransport
+
+__all__ = ["NixlTransport", "raw_bench"]
+
+
+def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int, **options: Any) -> float:
+    """Best-of-``reps`` GB/s of the NIXL API alone moving scattered blocks between two processes.
+
+    Same pattern as ``kvbridge bench transfer`` (initiator blocks in order, target blocks at a
+    random permutation, one descriptor per block); no kvbridge code on the data path. Blocking;
+    spawns one target process and always stops it. ``options`` are nixl backend options
+    (``backends``, ``progress_delay_us``…) so both columns run the same agent configuration.
+    """
+    from kvbridge_nixl._bench import raw_bench as _raw_bench
+
+    return float(_raw_bench(block_bytes, total_bytes, op, reps, **options))

@@ -1,0 +1,585 @@
+"""NixlTransport: kvbridge's Transport over NIXL (UCX by default, LIBFABRIC for AWS EFA).
+
+Contract (on top of :mod:`kvbridge.transport`'s):
+
+* Construction imports nixl (missing → :class:`BackendUnavailable` naming what to install),
+  creates one ``nixl_agent`` with the configured NIXL backends and no listen thread, and fails
+  with :class:`BackendUnavailable` (one line) if any configured backend cannot load. It blocks for
+  plugin loading (~0.3–2 s, longer on a loaded host).
+* Metadata is exchanged by kvbridge's control channel: :meth:`register_memory` returns
+  msgpack bytes holding the NIXL agent metadata, the registered regions and the memory kind;
+  :meth:`add_peer` decodes them (:class:`MessageError` if malformed) and calls
+  ``add_remote_agent``.
+* Data path: descriptors are checked against both sides' registered regions before anything is
+  posted. In ``xfer_mode`` ``auto``/``prepped`` the transfer indexes *prepared* descriptor lists
+  (one "grid" per side and granule, cached per peer, see :mod:`kvbridge_nixl._grid`), else it is
+  posted with ``initialize_xfer``. A transfer's notification is the NIXL ``notif_msg``, which
+  NIXL delivers only after the bytes landed and only on success.
+* Thread safety: NIXL is not guaranteed thread-safe; every agent call holds one lock.
+  NIXL completes a transfer (and sends its notification) only when the initiator checks its
+  state, so a kvbridge progress thread polls in-flight handles (interval 1/32 of their age,
+  20 µs – 1 ms; asleep when nothing is in flight) and sets each handle's event; :meth:`wait`
+  sleeps on that event.
+* :meth:`close` refuses new work, waits up to ``timeout`` for posted handles, fails and
+  abandons the rest (posted RDMA cannot be aborted), then releases prepared lists, memory
+  registrations, remote agents and the agent. Idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import (
+    DescriptorError,
+    KVBridgeError,
+    MessageError,
+    PeerUnreachable,
+    TransferFailed,
+    TransferTimeout,
+    TransportClosed,
+    TransportError,
+    UnknownPeer,
+)
+from kvbridge.transport import (
+    Capabilities,
+    DescriptorArray,
+    HandleState,
+    MemoryRegion,
+    Op,
+    TransferHandle,
+    Transport,
+    check_within,
+)
+from kvbridge_nixl._agent import NixlOptions, create_agent, import_nixl
+from kvbridge_nixl._efa import detect_efa_devices, efa_advice
+from kvbridge_nixl._grid import Grid, granule_of, region_table
+
+__all__ = ["NixlTransport", "NixlPeerInfo"]
+
+log = logging.getLogger("kvbridge.transport.nixl")
+
+METADATA_VERSION = 1
+_MAX_GRIDS = 4
+_AUTO_GRANULE_CAP = 64 << 10
+_AUTO_GRANULE_MIN = 1 << 10
+
+
+class NixlPeerInfo(msgspec.Struct, frozen=True, tag="kvbridge-nixl"):
+    """What :meth:`NixlTransport.register_memory` returns (msgpack): a peer's metadata."""
+
+    version: int
+    agent: str
+    mem_type: str
+    regions: list[tuple[int, int, int]]
+    nixl: bytes
+
+
+_info_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)
+_info_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class _Peer:
+    name: str
+    regions: list[tuple[int, int, int]]
+    mem_type: str
+    grids: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # granule -> dlist handle
+    inflight: int = 0
+    removed: bool = False
+
+
+def _translate(exc: BaseException, what: str, peer: str | None = None) -> KVBridgeError:
+    """Map a native NIXL exception to kvbridge's error tree."""
+    kind = type(exc).__name__
+    text = f"{what}: NIXL {kind} ({exc})"
+    if kind == "nixlRemoteDisconnectError":
+        return PeerUnreachable(text)
+    if kind == "nixlNotFoundError" and peer is not None:
+        return UnknownPeer(f"{text}; is peer {peer!r} added?")
+    if kind in ("nixlMismatchError", "nixlInvalidParamError"):
+        return MessageError(text)
+    return TransferFailed(text)
+
+
+class NixlTransport(Transport):
+    """kvbridge Transport over NIXL; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "nixl"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        read=True, write=True, notifications=True, device_memory=True, cross_host=True
+    )
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(agent_name, options)
+        self.settings = NixlOptions.parse(self.options)
+        self._lock = threading.RLock()
+        self._agent, self.agent_config = create_agent(agent_name, self.settings)
+        self._regions: list[tuple[int, int, int]] = []
+        self._reg_descs: list[Any] = []
+        self._mem_type: str | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._retired_peers: list[_Peer] = []
+        self._local_grids: OrderedDict[int, Any] = OrderedDict()
+        self._retired_dlists: list[Any] = []
+        self._inflight: dict[int, tuple[TransferHandle, _Peer]] = {}
+        self._closing = False
+        self._cv = threading.Condition(self._lock)
+        self._progress: threading.Thread | None = None
+        self.stats = {"prepped": 0, "direct": 0, "grids": 0}
+        log.info(
+            "nixl agent %r started: backends=%s progress_thread=%s progress_delay_us=%d "
+            "num_threads=%d xfer_mode=%s UCX_TLS=%r UCX_NET_DEVICES=%r",
+            agent_name, ",".join(self.settings.backends), self.settings.progress_thread,
+            self.agent_config["progress_delay_us"], self.settings.num_threads,
+            self.settings.xfer_mode, self.agent_config["UCX_TLS"],
+            self.agent_config["UCX_NET_DEVICES"],
+        )
+        if self.settings.efa_check:
+            advice = efa_advice(self.settings.backends, self.efa_devices())
+            if advice:
+                log.warning("%s", advice)
+
+    # -- discovery ------------------------------------------------------------------------------
+
+    @staticmethod
+    def efa_devices() -> list[str]:
+        """EFA devices of this host (override or monkeypatch in tests)."""
+        return detect_efa_devices()
+
+    @classmethod
+    def probe(cls) -> str:
+        """Short status for ``kvbridge backends``; raises :class:`BackendUnavailable`."""
+        api = import_nixl()
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("nixl")
+        except PackageNotFoundError:
+            ver = "?"
+        impl = api.__name__.split(".")[0]
+        efa = detect_efa_devices(fi_info=None)
+        return f"nixl {ver} ({impl}); EFA devices: {', '.join(efa) if efa else 'none'}"
+
+    # -- memory and peers -----------------------------------------------------------------------
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> bytes:
+        """Register ``regions`` with every configured NIXL backend; return the metadata.
+
+        All regions of one transport share one memory kind (``DRAM`` or ``VRAM``). Blocking.
+        """
+        new = [(int(r.address), int(r.length), int(r.device)) for r in regions]
+        kinds = {r.kind.upper() for r in regions}
+        with self._lock:
+            self._check_open()
+            kind = self._mem_type or (kinds.pop() if len(kinds) == 1 else "DRAM")
+            if new and (kind not in ("DRAM", "VRAM")
+                        or any(r.kind.upper() != kind for r in regions)):
+                raise DescriptorError(
+                    f"nixl transport registers one memory kind (DRAM or VRAM), got "
+                    f"{sorted({r.kind for r in regions})} after {self._mem_type or 'none'}"
+                )
+            if any(length <= 0 or addr <= 0 for addr, length, _ in new):
+                raise DescriptorError("a memory region needs a positive address and length")
+            if new:
+                try:
+                    # a list of (addr, len, dev, name) tuples: NIXL reads numpy arrays as Nx3
+                    # descriptor lists, never as buffers
+                    descs = self._agent.register_memory([(*r, "") for r in new], kind)
+                except Exception as exc:
+                    raise TransportError(f"NIXL register_memory failed: {exc!r}") from exc
+                self._reg_descs.append(descs)
+                self._mem_type = kind
+                self._regions.extend(new)
+                self._retire(self._local_grids)
+            info = NixlPeerInfo(
+                version=METADATA_VERSION,
+                agent=self.agent_name,
+                mem_type=self._mem_type or "DRAM",
+                regions=list(self._regions),
+                nixl=bytes(self._agent.get_agent_metadata()),
+            )
+        log.debug("nixl %r registered %d region(s), %d total", self.agent_name, len(new),
+                  len(self._regions))
+        return _info_encoder.encode(info)
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            info = _info_decoder.decode(metadata)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+            raise MessageError(f"malformed nixl peer metadata: {exc}") from exc
+        if info.version != METADATA_VERSION:
+            raise MessageError(
+                f"nixl peer metadata version {info.version}, this side speaks {METADATA_VERSION}"
+            )
+        with self._lock:
+            self._check_open()
+            try:
+                raw = self._agent.add_remote_agent(info.nixl)
+            except Exception as exc:
+                raise MessageError(f"NIXL rejected peer metadata of {info.agent!r}: {exc!r}") \
+                    from exc
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if name != info.agent:
+                raise MessageError(f"peer metadata names {info.agent!r} but NIXL says {name!r}")
+            old = self._peers.get(name)
+            if old is not None:
+                self._retire(old.grids)
+                old.removed = True
+            for retired in self._retired_peers:
+                if retired.name == name:
+                    retired.removed = False  # re-added before its deferred removal ran
+                    self._retire(retired.grids)
+            self._retired_peers = [p for p in self._retired_peers if p.name != name]
+            self._peers[name] = _Peer(name, list(info.regions), info.mem_type)
+        log.info("nixl %r added peer %r (%d region(s))", self.agent_name, name, len(info.regions))
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            state = self._peers.pop(peer, None)
+            if state is None:
+                return
+            state.removed = True
+            self._retired_peers.append(state)
+            self._reap_peers()
+        log.info("nixl %r removed peer %r", self.agent_name, peer)
+
+    # -- data path ------------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        op: Op,
+        peer: str,
+        local: DescriptorArray,
+        remote: DescriptorArray,
+        notification: bytes | None,
+    ) -> TransferHandle:
+        nbytes = int(local[:, 1].sum())
+        handle = TransferHandle(op, peer, nbytes, int(local.shape[0]))
+        with self._lock:
+            self._check_open()
+            state = self._peers.get(peer)
+            if state is None:
+                raise UnknownPeer(f"nixl {self.agent_name!r}: unknown peer {peer!r}")
+            check_within(local, [(a, n) for a, n, _ in self._regions], "local")
+            check_within(remote, [(a, n) for a, n, _ in state.regions], "remote")
+            if local.shape[0] == 0:
+                if notification is not None:
+                    self._notify(peer, notification)
+                handle._finish(HandleState.DONE)
+                return handle
+            native = self._post(op, state, local, remote, notification or b"")
+            handle.native = native
+            state.inflight += 1
+            self._inflight[handle.id] = (handle, state)
+            self._poll_locked(handle)
+            if not handle.state.terminal:
+                self._ensure_progress()
+                self._cv.notify_all()
+        return handle
+
+    def _ensure_progress(self) -> None:
+        if self._progress is None:
+            self._progress = threading.Thread(
+                target=self._progress_loop, name=f"kvbridge-nixl-{self.agent_name}", daemon=True
+            )
+            self._progress.start()
+
+    def _progress_loop(self) -> None:
+        """Poll in-flight handles until the transport closes; sleeps while nothing is in flight.
+
+        NIXL (UCX) completes a transfer, and sends its notification, only when the initiator
+        checks its state; this thread does that so notifications flow even if nobody polls.
+        The poll interval is 1/32 of the oldest transfer's age, between 20 µs and 1 ms, so a
+        waiter learns of completion at most ~3 % late, and nothing is polled while idle.
+        """
+        with self._cv:
+            while self._agent is not None and not (self._closed and not self._inflight):
+                if not self._inflight:
+                    self._cv.wait()
+                    continue
+                for handle, _ in list(self._inflight.values()):
+                    self._poll_locked(handle)
+                if self._inflight:
+                    oldest = min(h.started for h, _ in self._inflight.values())
+                    age = time.perf_counter() - oldest
+                    self._cv.wait(min(max(age / 32, 20e-6), 1e-3))
+
+    def _post(
+        self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes
+    ) -> Any:
+        agent, mem = self._agent, self._mem_type or "DRAM"
+        what = f"{op.value} of {int(local[:, 1].sum())} bytes with peer {peer.name!r}"
+        try:
+            native = None
+            if self.settings.xfer_mode != "direct":
+                native = self._make_prepped(op, peer, local, remote, notif)
+            if native is None:
+                if self.settings.xfer_mode == "prepped":
+                    log.debug("nixl: descriptors do not fit a prepared grid; posting directly")
+                native = agent.initialize_xfer(
+                    op.value, agent.get_xfer_descs(local, mem),
+                    agent.get_xfer_descs(remote, peer.mem_type), peer.name, notif,
+                )
+                self.stats["direct"] += 1
+            else:
+                self.stats["prepped"] += 1
+        except Exception as exc:
+            raise _translate(exc, what, peer.name) from exc
+        try:
+            status = agent.transfer(native)
+        except Exception as exc:
+            self._release(native)
+            raise _translate(exc, what, peer.name) from exc
+        if status == "ERR":
+            self._release(native)
+            raise TransferFailed(f"{what}: NIXL refused to post the transfer (ERR)")
+        return native
+
+    def _make_prepped(
+        self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes
+    ) -> Any:
+        """A transfer over prepared grids, or ``None`` if the descriptors do not fit one."""
+        granule = self._pick_granule(peer, local, remote)
+        if granule is None:
+            return None
+        lgrid_h, lgrid = self._grid(self._local_grids, "NIXL_INIT_AGENT", self._regions,
+                                    self._mem_type or "DRAM", granule)
+        rgrid_h, rgrid = self._grid(peer.grids, peer.name, peer.regions, peer.mem_type, granule)
+        lidx, ridx = lgrid.indices(local), rgrid.indices(remote)
+        if lidx is None or ridx is None or lidx.size != ridx.size:
+            return None
+        return self._agent.make_prepped_xfer(op.value, lgrid_h, lidx, rgrid_h, ridx, notif)
+
+    def _pick_granule(
+        self, peer: _Peer, local: DescriptorArray, remote: DescriptorArray
+    ) -> int | None:
+        if self.settings.granule:
+            g = self.settings.granule
+        else:
+            common = np.gcd(granule_of(local, region_table(self._regions)),
+                            granule_of(remote, region_table(peer.regions)))
+            if common <= 0:
+                return None
+            cached = [k for k in peer.grids if common % k == 0 and k in self._local_grids]
+            if cached:
+                return max(cached)
+            g = min(int(common) & -int(common), _AUTO_GRANULE_CAP)  # largest power of two
+            if g < _AUTO_GRANULE_MIN:
+                return None
+        limit = self.settings.max_prepped_entries
+        if Grid.entries_for(self._regions, g) > limit or Grid.entries_for(peer.regions, g) > limit:
+            return None
+        return g
+
+    def _grid(
+        self, cache: OrderedDict[int, Any], agent: str, regions: list[tuple[int, int, int]],
+        mem: str, granule: int,
+    ) -> tuple[Any, Grid]:
+        """The prepared dlist handle and grid for ``granule`` (LRU of :data:`_MAX_GRIDS`)."""
+        hit = cache.get(granule)
+        if hit is not None:
+            cache.move_to_end(granule)
+            return hit  # type: ignore[no-any-return]
+        grid = Grid(regions, granule)
+        t0 = time.perf_counter()
+        handle = self._agent.prep_xfer_dlist(agent, grid.descriptors(), mem)
+        self.stats["grids"] += 1
+        log.debug("nixl: prepared %d-entry grid (granule %d) for %s in %.1f ms", grid.size,
+                  granule, agent, (time.perf_counter() - t0) * 1e3)
+        cache[granule] = (handle, grid)
+        while len(cache) > _MAX_GRIDS:
+            _, (old, _) = cache.popitem(last=False)
+            self._retired_dlists.append(old)
+        return handle, grid
+
+    def _retire(self, cache: OrderedDict[int, Any]) -> None:
+        """Drop cached grids; their NIXL handles are released once nothing is in flight."""
+        self._retired_dlists.extend(h for h, _ in cache.values())
+        cache.clear()
+        self._release_retired()
+
+    def _release_retired(self) -> None:
+        if self._inflight or not self._retired_dlists:
+            return
+        for h in self._retired_dlists:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception as exc:  # noqa: BLE001 - best effort, logged
+                log.warning("nixl: releasing a prepared descriptor list failed: %r", exc)
+        self._retired_dlists.clear()
+
+    def _reap_peers(self) -> None:
+        """Forget removed peers in NIXL once none of their transfers is in flight."""
+        keep = []
+        for p in self._retired_peers:
+            if p.inflight or not p.removed:
+                keep.append(p)
+                continue
+            self._retire(p.grids)
+            if p.name not in self._peers:
+                try:
+                    self._agent.remove_remote_agent(p.name)
+                except Exception as exc:  # noqa: BLE001 - best effort, logged
+                    log.warning("nixl: remove_remote_agent(%r) failed: %r", p.name, exc)
+        self._retired_peers = keep
+
+    def poll(self, handle: TransferHandle) -> HandleState:
+        if handle.state.terminal:
+            return handle.state
+        with self._lock:
+            return self._poll_locked(handle)
+
+    def _poll_locked(self, handle: TransferHandle) -> HandleState:
+        if handle.state.terminal or handle.id not in self._inflight:
+            return handle.state
+        error: KVBridgeError | None = None
+        try:
+            status = self._agent.check_xfer_state(handle.native)
+        except Exception as exc:
+            status, error = "ERR", _translate(exc, "check_xfer_state", handle.peer)
+        if status == "PROC":
+            return handle.state
+        self._settle(handle)
+        if status == "DONE":
+            handle._finish(HandleState.DONE)
+        else:
+            handle._finish(HandleState.FAILED, str(error) if error else (
+                f"{handle.op.value} of {handle.nbytes} bytes with {handle.peer!r} failed "
+                "(NIXL state ERR: peer gone or network error)"))
+        return handle.state
+
+    def _settle(self, handle: TransferHandle) -> None:
+        """Release a handle that stopped and update the bookkeeping."""
+        _, peer = self._inflight.pop(handle.id)
+        peer.inflight -= 1
+        self._release(handle.native)
+        handle.native = None
+        if peer.removed:
+            self._reap_peers()
+        self._release_retired()
+
+    def _release(self, native: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(native)
+        except Exception as exc:  # noqa: BLE001 - a stuck handle is kept alive by NIXL's list
+            log.warning("nixl: releasing a transfer handle failed: %r", exc)
+
+    def wait(self, handle: TransferHandle, timeout: float | None = None) -> HandleState:
+        """Block until ``handle`` is terminal or raise :class:`TransferTimeout`.
+
+        Sleeps on the handle's event, which the progress thread sets on completion (no polling
+        here beyond a 50 ms safety net).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.poll(handle)
+            if state.terminal:
+                return state
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TransferTimeout(
+                    f"{handle.op.value} of {handle.nbytes} bytes with {handle.peer!r} did not "
+                    f"finish within {timeout} s"
+                )
+            with self._lock:
+                if not handle.state.terminal and handle.id in self._inflight:
+                    self._ensure_progress()
+            delay = 0.05 if deadline is None else min(0.05, max(deadline - now, 0.0))
+            handle.done_event.wait(delay)
+
+    # -- notifications --------------------------------------------------------------------------
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        if not isinstance(message, bytes):
+            raise DescriptorError("a notification must be bytes")
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise UnknownPeer(f"nixl {self.agent_name!r}: unknown peer {peer!r}")
+            self._notify(peer, message)
+
+    def _notify(self, peer: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            raise _translate(exc, f"notification to {peer!r}", peer) from exc
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            if self._agent is None:
+                return []
+            try:
+                new = self._agent.get_new_notifs()
+            except Exception as exc:
+                raise _translate(exc, "get_new_notifs") from exc
+        out: list[tuple[str, bytes]] = []
+        for name, messages in new.items():
+            who = name.decode() if isinstance(name, bytes) else str(name)
+            out.extend((who, bytes(m)) for m in messages)
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed or self._agent is None:
+            raise TransportClosed(f"nixl transport {self.agent_name!r} is closed")
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._closed = True
+            pending = [h for h, _ in self._inflight.values()]
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while pending and time.monotonic() < deadline:
+            pending = [h for h in pending if not self.poll(h).terminal]
+            if pending:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+        with self._lock:
+            for handle, _ in list(self._inflight.values()):
+                if handle.state.terminal:
+                    continue
+                self._settle(handle)  # tries to release (= abort); NIXL keeps stuck ones
+                handle._finish(HandleState.FAILED, f"nixl transport {self.agent_name!r} closed "
+                               f"while the transfer was in flight")
+            if pending:
+                log.warning("nixl %r closed with %d transfer(s) still in flight after %.1f s",
+                            self.agent_name, len(pending), timeout)
+            for peer in list(self._peers.values()):
+                peer.removed = True
+                self._retired_peers.append(peer)
+            self._peers.clear()
+            self._reap_peers()
+            self._retire(self._local_grids)
+            for descs in self._reg_descs:
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:  # noqa: BLE001 - best effort, logged
+                    log.warning("nixl: deregister_memory failed: %r", exc)
+            self._reg_descs.clear()
+            self._agent = None
+            self._cv.notify_all()
+        if self._progress is not None and self._progress is not threading.current_thread():
+            self._progress.join(timeout=5.0)
+        log.info("nixl agent %r closed", self.agent_name)
+
+    def __del__(self) -> None:  # pragma: no cover - safety net only
+        try:
+            if not getattr(self, "_closing", True):
+                self.close(timeout=1.0)
+        except Exception:  # noqa: BLE001
+            pass
+

@@ -199,6 +199,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # ---- scheduler role ----
 
+    def _recv_params_problem(self, params: dict[str, Any]) -> str | None:
+        """Why a decode leg's ``kv_transfer_params`` cannot be served, or None."""
+        if not params.get("remote_host") or not params.get("remote_port"):
+            return "kv_transfer_params lack remote_host/remote_port"
+        if self._mode(params) is TransferMode.PULL and not params.get("remote_block_ids"):
+            return "a pull needs remote_block_ids (send P's returned params unchanged)"
+        return None
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -391,6 +399,13 @@ class _SchedulerSide:
     ) -> tuple[int | None, bool]:
         params = self._params(request)
         if not params.get("do_remote_prefill"):
+            return 0, False
+        problem = self._recv_params_problem(params)
+        if problem is not None:
+            # Never silent: say that this request will be prefilled here instead.
+            log.warning("request %s: %s; its prompt will be computed on this engine",
+                        request.request_id, problem)
+            params["do_remote_prefill"] = False
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)

@@ -146,7 +146,7 @@ def run_config(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="benchmarks: transfer bandwidth, descriptor building",
+        help="benchmarks: transfer bandwidth, descriptor building, end to end",
         description="Benchmarks that compare side by side in one run (ratios, not absolutes).",
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -191,6 +191,19 @@ def add_bench_parser(subparsers: Any) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.set_defaults(func=run_bench_descriptors)
+
+    from kvbridge import bench_e2e
+
+    e = sub.add_parser(
+        "e2e",
+        help="end to end on real vLLM engines: kvbridge vs vLLM's NIXL connectors",
+        description="Run the same seeded workload through vLLM's NixlConnector (pull), "
+        "NixlPushConnector and KVBridgeConnector (shm, nixl; pull, push, auto), each on a fresh "
+        "pair of real vLLM engines, and print one table: TTFT, TPOT, hand-off time, CPU "
+        "seconds per engine, output check, ratios to vLLM's pull. Takes ~15-20 minutes.",
+    )
+    bench_e2e.add_arguments(e)
+    e.set_defaults(func=bench_e2e.cli_main)
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

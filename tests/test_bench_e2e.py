@@ -1,0 +1,259 @@
+"""Fast unit tests of ``kvbridge bench e2e``'s helpers: flags, percentiles, the joins, the table.
+
+No engines are started here; the benchmark itself is run by hand (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvbridge import bench_e2e as b
+from kvbridge import cli
+from kvbridge.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser(["bench", "e2e", *argv]).parse_args(["bench", "e2e", *argv])
+
+
+def test_defaults_match_the_protocol() -> None:
+    s = b.settings_from_args(_args())
+    assert s.configs == b.CONFIG_NAMES
+    assert (s.seq, s.concurrent, s.wave, s.prompt_len, s.max_tokens) == (12, 16, 8, 400, 32)
+    assert s.push_headroom == 4
+    assert s.conc_phase == "c8"
+
+
+def test_configs_subset_keeps_order_and_drops_duplicates() -> None:
+    s = b.settings_from_args(_args("--configs", "kvbridge-shm, vllm-nixl-pull,kvbridge-shm",
+                                   "--seq", "3", "--wave", "4", "--log-dir", "/tmp/x"))
+    assert s.configs == ("kvbridge-shm", "vllm-nixl-pull")
+    assert s.seq == 3 and s.conc_phase == "c4" and s.log_dir == Path("/tmp/x")
+    assert b.parse_configs("all") == b.CONFIG_NAMES
+
+
+@pytest.mark.parametrize("text", ["vllm-nixl", "", " , ", "kvbridge-shm,nope"])
+def test_bad_configs_are_named(text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        b.parse_configs(text)
+    assert "configuration" in str(err.value)
+
+
+@pytest.mark.parametrize("flag,value", [("--seq", "-1"), ("--wave", "0"), ("--max-tokens", "1")])
+def test_bad_numbers_are_refused(flag: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        b.settings_from_args(_args(flag, value))
+
+
+def test_cli_reports_bad_configs_without_starting_anything(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "e2e", "--configs", "bogus"]) == 1
+    assert "unknown configuration 'bogus'" in capsys.readouterr().err
+
+
+# -- percentiles and prompts ---------------------------------------------------------------------
+
+
+def test_percentile_interpolates_linearly() -> None:
+    assert b.percentile([], 50) is None
+    assert b.percentile([3.0], 90) == 3.0
+    assert b.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert b.percentile(list(map(float, range(11))), 90) == pytest.approx(9.0)
+    assert b.percentile([1.0, 2.0], 0) == 1.0 and b.percentile([1.0, 2.0], 100) == 2.0
+    with pytest.raises(ValueError):
+        b.percentile([1.0], 101)
+
+
+def test_prompts_are_fresh_per_phase_and_shared_across_configurations() -> None:
+    s = b.BenchSettings(prompt_len=50)
+    seq_pull = b.workload_prompts(s, "pull", "seq", 5)
+    assert seq_pull == b.workload_prompts(s, "pull", "seq", 5)  # same for every configuration
+    others = [b.workload_prompts(s, m, ph, 5) for m in ("pull", "push", "auto")
+              for ph in ("warmup", "seq", "conc", "proxy-seq")]
+    flat = [tuple(p) for group in others for p in group]
+    assert len(set(flat)) == len(flat), "a prompt repeats: a prefix-cache hit would flatter"
+    assert all(len(p) == 50 for p in flat)
+
+
+# -- joins ---------------------------------------------------------------------------------------
+
+
+P_TIMINGS = {
+    "t-pull": {"kv_ready": 100.000},
+    "t-push": {"kv_ready": 200.000, "write_posted": 200.001, "write_done": 200.004},
+    "t-only-p": {"kv_ready": 300.0},
+}
+D_TIMINGS = {
+    "t-pull": {"recv_done": 100.050, "first_step": 100.060},
+    "t-push": {"recv_done": 200.006, "first_step": 200.010},
+    "t-only-d": {"recv_done": 1.0, "first_step": 2.0},
+}
+
+
+def test_handoff_joins_p_and_d_by_transfer_id() -> None:
+    got = b.handoff_times(P_TIMINGS, D_TIMINGS, ["t-pull", "t-push", "t-only-p", "t-only-d",
+                                                 "missing"])
+    assert got == pytest.approx([0.060, 0.010])
+
+
+def test_breakdown_splits_consecutive_steps() -> None:
+    pull = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-pull"])
+    assert pull == pytest.approx({"kv_ready->recv_done": 0.050, "recv_done->first_step": 0.010})
+    push = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"])
+    assert push == pytest.approx({"kv_ready->write_posted": 0.001,
+                                  "write_posted->write_done": 0.003,
+                                  "write_done->recv_done": 0.002,
+                                  "recv_done->first_step": 0.004})
+
+
+def test_breakdown_with_client_events_adds_up_to_ttft() -> None:
+    client = {"t-push": {"dispatch": 199.900, "first_token": 200.030}}
+    steps = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"], client)
+    assert steps["dispatch->kv_ready"] == pytest.approx(0.100)
+    assert steps["first_step->first_token"] == pytest.approx(0.020)
+    assert sum(steps.values()) == pytest.approx(0.130)  # = first_token - dispatch
+
+
+def test_request_steps_are_relative_to_dispatch_and_ordered() -> None:
+    steps = b.request_steps(P_TIMINGS, D_TIMINGS, "t-push", 199.9)
+    assert list(steps) == ["P.kv_ready", "P.write_posted", "P.write_done", "D.recv_done",
+                           "D.first_step"]
+    assert steps["P.kv_ready"] == pytest.approx(0.1)
+    assert b.request_steps(P_TIMINGS, D_TIMINGS, "missing", 0.0) == {}
+    rec = b.RequestRecord(index=0, mode="push", steps={"P.kv_ready": 0.1})
+    assert rec.to_dict()["steps_ms"] == {"P.kv_ready": 100.0}
+
+
+def test_prom_sum_adds_every_label_set_and_ignores_lookalikes() -> None:
+    text = "\n".join([
+        "# HELP vllm:nixl_xfer_time_seconds transfer time",
+        'vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="tiny"} 0.25',
+        'vllm:nixl_xfer_time_seconds_sum{engine="1",model_name="tiny"} 0.5',
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny"} 3.0',
+        'vllm:nixl_xfer_time_seconds_bucket{le="0.1"} 9',
+        "vllm:nixl_xfer_time_seconds_sum_other 7",
+    ])
+    assert b.prom_sum(text, "vllm:nixl_xfer_time_seconds_sum") == 0.75
+    assert b.prom_sum(text, "vllm:nixl_xfer_time_seconds_count") == 3.0
+    assert b.prom_sum(text, "absent") == 0.0
+
+
+# -- CPU accounting ------------------------------------------------------------------------------
+
+
+def test_parse_stat_line_survives_odd_process_names() -> None:
+    fields = ["S", "1", "4242", "4242"] + ["0"] * 7 + ["150", "25"] + ["0"] * 30
+    line = "1234 (VLLM::Engine Core) (x)) " + " ".join(fields)
+    assert b.parse_stat_line(line) == (4242, 175)
+
+
+def test_cpu_seconds_of_own_process_group_grows_with_work() -> None:
+    pgid = os.getpgrp()
+    before = b.group_cpu_ticks(pgid)
+    assert os.getpid() in before
+    x = 0
+    for i in range(3_000_000):
+        x += i * i
+    after = b.group_cpu_ticks(pgid)
+    assert b.cpu_seconds(before, after) > 0.0
+    # Pids that appeared later count from zero; pids that vanished do not subtract.
+    assert b.cpu_seconds({}, {1: 100}) == 100 / os.sysconf("SC_CLK_TCK")
+    assert b.cpu_seconds({1: 100, 2: 50}, {1: 90}) == 0.0
+
+
+def test_cpu_meter_splits_engines_self_and_others() -> None:
+    meter = b.CpuMeter(-1, -1)  # no such groups: engines count zero
+    x = 0
+    for i in range(2_000_000):
+        x += i
+    p, d, me, other = meter.read()
+    assert (p, d) == (0.0, 0.0)
+    assert me > 0.0 and other >= 0.0
+
+
+# -- rows, ratios, table -------------------------------------------------------------------------
+
+
+def _phase(config: str, mode: str, phase: str, ttfts: list[float], tpot: float,
+           **kw: object) -> b.PhaseResult:
+    recs = [b.RequestRecord(index=i, mode=mode, ok=True, ttft=t, tpot=tpot)
+            for i, t in enumerate(ttfts)]
+    return b.PhaseResult(config, mode, phase, records=recs, **kw)  # type: ignore[arg-type]
+
+
+def test_summary_ratios_and_table() -> None:
+    base = _phase("vllm-nixl-pull", "pull", "seq", [0.2, 0.4, 0.3], 0.010, cpu_p=1.5,
+                  cpu_d=2.0, xfer_avg_ms=4.0, xfer_count=3, checked=2, matched=2)
+    push = _phase("kvbridge-shm", "push", "seq", [0.1, 0.2, 0.15], 0.005,
+                  handoffs=[0.002, 0.004, 0.003], checked=2, matched=1)
+    auto = _phase("kvbridge-shm", "auto", "c8", [1.0], 0.02)
+    auto.records.append(b.RequestRecord(index=1, mode="pull", ok=False, error="boom"))
+    auto.records[0].mode = "push"
+    auto.error = "1 failed, first: boom"
+    proxy = _phase("kvbridge-shm", "push", "proxy-seq", [0.6], 0.02)
+    rows = [b.summarize(r) for r in (base, push, auto, proxy)]
+    b.add_ratios(rows)
+    assert rows[0]["ttft_p50_s"] == pytest.approx(0.3) and rows[0]["ttft_ratio"] == 1.0
+    assert rows[1]["ttft_ratio"] == pytest.approx(0.5)
+    assert rows[1]["tpot_ratio"] == pytest.approx(0.5)
+    assert rows[1]["handoff_p50_ms"] == pytest.approx(3.0)
+    assert rows[1]["match"] == "MISMATCH 1/2" and rows[0]["match"] == "MATCH 2/2"
+    assert rows[2]["ttft_ratio"] is None  # no c8 baseline in this run
+    assert (rows[2]["ok"], rows[2]["failed"]) == (1, 1)
+    assert rows[2]["chosen"] == {"push": 1, "pull": 1}
+    assert rows[3]["ttft_ratio"] == pytest.approx(2.0)  # proxy-seq against the baseline's seq
+    json.dumps(rows)  # plain JSON values only
+
+    text = b.format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split("  ")[0] == "config"
+    assert set(lines[1]) <= {"-", " "}
+    base_line = next(ln for ln in lines if ln.startswith("vllm-nixl-pull"))
+    assert " n/a " in base_line and "MATCH 2/2" in base_line and " 4.0 " in base_line
+    push_line = next(ln for ln in lines if " push " in ln and " seq " in ln)
+    assert "3.0/3.8" in push_line and "0.50" in push_line
+    assert any("auto(pull:1/push:1)" in ln for ln in lines)
+    assert "errors:" in text and "boom" in text
+
+
+def test_report_formats_with_breakdown_and_notes() -> None:
+    res = _phase("kvbridge-nixl", "push", "seq", [0.1], 0.005, handoffs=[0.002],
+                 breakdown={"kv_ready->write_posted": 0.001})
+    rows = [b.summarize(res)]
+    b.add_ratios(rows)
+    report = {"date": "2026-01-01T00:00:00+00:00",
+              "host": {"cpus": 2, "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"},
+              "rows": rows, "log_dir": "/tmp/logs",
+              "configs": {"kvbridge-nixl": {"ready_s": 60.0, "elapsed_s": 200.0,
+                                            "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"}}}
+    text = b.format_report(report)
+    assert "kv_ready->write_posted 1.0" in text
+    assert "kvbridge-nixl: waited 0 s for quiet, ready 60.0 s" in text
+    assert "load 1 1 1 -> 2 2 2" in text
+
+
+def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    p, d = b.engine_specs("vllm-nixl-push", model, tmp_path)
+    assert p.kv_transfer_config == {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer",
+                                    "kv_buffer_device": "cpu", "engine_id": b.VLLM_PUSH_P_ENGINE}
+    assert d.kv_transfer_config is not None and d.kv_transfer_config["kv_role"] == "kv_consumer"
+    assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert (p.cpu_bind, d.cpu_bind) == ("0", "1")
+    assert p.env["VLLM_TARGET_DEVICE"] == "cpu" and "--block-size" in p.extra_args
+    p, d = b.engine_specs("kvbridge-nixl", model, tmp_path)
+    assert p.kv_transfer_config is not None
+    assert p.kv_transfer_config["kv_connector"] == "KVBridgeConnector"
+    assert p.kv_transfer_config["kv_connector_extra_config"] == {"backend": "nixl"}
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in p.env
+    assert p.proc is None and d.proc is None  # nothing started

@@ -83,6 +83,55 @@ def run_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- kvbridge stats ------------------------------------------------------------------------------
+
+
+def add_stats_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "stats",
+        help="ask an engine rank for its transfer counters",
+        description="Query a KVBridgeConnector engine rank over its control channel (the "
+        "address P returns as remote_host/remote_port, e.g. tcp://127.0.0.1:5600) for its "
+        "counters, the transfers it still tracks and recent per-transfer timings.",
+    )
+    p.add_argument("address", help="control address, tcp://HOST:PORT or HOST:PORT")
+    p.add_argument("--secret", default=None, help="shared secret, if the engines use one")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--timings", action="store_true", help="also print per-transfer timings")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_stats)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from kvbridge.control import ControlClient
+    from kvbridge.errors import MessageError
+    from kvbridge.messages import Codec, StatsQuery, StatsReply
+
+    address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
+    client = ControlClient(Codec(args.secret), args.timeout)
+    try:
+        reply = client.request(address, StatsQuery())
+    finally:
+        client.close()
+    if not isinstance(reply, StatsReply):
+        raise MessageError(f"{address} answered {type(reply).__name__}, not stats "
+                           f"({getattr(reply, 'error', '')})")
+    if args.json:
+        print_json({"engine_id": reply.engine_id, "generation": reply.generation,
+                    "pending": reply.pending, "stats": reply.stats,
+                    **({"timings": reply.timings} if args.timings else {})})
+        return 0
+    print(f"engine {reply.engine_id} generation {reply.generation}: "
+          f"{reply.pending} transfer(s) pending")
+    print_table(["counter", "value"], sorted(reply.stats.items()))
+    if args.timings and reply.timings:
+        events = sorted({e for t in reply.timings.values() for e in t})
+        rows = [(tid, *(f"{t[e]:.6f}" if e in t else "" for e in events))
+                for tid, t in reply.timings.items()]
+        print_table(["transfer_id", *events], rows)
+    return 0
+
+
 # -- kvbridge config -----------------------------------------------------------------------------
 
 
@@ -291,6 +340,7 @@ class LazyCommand:
 BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_backends_parser,
     add_config_parser,
+    add_stats_parser,
     add_bench_parser,
 )
 

@@ -221,3 +221,22 @@ def test_lazy_command_loads_only_when_run(
     with pytest.raises(SystemExit) as info:
         cli.main(["fake", "--answer", "1", "--bogus"])
     assert info.value.code == 2
+
+
+def test_stats_reads_a_live_agent_and_fails_cleanly_when_nobody_answers() -> None:
+    """`kvbridge stats` against a real agent process, then against a closed port."""
+    from kvbridge.testing.agents import AgentProcess
+
+    agent = AgentProcess("stats-engine", (1, 8, 16, 16))
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "stats", agent.address,
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert data["engine_id"] == "stats-engine" and data["pending"] == 0
+    finally:
+        agent.close()
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "stats", agent.address,
+                          "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "no answer from" in out.stderr

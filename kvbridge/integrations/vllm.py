@@ -100,7 +100,7 @@ def _apply_engine_spin() -> None:
             self.busy_loop_s = spin_s
         original(self, timeout_ms)
 
-    SpinCondition.wait = wait  # type: ignore[method-assign]
+    SpinCondition.wait = wait
     _spin_applied = True
 
 
@@ -198,14 +198,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
 
     # ---- scheduler role ----
-
-    def _recv_params_problem(self, params: dict[str, Any]) -> str | None:
-        """Why a decode leg's ``kv_transfer_params`` cannot be served, or None."""
-        if not params.get("remote_host") or not params.get("remote_port"):
-            return "kv_transfer_params lack remote_host/remote_port"
-        if self._mode(params) is TransferMode.PULL and not params.get("remote_block_ids"):
-            return "a pull needs remote_block_ids (send P's returned params unchanged)"
-        return None
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -340,7 +332,7 @@ class _SchedulerSide:
         codec = Codec(self.config.secret, self.config.max_message_bytes)
         self._heartbeats = HeartbeatSender(ControlClient(codec, self.config.control_timeout_s),
                                            self.config.heartbeat_s)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._wake = ctx.socket(zmq.PULL)
         self._wake.setsockopt(zmq.LINGER, 0)
         port = self._wake.bind_to_random_port("tcp://127.0.0.1")
@@ -393,6 +385,14 @@ class _SchedulerSide:
         if params.get("do_remote_prefill") and params.get("remote_host"):
             self._heartbeats.add(self._transfer_id(request, params),
                                  f"tcp://{params['remote_host']}:{params['remote_port']}")
+
+    def _recv_params_problem(self, params: dict[str, Any]) -> str | None:
+        """Why a decode leg's ``kv_transfer_params`` cannot be served, or None."""
+        if not params.get("remote_host") or not params.get("remote_port"):
+            return "kv_transfer_params lack remote_host/remote_port"
+        if self._mode(params) is TransferMode.PULL and not params.get("remote_block_ids"):
+            return "a pull needs remote_block_ids (send P's returned params unchanged)"
+        return None
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -610,7 +610,7 @@ class _WorkerSide:
             return
         if meta.wake_address:
             with self._wake_lock:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 16)
                 sock.connect(meta.wake_address)
@@ -626,8 +626,8 @@ class _WorkerSide:
                                           tuple(plan.local_ids), tuple(plan.remote_ids)))
         self._send_reqs.update(p.req_id for p in meta.stages)
         self._send_reqs.update(p.req_id for p in meta.push_ready)
-        for plan in meta.stages:
-            agent.stage_pull(plan.req_id, plan.transfer_id, plan.block_ids)
+        for send in meta.stages:
+            agent.stage_pull(send.req_id, send.transfer_id, send.block_ids)
         for req_id, tid in meta.cancel_recvs:
             agent.cancel_recv(req_id, tid)
         for req_id, tid in meta.cancel_sends:

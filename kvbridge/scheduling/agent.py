@@ -123,7 +123,8 @@ class _PushJob:
 
 @dataclass
 class _Inflight:
-    kind: str  # "pull" | "push"
+    """D side: one READ in flight."""
+
     handle: TransferHandle
     local: DescriptorArray
     spec: Any
@@ -353,7 +354,7 @@ class TransferAgent:
             return Ack()
         ok, err = True, None
         if msg.checksum is not None:
-            mine = self._source_digest(send, msg.source_blocks)
+            mine = digest(self.layout.descriptors(msg.source_blocks))
             if mine != msg.checksum:
                 ok, err = False, "checksum mismatch: bytes changed in transit"
                 self.stats["checksum_mismatch"] += 1
@@ -516,7 +517,7 @@ class TransferAgent:
             self._finish_recv(spec, False, str(exc))
             return
         self._inflight.append(
-            _Inflight("pull", handle, local, spec, peer, int(local[:, 1].sum()))
+            _Inflight(handle, local, spec, peer, int(local[:, 1].sum()))
         )
 
     def _ev_expect(self, spec: PushSpec) -> None:
@@ -593,8 +594,8 @@ class TransferAgent:
             state = self.transport.poll(item.handle)
             if state is HandleState.PENDING:
                 if time.perf_counter() - item.handle.started > self.config.transfer_timeout_s:
-                    log.warning("transfer %s still pending after %.0f s", item.kind,
-                                self.config.transfer_timeout_s)
+                    log.warning("READ of %s still pending after %.0f s",
+                                item.spec.transfer_id, self.config.transfer_timeout_s)
                 still.append(item)
                 continue
             progressed = True
@@ -683,9 +684,6 @@ class TransferAgent:
                                  TransferFail(transfer_id=spec.transfer_id, reason=reason))
         except KVBridgeError:
             pass
-
-    def _source_digest(self, send: _Send, source_blocks: list[int]) -> str:
-        return digest(self.layout.descriptors(source_blocks))
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -165,6 +165,19 @@ def test_stock_toy_proxy_protocol_pull(cluster: Cluster) -> None:
     assert out == ref
 
 
+def test_decode_leg_without_prefill_address_is_prefilled_locally(cluster: Cluster) -> None:
+    """Malformed params never crash or hang D: it computes the prompt itself (and says so)."""
+    prompt = random_prompts(1, 100, seed=35)[0]
+    ref = cluster.reference(prompt)
+    before = cluster.stats(cluster.d_ctl).stats
+    out = output_token_ids(complete(cluster.d.url, prompt, MAX_TOKENS,
+                                    {"do_remote_prefill": True, "transfer_mode": "pull"},
+                                    extra=_GREEDY))
+    assert out == ref
+    after = cluster.stats(cluster.d_ctl).stats
+    assert after.get("recv_ok", 0) == before.get("recv_ok", 0)  # nothing was transferred
+
+
 def test_partial_prefix_hit_on_decode_moves_only_missing_blocks(cluster: Cluster) -> None:
     base = random_prompts(1, 160, seed=41)[0]
     # Warm D's own prefix cache with the first 128 tokens (4 blocks of 32).

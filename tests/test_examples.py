@@ -1,0 +1,23 @@
+"""The examples run (the fast one here; pd_on_one_host.sh is what `kvbridge demo` automates)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("backend", ["shm"])
+def test_transfer_example_moves_every_byte(backend: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "examples/transfer_two_processes.py"),
+                          "--backend", backend], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "every byte arrived" in out.stdout
+
+
+def test_pd_example_script_is_valid_bash() -> None:
+    assert subprocess.run(["bash", "-n", str(ROOT / "examples/pd_on_one_host.sh")]).returncode == 0

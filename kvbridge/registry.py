@@ -28,9 +28,14 @@ INSTALL_HINTS: dict[str, str] = {
 
 
 def _entry_points() -> dict[str, Any]:
-    from importlib.metadata import entry_points
+    """The group's entry points as stevedore discovers them (its cached scan), not loaded."""
+    from stevedore import ExtensionManager
 
-    return {ep.name: ep for ep in entry_points(group=GROUP)}
+    class _Lister(ExtensionManager[Any]):  # stevedore's discovery without loading every plugin
+        def __init__(self) -> None:
+            self.namespace = GROUP
+
+    return {ep.name: ep for ep in _Lister().list_entry_points()}
 
 
 def available() -> list[str]:

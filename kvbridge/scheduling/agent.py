@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +197,7 @@ class TransferAgent:
         #: transfer_id -> {event: wall time} for the most recent transfers (hand-off timing)
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
         self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._notifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-notify")
         self._wake_cb: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvbridge-mover", daemon=True)
@@ -270,6 +272,7 @@ class TransferAgent:
         self._stop.set()
         self._q.put(("stop", None))
         self._thread.join(timeout)
+        self._notifier.shutdown(wait=True, cancel_futures=False)
         self._server.close()
         self._client.close()
         self.transport.close(timeout)
@@ -651,39 +654,46 @@ class TransferAgent:
             self._fail_push_to(job.reg, job.error)
             self._finish_send(send.req_id, tid, "failed")
             return
+        self.mark(tid, "write_done")
         checksum = None
         if self.config.checksum and job.src:
             checksum = digest(self.layout.descriptors(job.src))
-        self._notify(job.peer, TransferDone(transfer_id=tid, nbytes=job.nbytes,
-                                            checksum=checksum))
-        self.mark(tid, "write_done")
+        self._notify(job.peer.info.control_address,
+                     TransferDone(transfer_id=tid, nbytes=job.nbytes, checksum=checksum))
         self.stats["push_bytes"] += job.nbytes
         self.stats["push_sent"] += 1
         if len(job.handles) > 1:
             self.stats["push_layerwise"] += 1
         self._finish_send(send.req_id, tid, "done")
 
-    def _notify(self, peer: Peer, msg: Message) -> bool:
+    def _notify(self, address: str, msg: Message) -> None:
+        """Send a one-way notice (DONE/FAIL) off the mover thread: a dead or slow peer must not
+        stall other transfers. Failures are logged; the receiver's own timeout covers them."""
+        def send() -> None:
+            try:
+                reply = self._client.request(address, msg)
+                if isinstance(reply, Ack) and not reply.ok:
+                    log.info("%s for %s refused by %s: %s", type(msg).__name__,
+                             getattr(msg, "transfer_id", "?"), address, reply.error)
+            except KVBridgeError as exc:
+                self.stats["notify_failed"] += 1
+                log.warning("cannot send %s to %s: %s", type(msg).__name__, address, exc)
+
         try:
-            reply = self._client.request(peer.info.control_address, msg)
-            return isinstance(reply, Ack) and reply.ok
-        except PeerUnreachable as exc:
-            log.warning("cannot notify %s: %s", peer.info.engine_id, exc)
-            return False
+            self._notifier.submit(send)
+        except RuntimeError:  # shutting down
+            pass
 
     def _fail_push_to(self, reg: PushRegister, reason: str) -> None:
         try:
             peer = self.peers.by_key(reg.engine_id, reg.generation)
         except KVBridgeError:
             return
-        self._notify(peer, TransferFail(transfer_id=reg.transfer_id, reason=reason))
+        self._notify(peer.info.control_address,
+                     TransferFail(transfer_id=reg.transfer_id, reason=reason))
 
     def _fail_to_prefill(self, spec: PullSpec, reason: str) -> None:
-        try:
-            self._client.request(spec.peer_address,
-                                 TransferFail(transfer_id=spec.transfer_id, reason=reason))
-        except KVBridgeError:
-            pass
+        self._notify(spec.peer_address, TransferFail(transfer_id=spec.transfer_id, reason=reason))
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.config import TransferMode
 from kvbridge.errors import ConfigError
 
 __all__ = [
@@ -56,12 +57,8 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
-class ProxyMode(enum.StrEnum):
-    """How the proxy hands a request from P to D."""
-
-    PULL = "pull"
-    PUSH = "push"
-    AUTO = "auto"
+#: How the proxy hands a request from P to D: the same pull | push | auto as the connector's.
+ProxyMode = TransferMode
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,21 @@ def test_a_reused_transfer_id_is_released_not_leaked(pd: tuple[AgentProcess, Age
     assert rp["results"]["finished_sending"] == {"p-2"}
     assert rp["stats"]["internal_errors"] == 1
     assert rp["pending"] == 1  # the first one still waits for its decode
+
+
+def test_prefill_abort_fails_the_waiting_decode_at_once(
+    pd: tuple[AgentProcess, AgentProcess]
+) -> None:
+    """P's request was aborted before its KV was ready: D hears FAIL now, not after a timeout."""
+    p, d = pd
+    d.call("expect", "d-req", "ab", p.address, (5, 6), 0)
+    time.sleep(0.3)  # D's registration is waiting at P
+    t0 = time.monotonic()
+    p.call("cancel_send", "p-req", "ab")
+    rd = d.drain({"d-req"}, timeout=10)
+    assert rd["results"]["failed_recving"] == {"d-req"}
+    assert time.monotonic() - t0 < 3.0  # well before push_timeout_s (4 s) would have fired
+    assert rd["stats"].get("push_timeout", 0) == 0
+    # and a registration arriving after the abort is refused at once as well
+    d.call("expect", "d-req2", "ab", p.address, (7,), 0)
+    assert d.drain({"d-req2"}, timeout=10)["results"]["failed_recving"] == {"d-req2"}

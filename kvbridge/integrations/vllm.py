@@ -562,7 +562,7 @@ class _WorkerSide:
         self._prefill_done: list[str] = []
         self._finished_reqs: set[str] = set()
         self._send_reqs: set[str] = set()  # requests whose blocks the agent holds for sending
-        self._silent: set[str] = set()  # receives vLLM does not wait for (nothing to load)
+        self._recv_reqs: set[str] = set()  # receives in progress: each is reported exactly once
         self._held_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._wake: zmq.Socket[bytes] | None = None
@@ -616,8 +616,8 @@ class _WorkerSide:
                 sock.connect(meta.wake_address)
                 self._wake = sock
         for plan in meta.recvs:
-            if not plan.local_ids:
-                self._silent.add(plan.req_id)
+            if plan.local_ids:
+                self._recv_reqs.add(plan.req_id)
             if plan.mode == TransferMode.PUSH.value:
                 agent.expect_push(PushSpec(plan.req_id, plan.transfer_id, plan.peer_address,
                                            tuple(plan.local_ids), plan.skip_blocks))
@@ -671,8 +671,8 @@ class _WorkerSide:
         self._finished_reqs -= sending
         self._send_reqs -= sending
         self._load_errors |= res.invalid_blocks
-        recving = res.finished_recving - self._silent
-        self._silent -= res.finished_recving
+        recving = res.finished_recving & self._recv_reqs
+        self._recv_reqs -= recving
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def take_load_errors(self) -> set[int]:

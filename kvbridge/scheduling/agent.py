@@ -415,8 +415,13 @@ class TransferAgent:
         if isinstance(arg, _Send):
             if arg.transfer_id not in self._jobs:
                 self._finish_send(arg.req_id, arg.transfer_id, f"failed: {why}")
-        elif isinstance(arg, (PullSpec, PushSpec)):
-            if arg.transfer_id not in self._ended:
+        elif isinstance(arg, PullSpec):
+            self._finish_recv(arg, False, why)
+        elif isinstance(arg, PushSpec):
+            held = self._awaiting.peek(arg.transfer_id)
+            if held is None or held is arg:  # not taken (and finished) by a DONE/FAIL handler
+                if held is arg:
+                    self._awaiting.drop_select(arg.transfer_id)
                 self._finish_recv(arg, False, why)
         elif isinstance(arg, PushRegister):
             self._fail_push_to(arg, why)
@@ -527,6 +532,10 @@ class TransferAgent:
         try:
             self.peers.get(spec.peer_address)
             self._awaiting.insert(spec.transfer_id, spec, self.config.push_timeout_s)
+        except KVBridgeError as exc:  # nothing of ours is in the buffer: just fail this one
+            self._finish_recv(spec, False, str(exc))
+            return
+        try:
             reply = self._client.request(spec.peer_address, PushRegister(
                 transfer_id=spec.transfer_id, engine_id=self.engine_id,
                 generation=self.generation, block_ids=list(spec.local_ids),
@@ -537,8 +546,8 @@ class TransferAgent:
                 raise KVBridgeError(f"prefill refused the registration: {why}")
             self.stats["push_registered"] += 1
         except KVBridgeError as exc:
-            self._awaiting.drop_select(spec.transfer_id)
-            if spec.transfer_id not in self._ended:
+            # Ours unless a DONE/FAIL from P already took it (and finished it).
+            if self._awaiting.drop_select(spec.transfer_id) is not None:
                 self._finish_recv(spec, False, str(exc))
 
     def _ev_push_done(self, msg: TransferDone) -> None:

@@ -71,6 +71,9 @@ def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
             elif cmd == "expect":
                 agent.expect_push(PushSpec(*args))
                 out = None
+            elif cmd == "cancel_send":
+                agent.cancel_send(*args)
+                out = None
             elif cmd == "cancel_recv":
                 agent.cancel_recv(*args)
                 out = None

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -144,8 +145,9 @@ class ControlClient:
             sock = self._socket(address)
             rid = next(self._ids).to_bytes(8, "little")
             sock.send_multipart([rid, data])
-            remaining_ms = int(timeout * 1000)
+            deadline = time.monotonic() + timeout
             while True:
+                remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
                 if not sock.poll(remaining_ms):
                     sock.close()
                     self._socks.pop(address, None)

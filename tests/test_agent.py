@@ -200,3 +200,19 @@ def test_prefill_abort_fails_the_waiting_decode_at_once(
     # and a registration arriving after the abort is refused at once as well
     d.call("expect", "d-req2", "ab", p.address, (7,), 0)
     assert d.drain({"d-req2"}, timeout=10)["results"]["failed_recving"] == {"d-req2"}
+
+
+def test_pull_done_before_the_stage_releases_on_stage(
+    pd: tuple[AgentProcess, AgentProcess]
+) -> None:
+    """D may READ and say DONE before P's worker has staged the blocks: P must still release."""
+    p, d = pd
+    d.call("pull", "d-req", "early", p.address, (9, 10), (1, 2))
+    rd = d.drain({"d-req"})
+    assert rd["results"]["finished_recving"] == {"d-req"}
+    assert not rd["results"]["failed_recving"]
+    p.call("stage", "p-req", "early", [1, 2])
+    rp = p.drain({"p-req"}, timeout=2)  # at once, not after the 3 s lease
+    assert rp["results"]["finished_sending"] == {"p-req"}
+    assert rp["stats"].get("lease_expired", 0) == 0
+    assert rp["pending"] == 0

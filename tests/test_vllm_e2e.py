@@ -50,7 +50,11 @@ class Cluster:
 
     def stats(self, address: str) -> StatsReply:
         # generous: on a loaded 2-core host a busy engine process can be slow to answer
-        reply = ControlClient(Codec(), 30.0).request(address, StatsQuery())
+        client = ControlClient(Codec(), 30.0)
+        try:
+            reply = client.request(address, StatsQuery())
+        finally:
+            client.close()
         assert isinstance(reply, StatsReply)
         return reply
 

@@ -189,7 +189,9 @@ class TransferAgent:
         self._lease = lease
         # transfer ids that ended (done, failed, expired) → why; bounded by _forget_old().
         self._ended: dict[str, tuple[float, str]] = {}
-        self._jobs: dict[str, _PushJob] = {}  # P side: pushes with WRITEs posted or due
+        self._jobs: dict[str, _PushJob] = {}
+        # pull DONEs that arrived before their stage event: transfer_id -> arrival (monotonic)
+        self._early_done: dict[str, float] = {}  # P side: pushes with WRITEs posted or due
         self._inflight: list[_Inflight] = []  # D side: READs in flight
         self._lock = threading.Lock()
         self._results = Results()
@@ -353,8 +355,12 @@ class TransferAgent:
                 self.stats["late_done"] += 1
                 return Ack(ok=False, error=f"lease of {msg.transfer_id} ended before DONE "
                            f"({ended[1]}); blocks may have been reused")
-            self._q.put(("early_done", msg))  # D read before our stage event was processed
-            return Ack()
+            # D read before our stage event was processed: remember it; the stage releases at once.
+            self._early_done[msg.transfer_id] = time.monotonic()
+            send = self._staged.drop_select(msg.transfer_id)  # the stage may have landed meanwhile
+            if send is None:
+                return Ack()
+            self._early_done.pop(msg.transfer_id, None)
         ok, err = True, None
         if msg.checksum is not None:
             mine = digest(self.layout.descriptors(msg.source_blocks))
@@ -427,16 +433,11 @@ class TransferAgent:
             self._fail_push_to(arg, why)
 
     def _ev_stage(self, send: _Send) -> None:
+        if self._early_done.pop(send.transfer_id, None) is not None:
+            self._finish_send(send.req_id, send.transfer_id, "done (decode read first)")
+            return
         self._staged.insert(send.transfer_id, send, self._lease)
         self.stats["staged"] += 1
-
-    def _ev_early_done(self, msg: TransferDone) -> None:
-        send = self._staged.drop_select(msg.transfer_id, timeout=0)
-        if send is None:  # stage not processed yet: requeue once it is
-            self._q.put(("early_done", msg))
-            time.sleep(0.001)
-            return
-        self._finish_send(send.req_id, msg.transfer_id, "done")
 
     def _ev_ready(self, send: _Send) -> None:
         if send.transfer_id in self._ended:
@@ -720,6 +721,10 @@ class TransferAgent:
             self._awaiting.insert(tid, spec, 1.0)
             self.stats["push_timeout"] += 1
             self._cancel_push(spec, f"no push within {self.config.push_timeout_s} s")
+        stale = time.monotonic() - self._lease
+        for tid in [t for t, ts in self._early_done.items() if ts < stale]:
+            self._early_done.pop(tid, None)  # a DONE for a transfer never staged here
+            self.stats["unmatched_done"] += 1
         self._forget_old()
 
     def _forget_old(self, keep_s: float = 600.0) -> None:

@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import kvbridge
 from kvbridge.config import Config, TransferMode
 from kvbridge.control import ControlClient
+from kvbridge.integrations.vllm_spin import apply_engine_spin
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Codec
 from kvbridge.scheduling.agent import PullSpec, PushSpec, TransferAgent
@@ -67,41 +68,7 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
-    _apply_engine_spin()
-
-
-_spin_applied = False
-
-
-def _apply_engine_spin() -> None:
-    """Apply ``KVBRIDGE_ENGINE_SPIN_MS`` to vLLM's step queues in this process (idempotent).
-
-    vLLM's shared-memory step queues busy-spin (``sched_yield``) for one second after each read
-    before they sleep on a socket. While a request only waits for KV, the engine keeps taking
-    empty steps, so on a small host each engine burns a core doing nothing. Shortening that
-    window lets kvbridge's idle wait actually idle the engine. Off unless the variable is set.
-    """
-    global _spin_applied
-    raw = os.environ.get("KVBRIDGE_ENGINE_SPIN_MS")
-    if _spin_applied or raw is None:
-        return
-    spin_s = float(raw) / 1000.0
-    if spin_s < 0:
-        return
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    except ImportError:  # another vLLM layout: leave it alone
-        log.warning("KVBRIDGE_ENGINE_SPIN_MS is set but vLLM has no SpinCondition; ignored")
-        return
-    original = SpinCondition.wait
-
-    def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if getattr(self, "is_reader", False):
-            self.busy_loop_s = spin_s
-        original(self, timeout_ms)
-
-    SpinCondition.wait = wait
-    _spin_applied = True
+    apply_engine_spin()
 
 
 # -- metadata ------------------------------------------------------------------------------------
@@ -183,7 +150,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.config = Config.load(ktc.kv_connector_extra_config)
         logging.getLogger("kvbridge").setLevel(self.config.log_level)
         _ensure_log_handler()
-        _apply_engine_spin()
+        apply_engine_spin()
         self.engine_id = str(ktc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self._sched: _SchedulerSide | None = None

@@ -21,7 +21,18 @@ def test_shm_is_listed_and_loads() -> None:
 def test_listing_imports_nothing() -> None:
     names = registry.available()
     assert names == sorted(names)
-    assert {"shm", "nixl", "mooncake"} <= set(names)
+    assert {"shm", "memory", "nixl", "mooncake"} <= set(names)
+
+
+def test_memory_is_registered_like_the_real_backends() -> None:
+    rows = {row.name: row for row in registry.status()}
+    assert rows["memory"].loadable, rows["memory"].detail
+    assert rows["memory"].target == "kvbridge.transports.memory:MemoryTransport"
+    transport = registry.create("memory", "test-registry-memory")
+    try:
+        assert isinstance(transport, Transport) and transport.name == "memory"
+    finally:
+        transport.close()
 
 
 def test_unknown_backend_lists_installed_with_suggestion() -> None:

@@ -10,16 +10,21 @@ Usage (fsspec style)::
         peer_options = None             # optional: other options for the peer (None = options)
         peer_env = {"UCX_TLS": "tcp"}   # optional: environment of the peer process
         timeout = 30.0                  # optional: bound of one peer command / wait
+        in_process_peer = False         # optional: True = the peer is a second transport here
 
 Override :meth:`TransportConformance.make_transport` to build the local transport differently
-(e.g. wrapped in :class:`kvbridge.testing.faults.FaultyTransport`). A backend that lacks a
+(e.g. wrapped in :class:`kvbridge.testing.faults.FaultyTransport`), and
+:meth:`TransportConformance.make_peer` to build the peer differently. A backend that lacks a
 capability (``Capabilities.read`` …) has the matching tests skipped.
 
-Every test uses a REAL second process (:class:`kvbridge.testing.peer.PeerProcess`, spawn
-context) holding registered memory; metadata goes both ways over its command pipe (``add_peer``
-on both sides). Bytes are checked on both sides after every transfer: the blocks moved, the
-blocks not moved, and the source. Tests are bounded (``pytest.mark.timeout`` plus per-call
-timeouts) and the peer process is killed in teardown even when a test fails.
+By default every test uses a REAL second process (:class:`kvbridge.testing.peer.PeerProcess`,
+spawn context) holding registered memory; metadata goes both ways over its command pipe
+(``add_peer`` on both sides). A backend that only reaches its own process (``memory``) sets
+``in_process_peer = True`` and gets an :class:`kvbridge.testing.inprocess.InProcessPeer` (a
+second transport object in this process, same methods) instead. Bytes are checked on both
+sides after every transfer: the blocks moved, the blocks not moved, and the source. Tests are
+bounded (``pytest.mark.timeout`` plus per-call timeouts) and the peer is closed (its process
+killed) in teardown even when a test fails.
 
 What is checked: register + handshake; READ and WRITE of scattered blocks (random permutations,
 several block sizes, descriptors from :func:`kvbridge.layout.descriptor_pair`); transfers the
@@ -52,7 +57,14 @@ from kvbridge.errors import (
     UnknownPeer,
 )
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
-from kvbridge.testing.peer import PeerMemory, PeerProcess, collect_notifications, kv_buffer
+from kvbridge.testing.inprocess import InProcessPeer
+from kvbridge.testing.peer import (
+    Peer,
+    PeerMemory,
+    PeerProcess,
+    collect_notifications,
+    kv_buffer,
+)
 from kvbridge.transport import Capabilities, HandleState, MemoryRegion, Op, Transport
 
 __all__ = ["TransportConformance", "Pair", "BLOCK_SIZES"]
@@ -63,10 +75,10 @@ BLOCK_SIZES = (4096, 65536, 262144)
 
 @dataclass
 class Pair:
-    """A connected local transport and peer process, with one KV buffer on each side."""
+    """A connected local transport and peer, with one KV buffer on each side."""
 
     local: Transport
-    peer: PeerProcess
+    peer: Peer
     local_buf: np.ndarray[Any, np.dtype[np.uint8]]
     local_layout: KVLayout
     remote: PeerMemory
@@ -87,6 +99,8 @@ class TransportConformance:
     peer_options: ClassVar[dict[str, Any] | None] = None
     peer_env: ClassVar[dict[str, str]] = {}
     timeout: ClassVar[float] = 30.0
+    #: True: the peer is an :class:`InProcessPeer` (no process; ``peer_env`` must stay empty).
+    in_process_peer: ClassVar[bool] = False
 
     pytestmark = [pytest.mark.timeout(180)]
 
@@ -96,6 +110,14 @@ class TransportConformance:
         """Create the local transport under test (override to wrap or configure it)."""
         t: Transport = registry.create(self.backend, agent_name, self.options)
         return t
+
+    def make_peer(self) -> Peer:
+        """Create (not start) the peer: a :class:`PeerProcess`, or an :class:`InProcessPeer`
+        when ``in_process_peer`` is set (override to build it differently)."""
+        opts = self.options if self.peer_options is None else self.peer_options
+        if self.in_process_peer:
+            return InProcessPeer(self.backend, opts, self.peer_env, timeout=self.timeout)
+        return PeerProcess(self.backend, opts, self.peer_env, timeout=self.timeout)
 
     # -- fixtures -------------------------------------------------------------------------------
 
@@ -108,9 +130,8 @@ class TransportConformance:
             t.close(timeout=5.0)
 
     @pytest.fixture
-    def peer(self) -> Iterator[PeerProcess]:
-        opts = self.options if self.peer_options is None else self.peer_options
-        p = PeerProcess(self.backend, opts, self.peer_env, timeout=self.timeout)
+    def peer(self) -> Iterator[Peer]:
+        p = self.make_peer()
         try:
             p.start()
             yield p
@@ -122,7 +143,7 @@ class TransportConformance:
     def connect(
         self,
         local: Transport,
-        peer: PeerProcess,
+        peer: Peer,
         block_bytes: int = 4096,
         num_blocks: int = 16,
         layers: int = 2,
@@ -152,13 +173,13 @@ class TransportConformance:
         assert local.agent_name.startswith("local-")
         assert not local.closed
 
-    def test_register_and_handshake(self, local: Transport, peer: PeerProcess) -> None:
+    def test_register_and_handshake(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer)
         assert isinstance(pair.remote.metadata, bytes)
         # re-adding a peer replaces it and keeps the name
         assert local.add_peer(pair.remote.metadata) == pair.peer_name
 
-    def test_register_after_handshake(self, local: Transport, peer: PeerProcess) -> None:
+    def test_register_after_handshake(self, local: Transport, peer: Peer) -> None:
         """Memory registered later is reachable once the new metadata was re-sent."""
         pair = self.connect(local, peer)
         self._require(local, "write")
@@ -178,7 +199,7 @@ class TransportConformance:
 
     @pytest.mark.parametrize("block_bytes", BLOCK_SIZES)
     def test_write_scattered(
-        self, local: Transport, peer: PeerProcess, block_bytes: int
+        self, local: Transport, peer: Peer, block_bytes: int
     ) -> None:
         self._require(local, "write")
         pair = self.connect(local, peer, block_bytes)
@@ -198,7 +219,7 @@ class TransportConformance:
 
     @pytest.mark.parametrize("block_bytes", BLOCK_SIZES)
     def test_read_scattered(
-        self, local: Transport, peer: PeerProcess, block_bytes: int
+        self, local: Transport, peer: Peer, block_bytes: int
     ) -> None:
         self._require(local, "read")
         pair = self.connect(local, peer, block_bytes)
@@ -215,7 +236,7 @@ class TransportConformance:
         np.testing.assert_array_equal(pair.remote_buf(), src_before)
 
     @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
-    def test_peer_initiated(self, local: Transport, peer: PeerProcess, op: Op) -> None:
+    def test_peer_initiated(self, local: Transport, peer: Peer, op: Op) -> None:
         """The other direction: the peer READs from / WRITEs into our registered memory."""
         pair = self.connect(local, peer, 8192)
         self._require(local, op.value.lower())
@@ -234,7 +255,7 @@ class TransportConformance:
             np.testing.assert_array_equal(pair.remote_buf(), expected)
             np.testing.assert_array_equal(pair.local_buf, mine_before)
 
-    def test_many_concurrent_transfers(self, local: Transport, peer: PeerProcess) -> None:
+    def test_many_concurrent_transfers(self, local: Transport, peer: Peer) -> None:
         """64 transfers (WRITEs and READs on disjoint blocks) in flight at once."""
         self._require(local, "write")
         self._require(local, "read")
@@ -259,7 +280,7 @@ class TransportConformance:
         np.testing.assert_array_equal(pair.local_buf, exp_mine)
         np.testing.assert_array_equal(pair.remote_buf(), exp_theirs)
 
-    def test_close_with_transfers_in_flight(self, local: Transport, peer: PeerProcess) -> None:
+    def test_close_with_transfers_in_flight(self, local: Transport, peer: Peer) -> None:
         """close() returns in bounded time; every handle ends DONE or FAILED; DONE is correct."""
         self._require(local, "write")
         pair = self.connect(local, peer, 262144, num_blocks=32)
@@ -291,7 +312,7 @@ class TransportConformance:
 
     # -- notifications --------------------------------------------------------------------------
 
-    def test_notifications_in_order(self, local: Transport, peer: PeerProcess) -> None:
+    def test_notifications_in_order(self, local: Transport, peer: Peer) -> None:
         self._require(local, "notifications")
         pair = self.connect(local, peer)
         sent = [b"note-%d" % i for i in range(40)]
@@ -306,7 +327,7 @@ class TransportConformance:
         assert received == [(pair.peer_name, m) for m in back]
 
     @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
-    def test_notification_after_bytes(self, local: Transport, peer: PeerProcess, op: Op) -> None:
+    def test_notification_after_bytes(self, local: Transport, peer: Peer, op: Op) -> None:
         """A transfer's notification reaches the peer only once the bytes are visible there."""
         self._require(local, "notifications")
         self._require(local, op.value.lower())
@@ -328,7 +349,7 @@ class TransportConformance:
             expected[:, :, lids] = theirs_before[:, :, rids]
             np.testing.assert_array_equal(pair.local_buf, expected)
 
-    def test_attached_notifications_all_arrive(self, local: Transport, peer: PeerProcess) -> None:
+    def test_attached_notifications_all_arrive(self, local: Transport, peer: Peer) -> None:
         self._require(local, "notifications")
         self._require(local, "write")
         pair = self.connect(local, peer, 4096, num_blocks=32)
@@ -345,7 +366,7 @@ class TransportConformance:
 
     # -- errors ---------------------------------------------------------------------------------
 
-    def test_unequal_descriptor_lists(self, local: Transport, peer: PeerProcess) -> None:
+    def test_unequal_descriptor_lists(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer)
         loc, rem = descriptor_pair(pair.local_layout, [0, 2], pair.remote.layout, [1, 3])
         with pytest.raises(DescriptorError):
@@ -356,7 +377,7 @@ class TransportConformance:
             local.submit(Op.READ, pair.peer_name, loc, bad)
 
     def test_descriptors_outside_registered_memory(
-        self, local: Transport, peer: PeerProcess
+        self, local: Transport, peer: Peer
     ) -> None:
         pair = self.connect(local, peer)
         before = pair.remote_buf()
@@ -378,7 +399,7 @@ class TransportConformance:
             local.submit(Op.READ, pair.peer_name, unreg, rem)
         np.testing.assert_array_equal(pair.remote_buf(), before)
 
-    def test_unknown_peer(self, local: Transport, peer: PeerProcess) -> None:
+    def test_unknown_peer(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer)
         loc, rem = descriptor_pair(pair.local_layout, [0], pair.remote.layout, [0])
         with pytest.raises(UnknownPeer):
@@ -400,7 +421,7 @@ class TransportConformance:
         with pytest.raises(MessageError):
             local.add_peer(blob)
 
-    def test_layout_of_wrong_geometry(self, local: Transport, peer: PeerProcess) -> None:
+    def test_layout_of_wrong_geometry(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer, 4096)
         remote = pair.remote.layout
         fatter = KVLayout(

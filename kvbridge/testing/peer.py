@@ -12,6 +12,10 @@ messages are Python objects (pickled by ``multiprocessing``), never network inpu
 Errors raised in the child come back as the same :mod:`kvbridge.errors` class (anything else
 as :class:`PeerCommandError` carrying the child's traceback).
 
+:class:`Peer` is the protocol suites program against: :class:`PeerProcess` and
+:class:`kvbridge.testing.inprocess.InProcessPeer` (a second transport in this process) both
+satisfy it.
+
 Example::
 
     with PeerProcess("shm") as peer:
@@ -30,7 +34,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +44,14 @@ from kvbridge.errors import PeerUnreachable
 from kvbridge.layout import KVLayout
 from kvbridge.transport import MemoryRegion, Op, Transport
 
-__all__ = ["PeerProcess", "PeerMemory", "PeerCommandError", "kv_buffer", "collect_notifications"]
+__all__ = [
+    "Peer",
+    "PeerProcess",
+    "PeerMemory",
+    "PeerCommandError",
+    "kv_buffer",
+    "collect_notifications",
+]
 
 log = logging.getLogger("kvbridge.testing.peer")
 
@@ -179,6 +190,38 @@ class PeerMemory:
     metadata: bytes
     layout: KVLayout
     index: int
+
+
+class Peer(Protocol):
+    """What a test suite drives on the other side: a transport holding registered memory."""
+
+    name: str
+
+    def start(self) -> Peer: ...
+
+    def setup(self, layers: int, num_blocks: int, block_bytes: int, seed: int) -> PeerMemory: ...
+
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    def remove_peer(self, name: str) -> None: ...
+
+    def buffer(self, index: int = 0) -> U8: ...
+
+    def transfer(
+        self, op: Op, peer: str, local: Any, remote: Any, notification: bytes | None = None
+    ) -> tuple[str, str | None]: ...
+
+    def send_notification(self, peer: str, message: bytes) -> None: ...
+
+    def notifications(
+        self, count: int, timeout: float = 10.0, snapshot: int | None = None
+    ) -> tuple[list[tuple[str, bytes]], U8 | None]: ...
+
+    def close_transport(self, timeout: float = 5.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class PeerProcess:

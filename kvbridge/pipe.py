@@ -26,6 +26,8 @@ from kvbridge.messages import Codec, PipeFrame
 
 __all__ = ["memory_pipe", "MemorySendHalf", "MemoryRecvHalf", "PipeSender", "PipeReceiver"]
 
+_MAX_SENDER_BYTES = 1024
+
 
 class _MemoryState:
     def __init__(self, capacity: int) -> None:
@@ -153,10 +155,19 @@ class PipeReceiver:
     """Receive half over ZeroMQ: binds ``tcp://host:port`` (0 = any free port).
 
     ``recv`` returns ``(sender, payload)`` in per-sender FIFO order. Frames from a sender after
-    its end-of-stream, or out of sequence, raise :class:`MessageError`.
+    its end-of-stream, out of sequence, or with a sender name over 1 KiB raise
+    :class:`MessageError`. The per-sender sequence table remembers at most ``max_senders`` live
+    and ``max_senders`` ended senders (the least recently heard from is forgotten first), so a
+    stream of made-up sender names cannot grow it without bound.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        codec: Codec | None = None,
+        max_senders: int = 65536,
+    ) -> None:
         self._codec = codec or Codec()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -167,8 +178,9 @@ class PipeReceiver:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._next: dict[str, int] = {}
-        self._ended: set[str] = set()
+        self._max_senders = max(1, int(max_senders))
+        self._next: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -184,6 +196,8 @@ class PipeReceiver:
             parts = self._sock.recv_multipart()
             if len(parts) != 2:
                 raise MessageError(f"pipe frame with {len(parts)} parts")
+            if len(parts[0]) > _MAX_SENDER_BYTES:
+                raise MessageError(f"pipe sender name of {len(parts[0])} bytes")
             sender = parts[0].decode(errors="replace")
             frame = self._codec.decode(parts[1])
             if not isinstance(frame, PipeFrame):
@@ -193,17 +207,23 @@ class PipeReceiver:
             expected = self._next.get(sender, 0)
             if frame.seq != expected:
                 raise MessageError(f"pipe from {sender!r}: frame {frame.seq}, expected {expected}")
-            self._next[sender] = expected + 1
             if frame.eos:
-                self._ended.add(sender)
+                self._next.pop(sender, None)
+                self._ended[sender] = None
+                if len(self._ended) > self._max_senders:
+                    self._ended.popitem(last=False)
                 raise PipeClosed(f"end of stream from {sender!r}")
+            self._next[sender] = expected + 1
+            self._next.move_to_end(sender)
+            if len(self._next) > self._max_senders:
+                self._next.popitem(last=False)
             return sender, frame.payload
 
     def reset_sender(self, sender: str) -> None:
         """Forget a sender's sequence (it restarted and will count from zero again)."""
         with self._lock:
             self._next.pop(sender, None)
-            self._ended.discard(sender)
+            self._ended.pop(sender, None)
 
     def fileno(self) -> Any:
         return self._sock.getsockopt(zmq.FD)

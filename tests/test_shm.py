@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import threading
 import time
@@ -21,8 +22,10 @@ from kvbridge.errors import (
     TransferFailed,
     TransportClosed,
 )
+from kvbridge.messages import Codec
 from kvbridge.testing.peer import PeerProcess, collect_notifications
 from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transports._notify import NotificationSender
 from kvbridge.transports.shm import IOV_MAX, ShmMetadata, ShmTransport, copy_iovecs
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,10 +209,17 @@ def test_notification_secret() -> None:
             t.register_memory([MemoryRegion(mem.ctypes.data, 8)])
         meta_b = b.register_memory([])
         a.add_peer(meta_b)
-        c.add_peer(meta_b)
-        c.send_notification("b", b"forged")
-        a.send_notification("b", b"genuine")
-        assert collect_notifications(b, 2, 1.5) == [("a", b"genuine")]
+        # the handshake is authenticated too: c cannot even add b
+        with pytest.raises(PeerUnreachable, match="another shared secret"):
+            c.add_peer(meta_b)
+        forger = NotificationSender(b._inbox.address, "c", Codec("other"))
+        try:
+            forger.send(b"forged")
+            a.send_notification("b", b"genuine")
+            assert collect_notifications(b, 2, 1.5) == [("a", b"genuine")]
+            assert b.dropped_notifications == 1
+        finally:
+            forger.close()
     finally:
         for t in (a, b, c):
             t.close()
@@ -249,8 +259,57 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
     assert left == []
 
 
-def test_handshake_probe_refuses_a_dead_process(shm: ShmTransport) -> None:
+def test_handshake_refuses_a_pid_the_socket_does_not_prove(shm: ShmTransport) -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
-    with pytest.raises(PeerUnreachable, match="gone"):
-        shm.add_peer(_meta(shm, agent="ghost", pid=proc.pid))
+    with pytest.raises(PeerUnreachable, match=f"claims pid {proc.pid}.*is pid {os.getpid()}"):
+        shm.add_peer(_meta(shm, pid=proc.pid))
+    with pytest.raises(PeerUnreachable, match="is agent .* but the metadata names agent 'ghost'"):
+        shm.add_peer(_meta(shm, agent="ghost"))
+
+
+def test_handshake_refuses_a_dead_process(shm: ShmTransport) -> None:
+    with PeerProcess("shm", timeout=20) as peer:
+        mem = peer.setup(1, 4, 4096, 5)
+        peer.kill()
+        with pytest.raises(PeerUnreachable, match="gone"):
+            shm.add_peer(mem.metadata)
+
+
+def test_metadata_names_the_listener_and_a_version(shm: ShmTransport) -> None:
+    first = msgspec.msgpack.decode(shm.register_memory([]), type=ShmMetadata)
+    src = np.zeros(64, np.uint8)
+    second = msgspec.msgpack.decode(
+        shm.register_memory([MemoryRegion(src.ctypes.data, 64)]), type=ShmMetadata
+    )
+    assert first.socket == second.socket and first.socket.startswith("\0kvbridge-shm-")
+    assert second.version == first.version + 1
+    assert second.pid == os.getpid()
+    other = ShmTransport("other")
+    try:
+        assert msgspec.msgpack.decode(other.register_memory([]), type=ShmMetadata).socket \
+            != first.socket
+    finally:
+        other.close()
+
+
+def test_re_adding_fetches_the_current_registration() -> None:
+    """Regions registered later are reachable once the peer is re-added (even from older
+    metadata: the answer is the current one); metadata newer than the answer is refused."""
+    with PeerProcess("shm", timeout=20) as peer, ShmTransport("readd") as t:
+        mine = np.random.default_rng(9).integers(0, 256, 8192, dtype=np.uint8)
+        t.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
+        first = peer.setup(1, 2, 4096, 1)
+        name = t.add_peer(first.metadata)
+        second = peer.setup(1, 2, 4096, 2)
+        loc = np.array([[mine.ctypes.data, 4096, 0]])
+        rem = np.array([[second.layout.planes[0].base, 4096, 0]])
+        with pytest.raises(DescriptorError, match="outside registered memory"):
+            t.submit(Op.WRITE, name, loc, rem)
+        assert t.add_peer(first.metadata) == name  # stale metadata, current answer
+        t.transfer(Op.WRITE, name, loc, rem, timeout=10)
+        np.testing.assert_array_equal(peer.buffer(second.index)[:4096], mine[:4096])
+        meta = msgspec.msgpack.decode(second.metadata, type=ShmMetadata)
+        future = msgspec.msgpack.encode(msgspec.structs.replace(meta, version=meta.version + 5))
+        with pytest.raises(PeerUnreachable, match="older than the metadata's"):
+            t.add_peer(future)

@@ -10,6 +10,17 @@ Transports without a native notification channel (``shm``; ``mooncake``) reuse t
   re-creates its sender (restart, remove/re-add) starts a fresh sequence instead of tripping the
   receiver's gap check; the inbox reports the plain agent name.
 
+Trust: the inbox listens on the control network, so every frame is hostile until the
+:class:`~kvbridge.messages.Codec` accepted it. Give the inbox the codec built from the engine's
+shared secret (transports take it from their ``secret`` option, and the core must pass its
+``secret`` there): with a secret, frames that are not authenticated with it are dropped. Frames the
+codec refuses (authentication, replay, size, malformed) and frames out of sequence are dropped and
+counted in :attr:`NotificationInbox.dropped_invalid`. The queue is bounded (``max_messages``,
+default 4096, and ``max_bytes`` of payload, default 4 MiB): beyond either bound the *newest*
+message is dropped and counted in :attr:`NotificationInbox.dropped_full`, so an owner that never
+drains holds at most that much. Drops are logged at WARNING at most once a second. Without a
+secret, anyone who can reach the address can queue messages under any agent name.
+
 Ordering: messages from one sender instance arrive in the order they were sent. Thread safety:
 every public method may be called from any thread. Nothing is pickled; frames are msgspec.
 """
@@ -20,6 +31,7 @@ import collections
 import logging
 import os
 import threading
+import time
 
 import zmq
 
@@ -27,11 +39,20 @@ from kvbridge.errors import MessageError, PeerUnreachable, PipeClosed, Transport
 from kvbridge.messages import Codec
 from kvbridge.pipe import PipeReceiver, PipeSender
 
-__all__ = ["NotificationInbox", "NotificationSender", "agent_of"]
+__all__ = [
+    "DEFAULT_MAX_NOTIFICATIONS",
+    "DEFAULT_MAX_NOTIFICATION_BYTES",
+    "NotificationInbox",
+    "NotificationSender",
+    "agent_of",
+]
 
 log = logging.getLogger("kvbridge.transport.notify")
 
 _WAKE = "\x00wake"
+DEFAULT_MAX_NOTIFICATIONS = 4096
+DEFAULT_MAX_NOTIFICATION_BYTES = 4 << 20
+_WARN_EVERY_S = 1.0
 
 
 def agent_of(identity: str) -> str:
@@ -40,7 +61,11 @@ def agent_of(identity: str) -> str:
 
 
 class NotificationInbox:
-    """Receives ``(agent, message)`` pairs on ``tcp://host:port`` (port 0 = any free port)."""
+    """Receives ``(agent, message)`` pairs on ``tcp://host:port`` (port 0 = any free port).
+
+    ``codec`` must carry the shared secret when one is configured (see the module docstring);
+    ``max_messages`` and ``max_bytes`` bound what is held until :meth:`drain`.
+    """
 
     def __init__(
         self,
@@ -48,16 +73,38 @@ class NotificationInbox:
         port: int = 0,
         codec: Codec | None = None,
         thread_name: str = "kvbridge-notify",
+        max_messages: int = DEFAULT_MAX_NOTIFICATIONS,
+        max_bytes: int = DEFAULT_MAX_NOTIFICATION_BYTES,
     ) -> None:
+        if max_messages < 1 or max_bytes < 1:
+            raise ValueError("an inbox needs room for at least one message and one byte")
         self._codec = codec or Codec()
+        self.max_messages, self.max_bytes = int(max_messages), int(max_bytes)
         self._receiver = PipeReceiver(host, port, self._codec)
         self.address = self._receiver.address
         self._items: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._bytes = 0
+        #: frames refused by the codec (authentication, replay, size, malformed) or out of order
+        self.dropped_invalid = 0
+        #: valid messages dropped because the inbox was full
+        self.dropped_full = 0
+        self._last_warning = float("-inf")
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Every message or frame dropped so far (invalid + full)."""
+        return self.dropped_invalid + self.dropped_full
+
+    @property
+    def held_bytes(self) -> int:
+        """Payload bytes queued now."""
+        with self._cond:
+            return self._bytes
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -68,21 +115,54 @@ class NotificationInbox:
             except PipeClosed:
                 continue  # a sender ended its stream (or the wake-up frame of close())
             except MessageError as exc:
-                log.warning("dropped a malformed notification frame: %s", exc)
+                with self._cond:
+                    self.dropped_invalid += 1
+                self._warn("dropped a notification frame the codec refused", exc)
                 continue
             except zmq.ZMQError as exc:
                 if not self._stop.is_set():
                     log.error("notification inbox %s failed: %s", self.address, exc)
                 return
+            except Exception as exc:  # noqa: BLE001 - hostile input must never end the thread
+                with self._cond:
+                    self.dropped_invalid += 1
+                self._warn("dropped an unreadable notification frame", exc)
+                time.sleep(1e-3)  # never spin on an error that repeats
+                continue
             with self._cond:
-                self._items.append((agent_of(sender), payload))
-                self._cond.notify_all()
+                if (
+                    len(self._items) >= self.max_messages
+                    or self._bytes + len(payload) > self.max_bytes
+                ):
+                    self.dropped_full += 1
+                    full = True
+                else:
+                    self._items.append((agent_of(sender), payload))
+                    self._bytes += len(payload)
+                    self._cond.notify_all()
+                    full = False
+            if full:
+                self._warn("notification inbox full; dropped the newest message", None)
+
+    def _warn(self, what: str, exc: BaseException | None) -> None:
+        """Log a drop at WARNING at most once a second (with the running counts), else DEBUG."""
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning(
+                "inbox %s: %s%s (dropped so far: %d refused, %d over the bound of %d messages / "
+                "%d bytes)", self.address, what, f": {exc}" if exc is not None else "",
+                self.dropped_invalid, self.dropped_full, self.max_messages, self.max_bytes,
+            )
+        else:
+            log.debug("inbox %s: %s%s", self.address, what, f": {exc}" if exc else "")
 
     def drain(self) -> list[tuple[str, bytes]]:
         """Return and forget everything received so far (non-blocking)."""
         with self._cond:
             out = list(self._items)
             self._items.clear()
+            self._bytes = 0
             return out
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -6,29 +6,58 @@ descriptor arrays become ``struct iovec`` arrays with one vectorised numpy copy 
 ``uint64`` array is exactly ``N`` iovecs) and are handed to the kernel 1024 (``IOV_MAX``) at a
 time; nothing loops over descriptors in Python.
 
+Trust: a peer's metadata arrives over the network and is never believed. It only says where to
+ask: each transport listens on an abstract Unix socket with a random name. ``add_peer`` connects
+there, lets the kernel say who listens (``SO_PEERCRED``: pid and uid, which the listener cannot
+choose), refuses another user, a pid other than the one the metadata claims, or an agent name other
+than the one the process itself answers with, and then asks that process, over the same
+connection, for its *current* registration (agent, regions, notification address), echoing a
+fresh random challenge. Every CMA call uses the kernel-proven pid, and every remote descriptor is
+checked against the regions the proven process answered (local ones against ours) before any
+byte moves. A forged blob can therefore only point us at memory some kvbridge ``shm`` transport
+of our own user registered for transfers; telling peers apart beyond that is the control plane's
+job (its shared secret). See ``docs/backends/shm.md``.
+
 Contract (on top of :mod:`kvbridge.transport`):
 
 * ``register_memory`` records host-DRAM regions and calls ``prctl(PR_SET_PTRACER,
   PR_SET_PTRACER_ANY)``, so a sibling process may attach to us under Yama ``ptrace_scope=1``
   (this widens who may ptrace this process to every process of the same user; ``ptrace_scope``
   2 or 3 forbids CMA altogether and transfers fail with a message saying so). It returns msgpack
-  metadata: agent name, pid, hostname, boot id, PID namespace, registered regions and the address
-  of this transport's notification inbox. Call it again to add regions, then resend the metadata.
-* ``add_peer`` refuses metadata from another host (boot id) or another PID namespace with
-  :class:`PeerUnreachable`, and probes one byte of the peer's memory so a permission problem is
-  reported at handshake time rather than on the first transfer.
+  metadata (:class:`ShmMetadata`): agent name, claimed pid, hostname, boot id, PID namespace, the
+  listener's socket name and a registration version. Call it again to add regions (the version
+  goes up), then resend the metadata: re-adding the peer fetches the registration again.
+* ``add_peer`` decodes the metadata strictly (:class:`MessageError` for anything malformed,
+  oversized or of another version), refuses another host (boot id) or PID namespace, then runs
+  the socket handshake above (:class:`PeerUnreachable` naming the mismatch, bounded by
+  ``handshake_timeout``) and probes one byte of the peer's memory, so a permission problem is
+  reported at handshake time rather than on the first transfer. It blocks for one local round
+  trip (well under a millisecond when the peer is healthy).
 * ``submit`` validates local descriptors against our regions and remote ones against the peer's
-  (:class:`DescriptorError`) and queues the transfer; one background worker thread executes
-  transfers in submission order and finishes their handles. A transfer's notification is sent
-  after all its bytes landed, and only if it succeeded. ``poll`` never blocks.
+  proven ones (:class:`DescriptorError`) and queues the transfer; one background worker thread
+  executes transfers in submission order and finishes their handles. A transfer to a peer whose
+  process has exited since the handshake fails without a system call (a pidfd says so, so a
+  recycled pid is never written to). A transfer's notification is sent after all its bytes
+  landed, and only if it succeeded. ``poll`` never blocks.
+* The listener is one daemon thread answering each connection once: at most
+  ``listener_max_connections`` at a time, requests of at most 4 KiB, each connection closed after
+  ``listener_timeout`` seconds, clients of another user refused; garbage closes the connection
+  and is counted, never raised.
 * Notifications travel over ZeroMQ on the control network (:mod:`._notify`), ordered per peer.
+  The inbox authenticates frames with the ``secret`` option (the core must pass its shared
+  secret there) and holds at most ``max_notifications`` messages / ``max_notification_bytes``;
+  refused and overflowing frames are dropped and counted
+  (:attr:`ShmTransport.dropped_notifications`).
 * ``close`` waits up to ``timeout`` for queued transfers, then fails the rest (a transfer cut
   between two batches is FAILED; nothing lands after ``close`` returns), closes the sockets and
-  joins both threads. Idempotent.
+  joins every thread. Idempotent.
 
 Options: ``notify_host`` (bind address of the inbox, default ``127.0.0.1``), ``notify_port``
-(default 0: any free port), ``secret`` (HMAC key of notification frames; both sides must agree),
-``iov_max`` (iovecs per system call, default 1024).
+(default 0: any free port), ``secret`` (HMAC key of notification and handshake frames; both sides
+must agree), ``iov_max`` (iovecs per system call, default 1024), ``handshake_timeout`` (seconds,
+default 5), ``listener_timeout`` (seconds per inbound connection, default 2),
+``listener_max_connections`` (default 16), ``max_notifications`` (default 4096),
+``max_notification_bytes`` (default 4 MiB).
 """
 
 from __future__ import annotations
@@ -38,13 +67,18 @@ import ctypes.util
 import errno
 import logging
 import os
+import platform
 import queue
+import select
+import selectors
 import socket
+import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -52,14 +86,16 @@ import numpy.typing as npt
 
 from kvbridge.errors import (
     BackendUnavailable,
+    ConfigError,
     DescriptorError,
     MessageError,
+    MessageTooLarge,
     PeerUnreachable,
     TransferFailed,
     TransportClosed,
     UnknownPeer,
 )
-from kvbridge.messages import Codec
+from kvbridge.messages import Codec, PipeFrame
 from kvbridge.transport import (
     Capabilities,
     DescriptorArray,
@@ -70,33 +106,102 @@ from kvbridge.transport import (
     Transport,
     check_within,
 )
-from kvbridge.transports._notify import NotificationInbox, NotificationSender
+from kvbridge.transports._notify import (
+    DEFAULT_MAX_NOTIFICATION_BYTES,
+    DEFAULT_MAX_NOTIFICATIONS,
+    NotificationInbox,
+    NotificationSender,
+)
 
-__all__ = ["ShmTransport", "ShmMetadata", "IOV_MAX"]
+__all__ = [
+    "ShmTransport",
+    "ShmMetadata",
+    "IOV_MAX",
+    "MAX_METADATA_BYTES",
+    "MAX_REGIONS",
+    "decode_metadata",
+]
 
 log = logging.getLogger("kvbridge.transport.shm")
 
 IOV_MAX = 1024
+MAX_METADATA_BYTES = 1 << 20
+MAX_REGIONS = 16384
+#: addresses and lengths are kept below this so that ``address + length`` never overflows int64
+_MAX_ADDR = 1 << 62
+_MAX_REQUEST_BYTES = 4096
+_MAX_REPLY_BYTES = MAX_METADATA_BYTES
+_SOCKET_PREFIX = "\0kvbridge-shm-"
+#: Linux >= 6.5 (the generic socket option number: only trusted on architectures that use it);
+#: elsewhere, and on older kernels, pidfd_open (>= 5.3), then no pidfd at all
+_SO_PEERPIDFD = 77 if platform.machine() in ("x86_64", "aarch64", "arm64", "riscv64") else None
+_WARN_EVERY_S = 1.0
+_UCRED = struct.Struct("3i")
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 IovArray = npt.NDArray[np.uint64]
 
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Pos = Annotated[int, msgspec.Meta(ge=1, le=_MAX_ADDR)]
+_Version = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+_Pid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+_Challenge = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
-class ShmMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.v1"):
-    """What a peer needs to reach this transport's memory."""
 
-    agent: str
-    pid: int
-    hostname: str
-    boot_id: str
-    pid_ns: int
-    regions: list[tuple[int, int]]
-    notify_address: str
+class ShmMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.v2"):
+    """Where to find a transport (nothing here is trusted; see the module docstring).
+
+    ``pid`` and ``agent`` are *claims*, compared with what the socket proves; the regions and
+    the notification address are fetched from the proven process, never read from here.
+    """
+
+    agent: _Name
+    pid: _Pid
+    hostname: Annotated[str, msgspec.Meta(max_length=256)]
+    boot_id: Annotated[str, msgspec.Meta(max_length=512)]
+    pid_ns: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    socket: Annotated[str, msgspec.Meta(pattern="^\x00kvbridge-shm-[0-9a-f]{32}$")]
+    version: _Version
+
+
+class _Query(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.query.v1"):
+    """Handshake request: send me your current registration and echo this challenge."""
+
+    challenge: _Challenge
+
+
+class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.reg.v1"):
+    """Handshake answer: what the process behind the socket registered, as it says itself."""
+
+    agent: _Name
+    pid: _Pid
+    version: _Version
+    regions: Annotated[list[tuple[_Pos, _Pos]], msgspec.Meta(max_length=MAX_REGIONS)]
+    notify_address: Annotated[str, msgspec.Meta(max_length=256, pattern="^tcp://")]
+    challenge: _Challenge
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ShmMetadata)
+_query_decoder = msgspec.msgpack.Decoder(_Query)
+_reg_decoder = msgspec.msgpack.Decoder(_Registration)
+
+
+def decode_metadata(data: object) -> ShmMetadata:
+    """Parse a peer's metadata blob; raises :class:`MessageError` (never anything else)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MessageError(f"shm peer metadata must be bytes, not {type(data).__name__}")
+    if len(data) > MAX_METADATA_BYTES:
+        raise MessageTooLarge(
+            f"shm peer metadata of {len(data)} bytes exceeds the limit of {MAX_METADATA_BYTES}"
+        )
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"malformed shm peer metadata: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - hostile bytes must never raise anything else
+        raise MessageError(f"unreadable shm peer metadata: {type(exc).__name__}") from None
 
 
 def _boot_id() -> str:
@@ -223,20 +328,329 @@ def _iov(descs: DescriptorArray) -> IovArray:
     return np.ascontiguousarray(descs[:, :2]).view(np.uint64)
 
 
+# -- proving who is behind a socket ---------------------------------------------------------------
+
+
+def _peercred(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the socket's other end, as the kernel recorded them."""
+    pid, uid, gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return pid, uid, gid
+
+
+def _peer_pidfd(sock: socket.socket, pid: int) -> int:
+    """A pidfd of the socket's other end (-1 where the kernel has none); raises
+    :class:`ProcessLookupError` when that process is already gone."""
+    fd = -1
+    if _SO_PEERPIDFD is not None:
+        try:
+            fd = int(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD))
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                raise ProcessLookupError(pid) from exc
+    if fd < 0:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise
+        except OSError as exc:  # ENOSYS (kernel < 5.3), EPERM (seccomp): no liveness checks
+            log.debug("no pidfd for process %d (%s); transfers rely on ESRCH alone", pid, exc)
+            return -1
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def _poller(pidfd: int) -> select.poll | None:
+    """A poll object that reports ``pidfd`` readable once its process exited."""
+    if pidfd < 0:
+        return None
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return poller
+
+
+def _alive(pidfd: int) -> bool:
+    """False once the process behind ``pidfd`` exited (True when there is no pidfd)."""
+    poller = _poller(pidfd)
+    return poller is None or not poller.poll(0)
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    while view:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        view = view[sock.send(view):]
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        chunk = sock.recv(min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
 @dataclass
+class _Conn:
+    """One inbound connection of the listener."""
+
+    sock: socket.socket
+    deadline: float
+    size: int = -1
+    buf: bytearray = field(default_factory=bytearray)
+    out: memoryview | None = None
+
+
+class _Listener:
+    """Answers registration queries on an abstract Unix socket, from one daemon thread.
+
+    Each connection gets one answer and is closed; at most ``max_conns`` are open at a time (more
+    are closed at once), each for at most ``timeout`` seconds; a request is one 4-byte big-endian
+    length and at most 4 KiB of :class:`Codec` frame. Clients of another user, garbage, oversized
+    or unauthenticated requests close the connection and count in :attr:`refused`; nothing a
+    client sends can raise out of the thread or block it.
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        answer: Callable[[bytes], bytes],
+        timeout: float,
+        max_conns: int,
+        thread_name: str,
+    ) -> None:
+        self.name = _SOCKET_PREFIX + os.urandom(16).hex()
+        self._codec, self._answer = codec, answer
+        self._timeout, self._max_conns = timeout, max_conns
+        self.served = 0
+        self.refused = 0
+        self._last_warning = float("-inf")
+        self._uid = os.geteuid()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(self.name)
+            self._sock.listen(max_conns)
+            self._sock.setblocking(False)
+            self._wake_r, self._wake_w = socket.socketpair()
+        except OSError:
+            self._sock.close()
+            raise
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._conns: dict[int, _Conn] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - the listener must outlive any surprise
+                    log.exception("shm listener %r: unexpected error (continuing)", self.name[1:])
+                    time.sleep(0.05)
+        finally:
+            for c in list(self._conns.values()):
+                self._drop(c)
+
+    def _step(self) -> None:
+        timeout = 1.0
+        if self._conns:
+            first = min(c.deadline for c in self._conns.values())
+            timeout = min(max(first - time.monotonic(), 0.0), 1.0)
+        for key, _ in self._sel.select(timeout):
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                try:
+                    self._wake_r.recv(64)
+                except OSError:
+                    pass
+            else:
+                self._service(key.data)
+        now = time.monotonic()
+        for c in [c for c in self._conns.values() if c.deadline <= now]:
+            self._refuse(c, f"no complete request within {self._timeout} s")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                self._warn(f"cannot accept: {exc}")
+                time.sleep(0.05)
+                return
+            if len(self._conns) >= self._max_conns:
+                self.refused += 1
+                log.debug("shm listener: %d connections open; refusing one", len(self._conns))
+                conn.close()
+                continue
+            try:
+                conn.setblocking(False)
+                _, uid, _ = _peercred(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid != self._uid:
+                self.refused += 1
+                self._warn(f"refused a client of uid {uid} (this transport runs as {self._uid})")
+                conn.close()
+                continue
+            c = _Conn(conn, time.monotonic() + self._timeout)
+            self._conns[conn.fileno()] = c
+            self._sel.register(conn, selectors.EVENT_READ, c)
+
+    def _service(self, c: _Conn) -> None:
+        try:
+            if c.out is None:
+                self._read(c)
+            else:
+                self._write(c)
+        except (BlockingIOError, InterruptedError):
+            return
+        except Exception as exc:  # noqa: BLE001 - whatever a client sends ends its connection
+            self._refuse(c, f"{type(exc).__name__}: {exc}")
+
+    def _read(self, c: _Conn) -> None:
+        want = 4 if c.size < 0 else c.size
+        chunk = c.sock.recv(want - len(c.buf))
+        if not chunk:
+            raise ConnectionError("closed before sending a whole request")
+        c.buf += chunk
+        if len(c.buf) < want:
+            return
+        if c.size < 0:
+            c.size = int.from_bytes(c.buf, "big")
+            c.buf.clear()
+            if not 0 < c.size <= _MAX_REQUEST_BYTES:
+                raise MessageError(f"request of {c.size} bytes announced")
+            return
+        reply = self._reply(bytes(c.buf))
+        c.out = memoryview(len(reply).to_bytes(4, "big") + reply)
+        self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
+        self._write(c)
+
+    def _write(self, c: _Conn) -> None:
+        assert c.out is not None
+        c.out = c.out[c.sock.send(c.out):]
+        if not c.out:
+            self.served += 1
+            self._drop(c)
+
+    def _reply(self, data: bytes) -> bytes:
+        frame = self._codec.decode(data)
+        if not isinstance(frame, PipeFrame):
+            raise MessageError(f"expected a query frame, got {type(frame).__name__}")
+        try:
+            query = _query_decoder.decode(frame.payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MessageError(f"malformed query: {exc}") from None
+        return self._codec.encode(PipeFrame(seq=0, payload=self._answer(query.challenge)))
+
+    def _warn(self, what: str) -> None:
+        """WARNING at most once a second (the rest at DEBUG): a flood must not flood the log."""
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("shm listener %r %s (%d refused so far)", self.name[1:], what,
+                        self.refused)
+        else:
+            log.debug("shm listener %r %s", self.name[1:], what)
+
+    def _refuse(self, c: _Conn, why: str) -> None:
+        self.refused += 1
+        log.debug("shm listener %r dropped a connection: %s", self.name[1:], why)
+        self._drop(c)
+
+    def _drop(self, c: _Conn) -> None:
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread, close every socket. Idempotent."""
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("shm listener %r did not stop in %.1f s", self.name[1:], timeout)
+            return
+        self._sel.close()
+        for s in (self._sock, self._wake_r, self._wake_w):
+            s.close()
+
+
+@dataclass(eq=False)
 class _Peer:
-    meta: ShmMetadata
+    """A peer as proven by the handshake: the pid and regions every transfer uses."""
+
+    agent: str
+    pid: int
+    pidfd: int
+    version: int
+    regions: list[tuple[int, int]]
     sender: NotificationSender
+    retired: bool = False
+
+    def __post_init__(self) -> None:
+        self._poller = _poller(self.pidfd)
+
+    def alive(self) -> bool:
+        """False once the proven process exited (its pid may then belong to another one)."""
+        return self._poller is None or not self._poller.poll(0)
+
+    def retire(self) -> None:
+        """Close the sender and the pidfd (on the worker, after every job queued before)."""
+        self.retired = True
+        self.sender.close()
+        if self.pidfd >= 0:
+            self._poller = None
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 @dataclass
 class _Job:
     handle: TransferHandle
-    pid: int
+    peer: _Peer
     local: IovArray
     remote: IovArray
     notification: bytes | None
-    sender: NotificationSender
+
+
+def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
+    """Refuse addresses/lengths whose sum could overflow the int64 range check (one reduction
+    per list: this runs on every submit)."""
+    if local.shape[0] and (local.max() > _MAX_ADDR or remote.max() > _MAX_ADDR):
+        raise DescriptorError("descriptors hold an address or length above 2**62")
+
+
+def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    try:
+        value = float(options.get(key, default))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"shm option {key} must be a number: {exc}") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"shm option {key} must be in [{lo}, {hi}], got {value}")
+    return value
 
 
 class ShmTransport(Transport):
@@ -253,43 +667,72 @@ class ShmTransport(Transport):
         self._iov_max = int(self.options.get("iov_max", IOV_MAX))
         if not 1 <= self._iov_max <= IOV_MAX:
             raise DescriptorError(f"iov_max must be in [1, {IOV_MAX}], got {self._iov_max}")
-        self._codec = Codec(self.options.get("secret"))
+        opts = self.options
+        self._hs_timeout = _option(opts, "handshake_timeout", 5.0, 0.01, 600.0)
+        listener_timeout = _option(opts, "listener_timeout", 2.0, 0.01, 600.0)
+        max_conns = int(_option(opts, "listener_max_connections", 16, 1, 4096))
+        max_msgs = int(_option(opts, "max_notifications", DEFAULT_MAX_NOTIFICATIONS, 1, 1 << 24))
+        max_bytes = int(_option(
+            opts, "max_notification_bytes", DEFAULT_MAX_NOTIFICATION_BYTES, 1, 1 << 34
+        ))
+        secret = opts.get("secret")
+        self._codec = Codec(secret)
+        self._hs_codec = Codec(secret, _MAX_REPLY_BYTES)
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []
+        self._version = 0
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._abort = threading.Event()
+        self._boot_id, self._pid_ns = _boot_id(), _pid_ns()
         self._inbox = NotificationInbox(
-            str(self.options.get("notify_host", "127.0.0.1")),
-            int(self.options.get("notify_port", 0)),
+            str(opts.get("notify_host", "127.0.0.1")),
+            int(opts.get("notify_port", 0)),
             self._codec,
             thread_name=f"kvbridge-shm-notify-{agent_name}",
+            max_messages=max_msgs,
+            max_bytes=max_bytes,
         )
+        try:
+            self._listener = _Listener(
+                self._hs_codec, self._registration, listener_timeout, max_conns,
+                f"kvbridge-shm-listen-{agent_name}",
+            )
+        except BaseException:
+            self._inbox.close()
+            raise
         self._worker = threading.Thread(
             target=self._work, name=f"kvbridge-shm-{agent_name}", daemon=True
         )
         self._worker.start()
-        self._boot_id, self._pid_ns = _boot_id(), _pid_ns()
-        log.info("shm transport %r ready (pid %d, notifications at %s)",
-                 agent_name, os.getpid(), self._inbox.address)
+        log.info("shm transport %r ready (pid %d, notifications at %s, socket @%s)",
+                 agent_name, os.getpid(), self._inbox.address, self._listener.name[1:])
+
+    @property
+    def dropped_notifications(self) -> int:
+        """Inbound notification frames dropped: refused by the codec, or over the inbox bound."""
+        return self._inbox.dropped
 
     # -- memory and peers -----------------------------------------------------------------------
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> bytes:
-        """Record host-DRAM ``regions``; return metadata listing every region registered so far."""
+        """Record host-DRAM ``regions``; return metadata (the registration version goes up)."""
         new: list[tuple[int, int]] = []
         for r in regions:
             if r.kind.upper() != "DRAM":
                 raise DescriptorError(
                     f"the shm transport moves host DRAM only, not {r.kind} (device {r.device})"
                 )
-            if r.address <= 0 or r.length <= 0:
+            if not (0 < r.address <= _MAX_ADDR and 0 < r.length <= _MAX_ADDR):
                 raise DescriptorError(f"bad region [0x{r.address:x}, +{r.length})")
             new.append((int(r.address), int(r.length)))
         self._libc.allow_ptracer_any()
         with self._lock:
+            if len(self._regions) + len(new) > MAX_REGIONS:
+                raise DescriptorError(f"more than {MAX_REGIONS} regions registered")
             self._regions.extend(new)
+            self._version += 1
             meta = self._metadata()
         log.info("shm %r registered %d region(s), %d bytes", self.agent_name, len(new),
                  sum(n for _, n in new))
@@ -303,18 +746,32 @@ class ShmTransport(Transport):
                 hostname=socket.gethostname(),
                 boot_id=self._boot_id,
                 pid_ns=self._pid_ns,
-                regions=list(self._regions),
-                notify_address=self._inbox.address,
+                socket=self._listener.name,
+                version=self._version,
             )
         )
 
+    def _registration(self, challenge: bytes) -> bytes:
+        """The listener's answer: what this process registered, now."""
+        with self._lock:
+            reg = _Registration(
+                agent=self.agent_name,
+                pid=os.getpid(),
+                version=self._version,
+                regions=list(self._regions),
+                notify_address=self._inbox.address,
+                challenge=challenge,
+            )
+        return _encoder.encode(reg)
+
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer; refuses other hosts and PID namespaces with :class:`PeerUnreachable`."""
+        """Load a peer after proving who it is (see the module docstring).
+
+        Raises :class:`MessageError` (metadata) or :class:`PeerUnreachable` (other host, PID
+        namespace or user; nothing listening; a claim the socket disproves; no memory access).
+        """
         self._check_open()
-        try:
-            meta = _decoder.decode(metadata)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
-            raise MessageError(f"malformed shm peer metadata: {exc}") from exc
+        meta = decode_metadata(metadata)
         if meta.boot_id != self._boot_id:
             raise PeerUnreachable(
                 f"peer {meta.agent!r} runs on another host ({meta.hostname}, boot id "
@@ -326,32 +783,136 @@ class ShmTransport(Transport):
                 f"peer {meta.agent!r} (pid {meta.pid}) lives in another PID namespace (another "
                 "container?): the shm transport needs both processes in one PID namespace"
             )
-        if meta.regions:
-            self._probe(meta)
-        peer = _Peer(meta, NotificationSender(meta.notify_address, self.agent_name, self._codec))
+        peer = self._handshake(meta)
+        try:
+            if peer.regions:
+                self._probe(peer)
+        except BaseException:
+            peer.retire()
+            raise
         with self._lock:
-            old = self._peers.get(meta.agent)
-            self._peers[meta.agent] = peer
+            closed = self._closed
+            old = None if closed else self._peers.get(peer.agent)
+            if not closed:
+                self._peers[peer.agent] = peer
+        if closed:
+            peer.retire()
+            self._check_open()
         if old is not None:
             self._retire(old)
-        log.info("shm %r added peer %r (pid %d, %d region(s))", self.agent_name, meta.agent,
-                 meta.pid, len(meta.regions))
-        return meta.agent
+        log.info("shm %r added peer %r (pid %d proven, registration v%d, %d region(s))",
+                 self.agent_name, peer.agent, peer.pid, peer.version, len(peer.regions))
+        return peer.agent
 
-    def _probe(self, meta: ShmMetadata) -> None:
+    def _handshake(self, meta: ShmMetadata) -> _Peer:
+        """Connect to the peer's socket, prove its pid and uid, fetch its registration."""
+        who = f"peer {meta.agent!r}"
+        deadline = time.monotonic() + self._hs_timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pidfd = -1
+        try:
+            sock.settimeout(self._hs_timeout)
+            try:
+                sock.connect(meta.socket)
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                raise PeerUnreachable(
+                    f"{who} (pid {meta.pid}) is gone: nothing listens on its shm socket "
+                    "(or it runs in another network namespace)"
+                ) from exc
+            pid, uid, _ = _peercred(sock)
+            if uid != os.geteuid():
+                raise PeerUnreachable(
+                    f"{who}'s shm socket belongs to uid {uid}, not to this process's uid "
+                    f"{os.geteuid()}: the shm transport only connects processes of one user"
+                )
+            if pid <= 0:
+                raise PeerUnreachable(
+                    f"the process behind {who}'s shm socket is not visible in this PID namespace"
+                )
+            if pid != meta.pid:
+                raise PeerUnreachable(
+                    f"{who}'s metadata claims pid {meta.pid}, but the process listening on its "
+                    f"shm socket is pid {pid}: refusing forged or stale metadata"
+                )
+            try:
+                pidfd = _peer_pidfd(sock, pid)
+            except ProcessLookupError:
+                raise PeerUnreachable(f"{who}: process {pid} is gone") from None
+            challenge = os.urandom(16)
+            request = self._hs_codec.encode(
+                PipeFrame(seq=0, payload=_encoder.encode(_Query(challenge=challenge)))
+            )
+            _send_all(sock, len(request).to_bytes(4, "big") + request, deadline)
+            size = int.from_bytes(_recv_exact(sock, 4, deadline), "big")
+            if not 0 < size <= _MAX_REPLY_BYTES:
+                raise PeerUnreachable(
+                    f"{who} announced a registration of {size} bytes (limit {_MAX_REPLY_BYTES})"
+                )
+            frame = self._hs_codec.decode(_recv_exact(sock, size, deadline))
+            if not isinstance(frame, PipeFrame):
+                raise MessageError(f"a {type(frame).__name__} instead of a registration")
+            reg = _reg_decoder.decode(frame.payload)
+        except PeerUnreachable:
+            _close_fd(pidfd)
+            raise
+        except TimeoutError as exc:
+            _close_fd(pidfd)
+            raise PeerUnreachable(
+                f"{who} did not answer on its shm socket within {self._hs_timeout} s"
+            ) from exc
+        except (MessageError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            _close_fd(pidfd)
+            raise PeerUnreachable(f"{who} answered a malformed registration: {exc}") from None
+        except ConnectionError as exc:
+            _close_fd(pidfd)
+            raise PeerUnreachable(
+                f"{who} closed its shm socket without answering ({exc}): does it use another "
+                "shared secret, or is its listener busy?"
+            ) from exc
+        except OSError as exc:
+            _close_fd(pidfd)
+            raise PeerUnreachable(f"{who}'s shm socket failed during the handshake: {exc}") from exc
+        finally:
+            sock.close()
+        problem = None
+        if reg.challenge != challenge:
+            problem = "did not echo the challenge"
+        elif reg.pid != pid:
+            problem = f"answers as pid {reg.pid}, but the kernel says its socket is pid {pid}"
+        elif reg.agent != meta.agent:
+            problem = f"is agent {reg.agent!r}, but the metadata names agent {meta.agent!r}"
+        elif reg.version < meta.version:
+            problem = (f"answers registration version {reg.version}, older than the "
+                       f"metadata's {meta.version}")
+        elif not _alive(pidfd):
+            problem = f"(process {pid}) exited during the handshake"
+        if problem is not None:
+            _close_fd(pidfd)
+            raise PeerUnreachable(f"the process behind {who}'s shm socket {problem}: refusing")
+        try:
+            sender = NotificationSender(reg.notify_address, self.agent_name, self._codec)
+        except Exception as exc:  # noqa: BLE001 - zmq refuses an unusable address
+            _close_fd(pidfd)
+            raise PeerUnreachable(
+                f"{who} answered an unusable notification address "
+                f"{reg.notify_address!r}: {exc}"
+            ) from None
+        return _Peer(reg.agent, pid, pidfd, reg.version, list(reg.regions), sender)
+
+    def _probe(self, peer: _Peer) -> None:
         """Read one byte of the peer: a missing permission or process fails the handshake."""
         buf = np.zeros(1, dtype=np.uint8)
         loc = np.array([[buf.ctypes.data, 1]], dtype=np.uint64)
-        rem = np.array([[meta.regions[0][0], 1]], dtype=np.uint64)
-        if self._libc.readv(meta.pid, loc.ctypes.data, 1, rem.ctypes.data, 1, 0) == 1:
+        rem = np.array([[peer.regions[0][0], 1]], dtype=np.uint64)
+        if self._libc.readv(peer.pid, loc.ctypes.data, 1, rem.ctypes.data, 1, 0) == 1:
             return
         err = ctypes.get_errno()
         if err in (errno.EPERM, errno.ESRCH):
             raise PeerUnreachable(
-                f"cannot access peer {meta.agent!r}'s memory: {_explain(err, meta.pid)}"
+                f"cannot access peer {peer.agent!r}'s memory: {_explain(err, peer.pid)}"
             )
-        log.warning("probe of peer %r's first region failed: %s", meta.agent,
-                    _explain(err, meta.pid))
+        log.warning("probe of peer %r's first region failed: %s", peer.agent,
+                    _explain(err, peer.pid))
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -361,12 +922,12 @@ class ShmTransport(Transport):
             log.info("shm %r removed peer %r", self.agent_name, peer)
 
     def _retire(self, peer: _Peer) -> None:
-        # Close the sender behind every transfer already queued for it (the worker is FIFO).
+        # Retire behind every transfer already queued for it (the worker is FIFO).
         with self._lock:
             if not self._closed:
-                self._jobs.put(peer.sender.close)
+                self._jobs.put(peer.retire)
                 return
-        peer.sender.close()
+        peer.retire()
 
     def _peer(self, name: str) -> _Peer:
         with self._lock:
@@ -392,10 +953,11 @@ class ShmTransport(Transport):
         p = self._peer(peer)
         with self._lock:
             regions = list(self._regions)
+        _check_bounds(local, remote)
         check_within(local, regions, "local")
-        check_within(remote, p.meta.regions, f"remote ({peer})")
+        check_within(remote, p.regions, f"remote ({peer})")
         handle = TransferHandle(op, peer, int(local[:, 1].sum()), int(local.shape[0]))
-        job = _Job(handle, p.meta.pid, _iov(local), _iov(remote), notification, p.sender)
+        job = _Job(handle, p, _iov(local), _iov(remote), notification)
         log.debug("shm %r posting %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
                   op.value, handle.id, handle.nbytes, handle.count, peer)
         with self._lock:
@@ -415,15 +977,22 @@ class ShmTransport(Transport):
             self._run(job)
 
     def _run(self, job: _Job) -> None:
-        h = job.handle
+        h, peer = job.handle, job.peer
         if self._abort.is_set():
             h._finish(HandleState.FAILED, "transport closed before the transfer started")
             return
+        if peer.retired:
+            h._finish(HandleState.FAILED, f"peer {h.peer!r} was removed before the transfer ran")
+            return
+        if not peer.alive():  # its pid may already belong to another process
+            h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: "
+                      f"{_explain(errno.ESRCH, peer.pid)}")
+            return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            copy_iovecs(fn, job.pid, job.local, job.remote, self._iov_max, self._abort)
+            copy_iovecs(fn, peer.pid, job.local, job.remote, self._iov_max, self._abort)
             if job.notification is not None:
-                job.sender.send(job.notification)
+                peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
             log.debug("shm %r %s #%d failed: %s", self.agent_name, h.op.value, h.id, exc)
             h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: {exc}")
@@ -461,6 +1030,7 @@ class ShmTransport(Transport):
                 self._jobs.put(None)
                 peers = list(self._peers.values())
                 self._peers.clear()
+            self._listener.close()
             self._worker.join(timeout)
             if self._worker.is_alive():
                 log.warning("shm %r: transfers still queued after %.1f s; failing them",
@@ -470,7 +1040,7 @@ class ShmTransport(Transport):
             self._abort.set()
             self._fail_leftovers()
             for p in peers:
-                p.sender.close()
+                p.retire()
             self._inbox.close()
             log.info("shm transport %r closed", self.agent_name)
 
@@ -484,3 +1054,8 @@ class ShmTransport(Transport):
                 job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
             elif job is not None:
                 job()
+
+
+def _close_fd(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import os
 import stat
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.testing.engines import (
+    GUARD_MIDDLEWARE,
     EngineError,
     VllmServer,
     complete,
@@ -133,6 +136,22 @@ def test_fake_engine_lifecycle(fake_python: str, tmp_path: Path) -> None:
     assert s.proc is not None
     assert s.stop() == s.proc.returncode  # idempotent
     assert "fake engine" in (tmp_path / "e.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_guard_middleware_on_the_command_line() -> None:
+    kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both"}
+    cmd = VllmServer("/m", kv_transfer_config=kv, extra_args=["--seed", "1"]).command()
+    i = cmd.index("--middleware")
+    assert cmd[i + 1] == GUARD_MIDDLEWARE == "kvbridge.integrations.vllm_http.KVTransferParamsGuard"
+    assert cmd.count("--middleware") == 1 and cmd[-2:] == ["--seed", "1"]
+    assert cmd[cmd.index("--kv-transfer-config") + 1] == json.dumps(kv)
+    # the named class exists and is importable the way vLLM imports it
+    module, name = GUARD_MIDDLEWARE.rsplit(".", 1)
+    assert isinstance(getattr(importlib.import_module(module), name), type)
+    assert "--middleware" not in VllmServer("/m", kv_transfer_config=kv, guard=False).command()
+    assert "--middleware" not in VllmServer("/m").command()  # no connector: nothing to guard
+    assert VllmServer("/m", guard=False).command() == VllmServer("/m").command()
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,10 @@ KVBridgeConnector's ``kv_transfer_params`` contract (probe answer, P's returned 
 what the proxy sends, when, and what it does with the answers. They are NOT vLLM: real engines
 are covered by the end-to-end tests. Each stand-in records every request it got with its start
 and end times and whether the proxy went away mid-request (so vLLM would have aborted it).
+
+:class:`FakeControl` stands in for an engine rank's control channel: a real
+:class:`~kvbridge.control.ControlServer` answered by a small thread, which tells the proxy what
+happened to a transfer (``TransferQuery`` → ``TransferReply``).
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import zmq
 from aiohttp import web
 
+from kvbridge.control import ControlServer
+from kvbridge.messages import Ack, Codec, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
 
@@ -68,6 +76,12 @@ class StandIn:
     break_after: int | None = None  # decode stream: drop the connection after N chunks
     health_status: int = 200
     engine_id: str = "P-standin"
+    generation: str | None = None  # kvbridge_generation in probe and prefill answers
+    control_port: int = 5601  # the control address it reports (a FakeControl's port)
+    answers_probe: bool | None = None  # default: prefill yes, decode no (like old stand-ins)
+    error_answer: str | None = None  # prefill: answer kvbridge_error (nothing handed off)
+    bad_params: dict[str, Any] | None = None  # prefill: merged into its answer's params
+    fail_first: int = 0  # with fail_status: fail only the first N generation requests
     seen: list[Seen] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -108,11 +122,32 @@ class StandIn:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
 
+    def _address(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "remote_engine_id": self.engine_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": self.control_port,
+            "tp_size": 1,
+        }
+        if self.generation is not None:
+            out["kvbridge_generation"] = self.generation
+        return out
+
+    def _failing(self) -> bool:
+        if self.fail_status is None:
+            return False
+        return not self.fail_first or len(self.requests()) <= self.fail_first
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen = Seen(request.path, body, request.headers.copy(), time.monotonic())
         self.seen.append(seen)
+        kvp = body.get("kv_transfer_params") or {}
+        answers_probe = self.role == "prefill" if self.answers_probe is None else self.answers_probe
         try:
+            if kvp.get("kvbridge_probe") and answers_probe and not self.no_params:
+                params = {**self._address(), "kvbridge_version": "0.1.0", **(self.bad_params or {})}
+                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
             if self.role == "prefill":
                 return await self._prefill(body)
             return await self._decode(request, body)
@@ -125,36 +160,28 @@ class StandIn:
 
     async def _prefill(self, body: dict[str, Any]) -> web.Response:
         kvp = body.get("kv_transfer_params") or {}
-        if kvp.get("kvbridge_probe") and not self.no_params:
-            params = {
-                "remote_engine_id": self.engine_id,
-                "remote_host": "127.0.0.1",
-                "remote_port": 5601,
-                "tp_size": 1,
-                "kvbridge_version": "0.1.0",
-            }
-            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
         await asyncio.sleep(self.prefill_delay)
-        if self.fail_status is not None:
+        if self._failing():
+            assert self.fail_status is not None
             err = {"error": {"message": "stand-in prefill failure", "code": self.fail_status}}
             return web.json_response(err, status=self.fail_status)
         answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "A"}]}
-        if not self.no_params:
+        if self.error_answer is not None:
+            answer["kv_transfer_params"] = {"kvbridge_error": self.error_answer}
+        elif not self.no_params:
             answer["kv_transfer_params"] = {
+                **self._address(),
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "remote_engine_id": self.engine_id,
                 "remote_block_ids": [3, 4, 5],
-                "remote_host": "127.0.0.1",
-                "remote_port": 5601,
-                "tp_size": 1,
                 "transfer_id": kvp.get("transfer_id"),
                 "transfer_mode": kvp.get("transfer_mode", "pull"),
+                **(self.bad_params or {}),
             }
         return web.json_response(answer)
 
     async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if self.headers_first and body.get("stream") and self.fail_status is None:
+        if self.headers_first and body.get("stream") and not self._failing():
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
             await asyncio.sleep(self.first_delay)
@@ -164,7 +191,8 @@ class StandIn:
             await out.write_eof()
             return out
         await asyncio.sleep(self.first_delay)
-        if self.fail_status is not None:
+        if self._failing():
+            assert self.fail_status is not None
             err = {"error": {"message": "stand-in decode failure", "code": self.fail_status}}
             return web.json_response(err, status=self.fail_status)
         if not body.get("stream"):
@@ -196,6 +224,59 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+class FakeControl:
+    """An engine rank's control channel: a real ControlServer, answered by a thread.
+
+    ``outcomes`` maps transfer ids to what the rank says happened (``"failed: …"``); ``default``
+    is said of any other id (None: the rank does not know it). Every TransferQuery is recorded.
+    """
+
+    def __init__(self, default: str | None = None, *, refuse: bool = False) -> None:
+        self.server = ControlServer(Codec(), "127.0.0.1", 0)
+        self.port = self.server.port
+        self.default = default
+        self.refuse = refuse
+        self.outcomes: dict[str, str] = {}
+        self.queries: list[list[str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-control", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server.socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(20):
+                continue
+            for ctx, msg in self.server.receive():
+                if not isinstance(msg, TransferQuery) or self.refuse:
+                    self.server.reply(ctx, Ack(ok=False, error="not answering"))
+                    continue
+                self.queries.append(list(msg.transfer_ids))
+                said = {t: o for t in msg.transfer_ids
+                        if (o := self.outcomes.get(t, self.default)) is not None}
+                self.server.reply(ctx, TransferReply(outcomes=said))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self.server.close()
+
+
+@pytest.fixture
+def controls() -> Iterator[Callable[..., FakeControl]]:
+    started: list[FakeControl] = []
+
+    def make(default: str | None = None, **kw: Any) -> FakeControl:
+        c = FakeControl(default, **kw)
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        c.close()
+
+
 @pytest.fixture
 async def engines() -> AsyncIterator[Callable[..., Any]]:
     """Factory of started stand-ins; all are stopped at teardown, even on failure."""
@@ -219,6 +300,7 @@ async def proxies() -> AsyncIterator[Callable[..., Any]]:
         kw.setdefault("mode", ProxyMode.PULL)
         kw.setdefault("timeout_s", 20.0)
         kw.setdefault("connect_timeout_s", 1.0)
+        kw.setdefault("control_timeout_s", 0.5)
         server = ProxyServer(ProxySettings(prefill, decode, port=0, **kw))
         await server.start()
         started.append(server)
@@ -277,15 +359,7 @@ async def test_pull_sequencing(engines: Any, proxies: Any, client: Any) -> None:
     kvp = dict(ps.body["kv_transfer_params"])
     tid = kvp.pop("transfer_id")
     assert XFER.fullmatch(tid)
-    assert kvp == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-        "transfer_mode": "pull",
-    }
+    assert kvp == {"do_remote_decode": True, "transfer_mode": "pull"}
     # D: the original request, with P's returned params unchanged, sent after P answered
     assert ds.t_start >= ps.t_end
     expected = {**COMPLETION, "kv_transfer_params": ds.body["kv_transfer_params"]}
@@ -373,13 +447,11 @@ async def test_push_dispatches_prefill_and_decode_concurrently(
     assert ds.body["max_tokens"] == 16 and ds.body["min_tokens"] == 2
     assert ds.body["kv_transfer_params"] == {
         "do_remote_prefill": True,
-        "do_remote_decode": False,
         "transfer_mode": "push",
         "transfer_id": tid,
         "remote_engine_id": "P-42",
         "remote_host": "127.0.0.1",
         "remote_port": 5601,
-        "tp_size": 1,
     }
     # a fresh transfer id per dispatch
     assert p.requests()[1].body["kv_transfer_params"]["transfer_id"] != tid
@@ -562,6 +634,296 @@ async def test_bad_request_is_400_without_touching_engines(
         answer = await r.json()
     assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
     assert p.requests() == [] and d.requests() == []
+
+
+# ------------------------------------------------------------------------------ one hand-off each
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": ["The capital of France is", "The capital of Spain is"]}, "prompt"),
+        ({"prompt": [[1, 2, 3], [4, 5]]}, "prompt"),
+        ({"n": 2}, "n"),
+        ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ],
+)
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_batches_n_and_client_params_are_400(
+    engines: Any, proxies: Any, client: Any, extra: dict[str, Any], param: str, mode: ProxyMode
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    status, answer = await post(client, proxy.url + "/v1/completions", {**COMPLETION, **extra})
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["param"] == param and answer["error"]["code"] == 400
+    assert param in answer["error"]["message"]
+    assert p.requests() == [] and d.requests() == []
+
+
+async def test_chat_with_n_is_400(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url])
+    status, answer = await post(client, proxy.url + "/v1/chat/completions", {**CHAT, "n": 3})
+    assert status == 400 and answer["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize("prompt", [[464, 3139, 286, 4881, 318], ["The capital of France is"],
+                                    [[464, 3139, 286]]])
+async def test_single_prompt_lists_still_work(
+    engines: Any, proxies: Any, client: Any, prompt: Any
+) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url])
+    status, answer = await post(client, proxy.url + "/v1/completions", {**COMPLETION,
+                                                                        "prompt": prompt})
+    assert status == 200, answer
+    assert p.requests()[0].body["prompt"] == d.requests()[0].body["prompt"] == prompt
+
+
+# ------------------------------------------------------------------------------ parsed answers
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"remote_block_ids": "abc"}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_port": "port"}, "kv_transfer_params.remote_port"),
+        ({"remote_engine_id": 5}, "kv_transfer_params.remote_engine_id"),
+        ({"transfer_mode": "sideways"}, "kv_transfer_params.transfer_mode"),
+        ({"transfer_id": "xfer-somebody-else"}, "kv_transfer_params.transfer_id"),
+    ],
+)
+async def test_malformed_prefill_answer_is_502_naming_the_key(
+    engines: Any, proxies: Any, client: Any, bad: dict[str, Any], field: str
+) -> None:
+    p = await engines("prefill", bad_params=bad)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502 and field in answer["error"]["message"], answer
+    assert d.requests() == []
+
+
+async def test_malformed_probe_answer_is_502_naming_the_key(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", bad_params={"remote_port": "port"})
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502, answer
+    assert "control address" in answer["error"]["message"]
+    assert "kv_transfer_params.remote_port" in answer["error"]["message"]
+    assert p.requests() == [] and d.requests() == []
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        ("prompt: a hand-off needs token-id prompts", 400),
+        ("kv_transfer_params.transfer_id: xfer-1 is already used by request 3", 400),
+        ("cannot stage the blocks: lookup buffer full", 502),
+    ],
+)
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_prefill_kvbridge_error_reaches_the_client(
+    engines: Any, proxies: Any, client: Any, error: str, status: int, mode: ProxyMode
+) -> None:
+    p = await engines("prefill")
+    p.error_answer = error  # probes are still answered
+    d = await engines("decode", first_delay=10.0)
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    t0 = time.monotonic()
+    got, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert got == status and error in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "prefill_refused"
+    assert time.monotonic() - t0 < 3.0
+    if status == 400:
+        assert answer["error"]["param"] == error.split(":", 1)[0]
+    if mode is ProxyMode.PUSH:
+        await asyncio.wait_for(d.cancelled.wait(), 5.0)  # the waiting D leg was closed
+        assert proxy.prefills.engines[0].probe is not None  # not a restart: probe kept
+    else:
+        assert d.requests() == []
+
+
+# ------------------------------------------------------------------------------ restarted prefill
+
+
+async def test_new_generation_in_a_prefill_answer_drops_the_probe(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", generation="gen-1")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    assert proxy.prefills.engines[0].probe is not None
+    assert proxy.prefills.engines[0].probe.generation == "gen-1"
+    assert d.requests()[0].body["kv_transfer_params"]["kvbridge_generation"] == "gen-1"
+    p.generation = "gen-2"  # P restarts between two requests
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    for _ in range(100):  # the P leg may finish just after D answered
+        if proxy.prefills.engines[0].probe is None:
+            break
+        await asyncio.sleep(0.02)
+    assert proxy.prefills.engines[0].probe is None
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    assert len(p.requests(probe=True)) == 2  # re-probed for the third request
+    assert d.requests()[2].body["kv_transfer_params"]["kvbridge_generation"] == "gen-2"
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'probes_dropped_total{reason="generation_changed"} 1' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("p_answers_first", [True, False])
+async def test_push_failing_after_a_prefill_restart_is_retried_once_as_pull(
+    engines: Any, proxies: Any, client: Any, stream: bool, p_answers_first: bool
+) -> None:
+    # P answers before D fails (its answer shows the restart), or after (a re-probe shows it)
+    p = await engines("prefill", generation="gen-1", prefill_delay=0.0 if p_answers_first else 2.0)
+    d = await engines("decode", fail_status=503, fail_first=1,
+                      first_delay=0.3 if p_answers_first else 0.0)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    await proxy.discover()
+    p.generation = "gen-2"  # P restarted after the probe: D is told the old generation
+    body = {**COMPLETION, "stream": stream}
+    async with client.post(proxy.url + "/v1/completions", json=body) as r:
+        raw = await r.read()
+        assert r.status == 200, raw
+    expected = b"".join(sse_chunks(3)) if stream else None
+    if expected is not None:
+        assert raw == expected
+    else:
+        assert json.loads(raw)["choices"][0]["text"] == "t0t1t2"
+    modes = [s.body["kv_transfer_params"]["transfer_mode"] for s in p.requests()]
+    assert modes == ["push", "pull"]
+    first, second = d.requests()
+    assert first.body["kv_transfer_params"]["transfer_mode"] == "push"
+    assert second.body["kv_transfer_params"]["remote_block_ids"] == [3, 4, 5]
+    assert second.body["kv_transfer_params"]["transfer_id"] != (
+        first.body["kv_transfer_params"]["transfer_id"]  # a fresh transfer id for the retry
+    )
+    if not p_answers_first:
+        assert len(p.requests(probe=True)) == 2 and p.requests()[0].cancelled
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'retries_total{reason="prefill_restarted"} 1' in text
+    assert 'chosen="pull",reason="prefill_restarted"' in text
+    assert 'requests_total{mode="pull",outcome="ok"} 1' in text
+
+
+async def test_push_failing_without_a_restart_is_not_retried(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill", generation="gen-1", prefill_delay=0.0)
+    d = await engines("decode", fail_status=503, first_delay=0.3)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 503 and answer["error"]["message"] == "stand-in decode failure"
+    assert len(p.requests()) == 1 and len(d.requests()) == 1
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert "retries_total{" not in text
+
+
+# ------------------------------------------------------------------------------ failure reasons
+
+
+async def test_decode_failure_reason_from_the_control_channel(
+    engines: Any, proxies: Any, client: Any, controls: Any
+) -> None:
+    p_ctl = controls("in progress: staged, waiting for the READ")
+    d_ctl = controls("failed: READ from P-standin timed out")
+    p = await engines("prefill", control_port=p_ctl.port)
+    d = await engines("decode", fail_status=500, control_port=d_ctl.port, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    tid = p.requests()[0].body["kv_transfer_params"]["transfer_id"]
+    assert status == 502, answer
+    assert answer["error"]["message"] == (
+        f"decode failed: transfer {tid}: READ from P-standin timed out"
+    )
+    assert d_ctl.queries == [[tid]] and p_ctl.queries == [[tid]]
+    assert len(d.requests(probe=True)) == 1  # D's control address: probed lazily...
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502 and len(d.requests(probe=True)) == 1  # ...and cached
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert 'reason_queries_total{outcome="answered"} 4' in text
+
+
+async def test_push_prefill_failure_reason(
+    engines: Any, proxies: Any, client: Any, controls: Any
+) -> None:
+    p_ctl = controls("failed: the WRITE to decode failed: connection reset")
+    p = await engines("prefill", prefill_delay=0.1, fail_status=500, control_port=p_ctl.port)
+    d = await engines("decode", first_delay=10.0)  # answers no probe: only P can tell
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    tid = p.requests()[0].body["kv_transfer_params"]["transfer_id"]
+    assert status == 502, answer
+    assert answer["error"]["message"] == (
+        f"prefill failed: transfer {tid}: the WRITE to decode failed: connection reset"
+    )
+    await asyncio.wait_for(d.cancelled.wait(), 5.0)
+
+
+async def test_timeout_reason_is_504(
+    engines: Any, proxies: Any, client: Any, controls: Any
+) -> None:
+    d_ctl = controls("in progress: waiting for the pushed KV")
+    p = await engines("prefill")
+    d = await engines("decode", first_delay=5.0, control_port=d_ctl.port, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL, timeout_s=0.5)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 504, answer
+    assert answer["error"]["message"].endswith(": in progress: waiting for the pushed KV")
+    assert answer["error"]["message"].startswith("decode failed: transfer xfer-")
+
+
+@pytest.mark.parametrize("how", ["unknown", "refused", "silent"])
+async def test_no_reason_keeps_the_generic_error(
+    engines: Any, proxies: Any, client: Any, controls: Any, how: str
+) -> None:
+    if how == "silent":
+        silent = FakeControl()
+        silent.close()  # nobody answers on its port: the query times out
+        port = silent.port
+    else:
+        ctl = controls(None, refuse=how == "refused")
+        port = ctl.port
+    p = await engines("prefill", control_port=port)
+    d = await engines("decode", fail_status=503)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    t0 = time.monotonic()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 503 and answer["error"]["message"] == "stand-in decode failure"
+    assert time.monotonic() - t0 < 3.0
+
+
+async def test_reason_queries_do_not_block_the_event_loop(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    silent = FakeControl()
+    silent.close()  # a control address nobody answers on: each query waits its timeout
+    p = await engines("prefill", control_port=silent.port)
+    bad = await engines("decode", fail_status=503)
+    good = await engines("prefill")
+    ok_d = await engines("decode")
+    failing = await proxies([p.url], [bad.url], mode=ProxyMode.PULL, control_timeout_s=1.0)
+    working = await proxies([good.url], [ok_d.url], mode=ProxyMode.PULL)
+    slow = asyncio.ensure_future(post(client, failing.url + "/v1/completions", COMPLETION))
+    while not bad.requests():
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    status, _ = await post(client, working.url + "/v1/completions", COMPLETION)
+    assert status == 200 and time.monotonic() - t0 < 0.5  # served while the query waits
+    assert (await slow)[0] == 503
 
 
 # ------------------------------------------------------------------------------ disconnects

@@ -7,13 +7,19 @@ import re
 
 import pytest
 
-from kvbridge.errors import ConfigError
+from kvbridge import params
+from kvbridge.errors import ConfigError, ParamsError
+from kvbridge.params import PeerRef, TransferParams
+from kvbridge.proxy.reasons import pick_reason
 from kvbridge.proxy.routing import (
     Decision,
     Pool,
+    PrefillRefused,
     ProbeInfo,
     ProxyMode,
+    RequestProblem,
     Role,
+    control_addresses,
     decide,
     decode_body,
     new_transfer_id,
@@ -21,7 +27,9 @@ from kvbridge.proxy.routing import (
     parse_probe,
     prefill_body,
     probe_body,
+    pull_decode_params,
     push_decode_params,
+    read_prefill_answer,
     validate_request,
 )
 
@@ -147,16 +155,13 @@ def test_prefill_body(mode: ProxyMode) -> None:
     for gone in ("stream_options", "min_tokens", "min_completion_tokens"):
         assert gone not in out
     assert out["temperature"] == 0.0 and out["prompt"] == "hello"
+    assert out["kv_transfer_params"] == params.prefill_request("xfer-1", mode)
     assert out["kv_transfer_params"] == {
         "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
         "transfer_id": "xfer-1",
         "transfer_mode": mode.value,
     }
+    assert params.parse(out["kv_transfer_params"]).mode(ProxyMode.AUTO) is mode
 
 
 def test_prefill_body_adds_no_max_completion_tokens_and_rejects_auto() -> None:
@@ -166,22 +171,42 @@ def test_prefill_body_adds_no_max_completion_tokens_and_rejects_auto() -> None:
         prefill_body({"prompt": "x"}, "xfer-2", ProxyMode.AUTO)
 
 
+PROBE_ANSWER = {
+    "remote_engine_id": "P-1",
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 2,
+    "kvbridge_version": "0.1.0",
+    "kvbridge_generation": "g-1",
+    "kvbridge_peers": [
+        {"address": "tcp://10.0.0.1:5600", "generation": "g-1"},
+        {"address": "tcp://10.0.0.1:5601", "generation": "g-1r1"},
+    ],
+}
+
+
 def test_decode_bodies() -> None:
-    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "transfer_id": "xfer-3"}
-    out = decode_body({**BODY, "kv_transfer_params": {"client": 1}}, params)
-    assert out["kv_transfer_params"] == params and out["kv_transfer_params"] is not params
+    kvp = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "transfer_id": "xfer-3"}
+    out = decode_body({**BODY, "kv_transfer_params": {"client": 1}}, kvp)
+    assert out["kv_transfer_params"] == kvp and out["kv_transfer_params"] is not kvp
     assert out["max_tokens"] == 50 and out["stream"] is True and out["min_tokens"] == 5
-    probe = ProbeInfo("P-1", "10.0.0.1", 5600, 2, "0.1.0")
-    assert push_decode_params(probe, "xfer-4") == {
+    probe = parse_probe(PROBE_ANSWER)
+    d_params = push_decode_params(probe, "xfer-4")
+    assert d_params == {
         "do_remote_prefill": True,
-        "do_remote_decode": False,
         "transfer_mode": "push",
         "transfer_id": "xfer-4",
         "remote_engine_id": "P-1",
         "remote_host": "10.0.0.1",
         "remote_port": 5600,
         "tp_size": 2,
+        "kvbridge_generation": "g-1",
+        "kvbridge_peers": PROBE_ANSWER["kvbridge_peers"],
     }
+    # what D parses is what the probe said, for every rank
+    parsed = params.parse(d_params)
+    assert parsed.peer(1) == PeerRef("tcp://10.0.0.1:5601", "g-1r1")
+    assert parsed.mode(ProxyMode.PULL) is ProxyMode.PUSH
 
 
 def test_probe_roundtrip_and_errors() -> None:
@@ -192,41 +217,166 @@ def test_probe_roundtrip_and_errors() -> None:
         "max_tokens": 1,
         "kv_transfer_params": {"kvbridge_probe": True},
     }
-    answer = {
-        "remote_engine_id": "P-1",
-        "remote_host": "h",
-        "remote_port": "5600",
-        "tp_size": 1,
-        "kvbridge_version": "0.1.0",
-    }
-    assert parse_probe(answer) == ProbeInfo("P-1", "h", 5600, 1, "0.1.0")
-    with pytest.raises(ValueError, match="KVBridgeConnector"):
+    assert params.parse(body["kv_transfer_params"]).kvbridge_probe
+    info = parse_probe(PROBE_ANSWER)
+    assert (info.engine_id, info.host, info.port, info.tp_size) == ("P-1", "10.0.0.1", 5600, 2)
+    assert info.version == "0.1.0" and info.generation == "g-1"
+    assert info.addresses() == ["tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601"]
+    plain = parse_probe({"remote_engine_id": "P", "remote_host": "h", "remote_port": 7})
+    assert plain.tp_size == 1 and plain.generation is None and plain.version == "?"
+    assert plain.addresses() == ["tcp://h:7"]
+    with pytest.raises(ParamsError, match="KVBridgeConnector") as err:
         parse_probe(None)
-    with pytest.raises(ValueError, match="remote_port"):
-        parse_probe({**answer, "remote_port": None})
-    with pytest.raises(ValueError, match="malformed"):
-        parse_probe({**answer, "tp_size": "two"})
+    assert err.value.field == "kv_transfer_params"
+    with pytest.raises(ParamsError) as err:
+        parse_probe({**PROBE_ANSWER, "remote_port": None})
+    assert err.value.field == "kv_transfer_params.remote_port"
+    # strict types: no string-to-int coercion, the key is named
+    for key, bad in [("remote_port", "5600"), ("tp_size", "two"), ("remote_engine_id", 5),
+                     ("kvbridge_peers", [{"address": "nowhere"}])]:
+        with pytest.raises(ParamsError) as err:
+            parse_probe({**PROBE_ANSWER, key: bad})
+        assert err.value.field == f"kv_transfer_params.{key}", (key, err.value)
+
+
+def test_control_addresses() -> None:
+    assert control_addresses(TransferParams()) == []
+    assert control_addresses(TransferParams(remote_host="::1", remote_port=9)) == ["tcp://[::1]:9"]
+    assert control_addresses(params.parse(PROBE_ANSWER)) == [
+        "tcp://10.0.0.1:5600",
+        "tcp://10.0.0.1:5601",
+    ]
+
+
+PULL_ANSWER = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "P-1",
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+    "remote_block_ids": [3, 4, 5],
+    "remote_num_tokens": 40,
+    "transfer_id": "xfer-5",
+    "transfer_mode": "pull",
+    "kvbridge_generation": "g-1",
+}
+
+
+def test_read_prefill_answer_pull() -> None:
+    answer = read_prefill_answer(PULL_ANSWER, "xfer-5", ProxyMode.PULL)
+    assert answer.remote_block_ids == [3, 4, 5] and answer.kvbridge_generation == "g-1"
+    wire = pull_decode_params(answer)
+    assert params.parse(wire) == answer
+    assert wire["remote_block_ids"] == [3, 4, 5] and wire["transfer_id"] == "xfer-5"
+    # vLLM's per-group form is accepted; a stock answer without transfer_id gets the proxy's
+    stock = {k: v for k, v in PULL_ANSWER.items() if k != "transfer_id"}
+    stock["remote_block_ids"] = [[3, 4, 5]]
+    answer = read_prefill_answer(stock, "xfer-5", ProxyMode.PULL)
+    assert answer.transfer_id == "xfer-5" and answer.remote_block_ids == [3, 4, 5]
 
 
 @pytest.mark.parametrize(
-    ("body", "chat", "problem"),
+    ("raw", "mode", "field"),
     [
-        ({"prompt": "x"}, False, None),
-        ({"prompt": [1, 2]}, False, None),
-        ({"messages": [{"role": "user", "content": "x"}]}, True, None),
-        ([1], False, "JSON object"),
-        ({}, False, "'prompt'"),
-        ({"prompt": None}, False, "'prompt'"),
-        ({"prompt": 3}, False, "string or a list"),
-        ({"prompt": "x"}, True, "'messages'"),
-        ({"messages": "hi"}, True, "list"),
-        ({"prompt": "x", "max_tokens": "5"}, False, "max_tokens"),
-        ({"prompt": "x", "max_tokens": True}, False, "max_tokens"),
+        (None, ProxyMode.PULL, "kv_transfer_params"),
+        ([1, 2], ProxyMode.PUSH, "kv_transfer_params"),
+        ({**PULL_ANSWER, "remote_block_ids": "abc"}, ProxyMode.PULL,
+         "kv_transfer_params.remote_block_ids"),
+        ({**PULL_ANSWER, "remote_port": "port"}, ProxyMode.PUSH, "kv_transfer_params.remote_port"),
+        ({**PULL_ANSWER, "transfer_mode": "sideways"}, ProxyMode.PULL,
+         "kv_transfer_params.transfer_mode"),
+        ({**PULL_ANSWER, "transfer_id": "xfer-other"}, ProxyMode.PUSH,
+         "kv_transfer_params.transfer_id"),
+        ({**PULL_ANSWER, "remote_block_ids": None}, ProxyMode.PULL,
+         "kv_transfer_params.remote_block_ids"),
+        ({**PULL_ANSWER, "do_remote_prefill": False}, ProxyMode.PULL,
+         "kv_transfer_params.do_remote_prefill"),
     ],
 )
-def test_validate_request(body: object, chat: bool, problem: str | None) -> None:
+def test_read_prefill_answer_names_the_bad_key(raw: object, mode: ProxyMode, field: str) -> None:
+    with pytest.raises(ParamsError) as err:
+        read_prefill_answer(raw, "xfer-5", mode)
+    assert err.value.field == field, err.value
+
+
+def test_read_prefill_answer_push_needs_no_blocks() -> None:
+    answer = read_prefill_answer({"transfer_id": "xfer-5", "transfer_mode": "push"}, "xfer-5",
+                                 ProxyMode.PUSH)
+    assert answer.remote_block_ids is None
+
+
+@pytest.mark.parametrize(
+    ("error", "malformed", "param"),
+    [
+        ("prompt: a hand-off needs token-id prompts", True, "prompt"),
+        ("kv_transfer_params.transfer_id: xfer-1 is already used by request 7", True,
+         "kv_transfer_params.transfer_id"),
+        ("kv_transfer_params: must be a JSON object, not list", True, "kv_transfer_params"),
+        ("cannot stage the blocks: lookup buffer full", False, None),
+        ("LookupBufferFull: 4096 entries", False, None),
+    ],
+)
+def test_prefill_refusal(error: str, malformed: bool, param: str | None) -> None:
+    with pytest.raises(PrefillRefused) as err:
+        read_prefill_answer({"kvbridge_error": error}, "xfer-5", ProxyMode.PULL)
+    assert err.value.message == error
+    assert err.value.malformed is malformed and err.value.param == param
+
+
+def test_pick_reason() -> None:
+    assert pick_reason([]) is None
+    assert pick_reason(["done"]) is None
+    assert pick_reason(["done", "failed: lease expired"]) == "lease expired"
+    assert pick_reason(["in progress: waiting for the WRITE", "cancelled by decode: gone"]) == (
+        "cancelled by decode: gone"
+    )
+    assert pick_reason(["in progress: waiting for the WRITE", "done"]) == (
+        "in progress: waiting for the WRITE"
+    )
+    # the caller's order is the priority among equals (the failed leg's engine first)
+    assert pick_reason(["failed: D side", "failed: P side"]) == "D side"
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "problem", "param"),
+    [
+        ({"prompt": "x"}, False, None, None),
+        ({"prompt": [1, 2]}, False, None, None),  # token ids: one prompt
+        ({"prompt": ["x"]}, False, None, None),  # a one-element batch is one prompt
+        ({"prompt": [[1, 2]]}, False, None, None),
+        ({"prompt": "x", "n": 1}, False, None, None),
+        ({"prompt": "x", "n": None, "kv_transfer_params": None}, False, None, None),
+        ({"messages": [{"role": "user", "content": "x"}]}, True, None, None),
+        ([1], False, "JSON object", None),
+        ({}, False, "'prompt'", "prompt"),
+        ({"prompt": None}, False, "'prompt'", "prompt"),
+        ({"prompt": 3}, False, "string or a list", "prompt"),
+        ({"prompt": ["a", "b"]}, False, "batch of 2", "prompt"),
+        ({"prompt": [[1], [2], [3]]}, False, "batch of 3", "prompt"),
+        ({"prompt": ["a", [1]]}, False, "token ids", "prompt"),
+        ({"prompt": [1, "a"]}, False, "token ids", "prompt"),
+        ({"prompt": [True, 2]}, False, "token ids", "prompt"),
+        ({"prompt": "x"}, True, "'messages'", "messages"),
+        ({"messages": "hi"}, True, "list", "messages"),
+        ({"prompt": "x", "max_tokens": "5"}, False, "max_tokens", "max_tokens"),
+        ({"prompt": "x", "max_tokens": True}, False, "max_tokens", "max_tokens"),
+        ({"prompt": "x", "n": 2}, False, "'n' is 2", "n"),
+        ({"messages": [], "n": 3}, True, "'n' is 3", "n"),
+        ({"prompt": "x", "n": "2"}, False, "'n' must be an integer", "n"),
+        ({"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, False,
+         "set by the proxy", "kv_transfer_params"),
+    ],
+)
+def test_validate_request(body: object, chat: bool, problem: str | None,
+                          param: str | None) -> None:
     why = validate_request(body, chat)
     if problem is None:
         assert why is None
     else:
-        assert why is not None and problem in why
+        assert isinstance(why, RequestProblem) and problem in why.message, why
+        assert why.param == param
+
+
+def test_probe_info_is_the_parsed_answer() -> None:
+    info = ProbeInfo(params.parse(PROBE_ANSWER))
+    assert info == parse_probe(PROBE_ANSWER)

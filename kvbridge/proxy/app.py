@@ -14,6 +14,17 @@ Contract:
 - push: if the P leg fails before D's first byte reached the client, the D leg is closed at once
   and the client gets a 502 (a P 4xx keeps its status: the request itself was bad). If D fails,
   the client gets D's error and the P leg is closed.
+- Every ``kv_transfer_params`` sent is built by :mod:`kvbridge.params`, every one received (probe
+  and P answers) parsed by it: a malformed answer is a 502 naming the key. A P answer with
+  ``kvbridge_error`` (P prefilled without handing off) is a 400 when the error names a request
+  field, else a 502, with P's message.
+- A P answer whose ``kvbridge_generation`` differs from the cached probe's drops that probe (P
+  restarted; the next push re-probes). A push whose D leg fails before any byte reached the
+  client, when P's answer or a re-probe shows a new generation, is retried once as a pull.
+- A leg that fails with a 5xx, a broken answer or a timeout is explained by asking the engines'
+  control channels (:mod:`kvbridge.proxy.reasons`, bounded by ``control_timeout_s``): the client
+  gets ``"<leg> failed: transfer <id>: <reason>"`` (502, 504 for a timeout), or the generic error
+  when no engine can say.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -33,22 +45,28 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ParamsError
+from kvbridge.params import TransferParams
 from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.reasons import QueryOutcome, ReasonFinder, pick_reason
 from kvbridge.proxy.routing import (
     Decision,
     Engine,
     Pool,
+    PrefillRefused,
     ProbeInfo,
     ProxyMode,
     Role,
+    control_addresses,
     decide,
     decode_body,
     new_transfer_id,
     parse_probe,
     prefill_body,
     probe_body,
+    pull_decode_params,
     push_decode_params,
+    read_prefill_answer,
     validate_request,
 )
 
@@ -73,16 +91,28 @@ class ProxySettings:
     connect_timeout_s: float = 3.0
     cooldown_s: float = 2.0
     probe_timeout_s: float = 30.0
+    control_timeout_s: float = 1.0
+    """Upper bound on one control-channel query (and on the probe that finds the address) made
+    to explain a failed leg."""
+    control_secret: str | None = None
+    """The fleet's control-channel secret (``KVBRIDGE_SECRET``), to query engines that use one."""
+
+
+#: Leg failures that no control channel can explain (nothing reached an engine, or the engine
+#: already said why).
+_UNEXPLAINED_KINDS = ("prefill_unreachable", "decode_unreachable", "probe_failed",
+                      "prefill_refused")
 
 
 class _LegFailed(Exception):
     """An upstream leg failed; becomes a JSON error at the HTTP boundary, never escapes it."""
 
-    def __init__(self, status: int, message: str, kind: str) -> None:
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.param = param
 
 
 @dataclass
@@ -104,9 +134,16 @@ def _log_leg_failure(task: asyncio.Future[Any]) -> None:
         log.debug("background prefill leg ended with: %s", task.exception())
 
 
-def _error(status: int, message: str, kind: str = "proxy_error") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
+def _error(
+    status: int, message: str, kind: str = "proxy_error", param: str | None = None
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
+
+
+def _unsent_failure(resp: web.StreamResponse) -> bool:
+    """True for a 5xx answer of D that nothing of has reached the client yet."""
+    return resp.status >= 500 and not resp.prepared
 
 
 class ProxyServer:
@@ -115,7 +152,7 @@ class ProxyServer:
     def __init__(self, settings: ProxySettings) -> None:
         if settings.push_headroom < 0:
             raise ConfigError(f"--push-headroom must be >= 0, got {settings.push_headroom}")
-        for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(settings, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(settings, name)}")
         self.settings = settings
@@ -128,6 +165,7 @@ class ProxyServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probe_locks: dict[str, asyncio.Lock] = {}
         self._probe_backoff: dict[str, tuple[float, str]] = {}
+        self._reasons = ReasonFinder(settings.control_secret, settings.control_timeout_s)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -179,6 +217,7 @@ class ProxyServer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        await self._reasons.close()
 
     async def __aenter__(self) -> ProxyServer:
         await self.start()
@@ -213,59 +252,83 @@ class ProxyServer:
                 log.warning("%s (push will be retried on first use)", r)
         return out
 
-    async def probe(self, p: Engine) -> ProbeInfo:
-        """P's control address: cached, else asked of its connector (:func:`routing.probe_body`)."""
-        if p.probe is not None:
-            return p.probe
-        lock = self._probe_locks.setdefault(p.url, asyncio.Lock())
+    async def probe(self, e: Engine, timeout_s: float | None = None) -> ProbeInfo:
+        """An engine's control addresses: cached, else asked of its connector
+        (:func:`routing.probe_body`). A failure is remembered for ``cooldown_s``."""
+        if e.probe is not None:
+            return e.probe
+        lock = self._probe_locks.setdefault(e.url, asyncio.Lock())
         async with lock:
-            if p.probe is not None:
-                return p.probe
-            until, why = self._probe_backoff.get(p.url, (0.0, ""))
+            if e.probe is not None:
+                return e.probe
+            until, why = self._probe_backoff.get(e.url, (0.0, ""))
             if time.monotonic() < until:  # failed a moment ago: don't re-probe per request
                 raise _LegFailed(502, why, "probe_failed")
             timeout = aiohttp.ClientTimeout(
-                total=self.settings.probe_timeout_s, sock_connect=self.settings.connect_timeout_s
+                total=timeout_s or self.settings.probe_timeout_s,
+                sock_connect=self.settings.connect_timeout_s,
             )
             try:
-                async with self.session.get(p.url + "/v1/models", timeout=timeout) as r:
+                async with self.session.get(e.url + "/v1/models", timeout=timeout) as r:
                     r.raise_for_status()
                     model = str((await r.json(content_type=None))["data"][0]["id"])
                 body = probe_body(model)
                 async with self.session.post(
-                    p.url + "/v1/completions", json=body, timeout=timeout
+                    e.url + "/v1/completions", json=body, timeout=timeout
                 ) as r:
                     r.raise_for_status()
                     data = await r.json(content_type=None)
-                params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-                info = parse_probe(params)
+                raw = data.get("kv_transfer_params") if isinstance(data, dict) else None
+                info = parse_probe(raw)
             except (
                 aiohttp.ClientError,
                 TimeoutError,
-                ValueError,
+                ValueError,  # ParamsError (a malformed answer, naming the key) included
                 KeyError,
                 IndexError,
                 TypeError,
             ) as exc:
                 self.metrics.error("probe")
                 why = (
-                    f"cannot learn the control address of prefill engine {p.url}: "
+                    f"cannot learn the control address of {e.role.value} engine {e.url}: "
                     f"{exc or type(exc).__name__}"
                 )
-                self._probe_backoff[p.url] = (time.monotonic() + self.settings.cooldown_s, why)
+                self._probe_backoff[e.url] = (time.monotonic() + self.settings.cooldown_s, why)
                 raise _LegFailed(502, why, "probe_failed") from exc
-            self._probe_backoff.pop(p.url, None)
-            p.probe = info
+            self._probe_backoff.pop(e.url, None)
+            e.probe = info
             log.info(
-                "prefill %s: engine_id=%s control=%s:%d tp=%d kvbridge=%s",
-                p.url,
+                "%s %s: engine_id=%s control=%s:%d tp=%d generation=%s kvbridge=%s",
+                e.role.value,
+                e.url,
                 info.engine_id,
                 info.host,
                 info.port,
                 info.tp_size,
+                info.generation or "?",
                 info.version,
             )
             return info
+
+    def _drop_probe(self, e: Engine, reason: str) -> None:
+        """Forget ``e``'s cached probe (the next push re-probes)."""
+        if e.probe is not None:
+            e.probe = None
+            self.metrics.probe_dropped(reason)
+
+    def _note_generation(self, e: Engine, answer: TransferParams) -> None:
+        """Drop ``e``'s cached probe when ``answer`` shows that the engine restarted."""
+        new = answer.kvbridge_generation
+        old = e.probe.generation if e.probe is not None else None
+        if new is not None and old is not None and new != old:
+            log.info(
+                "%s engine %s restarted (generation %s -> %s); its probe is dropped",
+                e.role.value,
+                e.url,
+                old,
+                new,
+            )
+            self._drop_probe(e, "generation_changed")
 
     # ---------------------------------------------------------------- OpenAI endpoints
 
@@ -279,15 +342,15 @@ class ProxyServer:
         t0 = time.monotonic()
         try:
             body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             self.metrics.error("bad_request")
             self.metrics.request_done("none", "client_error")
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
-        why = validate_request(body, chat)
-        if why is not None:
+        problem = validate_request(body, chat)
+        if problem is not None:
             self.metrics.error("bad_request")
             self.metrics.request_done("none", "client_error")
-            return _error(400, why, "invalid_request_error")
+            return _error(400, problem.message, "invalid_request_error", problem.param)
 
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         rid = request.headers.get("X-Request-Id") or "kvb-" + uuid.uuid4().hex
@@ -311,7 +374,7 @@ class ProxyServer:
                 if exc.status == 504
                 else ("client_error" if exc.status < 500 else "upstream_error")
             )
-            return _error(exc.status, exc.message, exc.kind)
+            return _error(exc.status, exc.message, exc.kind, exc.param)
         except asyncio.CancelledError:
             call.outcome = "cancelled"
             log.info("%s client went away; upstream requests closed", call.rid)
@@ -336,11 +399,24 @@ class ProxyServer:
     ) -> web.StreamResponse:
         p = self.prefills.pick()
         tid = new_transfer_id()
-        params = await self._prefill_leg(p, path, prefill_body(body, tid, ProxyMode.PULL), call)
+        try:
+            answer = await self._prefill_leg(
+                p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
+            )
+        except _LegFailed as exc:
+            raise await self._explained(exc, tid, Role.PREFILL, [(p, None)]) from None
         d = self.decodes.pick()  # late placement: the least-loaded D now that prefill is done
         d.acquire()
-        d_open = asyncio.ensure_future(self._open(d, path, decode_body(body, params), call))
-        return await self._relay(request, d, d_open, None, call)
+        d_body = decode_body(body, pull_decode_params(answer))
+        d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
+        legs: list[tuple[Engine, TransferParams | None]] = [(d, None), (p, answer)]
+        try:
+            resp = await self._relay(request, d, d_open, None, call)
+        except _LegFailed as exc:
+            raise await self._explained(exc, tid, Role.DECODE, legs) from None
+        if _unsent_failure(resp):
+            return await self._explained_response(resp, tid, legs)
+        return resp
 
     async def _push(
         self,
@@ -368,20 +444,146 @@ class ProxyServer:
         self._record(decision, call)
         tid = new_transfer_id()
         p_leg = asyncio.ensure_future(
-            self._prefill_leg(p, path, prefill_body(body, tid, ProxyMode.PUSH), call)
+            self._prefill_leg(
+                p, path, prefill_body(body, tid, ProxyMode.PUSH), call, tid, ProxyMode.PUSH
+            )
         )
         call.background.append(p_leg)
         d_body = decode_body(body, push_decode_params(info, tid))
         d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
+        legs: list[tuple[Engine, TransferParams | None]]
         try:
             resp = await self._relay(request, d, d_open, p_leg, call)
         except _LegFailed as exc:
             if exc.kind.startswith("prefill"):
-                p.probe = None  # re-discover: P may have restarted with a new engine id or port
-            raise
-        if resp.status >= 500:
-            p.probe = None  # D may have failed to reach P at the address we gave it
+                if exc.kind != "prefill_refused":  # P may have restarted: re-discover
+                    self._drop_probe(p, "prefill_failed")
+                legs = [(p, info.params), (d, None)]  # ask P where D was told it listens
+                raise await self._explained(exc, tid, Role.PREFILL, legs) from None
+            # D failed and nothing reached the client: _relay only raises before the first byte
+            if await self._prefill_restarted(p, info, p_leg):
+                return await self._retry_as_pull(request, path, body, call, p, d, exc.message)
+            legs = [(d, None), (p, _answer_of(p_leg) or info.params)]
+            raise await self._explained(exc, tid, Role.DECODE, legs) from None
+        if _unsent_failure(resp):
+            self._drop_probe(p, "decode_failed")  # D may have failed to reach P at that address
+            if await self._prefill_restarted(p, info, p_leg):
+                why = f"answered {resp.status}"
+                return await self._retry_as_pull(request, path, body, call, p, d, why)
+            legs = [(d, None), (p, _answer_of(p_leg) or info.params)]
+            return await self._explained_response(resp, tid, legs)
         return resp
+
+    async def _prefill_restarted(
+        self, p: Engine, used: ProbeInfo, p_leg: asyncio.Future[TransferParams]
+    ) -> bool:
+        """Whether P's generation moved past ``used`` (the probe D was given): from P's answer
+        when the P leg finished, else from a fresh probe (the P leg is then abandoned)."""
+        if used.generation is None:
+            return False  # an engine that reports no generation: a restart cannot be told
+        answer = _answer_of(p_leg)
+        if answer is not None and answer.kvbridge_generation is not None:
+            return answer.kvbridge_generation != used.generation
+        p_leg.cancel()
+        self._drop_probe(p, "decode_failed")
+        try:
+            fresh = await self.probe(p)
+        except _LegFailed:
+            return False
+        return fresh.generation is not None and fresh.generation != used.generation
+
+    async def _retry_as_pull(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        call: _Call,
+        p: Engine,
+        d: Engine,
+        why: str,
+    ) -> web.StreamResponse:
+        """The one retry: a push failed on D because P restarted; no byte reached the client."""
+        for task in call.background:
+            task.cancel()  # the push's P leg, if still running
+        log.warning(
+            "%s push: decode %s failed (%s) after prefill %s restarted; retrying once as pull",
+            call.rid,
+            d.url,
+            why,
+            p.url,
+        )
+        self.metrics.retry("prefill_restarted")
+        self._record(Decision(ProxyMode.PULL, "prefill_restarted"), call)
+        return await self._pull(request, path, body, call)
+
+    # ---------------------------------------------------------------- failure reasons
+
+    async def _reason(
+        self, tid: str, legs: Sequence[tuple[Engine, TransferParams | None]]
+    ) -> str | None:
+        """What the engines of ``legs`` (in priority order) say happened to ``tid``, or None.
+
+        Each engine's control addresses come from its answer, its cached probe, or a probe made
+        now (bounded by ``control_timeout_s``); every rank is asked at once.
+        """
+        budget = self.settings.control_timeout_s
+
+        async def ask(e: Engine, answer: TransferParams | None) -> list[str]:
+            addresses = control_addresses(answer) if answer is not None else []
+            if not addresses:
+                try:
+                    addresses = (await self.probe(e, budget)).addresses()
+                except _LegFailed:
+                    return []
+            replies = await asyncio.gather(*(self._reasons.query(a, tid) for a in addresses))
+            for outcome, _ in replies:
+                self.metrics.reason_query(outcome.value)
+            return [text for outcome, text in replies
+                    if outcome is QueryOutcome.ANSWERED and text]
+
+        tasks = [asyncio.ensure_future(ask(e, a)) for e, a in legs]
+        if not tasks:
+            return None
+        try:
+            await asyncio.wait(tasks, timeout=2 * budget + 1.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+        found: list[str] = []
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                found += task.result()
+        return pick_reason(found)
+
+    async def _explained(
+        self,
+        exc: _LegFailed,
+        tid: str,
+        role: Role,
+        legs: Sequence[tuple[Engine, TransferParams | None]],
+    ) -> _LegFailed:
+        """``exc`` with the engines' reason for ``tid`` as its message, when they know one."""
+        if exc.status < 500 or exc.kind in _UNEXPLAINED_KINDS:
+            return exc
+        reason = await self._reason(tid, legs)
+        if reason is None:
+            return exc
+        log.info("transfer %s: %s (%s)", tid, reason, exc.message)
+        status = 504 if exc.status == 504 else 502
+        return _LegFailed(status, f"{role.value} failed: transfer {tid}: {reason}", exc.kind)
+
+    async def _explained_response(
+        self,
+        resp: web.StreamResponse,
+        tid: str,
+        legs: Sequence[tuple[Engine, TransferParams | None]],
+    ) -> web.StreamResponse:
+        """D's unsent 5xx answer, replaced by the engines' reason for ``tid`` when known."""
+        reason = await self._reason(tid, legs)
+        if reason is None:
+            return resp
+        log.info("transfer %s: %s (decode answered %d)", tid, reason, resp.status)
+        return _error(502, f"decode failed: transfer {tid}: {reason}", "decode_error")
 
     # ---------------------------------------------------------------- legs
 
@@ -417,9 +619,15 @@ class ProxyServer:
         return resp
 
     async def _prefill_leg(
-        self, p: Engine, path: str, body: dict[str, Any], call: _Call
-    ) -> dict[str, Any]:
-        """Run P's one-token prefill; returns the ``kv_transfer_params`` P answered with."""
+        self,
+        p: Engine,
+        path: str,
+        body: dict[str, Any],
+        call: _Call,
+        tid: str,
+        mode: ProxyMode,
+    ) -> TransferParams:
+        """Run P's one-token prefill; returns P's parsed and checked ``kv_transfer_params``."""
         p.acquire()
         try:
             resp = await self._open(p, path, body, call)
@@ -436,17 +644,23 @@ class ProxyServer:
                     "prefill_error",
                 )
             try:
-                params = json.loads(raw).get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                params = None
-            if not isinstance(params, dict):
+                data = json.loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                data = None
+            kvp = data.get("kv_transfer_params") if isinstance(data, dict) else None
+            try:
+                answer = read_prefill_answer(kvp, tid, mode)
+            except PrefillRefused as exc:
                 raise _LegFailed(
-                    502,
-                    f"prefill engine {p.url} returned no kv_transfer_params (is it running "
-                    "KVBridgeConnector as kv_producer?)",
-                    "prefill_error",
-                )
-            return params
+                    400 if exc.malformed else 502,
+                    f"prefill engine {p.url} did not hand off: {exc.message}",
+                    "prefill_refused",
+                    exc.param,
+                ) from None
+            except ParamsError as exc:
+                raise _LegFailed(502, f"prefill engine {p.url}: {exc}", "prefill_error") from None
+            self._note_generation(p, answer)
+            return answer
         finally:
             p.release()
 
@@ -483,6 +697,7 @@ class ProxyServer:
                             exc.status if exc.status < 500 else 502,
                             "prefill leg failed, decode leg aborted: " + exc.message,
                             exc.kind,
+                            exc.param,
                         )
                     raise exc
             return await task
@@ -608,9 +823,11 @@ class ProxyServer:
         except (aiohttp.ClientError, TimeoutError) as exc:
             info["ok"] = False
             info["error"] = str(exc) or type(exc).__name__
-        if e.role is Role.PREFILL and e.probe is not None:
+        if e.probe is not None:
             info["engine_id"] = e.probe.engine_id
             info["control"] = f"{e.probe.host}:{e.probe.port}"
+            if e.probe.generation is not None:
+                info["generation"] = e.probe.generation
         return info
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
@@ -636,6 +853,13 @@ class ProxyServer:
             charset="utf-8",
             headers={"X-Content-Type": "text/plain; version=0.0.4"},
         )
+
+
+def _answer_of(p_leg: asyncio.Future[TransferParams]) -> TransferParams | None:
+    """The P leg's answer if it finished successfully, else None."""
+    if p_leg.done() and not p_leg.cancelled() and p_leg.exception() is None:
+        return p_leg.result()
+    return None
 
 
 # -------------------------------------------------------------------- running it
@@ -699,6 +923,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="upper bound on opening an upstream connection (default 3)",
     )
+    parser.add_argument(
+        "--control-timeout",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="upper bound on asking an engine's control channel why a transfer failed "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--control-secret",
+        default=os.environ.get("KVBRIDGE_SECRET") or None,
+        metavar="SECRET",
+        help="the engines' control-channel secret (default: $KVBRIDGE_SECRET)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -711,6 +949,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         push_headroom=args.push_headroom,
         timeout_s=args.timeout,
         connect_timeout_s=args.connect_timeout,
+        control_timeout_s=args.control_timeout,
+        control_secret=args.control_secret,
     )
 
 

@@ -8,6 +8,12 @@ Single event loop use only (not thread-safe). Names, all prefixed ``kvbridge_pro
 - ``in_flight{engine,role}`` — the proxy's open requests per engine (gauge).
 - ``engine_requests_total{engine,role}``, ``engine_errors_total{engine,role}`` — per engine.
 - ``errors_total{kind}`` — failures by kind (prefill, decode, probe, timeout, bad_request, …).
+- ``retries_total{reason}`` — requests dispatched a second time (``prefill_restarted``: a push
+  whose D leg failed because P restarted, retried once as a pull).
+- ``probes_dropped_total{reason}`` — cached probe answers forgotten (``generation_changed``: P
+  answered with a new generation; ``prefill_failed`` / ``decode_failed``: a push leg failed).
+- ``reason_queries_total{outcome}`` — control-channel ``TransferQuery`` calls made to explain a
+  failed leg (``answered``: the rank knew the transfer; ``unknown``; ``error``: no answer).
 - ``ttft_seconds{mode}`` — histogram: request received → first byte of D's stream sent
   (streaming requests only: that is the first token the client sees).
 - ``request_duration_seconds{mode}`` — histogram: request received → response complete.
@@ -61,6 +67,9 @@ class ProxyMetrics:
         self.requests: dict[_Labels, int] = defaultdict(int)
         self.decisions: dict[_Labels, int] = defaultdict(int)
         self.errors: dict[_Labels, int] = defaultdict(int)
+        self.retries: dict[_Labels, int] = defaultdict(int)
+        self.probes_dropped: dict[_Labels, int] = defaultdict(int)
+        self.reason_queries: dict[_Labels, int] = defaultdict(int)
         self.ttft: dict[_Labels, _Histogram] = {}
         self.duration: dict[_Labels, _Histogram] = {}
 
@@ -72,6 +81,15 @@ class ProxyMetrics:
 
     def error(self, kind: str) -> None:
         self.errors[(("kind", kind),)] += 1
+
+    def retry(self, reason: str) -> None:
+        self.retries[(("reason", reason),)] += 1
+
+    def probe_dropped(self, reason: str) -> None:
+        self.probes_dropped[(("reason", reason),)] += 1
+
+    def reason_query(self, outcome: str) -> None:
+        self.reason_queries[(("outcome", outcome),)] += 1
 
     def observe_ttft(self, mode: str, seconds: float) -> None:
         self.ttft.setdefault((("mode", mode),), _Histogram(BUCKETS)).observe(seconds)
@@ -106,6 +124,11 @@ class ProxyMetrics:
         counter("requests_total", "Client requests by mode used and outcome.", self.requests)
         counter("mode_decisions_total", "Routing decisions (auto: push or pull).", self.decisions)
         counter("errors_total", "Failures by kind.", self.errors)
+        counter("retries_total", "Requests dispatched a second time, by reason.", self.retries)
+        counter("probes_dropped_total", "Cached probe answers forgotten, by reason.",
+                self.probes_dropped)
+        counter("reason_queries_total", "Control-channel queries explaining a failed leg.",
+                self.reason_queries)
 
         engines = list(engines)
         per_engine: list[tuple[str, str, _EngineValue]] = [

@@ -5,28 +5,38 @@ tested as pure functions. :mod:`kvbridge.proxy.app` calls it from one asyncio ev
 here is thread-safe and nothing needs to be, because the loop never awaits between a pick and the
 matching :meth:`Engine.acquire`, so two requests cannot both see the same free engine.
 
-The request bodies built here follow the ``kv_transfer_params`` contract of KVBridgeConnector
-(docs/proxy.md): vLLM's own key names plus ``transfer_id`` and ``transfer_mode``.
+Every ``kv_transfer_params`` the proxy sends is built by :mod:`kvbridge.params` and every one it
+receives (a probe answer, a P answer) is parsed by :func:`kvbridge.params.parse`: a malformed
+answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.md).
 
 - pull: P gets a one-token copy with ``do_remote_decode``; the least-loaded D is picked *after*
-  prefill and gets P's returned params unchanged.
+  prefill and gets P's returned params (parsed, re-serialised).
 - push: D is picked *first*; P and D are dispatched concurrently with one ``transfer_id``; D's
   params name P's control address, learnt beforehand by a probe (:func:`probe_body`).
 - auto: push when some D has headroom (in-flight below ``push_headroom``), else pull.
+
+One client request is one hand-off: a batched ``prompt`` or ``n > 1`` would make vLLM run several
+requests under one ``transfer_id``, so :func:`validate_request` refuses them (HTTP 400 naming the
+field), as it refuses a client-supplied ``kv_transfer_params`` (the proxy owns them).
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from kvbridge import params
 from kvbridge.config import TransferMode
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ParamsError
+from kvbridge.params import TransferParams
 
 __all__ = [
     "Role",
@@ -35,18 +45,22 @@ __all__ = [
     "Engine",
     "Pool",
     "Decision",
+    "RequestProblem",
+    "PrefillRefused",
     "decide",
     "new_transfer_id",
     "prefill_body",
     "decode_body",
     "push_decode_params",
+    "pull_decode_params",
     "probe_body",
     "parse_probe",
+    "read_prefill_answer",
     "validate_request",
     "PROBE_KEYS",
 ]
 
-PROBE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+PROBE_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 """Keys a probe answer must carry; they are what D needs to reach P in push mode."""
 
 
@@ -63,13 +77,48 @@ ProxyMode = TransferMode
 
 @dataclass(frozen=True)
 class ProbeInfo:
-    """A prefill engine's control address, as its connector reported it to a probe."""
+    """An engine's control addresses, as its connector answered a probe (parsed params)."""
 
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    version: str = "?"
+    params: TransferParams
+
+    @property
+    def engine_id(self) -> str:
+        return self.params.remote_engine_id or "?"
+
+    @property
+    def host(self) -> str:
+        return self.params.remote_host or "?"
+
+    @property
+    def port(self) -> int:
+        return self.params.remote_port or 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.params.tp_size
+
+    @property
+    def version(self) -> str:
+        return self.params.kvbridge_version or "?"
+
+    @property
+    def generation(self) -> str | None:
+        """Rank 0's generation; a restarted engine answers a new one (None: not reported)."""
+        return self.params.kvbridge_generation
+
+    def addresses(self) -> list[str]:
+        """Every rank's control address (rank order)."""
+        return control_addresses(self.params)
+
+
+def control_addresses(answer: TransferParams) -> list[str]:
+    """The control addresses named by ``answer`` (``kvbridge_peers``, else rank 0's host:port)."""
+    out = []
+    for rank in range(max(1, len(answer.kvbridge_peers or ()))):
+        peer = answer.peer(rank)
+        if peer is not None:
+            out.append(peer.address)
+    return out
 
 
 @dataclass
@@ -184,21 +233,69 @@ def new_transfer_id() -> str:
     return "xfer-" + uuid.uuid4().hex
 
 
-def validate_request(body: Any, chat: bool) -> str | None:
-    """Why an OpenAI request body cannot be served, or None when it can."""
+@dataclass(frozen=True)
+class RequestProblem:
+    """Why a client request cannot be served: an OpenAI ``invalid_request_error``."""
+
+    message: str
+    param: str | None = None
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompt_problem(prompt: object) -> RequestProblem | None:
+    """One prompt: a string, token ids, or a one-element list of either. A batch is refused."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return None
+    if not isinstance(prompt, list):
+        return RequestProblem("'prompt' must be a string or a list", "prompt")
+    if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
+        if len(prompt) == 1:
+            return None
+        return RequestProblem(
+            f"'prompt' is a batch of {len(prompt)} prompts; a disaggregated request carries one "
+            "prompt (one KV hand-off): send one request per prompt",
+            "prompt",
+        )
+    return RequestProblem(
+        "'prompt' must be a string, a list of token ids, or a one-element list of those",
+        "prompt",
+    )
+
+
+def validate_request(body: Any, chat: bool) -> RequestProblem | None:
+    """Why an OpenAI request body cannot be served by the proxy, or None when it can."""
     if not isinstance(body, dict):
-        return "request body must be a JSON object"
+        return RequestProblem("request body must be a JSON object")
     key = "messages" if chat else "prompt"
     if key not in body or body[key] is None:
-        return f"missing required field {key!r}"
+        return RequestProblem(f"missing required field {key!r}", key)
     if chat and not isinstance(body[key], list):
-        return "'messages' must be a list"
-    if not chat and not isinstance(body[key], str | list):
-        return "'prompt' must be a string or a list"
-    for name in ("max_tokens", "max_completion_tokens"):
+        return RequestProblem("'messages' must be a list", key)
+    if not chat:
+        problem = _prompt_problem(body[key])
+        if problem is not None:
+            return problem
+    for name in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            return f"{name!r} must be an integer"
+            return RequestProblem(f"{name!r} must be an integer", name)
+    n = body.get("n")
+    if n is not None and n > 1:
+        return RequestProblem(
+            f"'n' is {n}; a disaggregated request samples one sequence (one KV hand-off): "
+            "send n requests",
+            "n",
+        )
+    if body.get("kv_transfer_params") is not None:
+        return RequestProblem(
+            "'kv_transfer_params' is set by the proxy; remove it from the request",
+            "kv_transfer_params",
+        )
     return None
 
 
@@ -214,66 +311,100 @@ def prefill_body(body: Mapping[str, Any], transfer_id: str, mode: ProxyMode) -> 
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
     out.pop("min_completion_tokens", None)
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-        "transfer_id": transfer_id,
-        "transfer_mode": mode.value,
-    }
+    out["kv_transfer_params"] = params.prefill_request(transfer_id, mode)
     return out
 
 
 def push_decode_params(probe: ProbeInfo, transfer_id: str) -> dict[str, Any]:
     """D's ``kv_transfer_params`` in push mode: where P is, and the shared transfer id."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "transfer_mode": "push",
-        "transfer_id": transfer_id,
-        "remote_engine_id": probe.engine_id,
-        "remote_host": probe.host,
-        "remote_port": probe.port,
-        "tp_size": probe.tp_size,
-    }
+    return params.push_decode_request(probe.params, transfer_id)
 
 
-def decode_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+def pull_decode_params(answer: TransferParams) -> dict[str, Any]:
+    """D's ``kv_transfer_params`` in pull mode: P's (checked) answer, re-serialised."""
+    return params.to_wire(answer)
+
+
+def decode_body(body: Mapping[str, Any], kv_params: Mapping[str, Any]) -> dict[str, Any]:
     """The client's request as D gets it: unchanged except for ``kv_transfer_params``."""
     out = dict(body)
-    out["kv_transfer_params"] = dict(params)
+    out["kv_transfer_params"] = dict(kv_params)
     return out
 
 
 def probe_body(model: str) -> dict[str, Any]:
-    """The request that makes a prefill engine's connector report its control address."""
+    """The request that makes an engine's connector report its control addresses."""
     return {
         "model": model,
         "prompt": [1],
         "max_tokens": 1,
-        "kv_transfer_params": {"kvbridge_probe": True},
+        "kv_transfer_params": params.probe_request(),
     }
 
 
-def parse_probe(params: Any) -> ProbeInfo:
-    """Read a probe answer's ``kv_transfer_params``; ValueError names what is missing."""
-    if not isinstance(params, dict):
-        raise ValueError(
-            "probe answer has no kv_transfer_params (is the engine running KVBridgeConnector?)"
+def parse_probe(raw: Any) -> ProbeInfo:
+    """Read a probe answer's ``kv_transfer_params``; :class:`ParamsError` names the bad key."""
+    if not isinstance(raw, Mapping):
+        raise ParamsError(
+            "kv_transfer_params",
+            "the probe answer has none (is the engine running KVBridgeConnector?)",
         )
-    missing = [k for k in PROBE_KEYS if params.get(k) is None]
+    answer = params.parse(raw)
+    missing = [k for k in PROBE_KEYS if getattr(answer, k) is None]
     if missing:
-        raise ValueError("probe answer lacks {}".format(", ".join(missing)))
-    try:
-        return ProbeInfo(
-            engine_id=str(params["remote_engine_id"]),
-            host=str(params["remote_host"]),
-            port=int(params["remote_port"]),
-            tp_size=int(params["tp_size"]),
-            version=str(params.get("kvbridge_version", "?")),
+        raise ParamsError(
+            f"kv_transfer_params.{missing[0]}", "probe answer lacks {}".format(", ".join(missing))
         )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"malformed probe answer: {exc}") from exc
+    return ProbeInfo(answer)
+
+
+class PrefillRefused(Exception):
+    """P answered ``kvbridge_error``: it prefilled without handing off (nothing is pinned).
+
+    ``malformed`` when the error names a request field (the request was bad: HTTP 400).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        match = _FIELD_ERROR.match(message)
+        self.param = match.group(1) if match else None
+        self.malformed = match is not None
+
+
+_FIELD_ERROR = re.compile(r"^(kv_transfer_params(?:\.\w+)?|prompt|prompt_token_ids|messages|n): ")
+
+
+def read_prefill_answer(raw: Any, transfer_id: str, mode: ProxyMode) -> TransferParams:
+    """Check P's answer ``kv_transfer_params`` for the hand-off ``transfer_id`` in ``mode``.
+
+    Raises :class:`ParamsError` (naming the key) for a malformed answer, one for another
+    transfer, or a pull answer without ``do_remote_prefill`` and ``remote_block_ids``; raises
+    :class:`PrefillRefused` when P reports ``kvbridge_error``. A pull answer without a
+    ``transfer_id`` gets the proxy's (the proxy owns transfer ids). The cross-key rules that need
+    the prompt (address, block count) are D's: :meth:`TransferParams.check_decode_leg`.
+    """
+    if not isinstance(raw, Mapping):
+        raise ParamsError(
+            "kv_transfer_params",
+            "the prefill answer has none (is the engine running KVBridgeConnector as "
+            "kv_producer?)",
+        )
+    answer = params.parse(raw)
+    if answer.kvbridge_error is not None:
+        raise PrefillRefused(answer.kvbridge_error)
+    if answer.transfer_id is not None and answer.transfer_id != transfer_id:
+        raise ParamsError(
+            "kv_transfer_params.transfer_id",
+            f"the prefill answer is for transfer {answer.transfer_id}, not {transfer_id}",
+        )
+    if mode is ProxyMode.PULL:
+        if not answer.do_remote_prefill:
+            raise ParamsError("kv_transfer_params.do_remote_prefill",
+                              "a pull answer must set do_remote_prefill")
+        if not answer.remote_block_ids:
+            raise ParamsError("kv_transfer_params.remote_block_ids",
+                              "a pull answer must name the prompt's blocks")
+        if answer.transfer_id is None:
+            answer = msgspec.structs.replace(answer, transfer_id=transfer_id)
+    return answer

@@ -49,6 +49,7 @@ from kvbridge.errors import KVBridgeError
 __all__ = [
     "EngineError",
     "BASE_ARGS",
+    "GUARD_MIDDLEWARE",
     "free_port",
     "VllmServer",
     "start_servers",
@@ -71,6 +72,9 @@ BASE_ARGS: tuple[str, ...] = (
     "--host", "127.0.0.1",
 )  # fmt: skip
 """Arguments every engine gets (later ``extra_args`` may override them: vLLM keeps the last)."""
+
+GUARD_MIDDLEWARE = "kvbridge.integrations.vllm_http.KVTransferParamsGuard"
+"""The ``--middleware`` that answers malformed ``kv_transfer_params`` with HTTP 400."""
 
 _DEFAULT_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -139,6 +143,9 @@ class VllmServer:
     environment variables; ``extra_args`` are appended after :data:`BASE_ARGS`. Output goes to
     ``log_path`` (default: a new temporary file, kept after stop so it can be read).
     ``stop_grace`` is how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    With ``guard`` (the default) an engine that has a ``kv_transfer_config`` also gets
+    ``--middleware kvbridge.integrations.vllm_http.KVTransferParamsGuard``
+    (:data:`GUARD_MIDDLEWARE`), so malformed ``kv_transfer_params`` are answered with HTTP 400.
     """
 
     def __init__(
@@ -155,6 +162,7 @@ class VllmServer:
         python: str = sys.executable,
         name: str | None = None,
         stop_grace: float = 8.0,
+        guard: bool = True,
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -167,6 +175,7 @@ class VllmServer:
         self.python = python
         self.name = name or served_model_name
         self.stop_grace = stop_grace
+        self.guard = guard
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_at: float | None = None
@@ -195,6 +204,8 @@ class VllmServer:
         ]  # fmt: skip
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+            if self.guard:
+                cmd += ["--middleware", GUARD_MIDDLEWARE]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -46,18 +46,35 @@ class Config:
     """Control-channel port of tp rank 0 (rank r uses port + r); 0 picks a free port."""
     lease_s: float = 30.0
     """How long P keeps a request's blocks pinned without a heartbeat from D."""
-    heartbeat_s: float = 5.0
-    """How often D renews P's lease while a transfer is queued or running."""
+    heartbeat_s: float = 2.0
+    """How often D renews P's lease while a transfer is queued or running; a P that refuses
+    connections is noticed within about one heartbeat."""
     push_timeout_s: float = 120.0
     """How long D waits for a pushed KV (registration to DONE) before failing the request."""
+    prefill_wait_s: float = 10.0
+    """P: how long a push registration waits for a prefill request that has not arrived here
+    (once it arrived, ``push_timeout_s``); a D whose P leg was lost hears so this soon."""
     transfer_timeout_s: float = 60.0
     """Upper bound on one READ/WRITE; a timeout is a failure."""
     control_timeout_s: float = 5.0
     """Upper bound on one control-channel round trip."""
     secret: str | None = None
-    """Optional shared secret; control messages are HMAC-authenticated with it."""
-    max_message_bytes: int = 16 << 20
+    """Shared secret of the fleet: every control message is HMAC-authenticated with it and
+    replays are refused. Without one the control channel binds loopback addresses only."""
+    allow_insecure_control: bool = False
+    """Allow binding a routable control address without a secret (trusted networks only)."""
+    replay_window_s: float = 30.0
+    """With a secret: how far a message's timestamp may be from now (clock skew allowance)."""
+    max_message_bytes: int = 4 << 20
     """Largest control message accepted."""
+    max_pending: int = 4096
+    """Most push registrations P holds at once (all decode engines together)."""
+    max_pending_per_peer: int = 512
+    """Most push registrations P holds for one decode connection."""
+    max_peers: int = 1024
+    """Most peers one engine rank keeps handshaken (least recently used are forgotten)."""
+    gone_grace_s: float = 1.0
+    """After a prefill engine is proven gone, how long D still keeps blocks it let it write."""
     checksum: bool = False
     """Verify every transferred byte end to end (blake2b over the blocks on both sides)."""
     layerwise: bool = False
@@ -126,7 +143,7 @@ class Config:
 
     def _validate(self) -> None:
         for key in ("lease_s", "heartbeat_s", "push_timeout_s", "transfer_timeout_s",
-                    "control_timeout_s"):
+                    "control_timeout_s", "replay_window_s", "gone_grace_s", "prefill_wait_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.heartbeat_s >= self.lease_s:
@@ -135,8 +152,11 @@ class Config:
             )
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port out of range: {self.side_channel_port}")
-        if self.max_message_bytes < 4096:
-            raise ConfigError("max_message_bytes must be at least 4096")
+        if self.max_message_bytes < 65536:
+            raise ConfigError("max_message_bytes must be at least 65536")
+        for key in ("max_pending", "max_pending_per_peer", "max_peers"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
 
     def describe(self) -> list[tuple[str, str, str]]:
         """``(key, value, source)`` rows; the secret is masked."""

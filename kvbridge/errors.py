@@ -10,6 +10,9 @@ from __future__ import annotations
 __all__ = [
     "KVBridgeError",
     "ConfigError",
+    "ParamsError",
+    "ReplayError",
+    "RemoteError",
     "BackendNotFound",
     "BackendUnavailable",
     "LayoutError",
@@ -37,6 +40,15 @@ class KVBridgeError(Exception):
 
 class ConfigError(KVBridgeError, ValueError):
     """A configuration value is missing, malformed or out of range."""
+
+
+class ParamsError(KVBridgeError, ValueError):
+    """A request's ``kv_transfer_params`` are malformed; :attr:`field` names the offending key."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 class BackendNotFound(ConfigError):
@@ -69,6 +81,19 @@ class MessageTooLarge(MessageError):
 
 class AuthError(MessageError):
     """A control message failed authentication against the shared secret."""
+
+
+class ReplayError(AuthError):
+    """An authenticated control message was seen before or is outside the replay window."""
+
+
+class RemoteError(KVBridgeError):
+    """A peer refused a request; :attr:`kind` says why in a word the caller can branch on."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}" if message else kind)
+        self.kind = kind
+        self.message = message
 
 
 class TransportError(KVBridgeError):

@@ -17,16 +17,41 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge.errors import LayoutError, LayoutMismatch
 
-__all__ = ["KVPlane", "KVLayout", "descriptor_pair", "check_block_ids", "DescriptorArray"]
+__all__ = [
+    "KVPlane", "KVLayout", "PlaneWire", "LayoutWire", "descriptor_pair", "check_block_ids",
+    "DescriptorArray",
+]
 
 DescriptorArray = npt.NDArray[np.int64]
+
+_MAX_PLANES = 1 << 14
+
+
+class PlaneWire(msgspec.Struct, frozen=True, array_like=True):
+    """One KV plane on the wire: ``block i`` is ``[base + i*stride, +block_bytes)``."""
+
+    layer: Annotated[str, msgspec.Meta(max_length=256)]
+    base: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    stride: Annotated[int, msgspec.Meta(ge=1, le=(1 << 48))]
+    block_bytes: Annotated[int, msgspec.Meta(ge=1, le=(1 << 48))]
+
+
+class LayoutWire(msgspec.Struct, frozen=True, kw_only=True):
+    """A :class:`KVLayout` on the wire: typed and bounded, so a peer cannot send anything else."""
+
+    planes: Annotated[list[PlaneWire], msgspec.Meta(min_length=1, max_length=_MAX_PLANES)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    device: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 @dataclass(frozen=True)
@@ -194,6 +219,27 @@ class KVLayout:
             "dtype": self.dtype,
             "device": self.device,
         }
+
+    def to_wire(self) -> LayoutWire:
+        """The typed wire form (see :meth:`from_wire`)."""
+        return LayoutWire(
+            planes=[PlaneWire(p.layer, p.base, p.block_stride, p.block_bytes) for p in self.planes],
+            num_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype,
+            device=self.device,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: LayoutWire) -> KVLayout:
+        """Inverse of :meth:`to_wire`. The wire types bound every field; this also refuses
+        planes whose blocks overlap each other (a stride smaller than a block)."""
+        for p in wire.planes:
+            if p.stride < p.block_bytes:
+                raise LayoutError(f"plane {p.layer!r}: stride {p.stride} is smaller than its "
+                                  f"blocks ({p.block_bytes} bytes)")
+            if p.base + (wire.num_blocks - 1) * p.stride + p.block_bytes > (1 << 63) - 1:
+                raise LayoutError(f"plane {p.layer!r} runs past the end of the address space")
+        planes = tuple(KVPlane(p.layer, p.base, p.stride, p.block_bytes) for p in wire.planes)
+        return cls(planes, wire.num_blocks, wire.block_size, wire.dtype, wire.device)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:

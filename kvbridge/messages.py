@@ -1,61 +1,136 @@
-"""Typed control messages (msgspec/msgpack, never pickle) and their size-bounded, optionally
-authenticated codec.
+"""Typed control messages (msgspec/msgpack, never pickle) and their bounded, authenticated codec.
 
-Every message is a frozen, tagged :class:`msgspec.Struct`; :class:`Codec` encodes one to bytes
-and decodes bytes back into exactly one of the known kinds, refusing anything larger than its
-limit, anything that fails the shared-secret HMAC, and anything that is not a known message.
+Every message is a frozen, tagged :class:`msgspec.Struct` whose every field has a type and a
+bound (string lengths, list lengths, integer ranges): nothing decodes into ``Any``, so a peer
+cannot make the decoder recurse or allocate beyond the frame it sent.
+
+:class:`Codec` turns one message into one *frame* and back::
+
+    frame = version(1) | nonce(16) | timestamp_ms(8) | body | mac(32, only with a secret)
+    mac   = HMAC-SHA256(secret, context | version | nonce | timestamp | body)
+
+``context`` binds a frame to where it travels (the control channel passes the request id, so a
+reply cannot be re-attached to another request). With a secret, a frame outside the replay
+window (``window_s`` either side of now) or whose nonce was already seen inside the window is
+refused with :class:`~kvbridge.errors.ReplayError`; the nonce memory is bounded (it fails closed
+when full). Without a secret the header is still present (nonce and time are informational).
+
+Thread safety: :class:`Codec` may be shared by threads (the replay memory has a lock).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
-from typing import Any, Union
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Annotated, Union
 
 import msgspec
 
-from kvbridge.errors import AuthError, MessageError, MessageTooLarge
+from kvbridge.errors import AuthError, MessageError, MessageTooLarge, ReplayError
+from kvbridge.layout import LayoutWire, PlaneWire
+from kvbridge.params import MAX_BLOCK_IDS, MAX_TP, Address, BlockIds, Ident, TransferId
 
 __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_IDS_PER_MESSAGE",
+    "ErrorKind",
+    "PlaneWire",
+    "LayoutWire",
     "EngineInfo",
     "Hello",
     "HelloReply",
-    "PushRegister",
-    "TransferDone",
-    "TransferFail",
     "Heartbeat",
+    "HeartbeatReply",
+    "PullClaim",
+    "PullDone",
+    "PushRegister",
+    "PushConfirm",
+    "PushResult",
+    "Cancel",
+    "CancelReply",
     "StatsQuery",
     "StatsReply",
+    "TransferQuery",
+    "TransferReply",
     "Ack",
     "PipeFrame",
     "Message",
     "Codec",
+    "encode_info",
+    "decode_info",
 ]
 
-PROTOCOL_VERSION = 1
-DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+PROTOCOL_VERSION = 2
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+#: Most transfer ids one heartbeat or query may carry.
+MAX_IDS_PER_MESSAGE = 4096
+
+_FRAME_PLAIN = 1
+_FRAME_SIGNED = 2
+_HEADER = struct.Struct("<B16sq")  # version, nonce, timestamp (ms since the epoch)
 _MAC_BYTES = 32
+
+Short = Annotated[str, msgspec.Meta(max_length=256)]
+Reason = Annotated[str, msgspec.Meta(max_length=4096)]
+Digest = Annotated[str, msgspec.Meta(max_length=128)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+SmallInt = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP)]
+TransferIds = Annotated[list[TransferId], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+
+
+class ErrorKind(enum.StrEnum):
+    """Why a peer refused a request, in a word the caller can branch on."""
+
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    """No such transfer here (never staged, already ended, lease expired)."""
+    STALE_GENERATION = "stale_generation"
+    """The request names another generation of this engine (it restarted)."""
+    MISMATCH = "mismatch"
+    """Block ids, token count, prompt digest, byte count or layout do not match."""
+    FORBIDDEN = "forbidden"
+    """The sender is not the party this transfer belongs to."""
+    BUSY = "busy"
+    """A bound was reached (pending registrations, peers); try later or elsewhere."""
+    CHECKSUM = "checksum"
+    """The bytes changed in transit."""
+    MALFORMED = "malformed"
+    """The request could not be parsed."""
+    INTERNAL = "internal"
+    """An unexpected error on the peer; it was logged there."""
+
+
+# -- engine identity --------------------------------------------------------------------------
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Who an engine rank is and how to reach its memory; exchanged in handshakes."""
 
-    engine_id: str
-    generation: str
-    rank: int = 0
-    protocol: int = PROTOCOL_VERSION
-    backend: str
-    transport_metadata: bytes
-    layout: dict[str, Any]
-    layout_fingerprint: str
-    control_address: str
-    compat: dict[str, str] = {}
+    engine_id: Ident
+    generation: Ident
+    rank: SmallInt = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
+    protocol: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = PROTOCOL_VERSION
+    backend: Annotated[str, msgspec.Meta(max_length=64)]
+    transport_metadata: Annotated[bytes, msgspec.Meta(max_length=2 << 20)]
+    layout: LayoutWire
+    layout_fingerprint: Digest
+    control_address: Address
+    compat: Annotated[dict[Short, Short], msgspec.Meta(max_length=64)] = {}
+    #: this rank verifies transferred bytes; a peer that also does, or not, must send digests
+    checksum: bool = False
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Handshake request; carries the sender's info so the receiver can add it as a peer."""
+    """Handshake request. The receiver answers with its own info; it never adds the sender as
+    a peer from this (peers are only learnt from answers at addresses one dialled)."""
 
     info: EngineInfo
 
@@ -64,42 +139,109 @@ class HelloReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     info: EngineInfo
 
 
-class PushRegister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """D → P: write transfer ``transfer_id`` into these blocks of mine.
-
-    ``skip_blocks`` leading blocks of the prompt are already on D (local prefix hit) and must not
-    be sent; ``block_ids`` are D's blocks for the rest, in prompt order.
-    """
-
-    transfer_id: str
-    engine_id: str
-    generation: str
-    block_ids: list[int]
-    skip_blocks: int = 0
-    layout_fingerprint: str
-
-
-class TransferDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """The transfer completed (P → D after a push WRITE, D → P after a pull READ)."""
-
-    transfer_id: str
-    nbytes: int = 0
-    checksum: str | None = None
-    #: Pull with checksums: the sender's block ids that were read, so P can hash its side.
-    source_blocks: list[int] = []
-
-
-class TransferFail(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """The transfer will not complete; the receiver must stop waiting for it."""
-
-    transfer_id: str
-    reason: str
+# -- leases -----------------------------------------------------------------------------------
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """D → P: I still want these transfers; extend their leases."""
 
-    transfer_ids: list[str]
+    generation: Ident
+    """The generation of P the sender expects (``*``: any)."""
+    transfer_ids: TransferIds
+
+
+class HeartbeatReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    generation: Ident
+    """The answering engine's generation (a restarted engine has a new one)."""
+    unknown: TransferIds = []
+    """Transfers of the heartbeat this engine does not hold (ended, never staged)."""
+
+
+# -- pull -------------------------------------------------------------------------------------
+
+
+class PullClaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """D → P before its READ: these are the blocks you leased to this transfer, for this
+    prompt. P refuses unless every field matches what it staged."""
+
+    transfer_id: TransferId
+    generation: Ident
+    """P's generation as D expects it (``*``: any)."""
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_IDS)] = 0
+    block_ids: BlockIds
+    """P's block ids D will read: the prompt's blocks from ``skip_blocks`` on."""
+    num_tokens: Count
+    prompt_digest: Digest
+
+
+class PullDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """D → P after its READ completed; P answers ok only if its lease still held."""
+
+    transfer_id: TransferId
+    nbytes: Count
+    checksum: Digest | None = None
+
+
+# -- push -------------------------------------------------------------------------------------
+
+
+class PushRegister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """D → P: write transfer ``transfer_id`` into these blocks of mine.
+
+    P answers at once with :class:`Ack` (registered, or refused), and later, on the same
+    request, with one :class:`PushResult`. ``skip_blocks`` leading prompt blocks are already on
+    D and are not sent; ``block_ids`` are D's blocks for the rest, in prompt order.
+    """
+
+    transfer_id: TransferId
+    generation: Ident
+    """P's generation as D expects it (``*``: any)."""
+    engine_id: Ident
+    sender_generation: Ident
+    control_address: Address
+    """Where D's control channel listens: P dials it to confirm before writing."""
+    block_ids: BlockIds
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_IDS)] = 0
+    num_tokens: Count
+    prompt_digest: Digest
+    layout_fingerprint: Digest
+
+
+class PushConfirm(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """P → D, on P's own connection to the address D registered: may I write these blocks?
+    D answers ok only for a registration it made and has not cancelled; from then on D keeps
+    the blocks until P's :class:`PushResult` arrives or P is proven gone."""
+
+    transfer_id: TransferId
+    generation: Ident
+    """D's generation as named in the registration."""
+    block_ids: BlockIds
+
+
+class PushResult(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """P → D, the final answer to a :class:`PushRegister`: every posted WRITE has stopped."""
+
+    transfer_id: TransferId
+    ok: bool
+    nbytes: Count = 0
+    checksum: Digest | None = None
+    error: Reason | None = None
+
+
+# -- both -------------------------------------------------------------------------------------
+
+
+class Cancel(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """D → P: give up this transfer (the request failed or was aborted on D)."""
+
+    transfer_id: TransferId
+    reason: Reason
+
+
+class CancelReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    safe: bool
+    """True: no WRITE into D's blocks is in flight or will be posted. False: one is in flight;
+    its :class:`PushResult` follows when it stopped."""
 
 
 class StatsQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -107,72 +249,158 @@ class StatsQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 class StatsReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    engine_id: str
-    generation: str
-    stats: dict[str, int]
-    pending: int
+    engine_id: Ident
+    generation: Ident
+    stats: Annotated[dict[Short, int], msgspec.Meta(max_length=1024)]
+    pending: Count
     #: transfer_id -> {event: wall-clock time}: kv_ready, write_posted, write_done (P);
     #: recv_done, first_step (D)
-    timings: dict[str, dict[str, float]] = {}
+    timings: Annotated[
+        dict[TransferId, Annotated[dict[Short, float], msgspec.Meta(max_length=32)]],
+        msgspec.Meta(max_length=4096),
+    ] = {}
+    #: transfer ids this rank still holds, by state (a few of each)
+    held: Annotated[dict[Short, TransferIds], msgspec.Meta(max_length=64)] = {}
+
+
+class TransferQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """What happened to these transfers (the proxy asks after a failed request)?"""
+
+    transfer_ids: TransferIds
+
+
+class TransferReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    #: transfer_id -> "state: reason" for those this rank remembers
+    outcomes: Annotated[dict[TransferId, Reason], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     ok: bool = True
-    error: str | None = None
+    kind: ErrorKind | None = None
+    error: Reason | None = None
 
 
 class PipeFrame(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """One item of a FIFO pipe; ``eos`` marks end-of-stream."""
 
-    seq: int
-    payload: bytes = b""
+    seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+    payload: Annotated[bytes, msgspec.Meta(max_length=64 << 20)] = b""
     eos: bool = False
 
 
 Message = Union[
-    Hello, HelloReply, PushRegister, TransferDone, TransferFail, Heartbeat, StatsQuery,
-    StatsReply, Ack, PipeFrame,
+    Hello, HelloReply, Heartbeat, HeartbeatReply, PullClaim, PullDone, PushRegister,
+    PushConfirm, PushResult, Cancel, CancelReply, StatsQuery, StatsReply, TransferQuery,
+    TransferReply, Ack, PipeFrame,
 ]
 
 
+class _ReplayMemory:
+    """Nonces seen inside the window (bounded; fails closed when full). Thread-safe."""
+
+    def __init__(self, window_s: float, capacity: int) -> None:
+        self.window_ms = int(window_s * 1000)
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> expiry (ms), by arrival
+        self._lock = threading.Lock()
+
+    def check(self, nonce: bytes, ts_ms: int, now_ms: int) -> None:
+        if abs(now_ms - ts_ms) > self.window_ms:
+            raise ReplayError(
+                f"control message timestamp is {abs(now_ms - ts_ms) / 1000:.1f} s from now, "
+                f"outside the replay window of {self.window_ms / 1000:.0f} s (clocks in sync?)"
+            )
+        with self._lock:
+            while self._seen:
+                oldest, expiry = next(iter(self._seen.items()))
+                if expiry > now_ms:
+                    break
+                del self._seen[oldest]
+            if nonce in self._seen:
+                raise ReplayError("control message replayed (nonce already seen)")
+            if len(self._seen) >= self.capacity:
+                raise ReplayError("replay memory full; refusing until the window moves on")
+            self._seen[nonce] = max(now_ms, ts_ms) + self.window_ms
+
+
 class Codec:
-    """Encode/decode :data:`Message` values; thread-safe (no mutable state after init)."""
+    """Encode/decode :data:`Message` values as frames (see the module docstring)."""
 
     def __init__(
-        self, secret: str | bytes | None = None, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        secret: str | bytes | None = None,
+        max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        *,
+        window_s: float = 30.0,
+        replay_capacity: int = 1 << 20,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if isinstance(secret, str):
             secret = secret.encode()
         self._key = secret or None
         self.max_bytes = int(max_bytes)
+        self._clock = clock
+        self._replay = _ReplayMemory(window_s, replay_capacity)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
 
-    def encode(self, msg: Message) -> bytes:
-        """Serialise ``msg``; raises :class:`MessageTooLarge` above the limit."""
-        body = self._encoder.encode(msg)
-        if self._key is not None:
-            body = hmac.new(self._key, body, hashlib.sha256).digest() + body
-        if len(body) > self.max_bytes:
-            raise MessageTooLarge(
-                f"{type(msg).__name__} is {len(body)} bytes, above the limit of {self.max_bytes}"
-            )
-        return body
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
 
-    def decode(self, data: bytes) -> Message:
-        """Parse ``data`` into a message; raises a :class:`MessageError` subclass on bad input."""
+    def _mac(self, context: bytes, header: bytes, body: bytes) -> bytes:
+        assert self._key is not None
+        mac = hmac.new(self._key, context, hashlib.sha256)
+        mac.update(header)
+        mac.update(body)
+        return mac.digest()
+
+    def encode(self, msg: Message, context: bytes = b"") -> bytes:
+        """Serialise ``msg`` into a frame; raises :class:`MessageTooLarge` above the limit."""
+        body = self._encoder.encode(msg)
+        version = _FRAME_SIGNED if self._key is not None else _FRAME_PLAIN
+        header = _HEADER.pack(version, os.urandom(16), int(self._clock() * 1000))
+        frame = header + body
+        if self._key is not None:
+            frame += self._mac(context, header, body)
+        if len(frame) > self.max_bytes:
+            raise MessageTooLarge(
+                f"{type(msg).__name__} is {len(frame)} bytes, above the limit of {self.max_bytes}"
+            )
+        return frame
+
+    def decode(self, data: bytes, context: bytes = b"") -> Message:
+        """Parse a frame; raises a :class:`MessageError` subclass on any bad input, never
+        anything else."""
         if len(data) > self.max_bytes:
             raise MessageTooLarge(f"message of {len(data)} bytes exceeds {self.max_bytes}")
+        if len(data) < _HEADER.size:
+            raise MessageError(f"frame of {len(data)} bytes is shorter than its header")
+        version, nonce, ts_ms = _HEADER.unpack_from(data)
+        header = data[: _HEADER.size]
         if self._key is not None:
-            mac, data = data[:_MAC_BYTES], data[_MAC_BYTES:]
-            good = hmac.new(self._key, data, hashlib.sha256).digest()
-            if not hmac.compare_digest(mac, good):
+            if version != _FRAME_SIGNED or len(data) < _HEADER.size + _MAC_BYTES:
+                raise AuthError("control message is not authenticated (a secret is set here)")
+            body = data[_HEADER.size : -_MAC_BYTES]
+            if not hmac.compare_digest(data[-_MAC_BYTES:], self._mac(context, header, body)):
                 raise AuthError("control message failed authentication (wrong shared secret?)")
+            self._replay.check(nonce, ts_ms, int(self._clock() * 1000))
+        else:
+            if version == _FRAME_SIGNED:
+                raise AuthError("peer authenticates its messages but no secret is set here")
+            if version != _FRAME_PLAIN:
+                raise MessageError(f"unknown frame version {version}")
+            body = data[_HEADER.size :]
         try:
-            msg: Message = self._decoder.decode(data)
+            msg: Message = self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MessageError(f"malformed control message: {exc}") from exc
+            raise MessageError(f"malformed control message: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - decoding hostile bytes must never escape
+            raise MessageError(f"unreadable control message: {type(exc).__name__}") from None
         return msg
+
+
+_info_decoder = msgspec.msgpack.Decoder(EngineInfo)
 
 
 def encode_info(info: EngineInfo) -> bytes:
@@ -183,6 +411,6 @@ def encode_info(info: EngineInfo) -> bytes:
 def decode_info(data: bytes) -> EngineInfo:
     """Inverse of :func:`encode_info`; raises :class:`MessageError`."""
     try:
-        return msgspec.msgpack.decode(data, type=EngineInfo)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageError(f"malformed engine info: {exc}") from exc
+        return _info_decoder.decode(data)
+    except Exception as exc:  # noqa: BLE001 - hostile bytes
+        raise MessageError(f"malformed engine info: {exc}") from None

@@ -33,7 +33,7 @@ import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 DescriptorArray = npt.NDArray[np.int64]
+_MAX_ADDRESS = (1 << 62)  # no real mapping is above this; keeps address + length in int64
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,16 @@ class TransferHandle:
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (on the transport's thread) once the handle is terminal; at once if it
+        already is. ``fn`` must be quick and may be called twice in a race: make it idempotent
+        (the transfer loop uses it only to wake up). Transports that finish handles only inside
+        :meth:`Transport.poll` call it from there."""
+        self._callbacks.append(fn)
+        if self.done_event.is_set():
+            fn()
 
     def _finish(self, state: HandleState, error: str | None = None) -> None:
         """Record a terminal state (transport implementations call this exactly once)."""
@@ -121,13 +132,18 @@ class TransferHandle:
         self.finished = time.perf_counter()
         self.state = state
         self.done_event.set()
+        for fn in list(self._callbacks):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a waker must never break a transport thread
+                pass
 
 
 def as_descriptors(value: Any, what: str) -> DescriptorArray:
     """Coerce ``value`` to an ``(N, 3)`` int64 descriptor array, else :class:`DescriptorError`."""
     try:
         arr = np.asarray(value, dtype=np.int64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise DescriptorError(f"{what} descriptors are not integers: {exc}") from exc
     if arr.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
@@ -139,6 +155,8 @@ def as_descriptors(value: Any, what: str) -> DescriptorArray:
         raise DescriptorError(f"{what} descriptors contain a non-positive length")
     if (arr[:, 0] <= 0).any():
         raise DescriptorError(f"{what} descriptors contain a null or negative address")
+    if (arr[:, 0] > _MAX_ADDRESS - arr[:, 1]).any():  # address + length must not wrap int64
+        raise DescriptorError(f"{what} descriptors run past the end of the address space")
     return np.ascontiguousarray(arr)
 
 
@@ -153,6 +171,8 @@ def check_within(
         return
     if not regions:
         raise DescriptorError(f"{what}: no memory is registered")
+    if any(a <= 0 or n <= 0 or a > _MAX_ADDRESS - n for a, n in regions):
+        raise DescriptorError(f"{what}: a registered region is outside the address space")
     reg = np.asarray(sorted(regions), dtype=np.int64)
     starts, ends = reg[:, 0], reg[:, 0] + reg[:, 1]
     idx = np.searchsorted(starts, descs[:, 0], side="right") - 1

@@ -88,7 +88,7 @@ def test_extra_accepts_json_values() -> None:
         ({"transfer_timeout_s": -1}, {}, r"transfer_timeout_s must be > 0"),
         ({"heartbeat_s": 30, "lease_s": 10}, {}, r"heartbeat_s \(30.0\) must be shorter"),
         ({"side_channel_port": 70000}, {}, r"side_channel_port out of range: 70000"),
-        ({"max_message_bytes": 10}, {}, r"max_message_bytes must be at least 4096"),
+        ({"max_message_bytes": 10}, {}, r"max_message_bytes must be at least 65536"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict[str, Any], env: dict[str, str], match: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvbridge.errors import AuthError, MessageError, PipeClosed
-from kvbridge.messages import Codec, PipeFrame, TransferDone
+from kvbridge.messages import Cancel, Codec, PipeFrame
 from kvbridge.pipe import PipeReceiver, PipeSender, memory_pipe
 
 pytestmark = pytest.mark.timeout(60)
@@ -288,14 +288,14 @@ def test_zmq_pipe_reports_gaps(receiver: PipeReceiver, raw_push: zmq.Socket[byte
 def test_zmq_pipe_rejects_malformed_frames(
     receiver: PipeReceiver, raw_push: zmq.Socket[bytes]
 ) -> None:
-    raw_push.send_multipart([b"bad", b"\xc1garbage"])
+    raw_push.send_multipart([b"bad", b"\x01" + b"\0" * 24 + b"\xc1garbage"])
     with pytest.raises(MessageError, match="malformed control message"):
         receiver.recv(timeout=10)
     raw_push.send_multipart([b"one-part-only"])
     with pytest.raises(MessageError, match="pipe frame with 1 parts"):
         receiver.recv(timeout=10)
-    raw_push.send_multipart([b"wrong-kind", Codec().encode(TransferDone(transfer_id="t"))])
-    with pytest.raises(MessageError, match="expected a pipe frame, got TransferDone"):
+    raw_push.send_multipart([b"wrong-kind", Codec().encode(Cancel(transfer_id="t", reason="r"))])
+    with pytest.raises(MessageError, match="expected a pipe frame, got Cancel"):
         receiver.recv(timeout=10)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvbridge.errors import ConfigError, DescriptorError, TransportClosed, UnknownPeer
+from kvbridge.messages import Codec
 from kvbridge.transport import (
     Capabilities,
     DescriptorArray,
@@ -101,8 +102,10 @@ class MooncakeTransport(Transport):
         self._peers: dict[str, _Peer] = {}
         self._retired: list[Lane] = []
         self._closing = False
+        # Notification frames are authenticated with the fleet's secret when one is set.
+        self._codec = Codec(self.options.get("secret"))
         self._inbox = NotificationInbox(
-            self.host, thread_name=f"kvbridge-mooncake-notify[{agent_name}]"
+            self.host, codec=self._codec, thread_name=f"kvbridge-mooncake-notify[{agent_name}]"
         )
         log.info(
             "mooncake transport %r up: session %s, protocol %s, metadata %s, notifications %s",
@@ -163,7 +166,7 @@ class MooncakeTransport(Transport):
             if old is not None:
                 old.lane.retire()
                 self._retired = [lane for lane in self._retired if lane.alive] + [old.lane]
-            outbox = NotificationSender(meta.notify_address, self.agent_name)
+            outbox = NotificationSender(meta.notify_address, self.agent_name, self._codec)
             lane = Lane(
                 self._engine, meta.agent, meta.session, outbox, self.max_batch, self.window,
                 closing=lambda: self._closing, probe=self._probe_session,

@@ -1,25 +1,45 @@
-"""Peer table: one handshake per remote engine rank, compatibility checked, cached.
+"""Peer table: the remote engine ranks this rank moves KV with, learnt only by dialling them.
 
-Peers are keyed by control address for lookup and by ``(engine_id, generation, rank)`` for
-identity: a restarted engine has a new generation, is handshaken again, and messages naming an old
-generation are fenced off.
+A peer is added *only* from the :class:`~kvbridge.messages.HelloReply` that answered our own
+:class:`~kvbridge.messages.Hello` at an address we dialled, and it is keyed by that address. An
+unsolicited Hello never adds or replaces anything, so nobody can slip their memory map in under
+another engine's name. Identity is ``(engine_id, generation, rank)``: when the address answers
+with a new generation (the engine restarted), the old entry and its transport peer are dropped.
+
+Handshakes are asynchronous (through the loop's :class:`~kvbridge.control.RpcClient`), and
+loading a peer into the transport (which may itself take a round trip, e.g. shm proving the
+peer's process) runs on a helper thread, so a hung peer never stalls the loop. Concurrent
+:meth:`PeerTable.ensure` calls for one address share one handshake. The table is
+bounded (least recently used peers are forgotten first). Owned by the loop thread.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvbridge.control import ControlClient
-from kvbridge.errors import KVBridgeError, LayoutMismatch, MessageError, PeerError
+from kvbridge.control import RpcClient
+from kvbridge.errors import (
+    KVBridgeError,
+    LayoutError,
+    LayoutMismatch,
+    PeerError,
+    PeerUnreachable,
+    RemoteError,
+)
 from kvbridge.layout import KVLayout
-from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply
+from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply, Message
+from kvbridge.scheduling.leases import Prober
 from kvbridge.transport import Transport
 
-__all__ = ["Peer", "PeerTable", "check_compatible"]
+__all__ = ["Peer", "PeerTable", "check_compatible", "ANY_GENERATION"]
 
 log = logging.getLogger("kvbridge.peers")
+
+ANY_GENERATION = "*"
 
 
 @dataclass(frozen=True)
@@ -27,6 +47,7 @@ class Peer:
     info: EngineInfo
     layout: KVLayout
     name: str  # the transport's name for it
+    address: str  # the address we dialled
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -36,113 +57,173 @@ class Peer:
 def check_compatible(mine: EngineInfo, theirs: EngineInfo) -> KVLayout:
     """Raise :class:`LayoutMismatch` naming the first incompatible field; return their layout."""
     if theirs.protocol != mine.protocol:
-        raise LayoutMismatch(
-            f"kvbridge protocol version differs: {mine.protocol} here, {theirs.protocol} at "
-            f"{theirs.engine_id}"
-        )
+        raise LayoutMismatch(f"kvbridge protocol version differs: {mine.protocol} here, "
+                             f"{theirs.protocol} at {theirs.engine_id}")
     if theirs.backend != mine.backend:
-        raise LayoutMismatch(
-            f"backend differs: {mine.backend!r} here, {theirs.backend!r} at {theirs.engine_id}"
-        )
+        raise LayoutMismatch(f"backend differs: {mine.backend!r} here, {theirs.backend!r} at "
+                             f"{theirs.engine_id}")
+    if theirs.tp_size != mine.tp_size:
+        raise LayoutMismatch(f"tensor-parallel size differs: {mine.tp_size} here, "
+                             f"{theirs.tp_size} at {theirs.engine_id}")
+    if theirs.rank != mine.rank:
+        raise LayoutMismatch(f"rank {mine.rank} here reached rank {theirs.rank} of "
+                             f"{theirs.engine_id}: each rank must talk to the matching rank")
     for key in sorted(set(mine.compat) | set(theirs.compat)):
         a, b = mine.compat.get(key), theirs.compat.get(key)
         if a != b:
             raise LayoutMismatch(f"{key} differs: {a!r} here, {b!r} at {theirs.engine_id}")
-    layout = KVLayout.from_dict(theirs.layout)
+    try:
+        layout = KVLayout.from_wire(theirs.layout)
+    except LayoutError as exc:
+        raise LayoutMismatch(f"unusable layout from {theirs.engine_id}: {exc}") from None
     if layout.fingerprint() != theirs.layout_fingerprint:
-        raise MessageError(f"layout fingerprint of {theirs.engine_id} does not match its layout")
-    KVLayout.from_dict(mine.layout).check_compatible(layout)
+        raise LayoutMismatch(f"layout fingerprint of {theirs.engine_id} does not match its layout")
+    KVLayout.from_wire(mine.layout).check_compatible(layout)
     return layout
 
 
-class PeerTable:
-    """Thread-safe cache of handshaken peers for one local engine rank."""
+PeerCallback = Callable[[Peer | KVBridgeError], None]
 
-    def __init__(self, me: EngineInfo, transport: Transport, client: ControlClient) -> None:
+
+class PeerTable:
+    """See the module docstring."""
+
+    def __init__(self, me: EngineInfo, transport: Transport, rpc: RpcClient,
+                 submit: Callable[..., None], *, timeout: float, capacity: int = 1024,
+                 prober: Prober | None = None) -> None:
         self.me = me
+        self._submit = submit
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-peers")
+        self._prober = prober
         self._transport = transport
-        self._client = client
-        self._by_address: dict[str, Peer] = {}
-        self._by_key: dict[tuple[str, str, int], Peer] = {}
-        self._lock = threading.Lock()
+        self._rpc = rpc
+        self._timeout = timeout
+        self._capacity = capacity
+        self._by_address: OrderedDict[str, Peer] = OrderedDict()
+        self._waiting: dict[str, list[tuple[str, PeerCallback]]] = {}
         self.handshakes = 0
 
-    def accept(self, info: EngineInfo) -> Peer:
-        """Add a peer from its info (after checking compatibility); replaces older generations."""
-        layout = check_compatible(self.me, info)
-        name = self._transport.add_peer(info.transport_metadata)
-        peer = Peer(info, layout, name)
-        with self._lock:
-            old = self._by_address.get(info.control_address)
-            if old is not None and old.key != peer.key:
-                log.info("peer %s restarted (generation %s -> %s); re-handshaken",
-                         info.engine_id, old.info.generation, info.generation)
-                self._by_key.pop(old.key, None)
-            self._by_address[info.control_address] = peer
-            self._by_key[peer.key] = peer
-        return peer
+    def cached(self, address: str) -> Peer | None:
+        return self._by_address.get(address)
 
-    def get(self, address: str, timeout: float | None = None) -> Peer:
-        """The peer at ``address``, handshaking on first use. Raises a :class:`PeerError` or
-        :class:`LayoutMismatch`."""
-        with self._lock:
-            peer = self._by_address.get(address)
-        if peer is not None:
-            return peer
-        reply = self._client.request(address, Hello(info=self.me), timeout)
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def ensure(self, address: str, generation: str, callback: PeerCallback) -> None:
+        """Call ``callback`` with the peer at ``address`` (handshaking if needed), or with the
+        error. ``generation`` is the generation the caller expects there (``*``: any): a cached
+        peer of another generation is re-handshaken, and an answer of another generation is a
+        :class:`PeerError` naming both."""
+        peer = self._by_address.get(address)
+        if peer is not None and generation in (ANY_GENERATION, peer.info.generation):
+            self._by_address.move_to_end(address)
+            callback(peer)
+            return
+        waiters = self._waiting.setdefault(address, [])
+        waiters.append((generation, callback))
+        if len(waiters) == 1:
+            call = self._rpc.call(address, Hello(info=self.me), self._timeout,
+                                  lambda reply: self._answered(address, reply))
+            if self._prober is not None:  # a dead address fails now, not after the timeout
+                self._prober.check(address, lambda refused: self._refused(address, call, refused))
+
+    def _refused(self, address: str, call: int, refused: bool) -> None:
+        if refused and address in self._waiting and self._rpc.is_pending(call):
+            self._rpc.cancel(call)
+            self._notify(address, PeerUnreachable(
+                f"handshake with {address} failed: nothing listens there (connection refused: "
+                "the engine is gone)"))
+
+    def _answered(self, address: str, reply: Message | KVBridgeError) -> bool:
+        if address not in self._waiting:
+            return False  # already failed (connection refused)
+        try:
+            info, layout = self._check(address, reply)
+        except KVBridgeError as exc:
+            self._notify(address, exc)
+            return False
+        old = self._by_address.get(address)
+        if old is not None and old.key == (info.engine_id, info.generation, info.rank):
+            self._notify(address, old)
+            return False
+
+        def add() -> None:  # on the helper thread: a transport may need a round trip here
+            try:
+                name: str | KVBridgeError = self._transport.add_peer(info.transport_metadata)
+            except KVBridgeError as exc:
+                name = exc
+            except Exception as exc:  # noqa: BLE001 - a backend bug must not lose the waiters
+                name = PeerError(f"{type(exc).__name__}: {exc}")
+            self._submit(self._added, address, info, layout, name)
+
+        try:
+            self._pool.submit(add)
+        except RuntimeError:  # shutting down
+            self._notify(address, PeerError("engine shutting down"))
+        return False
+
+    def _check(self, address: str, reply: Message | KVBridgeError) -> tuple[EngineInfo, KVLayout]:
+        if isinstance(reply, KVBridgeError):
+            raise PeerError(f"handshake with {address} failed: {reply}")
         if isinstance(reply, Ack):
-            if reply.error and reply.error.startswith("LayoutMismatch"):
-                raise LayoutMismatch(f"handshake with {address} refused: {reply.error}")
-            raise PeerError(f"handshake with {address} refused: {reply.error}")
+            raise RemoteError(str(reply.kind or "refused"),
+                              f"handshake with {address} refused: {reply.error}")
         if not isinstance(reply, HelloReply):
-            raise MessageError(f"unexpected handshake reply {type(reply).__name__} from {address}")
-        peer = self.accept(reply.info)
-        self.handshakes += 1
-        log.info("handshake with %s (%s gen %s) done", address, reply.info.engine_id,
-                 reply.info.generation)
-        return peer
+            raise PeerError(f"unexpected handshake reply {type(reply).__name__} from {address}")
+        return reply.info, check_compatible(self.me, reply.info)
 
-    def by_key(self, engine_id: str, generation: str, rank: int = 0) -> Peer:
-        with self._lock:
-            peer = self._by_key.get((engine_id, generation, rank))
-        if peer is None:
-            raise KVBridgeError(
-                f"no handshake with {engine_id} generation {generation} rank {rank} (stale or "
-                "unknown peer)"
-            )
-        return peer
+    def _added(self, address: str, info: EngineInfo, layout: KVLayout,
+               name: str | KVBridgeError) -> None:
+        if isinstance(name, KVBridgeError):
+            self._notify(address, PeerError(f"cannot add the peer at {address}: {name}"))
+            return
+        peer = Peer(info, layout, name, address)
+        old = self._by_address.get(address)
+        if old is not None:
+            log.info("peer at %s restarted (generation %s -> %s); re-handshaken", address,
+                     old.info.generation, info.generation)
+            if old.name != name:
+                self._transport.remove_peer(old.name)
+        self._by_address[address] = peer
+        self._by_address.move_to_end(address)
+        self.handshakes += 1
+        log.info("handshake with %s (%s gen %s rank %d) done", address, info.engine_id,
+                 info.generation, info.rank)
+        while len(self._by_address) > self._capacity:
+            _, evicted = self._by_address.popitem(last=False)
+            self._transport.remove_peer(evicted.name)
+        self._notify(address, peer)
+
+    def _notify(self, address: str, result: Peer | KVBridgeError) -> None:
+        for generation, callback in self._waiting.pop(address, []):
+            outcome = result
+            if isinstance(result, Peer) and generation not in (ANY_GENERATION,
+                                                               result.info.generation):
+                outcome = PeerError(
+                    f"engine at {address} answers as generation {result.info.generation}, "
+                    f"the transfer belongs to generation {generation} (it restarted, or it is "
+                    "not the engine the request names)")
+            try:
+                callback(outcome)
+            except Exception:  # noqa: BLE001 - one caller's bug must not starve the others
+                log.exception("peer callback failed")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def forget(self, address: str) -> None:
-        with self._lock:
-            peer = self._by_address.pop(address, None)
-            if peer is not None:
-                self._by_key.pop(peer.key, None)
+        peer = self._by_address.pop(address, None)
         if peer is not None:
             self._transport.remove_peer(peer.name)
-        self._client.forget(address)
 
 
-def make_info(
-    *,
-    engine_id: str,
-    generation: str,
-    rank: int,
-    backend: str,
-    transport_metadata: bytes,
-    layout: KVLayout,
-    control_address: str,
-    compat: dict[str, str],
-) -> EngineInfo:
+def make_info(*, engine_id: str, generation: str, rank: int, tp_size: int, backend: str,
+              transport_metadata: bytes, layout: KVLayout, control_address: str,
+              compat: dict[str, str], checksum: bool) -> EngineInfo:
     """Build this rank's :class:`EngineInfo`."""
     return EngineInfo(
-        engine_id=engine_id,
-        generation=generation,
-        rank=rank,
-        protocol=PROTOCOL_VERSION,
-        backend=backend,
-        transport_metadata=transport_metadata,
-        layout=layout.to_dict(),
-        layout_fingerprint=layout.fingerprint(),
-        control_address=control_address,
-        compat=compat,
+        engine_id=engine_id, generation=generation, rank=rank, tp_size=tp_size,
+        protocol=PROTOCOL_VERSION, backend=backend, transport_metadata=transport_metadata,
+        layout=layout.to_wire(), layout_fingerprint=layout.fingerprint(),
+        control_address=control_address, compat=compat, checksum=checksum,
     )

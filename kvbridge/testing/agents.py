@@ -1,9 +1,16 @@
-"""Run a :class:`~kvbridge.scheduling.agent.TransferAgent` in a real child process.
+"""Transfer loops for tests and benchmarks: in this process, or in a real child process.
 
-Used by the agent tests and benchmarks: each :class:`AgentProcess` is a spawned process holding a
-numpy KV cache shaped like vLLM's CPU cache ``(num_blocks, 2, block_size, heads*head_dim)`` per
-layer, with an agent on it, driven by simple commands over a multiprocessing pipe. Every call is
-bounded by a timeout; :meth:`AgentProcess.close` kills the child if it does not exit.
+Both hold a numpy KV cache shaped like vLLM's CPU cache ``(num_blocks, 2, block_size,
+heads*head_dim)`` per layer, with a :class:`~kvbridge.scheduling.loop.TransferLoop` on it, and
+offer the same methods (:class:`Agent`): ``stage``/``ready``/``layer`` (P), ``pull``/``expect``
+(D), ``cancel_send``/``cancel_recv``, ``drain`` (accumulate results until the wanted request
+ids show up or the timeout passes), ``blocks`` (read KV back), ``fill`` (random KV), ``close``.
+
+* :class:`LocalAgent` runs the loop in this process (use the ``memory`` transport, or ``shm``
+  against itself): fast, for state-machine tests.
+* :class:`AgentProcess` runs it in a spawned child driven over a multiprocessing pipe (the
+  pipe carries Python objects between two processes of the test, never network input). Every
+  call is bounded by a timeout; :meth:`AgentProcess.close` kills the child if it does not exit.
 """
 
 from __future__ import annotations
@@ -11,36 +18,124 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["AgentProcess", "CacheShape"]
+import numpy as np
+
+from kvbridge.config import Config
+from kvbridge.layout import KVLayout
+from kvbridge.scheduling.loop import TransferLoop
+from kvbridge.scheduling.pull import PullSpec, SendPlan
+from kvbridge.scheduling.push import PushSpec
+from kvbridge.transport import Transport
+
+__all__ = ["Agent", "LocalAgent", "AgentProcess", "CacheShape", "make_caches"]
 
 CacheShape = tuple[int, int, int, int]  # layers, num_blocks, block_size, heads*head_dim
 
 
-def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
-           backend_wrapper: dict[str, Any] | None) -> None:
-    import numpy as np
-
-    from kvbridge.config import Config
-    from kvbridge.layout import KVLayout
-    from kvbridge.scheduling.agent import PullSpec, PushSpec, TransferAgent
-
+def make_caches(shape: CacheShape) -> tuple[dict[str, np.ndarray[Any, Any]], KVLayout]:
     layers, num_blocks, block_size, hd = shape
     caches = {f"layer.{i}": np.zeros((num_blocks, 2, block_size, hd), dtype=np.float32)
               for i in range(layers)}
-    layout = KVLayout.from_tensors(caches, num_blocks, block_size)
-    config = Config.load(extra, env={})
+    return caches, KVLayout.from_tensors(caches, num_blocks, block_size)
+
+
+def _drain(loop: TransferLoop, want: set[str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    acc: dict[str, set[Any]] = {"finished_sending": set(), "finished_recving": set(),
+                                "failed_recving": set(), "invalid_blocks": set()}
+    while True:
+        for k, v in asdict(loop.drain()).items():
+            acc[k] |= v
+        if want <= (acc["finished_sending"] | acc["finished_recving"]):
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    snap = loop.snapshot()
+    return {"results": acc, "stats": snap["stats"], "pending": snap["pending"]}
+
+
+class Agent(Protocol):
+    address: str
+    generation: str
+
+    def stage(self, plan: SendPlan) -> None: ...
+    def ready(self, plan: SendPlan) -> None: ...
+    def layer(self, plan: SendPlan, layer: str) -> None: ...
+    def pull(self, spec: PullSpec) -> None: ...
+    def expect(self, spec: PushSpec) -> None: ...
+    def cancel_send(self, tid: str) -> None: ...
+    def cancel_recv(self, tid: str) -> None: ...
+    def drain(self, want: set[str] | list[str], timeout: float = 20.0) -> dict[str, Any]: ...
+    def blocks(self, ids: list[int]) -> Any: ...
+    def fill(self, seed: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalAgent:
+    """A loop in this process (see the module docstring)."""
+
+    def __init__(self, engine_id: str, shape: CacheShape = (2, 64, 16, 64),
+                 extra: dict[str, Any] | None = None, *, rank: int = 0, tp_size: int = 1,
+                 transport: Transport | None = None, compat: dict[str, str] | None = None) -> None:
+        self.caches, self.layout = make_caches(shape)
+        self.config = Config.load({"backend": "memory", **(extra or {})}, env={})
+        self.loop = TransferLoop(self.config, engine_id, self.layout, rank=rank, tp_size=tp_size,
+                                 compat=compat or {"model": "test"}, transport=transport)
+        self.address = self.loop.control_address
+        self.generation = self.loop.generation
+
+    def stage(self, plan: SendPlan) -> None:
+        self.loop.stage_pull(plan)
+
+    def ready(self, plan: SendPlan) -> None:
+        self.loop.push_ready(plan)
+
+    def layer(self, plan: SendPlan, layer: str) -> None:
+        self.loop.push_layer(plan, layer)
+
+    def pull(self, spec: PullSpec) -> None:
+        self.loop.start_pull(spec)
+
+    def expect(self, spec: PushSpec) -> None:
+        self.loop.expect_push(spec)
+
+    def cancel_send(self, tid: str) -> None:
+        self.loop.cancel_send(tid)
+
+    def cancel_recv(self, tid: str) -> None:
+        self.loop.cancel_recv(tid)
+
+    def drain(self, want: set[str] | list[str], timeout: float = 20.0) -> dict[str, Any]:
+        return _drain(self.loop, set(want), timeout)
+
+    def blocks(self, ids: list[int]) -> Any:
+        return np.stack([c[ids] for c in self.caches.values()]) if ids else None
+
+    def fill(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for c in self.caches.values():
+            c[...] = rng.standard_normal(c.shape, dtype=np.float32)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
+           faults: dict[str, Any] | None) -> None:
+    from kvbridge import registry
+
     transport = None
-    if backend_wrapper is not None:
-        from kvbridge import registry
+    if faults is not None:
         from kvbridge.testing.faults import FaultyTransport
 
+        config = Config.load(extra, env={})
         inner = registry.create(config.backend, engine_id, config.backend_options)
-        transport = FaultyTransport(inner, **backend_wrapper)
-    agent = TransferAgent(config, engine_id, layout, compat={"model": "test"},
-                          transport=transport)
-    conn.send(agent.control_address)
+        transport = FaultyTransport(inner, **faults)
+    agent = LocalAgent(engine_id, shape, {"backend": "shm", **extra}, transport=transport)
+    conn.send((agent.address, agent.generation))
     while True:
         cmd, *args = conn.recv()
         try:
@@ -48,57 +143,15 @@ def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
                 agent.close()
                 conn.send(None)
                 return
-            if cmd == "fill":
-                rng = np.random.default_rng(args[0])
-                for c in caches.values():
-                    c[...] = rng.standard_normal(c.shape, dtype=np.float32)
-                out: Any = None
-            elif cmd == "blocks":
-                ids = list(args[0])
-                out = np.stack([c[ids] for c in caches.values()]) if ids else None
-            elif cmd == "stage":
-                agent.stage_pull(*args)
-                out = None
-            elif cmd == "layer":
-                agent.push_layer(*args)
-                out = None
-            elif cmd == "ready":
-                agent.push_ready(*args)
-                out = None
-            elif cmd == "pull":
-                agent.start_pull(PullSpec(*args))
-                out = None
-            elif cmd == "expect":
-                agent.expect_push(PushSpec(*args))
-                out = None
-            elif cmd == "cancel_send":
-                agent.cancel_send(*args)
-                out = None
-            elif cmd == "cancel_recv":
-                agent.cancel_recv(*args)
-                out = None
-            elif cmd == "drain":
-                want, timeout = args
-                deadline = time.monotonic() + timeout
-                acc: dict[str, set[Any]] = {"finished_sending": set(), "finished_recving": set(),
-                                            "failed_recving": set(), "invalid_blocks": set()}
-                while True:
-                    for k, v in asdict(agent.drain()).items():
-                        acc[k] |= v
-                    got = acc["finished_sending"] | acc["finished_recving"]
-                    if set(want) <= got or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.005)
-                out = {"results": acc, "stats": dict(agent.stats), "pending": agent.pending()}
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
+            out = getattr(agent, cmd)(*args)
             conn.send(("ok", out))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 class AgentProcess:
-    """A child process hosting one agent (see the module docstring)."""
+    """A loop in a spawned child process (see the module docstring). ``extra`` is the
+    kvbridge configuration (backend ``shm`` unless it says otherwise)."""
 
     def __init__(self, engine_id: str, shape: CacheShape = (2, 64, 16, 64),
                  extra: dict[str, Any] | None = None,
@@ -112,7 +165,7 @@ class AgentProcess:
         if not self._conn.poll(timeout):
             self.kill()
             raise TimeoutError(f"agent {engine_id} did not start")
-        self.address: str = self._conn.recv()
+        self.address, self.generation = self._conn.recv()
 
     def call(self, *cmd: Any, timeout: float | None = None) -> Any:
         self._conn.send(cmd)
@@ -123,8 +176,36 @@ class AgentProcess:
             raise RuntimeError(out)
         return out
 
-    def drain(self, want: list[str] | set[str], timeout: float = 20.0) -> dict[str, Any]:
-        return self.call("drain", list(want), timeout, timeout=timeout + 10)  # type: ignore[no-any-return]
+    def stage(self, plan: SendPlan) -> None:
+        self.call("stage", plan)
+
+    def ready(self, plan: SendPlan) -> None:
+        self.call("ready", plan)
+
+    def layer(self, plan: SendPlan, layer: str) -> None:
+        self.call("layer", plan, layer)
+
+    def pull(self, spec: PullSpec) -> None:
+        self.call("pull", spec)
+
+    def expect(self, spec: PushSpec) -> None:
+        self.call("expect", spec)
+
+    def cancel_send(self, tid: str) -> None:
+        self.call("cancel_send", tid)
+
+    def cancel_recv(self, tid: str) -> None:
+        self.call("cancel_recv", tid)
+
+    def drain(self, want: set[str] | list[str], timeout: float = 20.0) -> dict[str, Any]:
+        out: dict[str, Any] = self.call("drain", list(want), timeout, timeout=timeout + 10)
+        return out
+
+    def blocks(self, ids: list[int]) -> Any:
+        return self.call("blocks", ids)
+
+    def fill(self, seed: int) -> None:
+        self.call("fill", seed)
 
     def kill(self) -> None:
         if self.proc.is_alive():

@@ -1,0 +1,320 @@
+"""The scheduler side of hand-offs: per-request decisions, vLLM-free.
+
+vLLM's scheduler calls the connector once per request event (new request, matched tokens,
+allocation, step, finish). :class:`HandoffBook` answers those calls from plain values (request
+id, prompt token ids, counts, block ids, the raw ``kv_transfer_params``) and collects, per step,
+one :class:`StepPlan` for the worker ranks. Everything from the client is parsed here, once, by
+:func:`kvbridge.params.parse`; a malformed request never raises into vLLM's scheduler: it is
+served without a hand-off (the prompt is computed locally) with a WARNING naming the key, and a
+prefill leg answers ``kvbridge_error`` so the router can tell its client.
+
+Single-threaded: vLLM drives it from the engine-core thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.config import Config, TransferMode
+from kvbridge.errors import LayoutError, ParamsError
+from kvbridge.params import PeerRef, TransferParams, parse, to_wire
+from kvbridge.scheduling.planner import plan_receive, prompt_blocks, prompt_digest
+from kvbridge.scheduling.pull import SendPlan
+
+__all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress"]
+
+log = logging.getLogger("kvbridge.connector")
+
+
+@dataclass(frozen=True)
+class RankAddress:
+    """Where one worker rank's transfer loop listens (from vLLM's handshake metadata)."""
+
+    address: str
+    generation: str
+
+
+@dataclass(frozen=True)
+class RecvOrder:
+    """A decode request's receive, for every worker rank (each picks its own peer)."""
+
+    req_id: str
+    transfer_id: str
+    mode: TransferMode
+    peers: tuple[PeerRef, ...]
+    local_ids: tuple[int, ...]
+    remote_ids: tuple[int, ...]
+    skip_blocks: int
+    num_tokens: int
+    prompt_digest: str
+    error: str | None = None  # planning failed after vLLM committed: report it failed
+
+
+@dataclass
+class StepPlan:
+    """Scheduler → worker ranks, once per step (pickled by vLLM)."""
+
+    watches: list[tuple[str, tuple[PeerRef, ...]]] = field(default_factory=list)
+    #: P: push transfers whose prefill request arrived (registrations for them may wait long)
+    announces: list[str] = field(default_factory=list)
+    unwatches: list[tuple[str, tuple[PeerRef, ...]]] = field(default_factory=list)
+    releases: list[tuple[str, tuple[PeerRef, ...], str]] = field(default_factory=list)
+    recvs: list[RecvOrder] = field(default_factory=list)
+    stages: list[SendPlan] = field(default_factory=list)
+    push_ready: list[SendPlan] = field(default_factory=list)
+    cancel_recvs: list[str] = field(default_factory=list)
+    cancel_sends: list[str] = field(default_factory=list)
+    #: transfer ids whose prompt KV is complete after this step's forward (timing only)
+    prefill_done: list[str] = field(default_factory=list)
+    #: (transfer_id, wall time) of a received request's first step on D (timing only)
+    first_steps: list[tuple[str, float]] = field(default_factory=list)
+    #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.watches or self.announces or self.unwatches or self.releases
+                    or self.recvs or self.stages or self.push_ready or self.cancel_recvs
+                    or self.cancel_sends)
+
+
+@dataclass
+class _Request:
+    """What the book knows about one request with ``kv_transfer_params``."""
+
+    params: TransferParams | None
+    error: ParamsError | None = None
+    transfer_id: str = ""
+    mode: TransferMode = TransferMode.PULL
+    recv: bool = False  # a decode leg we will serve
+    send: bool = False  # a prefill leg we will hand off
+    planned: bool = False
+    handed: bool = False  # P: blocks handed to the worker (finished_sending will come)
+    recving: bool = False  # D: a transfer into its blocks is in progress
+    digest: str = ""
+
+
+class HandoffBook:
+    """See the module docstring. ``tp_size`` and ``block_size`` are this engine's."""
+
+    def __init__(self, config: Config, engine_id: str, *, block_size: int,
+                 tp_size: int = 1) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.ranks: list[RankAddress] = []
+        self.stats: Counter[str] = Counter()
+        self._reqs: dict[str, _Request] = {}
+        self._active_tids: dict[str, str] = {}  # transfer_id -> req_id (duplicates refused)
+        #: req_id -> transfer_id of hand-offs the worker still runs (kept past request_finished)
+        self._busy: dict[str, str] = {}
+        self._plan = StepPlan()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def set_ranks(self, ranks: Sequence[RankAddress]) -> None:
+        self.ranks = list(ranks)
+
+    def address_params(self) -> dict[str, Any]:
+        """The keys that tell a router and a decode engine where this engine listens."""
+        if not self.ranks:
+            return {}
+        rank0 = self.ranks[0].address.removeprefix("tcp://")
+        host, port = rank0.rsplit(":", 1)
+        params = TransferParams(
+            remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
+            tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
+            kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
+            kvbridge_version=_version())
+        return to_wire(params)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _refuse(self, req_id: str, raw: Any, err: ParamsError) -> _Request:
+        self.stats["params_rejected"] += 1
+        log.warning("request %s: %s; served without a hand-off (its prompt is computed here)",
+                    req_id, err)
+        return _Request(None, err)
+
+    def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None) -> None:
+        """Parse the request's ``kv_transfer_params`` (once)."""
+        if raw is None or req_id in self._reqs:
+            return
+        try:
+            params = parse(raw)
+        except ParamsError as err:
+            self._reqs[req_id] = self._refuse(req_id, raw, err)
+            return
+        req = _Request(params)
+        if params.kvbridge_probe or not (params.do_remote_prefill or params.do_remote_decode):
+            self._reqs[req_id] = req
+            return
+        req.transfer_id = params.transfer_id or f"{self.engine_id}-{req_id}"
+        req.mode = params.mode(self.config.mode)
+        n_prompt = len(prompt or ())
+        try:
+            if prompt is None:
+                raise ParamsError("prompt", "a hand-off needs token-id prompts")
+            owner = self._active_tids.get(req.transfer_id)
+            if owner is not None:
+                raise ParamsError("kv_transfer_params.transfer_id",
+                                  f"{req.transfer_id} is already used by request {owner} "
+                                  "(n > 1 or a batched prompt shares one hand-off)")
+            if params.do_remote_prefill:
+                params.check_decode_leg(req.mode, self.tp_size, n_prompt, self.block_size)
+        except ParamsError as err:
+            self._reqs[req_id] = self._refuse(req_id, raw, err)
+            return
+        req.digest = prompt_digest(prompt)
+        self._active_tids[req.transfer_id] = req_id
+        if params.do_remote_prefill:
+            req.recv = True
+            self._plan.watches.append((req.transfer_id, self._peers(params)))
+        else:
+            req.send = True
+            if req.mode is TransferMode.PUSH:
+                self._plan.announces.append(req.transfer_id)
+        self._reqs[req_id] = req
+
+    def _peers(self, params: TransferParams) -> tuple[PeerRef, ...]:
+        refs = [params.peer(r) for r in range(self.tp_size)]
+        return tuple(r for r in refs if r is not None)
+
+    def matched_tokens(self, req_id: str, prompt_tokens: int,
+                       num_computed: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: tokens to load from the prefill engine (async)."""
+        req = self._reqs.get(req_id)
+        if req is None or not req.recv or req.planned:
+            return 0, False
+        count = prompt_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], external_tokens: int,
+                    prompt_tokens: int) -> None:
+        """``update_state_after_alloc``: plan the receive (once)."""
+        req = self._reqs.get(req_id)
+        if req is None or not req.recv or req.planned:
+            return
+        req.planned = True
+        assert req.params is not None
+        peers = self._peers(req.params)
+        self._plan.unwatches.append((req.transfer_id, peers))
+        remote = req.params.remote_block_ids if req.mode is TransferMode.PULL else None
+        error = None
+        try:
+            plan = plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
+                                external_tokens=external_tokens, allocated=block_ids,
+                                remote_ids=remote)
+        except LayoutError as exc:
+            if not external_tokens:
+                raise
+            error, plan = f"cannot plan the receive: {exc}", None
+        if plan is not None and plan.empty:  # the whole prompt was cached here
+            self.stats["recv_full_local_hit"] += 1
+            self._plan.releases.append((req.transfer_id, peers, "decode had the prompt cached"))
+            return
+        self._plan.recvs.append(RecvOrder(
+            req_id, req.transfer_id, req.mode, peers,
+            plan.local_ids if plan else (), plan.remote_ids if plan else (),
+            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error))
+        req.recving = True
+        self._busy[req_id] = req.transfer_id
+
+    def prefill_complete(self, req_id: str, block_ids: Sequence[int],
+                         prompt_tokens: int) -> None:
+        """P: this step's forward writes the last of the prompt's KV (push: WRITE after it)."""
+        req = self._reqs.get(req_id)
+        if req is None or not req.send or req.handed:
+            return
+        self._plan.prefill_done.append(req.transfer_id)
+        if req.mode is TransferMode.PUSH:
+            self._plan.push_ready.append(self._send_plan(req_id, req, block_ids, prompt_tokens))
+            req.handed = True
+            self._busy[req_id] = req.transfer_id
+
+    def _send_plan(self, req_id: str, req: _Request, block_ids: Sequence[int],
+                   prompt_tokens: int) -> SendPlan:
+        layerwise = self.config.layerwise
+        if req.params is not None and req.params.kvbridge_layerwise is not None:
+            layerwise = req.params.kvbridge_layerwise
+        blocks = tuple(prompt_blocks(block_ids, prompt_tokens, self.block_size))
+        return SendPlan(req_id, req.transfer_id, blocks, prompt_tokens, req.digest, layerwise)
+
+    def producers(self) -> list[str]:
+        """P requests whose KV is not handed over yet (the adapter checks their progress)."""
+        return [r for r, q in self._reqs.items() if q.send and not q.handed
+                and q.mode is TransferMode.PUSH]
+
+    def finished(self, req_id: str, ok: bool, block_ids: Sequence[int],
+                 prompt_tokens: int) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: (keep the blocks, params for the response)."""
+        req = self._reqs.pop(req_id, None)
+        if req is None:
+            return False, None
+        if req.transfer_id and self._active_tids.get(req.transfer_id) == req_id:
+            del self._active_tids[req.transfer_id]
+        if req.error is not None:
+            raw_send = req.params is None or req.params.do_remote_decode
+            return False, ({"kvbridge_error": str(req.error)[:2000]} if raw_send else None)
+        params = req.params
+        assert params is not None
+        if params.kvbridge_probe:
+            return False, self.address_params() or None
+        if req.recv:
+            if req.recving:
+                self._plan.cancel_recvs.append(req.transfer_id)
+                return True, None  # blocks come back with finished_recving
+            if not req.planned:
+                self._plan.unwatches.append((req.transfer_id, self._peers(params)))
+            return False, None
+        if not req.send:
+            return False, None
+        answer = {**self.address_params(), "transfer_id": req.transfer_id,
+                  "transfer_mode": req.mode.value}
+        if req.handed:  # push already handed over: let the WRITE finish
+            return True, answer
+        if not ok:
+            if req.mode is TransferMode.PUSH:
+                self._plan.cancel_sends.append(req.transfer_id)
+            return False, None
+        plan = self._send_plan(req_id, req, block_ids, prompt_tokens)
+        req.handed = True
+        self._busy[req_id] = req.transfer_id
+        if req.mode is TransferMode.PUSH:
+            self._plan.push_ready.append(plan)
+            return True, answer
+        self._plan.stages.append(plan)
+        self.stats["pull_staged"] += 1
+        return True, {**answer, "do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_block_ids": list(plan.block_ids), "remote_request_id": req_id,
+                      "remote_num_tokens": prompt_tokens}
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        if self.stats:
+            plan.counters, self.stats = dict(self.stats), Counter()
+        return plan
+
+    def has_pending(self) -> bool:
+        return bool(self._plan)
+
+    def transfer_done(self, req_id: str) -> str | None:
+        """The worker reported ``req_id`` finished sending or receiving; its transfer id."""
+        tid = self._busy.pop(req_id, None)
+        req = self._reqs.get(req_id)
+        if req is not None:
+            req.recving = False
+        return tid
+
+    def transfers_in_progress(self) -> int:
+        return len(self._busy)
+
+
+def _version() -> str:
+    from kvbridge import __version__
+
+    return __version__

@@ -1,0 +1,576 @@
+"""TransferLoop: the one owner of an engine rank's transfer state.
+
+One thread runs a reactor over the control server's socket, the asynchronous client's
+sockets, a wake-up pipe and the transport's in-flight handles. Everything that changes
+transfer state happens on that thread: control messages, the connector's events (submitted from
+vLLM's threads through a queue), replies to our own calls, completions and timers. So a cancel
+and a post cannot race, and a round trip to one peer never waits behind another's: every call
+is asynchronous with its own deadline.
+
+Public methods may be called from any thread; they enqueue an event and return at once.
+Results (what vLLM must learn) are collected under a lock and taken with :meth:`drain`;
+``on_progress`` wakes the caller when there is something to take.
+
+If the loop thread ever dies (a bug), every transfer still in progress is reported failed and
+every later request fails at once: nothing hangs silently. Blocks that a posted transfer might
+still write are then never given back (a leak is logged; a corruption would not be).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvbridge import registry
+from kvbridge.config import Config
+from kvbridge.control import ControlServer, RequestContext, RpcClient
+from kvbridge.layout import KVLayout
+from kvbridge.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    Codec,
+    ErrorKind,
+    Heartbeat,
+    HeartbeatReply,
+    Hello,
+    HelloReply,
+    Message,
+    PullClaim,
+    PullDone,
+    PushConfirm,
+    PushRegister,
+    StatsQuery,
+    StatsReply,
+    TransferQuery,
+    TransferReply,
+)
+from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
+from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable, make_info
+from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
+from kvbridge.scheduling.push import Fence, PushSink, PushSource, PushSpec
+from kvbridge.transport import MemoryRegion, TransferHandle, Transport
+
+__all__ = ["TransferLoop", "Results", "SendPlan", "PullSpec", "PushSpec"]
+
+log = logging.getLogger("kvbridge.loop")
+
+
+@dataclass
+class Results:
+    """What finished since the last :meth:`TransferLoop.drain`.
+
+    ``finished_recving`` lists receives whose blocks are safe to reuse (succeeded, or failed
+    with nothing left in flight; the failed ones are also in ``failed_recving``).
+    ``invalid_blocks`` are blocks of receives that failed while a transfer into them may still
+    land: vLLM fails (or recomputes) those requests now, and their ids reach
+    ``finished_recving`` only once the transfer has stopped.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_blocks: set[int] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.invalid_blocks)
+
+
+class Outcomes:
+    """How recent transfers ended (transfer_id → text), bounded; loop thread only."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def record(self, tid: str, outcome: str) -> None:
+        self._items[tid] = outcome[:4000]
+        self._items.move_to_end(tid)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, tid: str) -> str | None:
+        return self._items.get(tid)
+
+
+class _ResultBox:
+    """Results under a lock, written by the loop thread, drained by the connector."""
+
+    def __init__(self, core: TransferLoop) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._results = Results()
+        self._failed_unsafe: set[str] = set()
+
+    def sent(self, req_id: str) -> None:
+        with self._lock:
+            self._results.finished_sending.add(req_id)
+        self._core.wake_caller()
+
+    def received(self, req_id: str, tid: str) -> None:
+        core = self._core
+        core.stats["recv_ok"] += 1
+        core.ended.record(tid, "done")
+        core.mark(tid, "recv_done")
+        with self._lock:
+            self._results.finished_recving.add(req_id)
+        core.wake_caller()
+
+    def fail(self, req_id: str, local_ids: Sequence[int], why: str, *, safe: bool,
+             transfer_id: str = "") -> None:
+        core = self._core
+        core.stats["recv_failed"] += 1
+        if transfer_id:
+            core.ended.record(transfer_id, f"failed: {why}")
+            core.mark(transfer_id, "recv_failed")
+        log.warning("receive %s (%s) failed: %s%s", transfer_id, req_id, why,
+                    "" if safe else " (blocks held until the transfer stops)")
+        with self._lock:
+            if safe:
+                self._results.finished_recving.add(req_id)
+                self._results.failed_recving.add(req_id)
+            else:
+                self._results.invalid_blocks.update(local_ids)
+                self._failed_unsafe.add(req_id)
+        core.wake_caller()
+
+    def release(self, req_id: str) -> None:
+        """A receive that failed unsafely: its transfer has stopped now."""
+        with self._lock:
+            self._failed_unsafe.discard(req_id)
+            self._results.finished_recving.add(req_id)
+            self._results.failed_recving.add(req_id)
+        self._core.wake_caller()
+
+    def drain(self) -> Results:
+        with self._lock:
+            out, self._results = self._results, Results()
+        return out
+
+
+def _digest(layout: KVLayout, block_ids: Sequence[int]) -> str:
+    """blake2b over the bytes of ``block_ids`` in descriptor order (checksum mode)."""
+    h = hashlib.blake2b(digest_size=16)
+    for addr, length, _dev in layout.descriptors(block_ids).tolist():
+        h.update(ctypes.string_at(addr, length))
+    return h.hexdigest()
+
+
+class TransferLoop(PeerEvents):
+    """See the module docstring."""
+
+    def __init__(self, config: Config, engine_id: str, layout: KVLayout, *, rank: int = 0,
+                 tp_size: int = 1, compat: dict[str, str] | None = None,
+                 transport: Transport | None = None) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self.layout = layout
+        self.generation = uuid.uuid4().hex[:12]
+        self.codec = Codec(config.secret, config.max_message_bytes,
+                           window_s=config.replay_window_s)
+        options = dict(config.backend_options)
+        if config.secret:
+            options.setdefault("secret", config.secret)
+        self.transport = transport or registry.create(
+            config.backend, f"{engine_id}:{self.generation}:{rank}", options)
+        metadata = self.transport.register_memory(
+            [MemoryRegion(a, n, layout.device) for a, n in layout.regions()])
+        port = config.side_channel_port + rank if config.side_channel_port else 0
+        self.server = ControlServer(self.codec, config.side_channel_host, port,
+                                    allow_insecure=config.allow_insecure_control)
+        if not self.codec.authenticated:
+            log.warning("kvbridge control channel %s has no shared secret: it accepts any "
+                        "local process; set KVBRIDGE_SECRET on every engine (docs/security.md)",
+                        self.server.address)
+        self.info = make_info(
+            engine_id=engine_id, generation=self.generation, rank=rank, tp_size=tp_size,
+            backend=self.transport.name, transport_metadata=metadata, layout=layout,
+            control_address=self.server.address, compat=dict(compat or {}),
+            checksum=config.checksum)
+        self.stats: Counter[str] = Counter()
+        self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
+        self._timing_lock = threading.Lock()
+        self.ended = Outcomes()
+        self.results = _ResultBox(self)
+        self.timers = Timers()
+        self._poller = zmq.Poller()
+        self._poller.register(self.server.socket, zmq.POLLIN)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.rpc = RpcClient(self.codec, self._on_socket)
+        self.prober = Prober(self.submit)
+        self.peers = PeerTable(self.info, self.transport, self.rpc, self.submit,
+                               timeout=config.control_timeout_s, capacity=config.max_peers,
+                               prober=self.prober)
+        self.heartbeats = HeartbeatBook(self.rpc, self, self.prober,
+                                        interval=config.heartbeat_s, lease=config.lease_s)
+        self.pull_source = PullSource(self)
+        self.pull_sink = PullSink(self)
+        self.push_source = PushSource(self)
+        self.push_sink = PushSink(self)
+        self._events: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque())
+        self._wake_cb: Callable[[], None] | None = None
+        self._in_flight: set[TransferHandle] = set()
+        self._poll_delay = 5e-5
+        self._stopping = False
+        self.dead: str | None = None
+        self.timers.set("heartbeat", config.heartbeat_s, self._heartbeat_tick)
+        self._thread = threading.Thread(target=self._run, name=f"kvbridge-loop-{rank}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("transfer loop %s gen %s rank %d/%d up: backend %s, control %s, %d KV planes, "
+                 "%d blocks", engine_id, self.generation, rank, tp_size, self.transport.name,
+                 self.server.address, len(layout.planes), layout.num_blocks)
+
+    # -- public API (any thread) --------------------------------------------------------------
+
+    @property
+    def control_address(self) -> str:
+        return self.server.address
+
+    def on_progress(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on the loop thread) whenever :meth:`drain` has something."""
+        self._wake_cb = callback
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread (FIFO)."""
+        self._events.append((fn, args))
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full, so the loop is awake anyway (or closed)
+
+    def stage_pull(self, plan: SendPlan) -> None:
+        """P: hold ``plan``'s blocks under a lease until the decode side read them."""
+        if self.dead:
+            self.results.sent(plan.req_id)
+            return
+        self.submit(self.pull_source.stage, plan)
+
+    def push_ready(self, plan: SendPlan, fence: Fence | None = None) -> None:
+        """P: ``plan``'s KV is written (after ``fence``): WRITE it once D confirmed."""
+        if self.dead:
+            self.results.sent(plan.req_id)
+            return
+        self.submit(self.push_source.ready, plan, fence, None)
+
+    def push_layer(self, plan: SendPlan, layer: str, fence: Fence | None = None) -> None:
+        """P, layer-wise push: ``layer``'s KV of ``plan`` is final; :meth:`push_ready` follows."""
+        if not self.dead:
+            self.submit(self.push_source.ready, plan, fence, layer)
+
+    def start_pull(self, spec: PullSpec) -> None:
+        """D: claim and READ the blocks; the outcome shows in :meth:`drain`."""
+        if self.dead:
+            self.results.fail(spec.req_id, spec.local_ids, self.dead, safe=True)
+            return
+        self.submit(self.pull_sink.start, spec)
+
+    def expect_push(self, spec: PushSpec) -> None:
+        """D: register with P and wait for its WRITE; the outcome shows in :meth:`drain`."""
+        if self.dead:
+            self.results.fail(spec.req_id, spec.local_ids, self.dead, safe=True)
+            return
+        self.submit(self.push_sink.expect, spec)
+
+    def fail_recv(self, req_id: str, transfer_id: str, local_ids: Sequence[int],
+                  why: str) -> None:
+        """D: a receive that cannot even start (nothing was posted): report it failed."""
+        self.submit(functools.partial(self.results.fail, req_id, local_ids, why, safe=True,
+                                      transfer_id=transfer_id))
+
+    def announce(self, transfer_id: str) -> None:
+        """P: the prefill request of push ``transfer_id`` arrived (its KV will come)."""
+        self.submit(self.push_source.announce, transfer_id)
+
+    def cancel_send(self, transfer_id: str, reason: str = "prefill request aborted") -> None:
+        """P: the request ended before its KV was handed over."""
+        self.submit(self.push_source.cancel_send, transfer_id, reason)
+
+    def cancel_recv(self, transfer_id: str, reason: str = "request aborted on decode") -> None:
+        """D: the request ended; give the transfer up as soon as it is safe (its request id
+        then shows in ``finished_recving``)."""
+        self.submit(self._cancel_recv, transfer_id, reason)
+
+    def watch(self, transfer_id: str, address: str, generation: str = ANY_GENERATION) -> None:
+        """D: keep P's lease on ``transfer_id`` alive while the request waits to be scheduled."""
+        self.submit(self.heartbeats.watch, transfer_id, address, generation)
+
+    def unwatch(self, transfer_id: str, address: str) -> None:
+        self.submit(self.heartbeats.unwatch, transfer_id, address)
+
+    def release_remote(self, address: str, transfer_id: str, reason: str) -> None:
+        """D needs nothing of ``transfer_id`` (its prompt was cached here): tell P to release."""
+        self.submit(self.cancel_remote, address, transfer_id, reason)
+
+    def add_counters(self, counters: dict[str, int]) -> None:
+        """Add counters kept elsewhere (the scheduler side's) to this rank's stats."""
+        self.submit(self.stats.update, dict(counters))
+
+    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
+        """Record a timing event (wall clock) for a transfer; keeps the last 1024."""
+        with self._timing_lock:
+            entry = self.timings.setdefault(transfer_id, {})
+            entry.setdefault(event, time.time() if when is None else when)
+            self.timings.move_to_end(transfer_id)
+            while len(self.timings) > 1024:
+                self.timings.popitem(last=False)
+
+    def drain(self) -> Results:
+        """Return and clear what finished since the last call."""
+        return self.results.drain()
+
+    def snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Counters and pending count, read on the loop thread."""
+        if self.dead or not self._thread.is_alive():
+            return {"stats": dict(self.stats), "pending": self._pending()}
+        fut: Future[dict[str, Any]] = Future()
+        self.submit(lambda: fut.set_result({"stats": dict(self.stats),
+                                            "pending": self._pending()}))
+        return fut.result(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop, then the control server and the transport. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.submit(lambda: None)
+        self._thread.join(timeout)
+        self.prober.close()
+        self.peers.close()
+        self.rpc.close()
+        self.server.close()
+        self.transport.close(timeout)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- services for the state machines (loop thread) ----------------------------------------
+
+    def wake_caller(self) -> None:
+        cb = self._wake_cb
+        if cb is not None:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001
+                log.exception("progress callback failed")
+
+    def watch_handle(self, handle: TransferHandle) -> None:
+        """Track a posted handle: the loop polls it (and wakes early if the transport says)."""
+        self._in_flight.add(handle)
+        self._poll_delay = 5e-5
+        handle.add_done_callback(self._wake)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\1")
+        except (BlockingIOError, OSError):
+            pass
+
+    def cancel_remote(self, address: str, transfer_id: str, reason: str) -> None:
+        """Tell the prefill engine at ``address`` that this side gave up (best effort)."""
+        self.stats["cancel_sent"] += 1
+        self.rpc.call(address, Cancel(transfer_id=transfer_id, reason=reason[:4000]),
+                      self.config.control_timeout_s, lambda reply: False)
+
+    def digest(self, block_ids: Sequence[int]) -> str:
+        return _digest(self.layout, block_ids)
+
+    def _cancel_recv(self, tid: str, reason: str) -> None:
+        if not (self.pull_sink.cancel(tid, reason) or self.push_sink.cancel(tid, reason)):
+            self.stats["cancel_unknown"] += 1
+
+    def _pending(self) -> int:
+        return (len(self.pull_source) + len(self.pull_sink) + len(self.push_source)
+                + len(self.push_sink))
+
+    def _heartbeat_tick(self) -> None:
+        self.timers.set("heartbeat", self.config.heartbeat_s, self._heartbeat_tick)
+        self.heartbeats.tick()
+
+    # PeerEvents
+    def peer_gone(self, address: str, why: str) -> None:
+        self.stats["peer_gone"] += 1
+        self.pull_sink.peer_gone(address, why)
+        self.push_sink.peer_gone(address, why)
+        self.peers.forget(address)
+
+    def transfers_unknown(self, address: str, transfer_ids: list[str]) -> None:
+        self.pull_sink.transfers_unknown(address, transfer_ids)
+        self.push_sink.transfers_unknown(address, transfer_ids)
+
+    # -- control messages ----------------------------------------------------------------------
+
+    def _on_message(self, ctx: RequestContext, msg: Message) -> Message | None:
+        if isinstance(msg, PullClaim):
+            return self.pull_source.on_claim(ctx, msg)
+        if isinstance(msg, PullDone):
+            return self.pull_source.on_done(ctx, msg)
+        if isinstance(msg, PushRegister):
+            return self.push_source.on_register(ctx, msg)
+        if isinstance(msg, PushConfirm):
+            return self.push_sink.on_confirm(ctx, msg)
+        if isinstance(msg, Heartbeat):
+            return self._on_heartbeat(ctx, msg)
+        if isinstance(msg, Cancel):
+            reply = self.pull_source.on_cancel(ctx, msg) or self.push_source.on_cancel(ctx, msg)
+            if reply is None:  # not here (yet): a later stage or ready releases at once
+                self.ended.record(msg.transfer_id, f"cancelled by decode: {msg.reason}")
+                reply = CancelReply(safe=True)
+            return reply
+        if isinstance(msg, Hello):
+            self.stats["hello_answered"] += 1
+            return HelloReply(info=self.info)
+        if isinstance(msg, StatsQuery):
+            with self._timing_lock:
+                timings = {k: dict(v) for k, v in self.timings.items()}
+            return StatsReply(engine_id=self.engine_id, generation=self.generation,
+                              stats=dict(self.stats), pending=self._pending(), timings=timings,
+                              held=self._held())
+        if isinstance(msg, TransferQuery):
+            outcomes = {t: o for t in msg.transfer_ids if (o := self._outcome(t)) is not None}
+            return TransferReply(outcomes=outcomes)
+        return Ack(ok=False, kind=ErrorKind.MALFORMED,
+                   error=f"unexpected message {type(msg).__name__}")
+
+    def _on_heartbeat(self, ctx: RequestContext, msg: Heartbeat) -> Message:
+        if msg.generation not in (ANY_GENERATION, self.generation):
+            return HeartbeatReply(generation=self.generation, unknown=list(msg.transfer_ids))
+        unknown = [t for t in msg.transfer_ids
+                   if not (self.pull_source.renew(ctx, t) or self.push_source.renew(t))]
+        return HeartbeatReply(generation=self.generation, unknown=unknown)
+
+    def _outcome(self, tid: str) -> str | None:
+        ended = self.ended.get(tid)
+        if ended is not None:
+            return ended
+        for name, table in (("staged", self.pull_source.staged), ("pulling", self.pull_sink.jobs),
+                            ("pushing", self.push_source.outs),
+                            ("awaiting push", self.push_sink.waits)):
+            if tid in table:
+                return f"in progress: {name}"
+        return None
+
+    def _held(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name, table in (("staged", self.pull_source.staged), ("pulling", self.pull_sink.jobs),
+                            ("pushing", self.push_source.outs),
+                            ("awaiting_push", self.push_sink.waits)):
+            if table:
+                out[name] = list(table)[:16]
+        return out
+
+    # -- the reactor ---------------------------------------------------------------------------
+
+    def _on_socket(self, sock: zmq.Socket[bytes], added: bool) -> None:
+        if added:
+            self._poller.register(sock, zmq.POLLIN)
+        else:
+            self._poller.unregister(sock)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - one bad event must never stop the loop
+            self.stats["internal_errors"] += 1
+            log.exception("transfer loop: %s failed", getattr(fn, "__qualname__", fn))
+            return None
+
+    def _timeout_ms(self) -> float:
+        if self._events:
+            return 0
+        now = time.monotonic()
+        deadlines = [d for d in (self.timers.next_deadline(), self.rpc.next_deadline())
+                     if d is not None]
+        wait = max(0.0, min(deadlines) - now) if deadlines else 1.0
+        if self._in_flight:
+            wait = min(wait, self._poll_delay)
+        return wait * 1000.0
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                timeout_ms = self._timeout_ms()
+                if 0 < timeout_ms < 1.0:  # sub-millisecond: zmq polls in whole milliseconds
+                    ready = dict(self._poller.poll(0))
+                    if not ready:
+                        time.sleep(timeout_ms / 1000.0)
+                else:
+                    ready = dict(self._poller.poll(int(timeout_ms) + (timeout_ms % 1 > 0)))
+                self._step(ready)
+        except BaseException as exc:  # noqa: BLE001 - record why, then fail everything
+            self.dead = f"transfer loop died: {type(exc).__name__}: {exc}"
+            log.critical("%s", self.dead, exc_info=True)
+            self._fail_everything()
+        else:
+            self._guard(self.pull_source.close)
+            self._guard(self.push_source.close)
+
+    def _step(self, ready: dict[Any, int]) -> None:
+        for sock in ready:
+            if sock is self.server.socket:
+                for ctx, msg in self.server.receive():
+                    reply = self._guard(self._on_message, ctx, msg)
+                    if reply is not None:
+                        self.server.reply(ctx, reply)
+            elif sock == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            else:
+                self._guard(self.rpc.on_readable, sock)
+        for _ in range(len(self._events)):
+            fn, args = self._events.popleft()
+            self._guard(fn, *args)
+        if self._in_flight:
+            before = len(self._in_flight)
+            self._guard(self.pull_sink.poll)
+            self._guard(self.push_source.poll)
+            self._in_flight = {h for h in self._in_flight if not h.state.terminal}
+            if len(self._in_flight) < before:
+                self._poll_delay = 5e-5
+            else:
+                self._poll_delay = min(self._poll_delay * 2, 2e-3)
+        elif self.push_source.writing():
+            self._guard(self.push_source.poll)  # fences to recheck
+        self._guard(self.rpc.expire)
+        for fn in self.timers.due():
+            self._guard(fn)
+
+    def _fail_everything(self) -> None:
+        why = self.dead or "transfer loop stopped"
+        for job in list(self.pull_sink.jobs.values()):
+            self.results.fail(job.spec.req_id, job.spec.local_ids, why,
+                              safe=job.handle is None, transfer_id=job.spec.transfer_id)
+        for w in list(self.push_sink.waits.values()):
+            self.results.fail(w.spec.req_id, w.spec.local_ids, why, safe=False,
+                              transfer_id=w.spec.transfer_id)
+        for st in list(self.pull_source.staged.values()):
+            self.results.sent(st.plan.req_id)
+        for out in list(self.push_source.outs.values()):
+            if out.plan is not None and out.final and not out.handles:
+                self.results.sent(out.plan.req_id)
+

@@ -1,0 +1,601 @@
+"""Push: P writes the KV into blocks D registered. Both halves run on the transfer loop's thread.
+
+The protocol (every step is serialised by the loop that owns the transfer, so "cancel" and
+"post" cannot race):
+
+1. D → P ``PushRegister`` on D's own connection to the address it dialled. P answers at once
+   (``Ack``: registered, or refused with a reason) and keeps the request open: the *final*
+   answer, ``PushResult``, comes on the same request when every WRITE has stopped. D trusts
+   that answer because it arrives on the connection D opened to the engine it handshook.
+2. P dials the control address D registered (handshaking it if needed, identity checked) and
+   asks ``PushConfirm``: D answers ok only for a registration it made and has not cancelled.
+   Only then may P write, and from then on D keeps its blocks until the ``PushResult``
+   arrives or P is proven gone (new generation, connection refused, or silent for a lease).
+3. When P's KV is ready (after the forward, or per layer; on a GPU, once its fence says the
+   kernels finished) and D confirmed, P posts the WRITEs; when all have stopped it sends the
+   ``PushResult`` with the byte count (and a checksum when either side asks for one), which D
+   checks against what it expected.
+
+A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
+``PushResult`` follows when the WRITEs stopped. Registrations are bounded per connection and in
+total; one that P cannot serve (prefill aborted, never ready, mismatch) is failed at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvbridge.control import RequestContext
+from kvbridge.errors import KVBridgeError
+from kvbridge.layout import descriptor_pair
+from kvbridge.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    ErrorKind,
+    Message,
+    PushConfirm,
+    PushRegister,
+    PushResult,
+)
+from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.pull import SendPlan
+from kvbridge.transport import HandleState, Op, TransferHandle
+
+if TYPE_CHECKING:
+    from kvbridge.scheduling.loop import TransferLoop
+
+__all__ = ["Fence", "PushSpec", "PushSource", "PushSink"]
+
+log = logging.getLogger("kvbridge.push")
+
+
+class Fence(Protocol):
+    """Device work a WRITE must wait for (a CUDA event recorded after the KV writes).
+
+    ``ready()`` must not block; the loop polls it until True. On CPU there is no fence.
+    """
+
+    def ready(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """D: ask the engine at ``peer_address`` to write the prompt's blocks from ``skip_blocks``
+    on into ``local_ids``."""
+
+    req_id: str
+    transfer_id: str
+    peer_address: str
+    local_ids: tuple[int, ...]
+    skip_blocks: int = 0
+    num_tokens: int = 0
+    prompt_digest: str = ""
+    peer_generation: str = ANY_GENERATION
+
+
+class _Stage(enum.Enum):
+    WAITING = "waiting"  # for the registration, the KV, or D's confirmation
+    CONFIRMING = "confirming"
+    CONFIRMED = "confirmed"
+    ENDED = "ended"
+
+
+@dataclass
+class _Out:
+    tid: str
+    plan: SendPlan | None = None
+    final: bool = False  # the whole prompt's KV is written
+    fences: list[tuple[list[int], Fence | None]] = field(default_factory=list)
+    reg: PushRegister | None = None
+    ctx: RequestContext | None = None
+    peer: Peer | None = None
+    stage: _Stage = _Stage.WAITING
+    posted: set[int] = field(default_factory=set)
+    handles: list[TransferHandle] = field(default_factory=list)
+    nbytes: int = 0
+    error: str | None = None
+    timed_out: bool = False
+
+
+class PushSource:
+    """P side of pushes (see the module docstring)."""
+
+    def __init__(self, core: TransferLoop) -> None:
+        self.core = core
+        self.outs: dict[str, _Out] = {}
+        self._regs_by_conn: dict[bytes, int] = {}
+        self._announced: dict[str, None] = {}  # bounded, oldest first
+
+    def __len__(self) -> int:
+        return len(self.outs)
+
+    def writing(self) -> bool:
+        return any(o.handles or o.fences for o in self.outs.values())
+
+    # -- events from the connector ------------------------------------------------------------
+
+    def ready(self, plan: SendPlan, fence: Fence | None, layer: str | None = None) -> None:
+        """P's KV of ``plan`` is written (``layer``: only that layer's, layer-wise push)."""
+        core, tid = self.core, plan.transfer_id
+        why = core.ended.get(tid)
+        if why is not None:
+            if layer is None:
+                core.results.sent(plan.req_id)
+            return
+        out = self.outs.get(tid)
+        if out is None:
+            out = self.outs[tid] = _Out(tid)
+        if layer is None:
+            out.final = True
+        if out.plan is None:
+            out.plan = plan
+            problem = self._mismatch(out)
+            if problem is not None:
+                self._finish(out, problem)
+                return
+        planes = (list(range(len(core.layout.planes))) if layer is None
+                  else core.layout.plane_indices(layer))
+        out.fences.append((planes, fence))
+        if layer is None:
+            if out.reg is None:
+                core.timers.set(("ready", tid), core.config.lease_s, lambda: self._unclaimed(tid))
+        self._advance(out)
+
+    def announce(self, tid: str) -> None:
+        """The prefill request of ``tid`` arrived: its registration may wait the full time."""
+        self._announced[tid] = None
+        while len(self._announced) > self.core.config.max_pending * 4:
+            self._announced.pop(next(iter(self._announced)))
+        out = self.outs.get(tid)
+        if out is not None and out.reg is not None and not out.final:
+            self.core.timers.set(("register", tid), self.core.config.push_timeout_s,
+                                 lambda: self._never_ready(tid))
+
+    def cancel_send(self, tid: str, reason: str) -> None:
+        """P's request ended before its KV was handed over."""
+        self.core.ended.record(tid, reason)
+        out = self.outs.get(tid)
+        if out is not None and not out.handles:
+            self._finish(out, reason)
+
+    # -- control messages ------------------------------------------------------------------
+
+    def on_register(self, ctx: RequestContext, msg: PushRegister) -> Message | None:
+        core, tid, cfg = self.core, msg.transfer_id, self.core.config
+        if msg.generation not in (ANY_GENERATION, core.generation):
+            return Ack(ok=False, kind=ErrorKind.STALE_GENERATION,
+                       error=f"this engine is generation {core.generation}; the registration "
+                             f"names {msg.generation} (it restarted)")
+        why = core.ended.get(tid)
+        if why is not None:
+            return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
+                       error=f"transfer {tid} already ended: {why}")
+        out = self.outs.get(tid)
+        if out is not None and out.reg is not None:
+            core.stats["forged_register"] += 1
+            return Ack(ok=False, kind=ErrorKind.FORBIDDEN, error=f"{tid} is already registered")
+        if msg.layout_fingerprint != core.info.layout_fingerprint:
+            return Ack(ok=False, kind=ErrorKind.MISMATCH,
+                       error="decode's KV layout differs from this engine's")
+        if self._regs_by_conn.get(ctx.conn, 0) >= cfg.max_pending_per_peer or \
+                sum(self._regs_by_conn.values()) >= cfg.max_pending:
+            core.stats["register_refused_busy"] += 1
+            return Ack(ok=False, kind=ErrorKind.BUSY, error="too many pending registrations")
+        if out is None:
+            out = self.outs[tid] = _Out(tid)
+        out.reg, out.ctx = msg, ctx
+        self._regs_by_conn[ctx.conn] = self._regs_by_conn.get(ctx.conn, 0) + 1
+        core.timers.cancel(("ready", tid))
+        wait = cfg.push_timeout_s if tid in self._announced else min(cfg.push_timeout_s,
+                                                                     cfg.prefill_wait_s)
+        core.timers.set(("register", tid), wait, lambda: self._never_ready(tid))
+        core.stats["push_registrations"] += 1
+        problem = self._mismatch(out)
+        if problem is not None:
+            self._finish(out, problem, answer=False)
+            return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
+        core.server.reply(ctx, Ack())
+        out.stage = _Stage.CONFIRMING
+        core.peers.ensure(msg.control_address, msg.sender_generation,
+                          lambda result: self._dialled(out, result))
+        return None
+
+    def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
+        out = self.outs.get(msg.transfer_id)
+        if out is None:
+            return None
+        if out.ctx is not None and out.ctx.conn != ctx.conn:
+            self.core.stats["forged_cancel"] += 1
+            return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
+                       error=f"{msg.transfer_id} was registered by another connection")
+        self.core.stats["push_cancelled"] += 1
+        reason = f"cancelled by decode: {msg.reason}"
+        self.core.ended.record(msg.transfer_id, reason)
+        if out.handles:
+            out.error = out.error or reason
+            return CancelReply(safe=False)
+        self._finish(out, reason, answer=False)
+        return CancelReply(safe=True)
+
+    def renew(self, tid: str) -> bool:
+        out = self.outs.get(tid)
+        if out is None:
+            return False
+        if ("ready", tid) in self.core.timers:
+            self.core.timers.set(("ready", tid), self.core.config.lease_s,
+                                 lambda: self._unclaimed(tid))
+        return True
+
+    # -- the state machine -------------------------------------------------------------------
+
+    def _mismatch(self, out: _Out) -> str | None:
+        plan, reg = out.plan, out.reg
+        if plan is None or reg is None:
+            return None
+        if reg.num_tokens != plan.num_tokens:
+            return f"prefill computed {plan.num_tokens} tokens, decode expects {reg.num_tokens}"
+        if reg.prompt_digest != plan.prompt_digest:
+            return "decode's prompt differs from the prompt prefilled here"
+        if reg.skip_blocks + len(reg.block_ids) != len(plan.block_ids):
+            return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
+                    f"prompt has {len(plan.block_ids)}")
+        return None
+
+    def _dialled(self, out: _Out, result: Peer | KVBridgeError) -> None:
+        if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:
+            return
+        assert out.reg is not None
+        if isinstance(result, KVBridgeError):
+            self._finish(out, f"cannot reach the registering decode engine: {result}")
+            return
+        if result.info.engine_id != out.reg.engine_id:
+            self.core.stats["forged_register"] += 1
+            self._finish(out, f"{out.reg.control_address} is engine {result.info.engine_id}, "
+                              f"not {out.reg.engine_id}")
+            return
+        out.peer = result
+        confirm = PushConfirm(transfer_id=out.tid, generation=out.reg.sender_generation,
+                              block_ids=list(out.reg.block_ids))
+        self.core.rpc.call(result.address, confirm, self.core.config.control_timeout_s,
+                           lambda reply: self._confirmed(out, reply))
+
+    def _confirmed(self, out: _Out, reply: Message | KVBridgeError) -> bool:
+        if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:
+            return False
+        if not (isinstance(reply, Ack) and reply.ok):
+            why = reply.error if isinstance(reply, Ack) else str(reply)
+            self.core.stats["confirm_refused"] += 1
+            self._finish(out, f"decode did not confirm the registration: {why}")
+            return False
+        out.stage = _Stage.CONFIRMED
+        self._advance(out)
+        return False
+
+    def _advance(self, out: _Out) -> None:
+        """Post every WRITE whose KV is ready and fence passed, once D confirmed."""
+        if out.stage is not _Stage.CONFIRMED or out.error is not None or out.plan is None:
+            return
+        assert out.reg is not None and out.peer is not None
+        core = self.core
+        still: list[tuple[list[int], Fence | None]] = []
+        for planes, fence in out.fences:
+            if fence is not None and not fence.ready():
+                still.append((planes, fence))
+                continue
+            todo = [i for i in planes if i not in out.posted]
+            if not todo or not out.reg.block_ids:
+                continue
+            out.posted.update(todo)
+            src = out.plan.block_ids[out.reg.skip_blocks:]
+            try:
+                local, remote = descriptor_pair(core.layout.select(todo), src,
+                                                out.peer.layout.select(todo), out.reg.block_ids)
+                handle = core.transport.submit(Op.WRITE, out.peer.name, local, remote)
+            except KVBridgeError as exc:
+                out.error = f"cannot post the WRITE: {exc}"
+                break
+            core.watch_handle(handle)
+            out.handles.append(handle)
+            out.nbytes += int(local[:, 1].sum())
+            core.mark(out.tid, "write_posted")
+            if len(out.handles) == 1:
+                core.timers.set(("write", out.tid), core.config.transfer_timeout_s,
+                                lambda: self._write_timeout(out))
+        out.fences = still
+        self.poll_one(out)
+
+    def poll(self) -> None:
+        for out in list(self.outs.values()):
+            if out.fences and out.stage is _Stage.CONFIRMED:
+                self._advance(out)
+            elif out.handles:
+                self.poll_one(out)
+
+    def poll_one(self, out: _Out) -> None:
+        if self.outs.get(out.tid) is not out:
+            return
+        for handle in out.handles:
+            if self.core.transport.poll(handle) is HandleState.PENDING:
+                return
+        for handle in out.handles:
+            if handle.state is HandleState.FAILED and out.error is None:
+                out.error = f"WRITE failed: {handle.error or 'transport error'}"
+        if out.error is None and not (out.final and not out.fences):
+            return  # more layers to come
+        if out.error is None and out.stage is not _Stage.CONFIRMED:
+            return
+        self._finish(out, out.error)
+
+    def _write_timeout(self, out: _Out) -> None:
+        if self.outs.get(out.tid) is out and out.handles:
+            out.timed_out = True
+            out.error = out.error or (f"WRITE did not finish within "
+                                      f"{self.core.config.transfer_timeout_s} s")
+            self.core.stats["transfer_timeout"] += 1
+            log.warning("push %s: %s (waiting for it to stop before answering)", out.tid,
+                        out.error)
+
+    def _unclaimed(self, tid: str) -> None:
+        out = self.outs.get(tid)
+        if out is not None and out.reg is None:
+            self.core.stats["lease_expired"] += 1
+            log.warning("push %s: no decode registered within the lease; blocks released", tid)
+            self._finish(out, "lease expired (decode never registered)")
+
+    def _never_ready(self, tid: str) -> None:
+        out = self.outs.get(tid)
+        if out is not None and not out.final and not out.handles:
+            self.core.stats["registration_expired"] += 1
+            self._finish(out, "prefill never became ready" if tid in self._announced
+                         else "this prefill engine never received the request's prefill leg")
+
+    def _finish(self, out: _Out, error: str | None, *, answer: bool = True) -> None:
+        """End ``out``: every handle has stopped (or none was posted)."""
+        core = self.core
+        if self.outs.get(out.tid) is not out:
+            return
+        del self.outs[out.tid]
+        self._announced.pop(out.tid, None)
+        for key in ("ready", "register", "write"):
+            core.timers.cancel((key, out.tid))
+        if out.ctx is not None:
+            n = self._regs_by_conn.get(out.ctx.conn, 1) - 1
+            if n > 0:
+                self._regs_by_conn[out.ctx.conn] = n
+            else:
+                self._regs_by_conn.pop(out.ctx.conn, None)
+        if error is None:
+            core.mark(out.tid, "write_done")
+            core.stats["push_sent"] += 1
+            core.stats["push_bytes"] += out.nbytes
+            if len(out.handles) > 1:
+                core.stats["push_layerwise"] += 1
+        else:
+            core.stats["push_failed"] += 1
+            log.warning("push %s failed: %s", out.tid, error)
+        core.ended.record(out.tid, "done" if error is None else f"failed: {error}")
+        if answer and out.ctx is not None:
+            result = PushResult(transfer_id=out.tid, ok=error is None, nbytes=out.nbytes,
+                                error=error)
+            if error is None and out.plan is not None and out.reg is not None and (
+                    core.config.checksum or (out.peer is not None and out.peer.info.checksum)):
+                src = out.plan.block_ids[out.reg.skip_blocks:]
+                result = PushResult(transfer_id=out.tid, ok=True, nbytes=out.nbytes,
+                                    checksum=core.digest(src))
+            core.server.reply(out.ctx, result)
+        if out.plan is not None and out.final:
+            core.results.sent(out.plan.req_id)
+
+    def close(self) -> None:
+        for out in list(self.outs.values()):
+            if not out.handles:
+                self._finish(out, "engine shutting down")
+
+
+class _Wait(enum.Enum):
+    DIALING = "dialing"
+    REGISTERING = "registering"
+    CONFIRMED = "confirmed"
+    CANCELLING = "cancelling"
+
+
+@dataclass
+class _In:
+    spec: PushSpec
+    state: _Wait = _Wait.DIALING
+    peer: Peer | None = None
+    call: int | None = None
+    failure: str | None = None  # reported; blocks held until P's answer or P gone
+
+
+class PushSink:
+    """D side of pushes (see the module docstring)."""
+
+    def __init__(self, core: TransferLoop) -> None:
+        self.core = core
+        self.waits: dict[str, _In] = {}
+
+    def __len__(self) -> int:
+        return len(self.waits)
+
+    def expect(self, spec: PushSpec) -> None:
+        core, tid = self.core, spec.transfer_id
+        if tid in self.waits:
+            core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is already awaited",
+                              safe=True)
+            return
+        w = self.waits[tid] = _In(spec)
+        core.heartbeats.watch(tid, spec.peer_address, spec.peer_generation)
+        core.mark(tid, "recv_start")
+        core.timers.set(("push", tid), core.config.push_timeout_s, lambda: self._timed_out(w))
+        core.peers.ensure(spec.peer_address, spec.peer_generation,
+                          lambda result: self._handshaken(w, result))
+
+    def _live(self, w: _In) -> bool:
+        return self.waits.get(w.spec.transfer_id) is w and w.failure is None
+
+    def _handshaken(self, w: _In, result: Peer | KVBridgeError) -> None:
+        if not self._live(w):
+            return
+        if isinstance(result, KVBridgeError):
+            self._fail(w, f"cannot reach prefill {w.spec.peer_address}: {result}", safe=True)
+            return
+        w.peer, w.state = result, _Wait.REGISTERING
+        core, s = self.core, w.spec
+        reg = PushRegister(
+            transfer_id=s.transfer_id, generation=result.info.generation,
+            engine_id=core.engine_id, sender_generation=core.generation,
+            control_address=core.control_address, block_ids=list(s.local_ids),
+            skip_blocks=s.skip_blocks, num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
+            layout_fingerprint=core.info.layout_fingerprint)
+        w.call = core.rpc.call(s.peer_address, reg, core.config.control_timeout_s,
+                               lambda reply: self._answer(w, reply))
+        core.stats["push_registered"] += 1
+
+    def _answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
+        """The registration's answers: first an Ack, finally a PushResult."""
+        if self.waits.get(w.spec.transfer_id) is not w:
+            return False
+        if isinstance(reply, Ack):
+            if reply.ok:
+                return True  # registered; the PushResult follows on this call
+            self._fail(w, f"prefill refused the registration: {reply.error}", safe=True,
+                       cancel=False)
+            return False
+        if isinstance(reply, PushResult):
+            self._result(w, reply)
+            return False
+        if isinstance(reply, KVBridgeError):
+            # No answer at all: P never saw it, or is gone; it cannot have written unconfirmed.
+            safe = w.state is not _Wait.CONFIRMED
+            self._fail(w, f"no answer to the registration: {reply}", safe=safe)
+            return False
+        self._fail(w, f"unexpected answer {type(reply).__name__} to a registration",
+                   safe=w.state is not _Wait.CONFIRMED)
+        return False
+
+    def _result(self, w: _In, msg: PushResult) -> None:
+        core, s = self.core, w.spec
+        if w.failure is not None:  # we gave up earlier; now every WRITE has stopped
+            self._forget(w)
+            core.results.release(s.req_id)
+            return
+        if not msg.ok:
+            self._fail(w, f"prefill failed the push: {msg.error}", safe=True, cancel=False)
+            return
+        expected = core.layout.bytes_per_block * len(s.local_ids)
+        problem = None
+        if w.state is not _Wait.CONFIRMED and s.local_ids:
+            problem = "prefill reported a write this engine never confirmed"
+        elif msg.nbytes != expected:
+            problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
+        elif msg.checksum is None and core.config.checksum:
+            problem = "this engine verifies checksums; the push carried none"
+        elif msg.checksum is not None and msg.checksum != core.digest(s.local_ids):
+            core.stats["checksum_mismatch"] += 1
+            problem = "checksum mismatch: bytes changed in transit"
+        if problem is not None:
+            self._fail(w, problem, safe=True, cancel=False)
+            return
+        self._forget(w)
+        core.stats["push_received_bytes"] += msg.nbytes
+        core.results.received(s.req_id, s.transfer_id)
+
+    def on_confirm(self, ctx: RequestContext, msg: PushConfirm) -> Message:
+        core = self.core
+        w = self.waits.get(msg.transfer_id)
+        if w is None or not self._live(w) or w.state not in (_Wait.REGISTERING,
+                                                             _Wait.CONFIRMED):
+            core.stats["confirm_refused"] += 1
+            return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
+                       error=f"no registration of {msg.transfer_id} is waiting here")
+        if msg.generation != core.generation or tuple(msg.block_ids) != w.spec.local_ids:
+            core.stats["confirm_refused"] += 1
+            return Ack(ok=False, kind=ErrorKind.MISMATCH,
+                       error="the confirmation does not match this engine's registration")
+        w.state = _Wait.CONFIRMED
+        return Ack()
+
+    def _timed_out(self, w: _In) -> None:
+        if self._live(w):
+            self.core.stats["push_timeout"] += 1
+            self._give_up(w, f"no push within {self.core.config.push_timeout_s} s")
+
+    def cancel(self, tid: str, reason: str) -> bool:
+        w = self.waits.get(tid)
+        if w is None:
+            return False
+        if w.failure is None:
+            self._give_up(w, reason)
+        return True
+
+    def _give_up(self, w: _In, reason: str) -> None:
+        """D stops waiting; its blocks are safe now unless P may already write them."""
+        if w.state is not _Wait.CONFIRMED:
+            self._fail(w, reason, safe=True)
+            return
+        w.state = _Wait.CANCELLING
+        self._fail(w, reason, safe=False, cancel=False)
+        self.core.rpc.call(w.spec.peer_address,
+                           Cancel(transfer_id=w.spec.transfer_id, reason=reason[:4000]),
+                           self.core.config.control_timeout_s,
+                           lambda reply: self._cancel_answer(w, reply))
+
+    def _cancel_answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
+        if self.waits.get(w.spec.transfer_id) is not w:
+            return False
+        if isinstance(reply, CancelReply) and reply.safe:
+            self._release(w)
+        # not safe: P's PushResult follows on the registration; no answer: P's heartbeats
+        # decide (gone -> released after the grace period).
+        return False
+
+    def peer_gone(self, address: str, why: str) -> None:
+        for w in list(self.waits.values()):
+            if w.spec.peer_address != address:
+                continue
+            if w.failure is None:
+                self._fail(w, f"prefill {address} is gone: {why}",
+                           safe=w.state is not _Wait.CONFIRMED, cancel=False)
+            if self.waits.get(w.spec.transfer_id) is w:
+                self._release_later(w)
+
+    def transfers_unknown(self, address: str, tids: list[str]) -> None:
+        for tid in tids:
+            w = self.waits.get(tid)
+            if w is not None and w.failure is None and w.state is _Wait.CONFIRMED:
+                self._fail(w, "prefill no longer holds this push", safe=False, cancel=False)
+                self._release_later(w)
+
+    def _release_later(self, w: _In) -> None:
+        """P may have posted WRITEs before it died: give the blocks back after the grace."""
+        self.core.timers.set(("gone", w.spec.transfer_id), self.core.config.gone_grace_s,
+                             lambda: self._release(w))
+
+    def _fail(self, w: _In, why: str, *, safe: bool, cancel: bool = True) -> None:
+        core, s = self.core, w.spec
+        if cancel and w.state is not _Wait.DIALING:
+            core.cancel_remote(s.peer_address, s.transfer_id, why)
+        w.failure = why
+        core.results.fail(s.req_id, s.local_ids, why, safe=safe, transfer_id=s.transfer_id)
+        if safe:
+            self._forget(w)
+
+    def _release(self, w: _In) -> None:
+        if self.waits.get(w.spec.transfer_id) is w:
+            self._forget(w)
+            self.core.results.release(w.spec.req_id)
+
+    def _forget(self, w: _In) -> None:
+        s = w.spec
+        if self.waits.get(s.transfer_id) is w:
+            del self.waits[s.transfer_id]
+        if w.call is not None:
+            self.core.rpc.cancel(w.call)
+        for key in ("push", "gone"):
+            self.core.timers.cancel((key, s.transfer_id))
+        self.core.heartbeats.unwatch(s.transfer_id, s.peer_address)

@@ -1,0 +1,27 @@
+"""Shared fixtures: a prefill and a decode transfer loop in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvbridge.testing.agents import LocalAgent
+from kvbridge.testing.handoffs import FAST
+
+
+@pytest.fixture
+def local_pd(request: pytest.FixtureRequest) -> Iterator[tuple[LocalAgent, LocalAgent]]:
+    """A prefill and a decode loop in this process over the ``memory`` transport."""
+    extra: dict[str, Any] = dict(FAST)
+    extra.update(getattr(request, "param", {}) or {})
+    p = LocalAgent("prefill", extra=extra)
+    d = LocalAgent("decode", extra=extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        yield p, d
+    finally:
+        p.close()
+        d.close()

@@ -618,7 +618,7 @@ def test_descriptor_lengths_that_overflow_are_refused(shm: ShmTransport) -> None
     low = min(src.ctypes.data, dst.ctypes.data)
     wrap = 2**63 - low + 8  # low + wrap (and anything above) overflows to a negative end
     for op in (Op.WRITE, Op.READ):
-        with pytest.raises(DescriptorError, match="above 2\\*\\*62|past the end of the address space"):
+        with pytest.raises(DescriptorError, match="above 2..62|past the end of the address"):
             shm.submit(op, name, np.array([[src.ctypes.data, wrap, 0]]),
                        np.array([[dst.ctypes.data, wrap, 0]]))
     with pytest.raises(DescriptorError):

@@ -19,9 +19,7 @@ still write are then never given back (a leak is logged; a corruption would not 
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -30,144 +28,30 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from kvbridge import registry
 from kvbridge.config import Config
-from kvbridge.control import ControlServer, RequestContext, RpcClient
+from kvbridge.control import ControlServer, RpcClient
 from kvbridge.layout import KVLayout
 from kvbridge.messages import (
-    Ack,
     Cancel,
-    CancelReply,
     Codec,
-    ErrorKind,
-    Heartbeat,
-    HeartbeatReply,
-    Hello,
-    HelloReply,
-    Message,
-    PullClaim,
-    PullDone,
-    PushConfirm,
-    PushRegister,
-    StatsQuery,
-    StatsReply,
-    TransferQuery,
-    TransferReply,
 )
+from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
-from kvbridge.scheduling.push import Fence, PushSink, PushSource, PushSpec
+from kvbridge.scheduling.push import Fence, PushSource, PushSpec
+from kvbridge.scheduling.push_wait import PushSink
+from kvbridge.scheduling.results import Outcomes, ResultBox, Results, digest
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport
 
 __all__ = ["TransferLoop", "Results", "SendPlan", "PullSpec", "PushSpec"]
 
 log = logging.getLogger("kvbridge.loop")
-
-
-@dataclass
-class Results:
-    """What finished since the last :meth:`TransferLoop.drain`.
-
-    ``finished_recving`` lists receives whose blocks are safe to reuse (succeeded, or failed
-    with nothing left in flight; the failed ones are also in ``failed_recving``).
-    ``invalid_blocks`` are blocks of receives that failed while a transfer into them may still
-    land: vLLM fails (or recomputes) those requests now, and their ids reach
-    ``finished_recving`` only once the transfer has stopped.
-    """
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    failed_recving: set[str] = field(default_factory=set)
-    invalid_blocks: set[int] = field(default_factory=set)
-
-    def __bool__(self) -> bool:
-        return bool(self.finished_sending or self.finished_recving or self.invalid_blocks)
-
-
-class Outcomes:
-    """How recent transfers ended (transfer_id → text), bounded; loop thread only."""
-
-    def __init__(self, capacity: int = 16384) -> None:
-        self.capacity = capacity
-        self._items: collections.OrderedDict[str, str] = collections.OrderedDict()
-
-    def record(self, tid: str, outcome: str) -> None:
-        self._items[tid] = outcome[:4000]
-        self._items.move_to_end(tid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, tid: str) -> str | None:
-        return self._items.get(tid)
-
-
-class _ResultBox:
-    """Results under a lock, written by the loop thread, drained by the connector."""
-
-    def __init__(self, core: TransferLoop) -> None:
-        self._core = core
-        self._lock = threading.Lock()
-        self._results = Results()
-        self._failed_unsafe: set[str] = set()
-
-    def sent(self, req_id: str) -> None:
-        with self._lock:
-            self._results.finished_sending.add(req_id)
-        self._core.wake_caller()
-
-    def received(self, req_id: str, tid: str) -> None:
-        core = self._core
-        core.stats["recv_ok"] += 1
-        core.ended.record(tid, "done")
-        core.mark(tid, "recv_done")
-        with self._lock:
-            self._results.finished_recving.add(req_id)
-        core.wake_caller()
-
-    def fail(self, req_id: str, local_ids: Sequence[int], why: str, *, safe: bool,
-             transfer_id: str = "") -> None:
-        core = self._core
-        core.stats["recv_failed"] += 1
-        if transfer_id:
-            core.ended.record(transfer_id, f"failed: {why}")
-            core.mark(transfer_id, "recv_failed")
-        log.warning("receive %s (%s) failed: %s%s", transfer_id, req_id, why,
-                    "" if safe else " (blocks held until the transfer stops)")
-        with self._lock:
-            if safe:
-                self._results.finished_recving.add(req_id)
-                self._results.failed_recving.add(req_id)
-            else:
-                self._results.invalid_blocks.update(local_ids)
-                self._failed_unsafe.add(req_id)
-        core.wake_caller()
-
-    def release(self, req_id: str) -> None:
-        """A receive that failed unsafely: its transfer has stopped now."""
-        with self._lock:
-            self._failed_unsafe.discard(req_id)
-            self._results.finished_recving.add(req_id)
-            self._results.failed_recving.add(req_id)
-        self._core.wake_caller()
-
-    def drain(self) -> Results:
-        with self._lock:
-            out, self._results = self._results, Results()
-        return out
-
-
-def _digest(layout: KVLayout, block_ids: Sequence[int]) -> str:
-    """blake2b over the bytes of ``block_ids`` in descriptor order (checksum mode)."""
-    h = hashlib.blake2b(digest_size=16)
-    for addr, length, _dev in layout.descriptors(block_ids).tolist():
-        h.update(ctypes.string_at(addr, length))
-    return h.hexdigest()
 
 
 class TransferLoop(PeerEvents):
@@ -205,9 +89,9 @@ class TransferLoop(PeerEvents):
             checksum=config.checksum)
         self.stats: Counter[str] = Counter()
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
-        self._timing_lock = threading.Lock()
+        self.timing_lock = threading.Lock()
         self.ended = Outcomes()
-        self.results = _ResultBox(self)
+        self.results = ResultBox(self)
         self.timers = Timers()
         self._poller = zmq.Poller()
         self._poller.register(self.server.socket, zmq.POLLIN)
@@ -328,7 +212,7 @@ class TransferLoop(PeerEvents):
 
     def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
         """Record a timing event (wall clock) for a transfer; keeps the last 1024."""
-        with self._timing_lock:
+        with self.timing_lock:
             entry = self.timings.setdefault(transfer_id, {})
             entry.setdefault(event, time.time() if when is None else when)
             self.timings.move_to_end(transfer_id)
@@ -342,10 +226,10 @@ class TransferLoop(PeerEvents):
     def snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
         """Counters and pending count, read on the loop thread."""
         if self.dead or not self._thread.is_alive():
-            return {"stats": dict(self.stats), "pending": self._pending()}
+            return {"stats": dict(self.stats), "pending": self.pending()}
         fut: Future[dict[str, Any]] = Future()
         self.submit(lambda: fut.set_result({"stats": dict(self.stats),
-                                            "pending": self._pending()}))
+                                            "pending": self.pending()}))
         return fut.result(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -395,13 +279,13 @@ class TransferLoop(PeerEvents):
                       self.config.control_timeout_s, lambda reply: False)
 
     def digest(self, block_ids: Sequence[int]) -> str:
-        return _digest(self.layout, block_ids)
+        return digest(self.layout, block_ids)
 
     def _cancel_recv(self, tid: str, reason: str) -> None:
         if not (self.pull_sink.cancel(tid, reason) or self.push_sink.cancel(tid, reason)):
             self.stats["cancel_unknown"] += 1
 
-    def _pending(self) -> int:
+    def pending(self) -> int:
         return (len(self.pull_source) + len(self.pull_sink) + len(self.push_source)
                 + len(self.push_sink))
 
@@ -419,67 +303,6 @@ class TransferLoop(PeerEvents):
     def transfers_unknown(self, address: str, transfer_ids: list[str]) -> None:
         self.pull_sink.transfers_unknown(address, transfer_ids)
         self.push_sink.transfers_unknown(address, transfer_ids)
-
-    # -- control messages ----------------------------------------------------------------------
-
-    def _on_message(self, ctx: RequestContext, msg: Message) -> Message | None:
-        if isinstance(msg, PullClaim):
-            return self.pull_source.on_claim(ctx, msg)
-        if isinstance(msg, PullDone):
-            return self.pull_source.on_done(ctx, msg)
-        if isinstance(msg, PushRegister):
-            return self.push_source.on_register(ctx, msg)
-        if isinstance(msg, PushConfirm):
-            return self.push_sink.on_confirm(ctx, msg)
-        if isinstance(msg, Heartbeat):
-            return self._on_heartbeat(ctx, msg)
-        if isinstance(msg, Cancel):
-            reply = self.pull_source.on_cancel(ctx, msg) or self.push_source.on_cancel(ctx, msg)
-            if reply is None:  # not here (yet): a later stage or ready releases at once
-                self.ended.record(msg.transfer_id, f"cancelled by decode: {msg.reason}")
-                reply = CancelReply(safe=True)
-            return reply
-        if isinstance(msg, Hello):
-            self.stats["hello_answered"] += 1
-            return HelloReply(info=self.info)
-        if isinstance(msg, StatsQuery):
-            with self._timing_lock:
-                timings = {k: dict(v) for k, v in self.timings.items()}
-            return StatsReply(engine_id=self.engine_id, generation=self.generation,
-                              stats=dict(self.stats), pending=self._pending(), timings=timings,
-                              held=self._held())
-        if isinstance(msg, TransferQuery):
-            outcomes = {t: o for t in msg.transfer_ids if (o := self._outcome(t)) is not None}
-            return TransferReply(outcomes=outcomes)
-        return Ack(ok=False, kind=ErrorKind.MALFORMED,
-                   error=f"unexpected message {type(msg).__name__}")
-
-    def _on_heartbeat(self, ctx: RequestContext, msg: Heartbeat) -> Message:
-        if msg.generation not in (ANY_GENERATION, self.generation):
-            return HeartbeatReply(generation=self.generation, unknown=list(msg.transfer_ids))
-        unknown = [t for t in msg.transfer_ids
-                   if not (self.pull_source.renew(ctx, t) or self.push_source.renew(t))]
-        return HeartbeatReply(generation=self.generation, unknown=unknown)
-
-    def _outcome(self, tid: str) -> str | None:
-        ended = self.ended.get(tid)
-        if ended is not None:
-            return ended
-        for name, table in (("staged", self.pull_source.staged), ("pulling", self.pull_sink.jobs),
-                            ("pushing", self.push_source.outs),
-                            ("awaiting push", self.push_sink.waits)):
-            if tid in table:
-                return f"in progress: {name}"
-        return None
-
-    def _held(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for name, table in (("staged", self.pull_source.staged), ("pulling", self.pull_sink.jobs),
-                            ("pushing", self.push_source.outs),
-                            ("awaiting_push", self.push_sink.waits)):
-            if table:
-                out[name] = list(table)[:16]
-        return out
 
     # -- the reactor ---------------------------------------------------------------------------
 
@@ -531,7 +354,7 @@ class TransferLoop(PeerEvents):
         for sock in ready:
             if sock is self.server.socket:
                 for ctx, msg in self.server.receive():
-                    reply = self._guard(self._on_message, ctx, msg)
+                    reply = self._guard(answer, self, ctx, msg)
                     if reply is not None:
                         self.server.reply(ctx, reply)
             elif sock == self._wake_r:

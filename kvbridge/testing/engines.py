@@ -86,7 +86,13 @@ _DEFAULT_ENV = {
 
 
 class EngineError(KVBridgeError):
-    """A vLLM engine did not start, died, or answered a request with an error."""
+    """A vLLM engine did not start, died, or answered a request with an error (``status``: the
+    HTTP status when it answered, ``body``: the start of its answer)."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -448,7 +454,8 @@ def _post(
         return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:
         detail = e.read()[:2000].decode("utf-8", "replace")
-        raise EngineError(f"POST {req.full_url} -> HTTP {e.code}: {detail}") from e
+        raise EngineError(f"POST {req.full_url} -> HTTP {e.code}: {detail}", e.code,
+                          detail) from e
     except (urllib.error.URLError, OSError) as e:
         raise EngineError(f"POST {req.full_url} failed: {e}") from e
 

@@ -1,0 +1,99 @@
+"""The transfer loop's answers to control requests: which state machine a message is for.
+
+Every handler runs on the loop thread; a handler returns the reply, or None when it answers
+later (a claim held until its stage, a registration whose final answer comes with the WRITE).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbridge.control import RequestContext
+from kvbridge.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    ErrorKind,
+    Heartbeat,
+    HeartbeatReply,
+    Hello,
+    HelloReply,
+    Message,
+    PullClaim,
+    PullDone,
+    PushConfirm,
+    PushRegister,
+    StatsQuery,
+    StatsReply,
+    TransferQuery,
+    TransferReply,
+)
+from kvbridge.scheduling.peers import ANY_GENERATION
+
+if TYPE_CHECKING:
+    from kvbridge.scheduling.loop import TransferLoop
+
+__all__ = ["answer", "outcome", "held"]
+
+
+def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | None:
+    """The reply to one control request (None: answered later, or not at all)."""
+    if isinstance(msg, PullClaim):
+        return core.pull_source.on_claim(ctx, msg)
+    if isinstance(msg, PullDone):
+        return core.pull_source.on_done(ctx, msg)
+    if isinstance(msg, PushRegister):
+        return core.push_source.on_register(ctx, msg)
+    if isinstance(msg, PushConfirm):
+        return core.push_sink.on_confirm(ctx, msg)
+    if isinstance(msg, Heartbeat):
+        return _heartbeat(core, ctx, msg)
+    if isinstance(msg, Cancel):
+        reply = core.pull_source.on_cancel(ctx, msg) or core.push_source.on_cancel(ctx, msg)
+        if reply is None:  # not here (yet): a later stage or ready releases at once
+            core.ended.record(msg.transfer_id, f"cancelled by decode: {msg.reason}")
+            reply = CancelReply(safe=True)
+        return reply
+    if isinstance(msg, Hello):
+        core.stats["hello_answered"] += 1
+        return HelloReply(info=core.info)
+    if isinstance(msg, StatsQuery):
+        with core.timing_lock:
+            timings = {k: dict(v) for k, v in core.timings.items()}
+        return StatsReply(engine_id=core.engine_id, generation=core.generation,
+                          stats=dict(core.stats), pending=core.pending(), timings=timings,
+                          held=held(core))
+    if isinstance(msg, TransferQuery):
+        outcomes = {t: o for t in msg.transfer_ids if (o := outcome(core, t)) is not None}
+        return TransferReply(outcomes=outcomes)
+    return Ack(ok=False, kind=ErrorKind.MALFORMED,
+               error=f"unexpected message {type(msg).__name__}")
+
+def _heartbeat(core: TransferLoop, ctx: RequestContext, msg: Heartbeat) -> Message:
+    if msg.generation not in (ANY_GENERATION, core.generation):
+        return HeartbeatReply(generation=core.generation, unknown=list(msg.transfer_ids))
+    unknown = [t for t in msg.transfer_ids
+               if not (core.pull_source.renew(ctx, t) or core.push_source.renew(t))]
+    return HeartbeatReply(generation=core.generation, unknown=unknown)
+
+def outcome(core: TransferLoop, tid: str) -> str | None:
+    """How ``tid`` ended, or what it is doing now; None if this rank does not know it."""
+    ended = core.ended.get(tid)
+    if ended is not None:
+        return ended
+    for name, table in (("staged", core.pull_source.staged), ("pulling", core.pull_sink.jobs),
+                        ("pushing", core.push_source.outs),
+                        ("awaiting push", core.push_sink.waits)):
+        if tid in table:
+            return f"in progress: {name}"
+    return None
+
+def held(core: TransferLoop) -> dict[str, list[str]]:
+    """A few transfer ids of each kind this rank holds (for ``kvbridge stats``)."""
+    out: dict[str, list[str]] = {}
+    for name, table in (("staged", core.pull_source.staged), ("pulling", core.pull_sink.jobs),
+                        ("pushing", core.push_source.outs),
+                        ("awaiting_push", core.push_sink.waits)):
+        if table:
+            out[name] = list(table)[:16]
+    return out

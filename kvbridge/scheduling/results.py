@@ -1,0 +1,126 @@
+"""What the transfer loop tells vLLM: finished sends and receives, failures, outcomes.
+
+:class:`_ResultBox` is written by the loop thread and drained by the connector (a lock guards
+the hand-over). :class:`Outcomes` remembers how recent transfers ended, for refusals ("already
+ended: …") and for :class:`~kvbridge.messages.TransferQuery` (why did my request fail?).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbridge.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvbridge.scheduling.loop import TransferLoop
+
+__all__ = ["Results", "Outcomes", "ResultBox", "digest"]
+
+log = logging.getLogger("kvbridge.loop")
+
+
+@dataclass
+class Results:
+    """What finished since the last :meth:`TransferLoop.drain`.
+
+    ``finished_recving`` lists receives whose blocks are safe to reuse (succeeded, or failed
+    with nothing left in flight; the failed ones are also in ``failed_recving``).
+    ``invalid_blocks`` are blocks of receives that failed while a transfer into them may still
+    land: vLLM fails (or recomputes) those requests now, and their ids reach
+    ``finished_recving`` only once the transfer has stopped.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_blocks: set[int] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.invalid_blocks)
+
+
+class Outcomes:
+    """How recent transfers ended (transfer_id → text), bounded; loop thread only."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def record(self, tid: str, outcome: str) -> None:
+        self._items[tid] = outcome[:4000]
+        self._items.move_to_end(tid)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, tid: str) -> str | None:
+        return self._items.get(tid)
+
+
+class ResultBox:
+    """Results under a lock, written by the loop thread, drained by the connector."""
+
+    def __init__(self, core: TransferLoop) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._results = Results()
+        self._failed_unsafe: set[str] = set()
+
+    def sent(self, req_id: str) -> None:
+        with self._lock:
+            self._results.finished_sending.add(req_id)
+        self._core.wake_caller()
+
+    def received(self, req_id: str, tid: str) -> None:
+        core = self._core
+        core.stats["recv_ok"] += 1
+        core.ended.record(tid, "done")
+        core.mark(tid, "recv_done")
+        with self._lock:
+            self._results.finished_recving.add(req_id)
+        core.wake_caller()
+
+    def fail(self, req_id: str, local_ids: Sequence[int], why: str, *, safe: bool,
+             transfer_id: str = "") -> None:
+        core = self._core
+        core.stats["recv_failed"] += 1
+        if transfer_id:
+            core.ended.record(transfer_id, f"failed: {why}")
+            core.mark(transfer_id, "recv_failed")
+        log.warning("receive %s (%s) failed: %s%s", transfer_id, req_id, why,
+                    "" if safe else " (blocks held until the transfer stops)")
+        with self._lock:
+            if safe:
+                self._results.finished_recving.add(req_id)
+                self._results.failed_recving.add(req_id)
+            else:
+                self._results.invalid_blocks.update(local_ids)
+                self._failed_unsafe.add(req_id)
+        core.wake_caller()
+
+    def release(self, req_id: str) -> None:
+        """A receive that failed unsafely: its transfer has stopped now."""
+        with self._lock:
+            self._failed_unsafe.discard(req_id)
+            self._results.finished_recving.add(req_id)
+            self._results.failed_recving.add(req_id)
+        self._core.wake_caller()
+
+    def drain(self) -> Results:
+        with self._lock:
+            out, self._results = self._results, Results()
+        return out
+
+
+def digest(layout: KVLayout, block_ids: Sequence[int]) -> str:
+    """blake2b over the bytes of ``block_ids`` in descriptor order (checksum mode)."""
+    h = hashlib.blake2b(digest_size=16)
+    for addr, length, _dev in layout.descriptors(block_ids).tolist():
+        h.update(ctypes.string_at(addr, length))
+    return h.hexdigest()

@@ -1,0 +1,304 @@
+"""Faults on real vLLM engines (core v2, items 1–5): hostile requests, forged hand-offs, engines
+killed and restarted under load. One P and one D over ``shm`` (the semantics tested here live
+in the core, not in a transport), with the HTTP guard in front of each engine.
+
+Every test ends with the same three checks the fault matrix (docs/operations.md) promises:
+no engine crashed (both still serve), no wrong output (every answer that is HTTP 200 equals
+the single-engine reference), and no blocks still held one lease later.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvbridge.control import ControlClient
+from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
+from kvbridge.testing.engines import (
+    EngineError,
+    VllmServer,
+    complete,
+    free_port,
+    output_token_ids,
+    start_servers,
+)
+from kvbridge.testing.proxies import ProxyThread
+from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+MAX_TOKENS = 8
+LEASE_S = 6.0
+GREEDY = {"ignore_eos": True}
+
+
+def _connector(role: str, engine_id: str, port: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVBridgeConnector", "kv_role": role, "engine_id": engine_id,
+        "kv_connector_extra_config": {
+            "backend": "shm", "lease_s": LEASE_S, "heartbeat_s": 1, "push_timeout_s": 30,
+            "prefill_wait_s": 3, "control_timeout_s": 5, "side_channel_port": port},
+    }
+
+
+@dataclass
+class Cluster:
+    model: str
+    logs: Any
+    p_http: int
+    d_http: int
+    p_ctl_port: int
+    d_ctl_port: int
+    p: VllmServer | None = None
+    d: VllmServer | None = None
+    proxies: ProxyThread | None = None
+    refs: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    @property
+    def p_ctl(self) -> str:
+        return f"tcp://127.0.0.1:{self.p_ctl_port}"
+
+    @property
+    def d_ctl(self) -> str:
+        return f"tcp://127.0.0.1:{self.d_ctl_port}"
+
+    def engine(self, role: str) -> VllmServer:
+        env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"}
+        if role == "prefill":
+            kv = _connector("kv_producer", "faults-P", self.p_ctl_port)
+            port, cpu = self.p_http, "0"
+        else:
+            kv = _connector("kv_consumer", "faults-D", self.d_ctl_port)
+            port, cpu = self.d_http, "1"
+        return VllmServer(self.model, name=role, port=port, kv_transfer_config=kv, cpu_bind=cpu,
+                          env=env, extra_args=["--block-size", "32"],
+                          log_path=self.logs / f"{role}-{time.monotonic_ns()}.log")
+
+    def stats(self, address: str) -> StatsReply:
+        client = ControlClient(Codec(), 30.0)
+        try:
+            reply = client.request(address, StatsQuery())
+        finally:
+            client.close()
+        assert isinstance(reply, StatsReply)
+        return reply
+
+    def outcome(self, address: str, tid: str) -> str | None:
+        client = ControlClient(Codec(), 10.0)
+        try:
+            reply = client.request(address, TransferQuery(transfer_ids=[tid]))
+        finally:
+            client.close()
+        assert isinstance(reply, TransferReply)
+        return reply.outcomes.get(tid)
+
+    def reference(self, prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self.refs:
+            assert self.d is not None
+            out = output_token_ids(complete(self.d.url, prompt, MAX_TOKENS, extra=GREEDY))
+            assert out is not None
+            self.refs[key] = out
+        return self.refs[key]
+
+    def wait_idle(self, address: str, timeout: float = LEASE_S + 20) -> int:
+        deadline = time.monotonic() + timeout
+        pending = self.stats(address).pending
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.5)
+            pending = self.stats(address).pending
+        return pending
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(str(build_tiny_model()), tmp_path_factory.mktemp("faults"), free_port(),
+                free_port(), free_port(), free_port())
+    try:
+        c.p, c.d = c.engine("prefill"), c.engine("decode")
+        start_servers([c.p, c.d], timeout=600)
+        c.proxies = ProxyThread([c.p.url], [c.d.url], push_headroom=8).start()
+        yield c
+    finally:
+        if c.proxies is not None:
+            c.proxies.close()
+        for e in (c.p, c.d):
+            if e is not None:
+                e.stop()
+
+
+def _post(url: str, prompt: list[int], params: dict[str, Any] | None = None,
+          max_tokens: int = MAX_TOKENS, **extra: Any) -> tuple[int, Any]:
+    """(status, token ids or error text) of one completion."""
+    try:
+        resp = complete(url, prompt, max_tokens, params, extra={**GREEDY, **extra}, timeout=120)
+    except EngineError as exc:
+        return exc.status or 0, exc.body or str(exc)
+    return 200, output_token_ids(resp)
+
+
+def _healthy(c: Cluster, seed: int) -> None:
+    """The three closing checks: both engines serve, hand-offs are right, nothing is held."""
+    assert c.proxies is not None
+    prompt = random_prompts(1, 120, seed=seed)[0]
+    for mode in ("pull", "push"):
+        status, out = _post(c.proxies.urls[mode], prompt)
+        assert status == 200 and out == c.reference(prompt), (mode, status, out)
+    assert c.wait_idle(c.p_ctl) == 0
+    assert c.wait_idle(c.d_ctl) == 0
+
+
+BAD_PARAMS = [
+    ({"do_remote_prefill": True, "remote_block_ids": "abc"}, "remote_block_ids"),
+    ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "port"},
+     "remote_port"),
+    ({"do_remote_prefill": True, "remote_engine_id": 5}, "remote_engine_id"),
+    ({"do_remote_prefill": True, "transfer_mode": "sideways"}, "transfer_mode"),
+    ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+      "remote_block_ids": list(range(200000))}, "remote_block_ids"),
+]
+
+
+def test_malformed_params_straight_to_decode_are_400_naming_the_key(cluster: Cluster) -> None:
+    """Item 1: these used to kill D's EngineCore."""
+    assert cluster.d is not None
+    prompt = random_prompts(1, 100, seed=1)[0]
+    for params, key in BAD_PARAMS:
+        status, body = _post(cluster.d.url, prompt, params)
+        assert status == 400, (params, status, body)
+        assert key in str(body)
+    _healthy(cluster, 2)
+
+
+def test_malformed_requests_through_the_proxy_are_400(cluster: Cluster) -> None:
+    """Item 15: batched prompts and n > 1 would share one hand-off."""
+    assert cluster.proxies is not None
+    url = cluster.proxies.urls["push"]
+    prompt = random_prompts(2, 40, seed=3)
+    for extra, key in (({"n": 2}, "n"), ({"kv_transfer_params": {"x": 1}}, "kv_transfer_params")):
+        status, body = _post(url, prompt[0], **extra)
+        assert status == 400 and key in str(body), (extra, status, body)
+    try:
+        complete(url, prompt, 4, extra=GREEDY)  # type: ignore[arg-type]
+        raise AssertionError("a batched prompt was accepted")
+    except EngineError as exc:
+        assert exc.status == 400 and "prompt" in exc.body
+
+
+def test_forged_hand_offs_never_produce_wrong_tokens(cluster: Cluster) -> None:
+    """Item 2: D reads only blocks P leased to that transfer, for that prompt."""
+    assert cluster.p is not None and cluster.d is not None
+    a, b = random_prompts(2, 150, seed=5)
+    ref_b = cluster.reference(b)
+    pa = complete(cluster.p.url, a, 1, {"do_remote_decode": True, "transfer_id": "forge-a"})
+    pb = complete(cluster.p.url, b, 1, {"do_remote_decode": True, "transfer_id": "forge-b"})
+    params_a, params_b = pa["kv_transfer_params"], pb["kv_transfer_params"]
+    forged = [
+        {**params_b, "remote_block_ids": params_a["remote_block_ids"]},  # another's blocks
+        {**params_b, "transfer_id": "forge-a"},  # another's transfer for our prompt
+        {**params_b, "transfer_id": "never-staged"},  # a transfer P never leased
+        {**params_b, "remote_block_ids": list(range(len(params_b["remote_block_ids"])))},
+    ]
+    for params in forged:
+        status, out = _post(cluster.d.url, b, params)
+        assert status != 200 or out == ref_b, (params, status, out)  # never 200 + wrong tokens
+    # the rightful decodes still get their KV, and nothing stays pinned
+    status, out = _post(cluster.d.url, b, params_b)
+    assert status == 200 and out == ref_b
+    _post(cluster.d.url, a, params_a)
+    _healthy(cluster, 6)
+
+
+def test_decode_leg_for_another_prompt_is_prefilled_locally(cluster: Cluster) -> None:
+    """D checks remote_num_tokens and tp_size against its own request: a mismatch is computed
+    here (correct tokens, a WARNING and a counter), never loaded."""
+    assert cluster.p is not None and cluster.d is not None
+    a = random_prompts(1, 150, seed=7)[0]
+    b = random_prompts(1, 140, seed=8)[0]  # same block count (5), other length
+    pa = complete(cluster.p.url, a, 1, {"do_remote_decode": True, "transfer_id": "local-a"})
+    params = pa["kv_transfer_params"]
+    before = cluster.stats(cluster.d_ctl).stats.get("params_rejected", 0)
+    for bad in (params, {**params, "tp_size": 2}):
+        status, out = _post(cluster.d.url, b, bad)
+        assert status == 200 and out == cluster.reference(b)
+    after = cluster.stats(cluster.d_ctl).stats.get("params_rejected", 0)
+    assert after - before == 2
+    _post(cluster.d.url, a, params)  # hand it over so P releases
+    _healthy(cluster, 9)
+
+
+def test_a_push_whose_prefill_leg_never_comes_fails_soon_and_says_why(cluster: Cluster) -> None:
+    """Item 5: it took the full 120 s; now P tells D within prefill_wait_s (3 s here)."""
+    assert cluster.d is not None and cluster.p is not None
+    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
+    params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "orphan-d",
+              **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port",
+                                       "kvbridge_generation", "kvbridge_peers")}}
+    t0 = time.monotonic()
+    status, _ = _post(cluster.d.url, random_prompts(1, 100, seed=10)[0], params)
+    assert status >= 500 and time.monotonic() - t0 < 20
+    why = cluster.outcome(cluster.d_ctl, "orphan-d") or ""
+    assert "never received" in why, why
+    _healthy(cluster, 11)
+
+
+def test_client_disconnect_mid_request_releases_everything(cluster: Cluster) -> None:
+    """Clients that hang up (1 s timeout, 200 tokens to decode): the proxy closes both legs,
+    vLLM aborts, and every pinned or registered block comes back."""
+    assert cluster.proxies is not None
+    prompts = random_prompts(4, 300, seed=12)
+
+    def impatient(url: str, prompt: list[int]) -> None:
+        try:
+            complete(url, prompt, 200, extra=GREEDY, timeout=1.0)
+        except EngineError:
+            pass
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(impatient, [cluster.proxies.urls[m] for m in ("push", "pull") * 2], prompts))
+    _healthy(cluster, 13)
+
+
+def test_prefill_killed_under_push_load_then_restarted(cluster: Cluster) -> None:
+    """Items 3 and 4: D holds nothing after P died, and a restarted P (new generation, same
+    address) is recognised: the first push after the restart neither hangs nor fails."""
+    assert cluster.p is not None and cluster.proxies is not None
+    prompts = random_prompts(6, 200, seed=14)
+    with cf.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(_post, cluster.proxies.urls["push"], p, None, 32) for p in prompts]
+        time.sleep(1.0)
+        cluster.p.stop(grace=0)  # SIGKILL mid-load
+        results = [f.result(timeout=120) for f in futs]
+    for prompt, (status, out) in zip(prompts, results, strict=True):
+        assert status != 200 or out == cluster.reference(prompt)
+    assert cluster.wait_idle(cluster.d_ctl) == 0  # no request deferred, no blocks held
+    assert cluster.d is not None
+    alone = random_prompts(1, 50, seed=15)[0]
+    assert _post(cluster.d.url, alone) == (200, cluster.reference(alone))  # D still serves
+    cluster.p = cluster.engine("prefill")
+    start_servers([cluster.p], timeout=600)
+    t0 = time.monotonic()
+    prompt = random_prompts(1, 120, seed=16)[0]
+    status, out = _post(cluster.proxies.urls["push"], prompt)
+    assert status == 200 and out == cluster.reference(prompt)
+    assert time.monotonic() - t0 < 15, "the first push after a restart took too long"
+    _healthy(cluster, 17)
+
+
+def test_decode_restarted_at_the_same_address(cluster: Cluster) -> None:
+    """Item 4: P notices D's new generation at once (its registration names it)."""
+    assert cluster.d is not None and cluster.proxies is not None
+    cluster.d.stop(grace=0)
+    cluster.d = cluster.engine("decode")
+    start_servers([cluster.d], timeout=600)
+    t0 = time.monotonic()
+    prompt = random_prompts(1, 120, seed=18)[0]
+    status, out = _post(cluster.proxies.urls["push"], prompt)
+    assert status == 200 and out == cluster.reference(prompt)
+    assert time.monotonic() - t0 < 15
+    _healthy(cluster, 19)

@@ -60,8 +60,14 @@ def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | N
     if isinstance(msg, StatsQuery):
         with core.timing_lock:
             timings = {k: dict(v) for k, v in core.timings.items()}
+        stats = dict(core.stats)
+        for key, value in (("control_dropped_auth", core.server.dropped_auth),
+                           ("control_dropped_malformed", core.server.dropped_malformed),
+                           ("peers", len(core.peers)), ("heartbeat_targets", len(core.heartbeats))):
+            if value:
+                stats[key] = value
         return StatsReply(engine_id=core.engine_id, generation=core.generation,
-                          stats=dict(core.stats), pending=core.pending(), timings=timings,
+                          stats=stats, pending=core.pending(), timings=timings,
                           held=held(core))
     if isinstance(msg, TransferQuery):
         outcomes = {t: o for t in msg.transfer_ids if (o := outcome(core, t)) is not None}

@@ -114,6 +114,7 @@ class TransferLoop(PeerEvents):
             collections.deque())
         self._wake_cb: Callable[[], None] | None = None
         self._in_flight: set[TransferHandle] = set()
+        self._fenced = False  # a confirmed push waits for its device fence
         self._poll_delay = 5e-5
         self._stopping = False
         self.dead: str | None = None
@@ -266,6 +267,11 @@ class TransferLoop(PeerEvents):
         self._poll_delay = 5e-5
         handle.add_done_callback(self._wake)
 
+    def fence_pending(self) -> None:
+        """A push waits for a device fence: poll until it passes."""
+        self._fenced = True
+        self._poll_delay = 5e-5
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\1")
@@ -327,7 +333,7 @@ class TransferLoop(PeerEvents):
         deadlines = [d for d in (self.timers.next_deadline(), self.rpc.next_deadline())
                      if d is not None]
         wait = max(0.0, min(deadlines) - now) if deadlines else 1.0
-        if self._in_flight:
+        if self._in_flight or self._fenced:
             wait = min(wait, self._poll_delay)
         return wait * 1000.0
 
@@ -377,8 +383,10 @@ class TransferLoop(PeerEvents):
                 self._poll_delay = 5e-5
             else:
                 self._poll_delay = min(self._poll_delay * 2, 2e-3)
-        elif self.push_source.writing():
-            self._guard(self.push_source.poll)  # fences to recheck
+        if self._fenced:
+            self._guard(self.push_source.poll)  # device fences to recheck
+            self._fenced = bool(self._guard(self.push_source.fenced))
+            self._poll_delay = min(self._poll_delay * 2, 2e-3)
         self._guard(self.rpc.expire)
         for fn in self.timers.due():
             self._guard(fn)

@@ -114,8 +114,9 @@ class PushSource:
     def __len__(self) -> int:
         return len(self.outs)
 
-    def writing(self) -> bool:
-        return any(o.handles or o.fences for o in self.outs.values())
+    def fenced(self) -> bool:
+        """Some push waits for a device fence (the loop keeps polling while so)."""
+        return any(any(f is not None for _, f in o.fences) for o in self.outs.values())
 
     # -- events from the connector ------------------------------------------------------------
 
@@ -141,6 +142,8 @@ class PushSource:
         planes = (list(range(len(core.layout.planes))) if layer is None
                   else core.layout.plane_indices(layer))
         out.fences.append((planes, fence))
+        if fence is not None:
+            core.fence_pending()
         if layer is None:
             if out.reg is None:
                 core.timers.set(("ready", tid), core.config.lease_s, lambda: self._unclaimed(tid))
@@ -179,6 +182,9 @@ class PushSource:
         if out is not None and out.reg is not None:
             core.stats["forged_register"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN, error=f"{tid} is already registered")
+        if tid in core.pull_source.staged:
+            return Ack(ok=False, kind=ErrorKind.MISMATCH,
+                       error=f"this prefill engine holds {tid} for a pull, not a push")
         if msg.layout_fingerprint != core.info.layout_fingerprint:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error="decode's KV layout differs from this engine's")

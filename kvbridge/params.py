@@ -51,16 +51,16 @@ MAX_BLOCK_IDS = 1 << 17
 #: Largest tensor-parallel size accepted on the wire.
 MAX_TP = 1024
 
-_PRINTABLE = r"^[!-~]+$"  # printable ASCII, no spaces: engine ids, request ids, generations
+_PRINTABLE = r"^[!-~]+\Z"  # printable ASCII, no spaces: engine ids, request ids, generations
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_PRINTABLE)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=_PRINTABLE)]
 Host = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:%_\[\]-]+$")
+    str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:%_\[\]-]+\Z")
 ]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Address = Annotated[
     str,
-    msgspec.Meta(max_length=300, pattern=r"^tcp://[A-Za-z0-9.:%_\[\]-]+:[0-9]{1,5}$"),
+    msgspec.Meta(max_length=300, pattern=r"^tcp://[A-Za-z0-9.:%_\[\]-]+:[0-9]{1,5}\Z"),
 ]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
@@ -122,7 +122,9 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.kvbridge_peers:
             return self.kvbridge_peers[rank] if rank < len(self.kvbridge_peers) else None
         if rank == 0 and self.remote_host and self.remote_port:
-            host = f"[{self.remote_host}]" if ":" in self.remote_host else self.remote_host
+            host = self.remote_host
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"
             return PeerRef(f"tcp://{host}:{self.remote_port}", self.kvbridge_generation or "*")
         return None
 
@@ -139,6 +141,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise ParamsError("kv_transfer_params.tp_size",
                               f"prefill runs tensor-parallel {self.tp_size}, this engine "
                               f"{tp_size}: heterogeneous TP is not supported yet")
+        if tp_size > 1 and self.kvbridge_peers is None:
+            raise ParamsError("kv_transfer_params.kvbridge_peers",
+                              f"a tensor-parallel ({tp_size}) decode leg needs every rank's "
+                              "address (send P's answer unchanged)")
         if self.kvbridge_peers is not None and len(self.kvbridge_peers) != tp_size:
             raise ParamsError("kv_transfer_params.kvbridge_peers",
                               f"names {len(self.kvbridge_peers)} ranks, tp_size is {tp_size}")
@@ -189,7 +195,7 @@ def parse(raw: Any) -> TransferParams:
         match = _PATH.search(text)
         key = match.group(1).split("[", 1)[0] if match else ""
         where = f"kv_transfer_params.{key}" if key else "kv_transfer_params"
-        raise ParamsError(where, _PATH.sub("", text)) from None
+        raise ParamsError(where, _PATH.sub("", text)[:500]) from None
     except (RecursionError, TypeError, ValueError, OverflowError) as exc:
         raise ParamsError("kv_transfer_params", f"unreadable: {type(exc).__name__}") from None
 

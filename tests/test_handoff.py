@@ -423,9 +423,6 @@ def test_non_object_params_are_served_locally(raw: Any) -> None:
     _nothing_handed_off(book.take_plan(), 1)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: finished() answers kvbridge_error for every refused "
-                   "request (the book drops the params when it refuses, so 'raw_send' is always "
-                   "true), also for decode legs and non-object params")
 @pytest.mark.parametrize("raw", [
     _pull_leg("t-1", remote_port="port"),
     _pull_leg("t-1", transfer_mode="sideways"),
@@ -571,9 +568,6 @@ def test_decode_leg_whose_peers_do_not_match_the_engine_tp_is_served_locally() -
     assert book.matched_tokens("d1", 40, 0) == (0, False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a tensor-parallel decode leg naming only "
-                   "remote_host/remote_port passes check_decode_leg, so rank 1 has no peer and "
-                   "fails its receive at run time instead of the request being served locally")
 def test_tensor_parallel_decode_leg_needs_every_ranks_address() -> None:
     book = _book("decode-0", tp=2)
     book.on_new_request("d1", _pull_leg(tp_size=2), PROMPT)

@@ -431,9 +431,6 @@ def test_book_plans_drive_a_hand_off_end_to_end(local_pd: PD, mode: str) -> None
     assert p_book.transfer_done("p") == "e2e"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a receive whose planning failed on D is failed "
-                   "locally only; nothing tells P, which keeps the blocks pinned until its lease "
-                   "runs out (rule: every failure is sent to the other side)")
 def test_a_planning_failure_on_decode_releases_the_prefill(local_pd: PD) -> None:
     p, d = local_pd
     p.stage(send("p", "t", [1, 2, 3], prompt=tokens(3)[:40]))

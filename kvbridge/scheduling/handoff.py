@@ -137,8 +137,10 @@ class HandoffBook:
     def _refuse(self, req_id: str, raw: Any, err: ParamsError) -> _Request:
         self.stats["params_rejected"] += 1
         log.warning("request %s: %s; served without a hand-off (its prompt is computed here)",
-                    req_id, err)
-        return _Request(None, err)
+                    req_id, str(err)[:600])
+        # a prefill leg answers why, so the router can tell its client
+        send = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
+        return _Request(None, err, send=send)
 
     def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None) -> None:
         """Parse the request's ``kv_transfer_params`` (once)."""
@@ -258,8 +260,7 @@ class HandoffBook:
         if req.transfer_id and self._active_tids.get(req.transfer_id) == req_id:
             del self._active_tids[req.transfer_id]
         if req.error is not None:
-            raw_send = req.params is None or req.params.do_remote_decode
-            return False, ({"kvbridge_error": str(req.error)[:2000]} if raw_send else None)
+            return False, ({"kvbridge_error": str(req.error)[:2000]} if req.send else None)
         params = req.params
         assert params is not None
         if params.kvbridge_probe:

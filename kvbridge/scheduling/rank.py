@@ -68,6 +68,8 @@ class RankSide:
             if order.error is not None or ref is None:
                 why = order.error or f"no prefill address for tensor-parallel rank {self.rank}"
                 loop.fail_recv(order.req_id, order.transfer_id, order.local_ids, why)
+                if ref is not None:  # every failure is sent to the other side
+                    loop.release_remote(ref.address, order.transfer_id, why)
             elif order.mode is TransferMode.PUSH:
                 loop.expect_push(PushSpec(order.req_id, order.transfer_id, ref.address,
                                           order.local_ids, order.skip_blocks, order.num_tokens,

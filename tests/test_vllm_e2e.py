@@ -198,22 +198,6 @@ def test_partial_prefix_hit_on_decode_moves_only_missing_blocks(cluster: Cluster
         assert 0 < moved < full, (mode, moved, full)
 
 
-def test_negative_control_wrong_kv_changes_output(cluster: Cluster) -> None:
-    """Point D at another prompt's blocks: the comparison must notice (the test has teeth)."""
-    a, b = random_prompts(2, 150, seed=51)
-    ref_b = cluster.reference(b)
-    pa = complete(cluster.p.url, a, 1, {"do_remote_decode": True, "transfer_id": "neg-a"})
-    pb = complete(cluster.p.url, b, 1, {"do_remote_decode": True, "transfer_id": "neg-b"})
-    wrong = dict(pb["kv_transfer_params"])
-    wrong["remote_block_ids"] = pa["kv_transfer_params"]["remote_block_ids"]
-    wrong["transfer_id"] = "neg-a"
-    out = output_token_ids(complete(cluster.d.url, b, MAX_TOKENS, wrong, extra=_GREEDY))
-    assert out != ref_b
-    # Hand over neg-b as well so P releases it (D's prefix cache now holds the wrong KV for b,
-    # so this output is not checked; every other test uses fresh prompts).
-    complete(cluster.d.url, b, 1, pb["kv_transfer_params"])
-
-
 def test_push_whose_decode_never_arrives_is_released_after_lease(cluster: Cluster) -> None:
     prompt = random_prompts(1, 120, seed=61)[0]
     _wait_idle(cluster, cluster.p_ctl)

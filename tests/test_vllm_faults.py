@@ -302,3 +302,29 @@ def test_decode_restarted_at_the_same_address(cluster: Cluster) -> None:
     assert status == 200 and out == cluster.reference(prompt)
     assert time.monotonic() - t0 < 15
     _healthy(cluster, 19)
+
+
+def test_negative_control_kv_from_other_weights_changes_output(cluster: Cluster) -> None:
+    """The comparison has teeth: KV computed by a prefill engine with other weights (same
+    architecture, so every compatibility check passes) must change D's output. If D silently
+    recomputed instead of using the KV it received, this would fail."""
+    assert cluster.d is not None
+    port, ctl = free_port(), free_port()
+    other = VllmServer(str(build_tiny_model(seed=1)), name="prefill-other", port=port,
+                       kv_transfer_config=_connector("kv_producer", "faults-P2", ctl),
+                       cpu_bind="0", env={"VLLM_TARGET_DEVICE": "cpu",
+                                          "KVBRIDGE_ENGINE_SPIN_MS": "2"},
+                       extra_args=["--block-size", "32"],
+                       log_path=cluster.logs / "prefill-other.log")
+    try:
+        start_servers([other], timeout=600)
+        prompt = random_prompts(1, 150, seed=20)[0]
+        answer = complete(other.url, prompt, 1, {"do_remote_decode": True,
+                                                 "transfer_id": "other-weights"})
+        before = cluster.stats(cluster.d_ctl).stats.get("recv_ok", 0)
+        status, out = _post(cluster.d.url, prompt, answer["kv_transfer_params"])
+        assert status == 200
+        assert cluster.stats(cluster.d_ctl).stats.get("recv_ok", 0) == before + 1  # KV moved
+        assert out != cluster.reference(prompt)  # ... and it was used
+    finally:
+        other.stop()

@@ -95,22 +95,33 @@ def add_stats_parser(subparsers: Any) -> None:
         "counters, the transfers it still tracks and recent per-transfer timings.",
     )
     p.add_argument("address", help="control address, tcp://HOST:PORT or HOST:PORT")
-    p.add_argument("--secret", default=None, help="shared secret, if the engines use one")
+    p.add_argument("--secret", default=None,
+                   help="shared secret of the engines (default: $KVBRIDGE_SECRET)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.add_argument("--timings", action="store_true", help="also print per-transfer timings")
+    p.add_argument("--transfer", action="append", default=[], metavar="TRANSFER_ID",
+                   help="also say how this transfer ended or what it is doing (repeatable): "
+                   "the answer to 'why did my request fail?'")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_stats)
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    import os
+
     from kvbridge.control import ControlClient
     from kvbridge.errors import MessageError
-    from kvbridge.messages import Codec, StatsQuery, StatsReply
+    from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 
     address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
-    client = ControlClient(Codec(args.secret), args.timeout)
+    client = ControlClient(Codec(args.secret or os.environ.get("KVBRIDGE_SECRET")), args.timeout)
+    outcomes: dict[str, str] = {}
     try:
         reply = client.request(address, StatsQuery())
+        if args.transfer:
+            answer = client.request(address, TransferQuery(transfer_ids=list(args.transfer)))
+            if isinstance(answer, TransferReply):
+                outcomes = dict(answer.outcomes)
     finally:
         client.close()
     if not isinstance(reply, StatsReply):
@@ -118,12 +129,20 @@ def run_stats(args: argparse.Namespace) -> int:
                            f"({getattr(reply, 'error', '')})")
     if args.json:
         print_json({"engine_id": reply.engine_id, "generation": reply.generation,
-                    "pending": reply.pending, "stats": reply.stats,
-                    **({"timings": reply.timings} if args.timings else {})})
+                    "pending": reply.pending, "stats": reply.stats, "held": reply.held,
+                    **({"timings": reply.timings} if args.timings else {}),
+                    **({"transfers": {t: outcomes.get(t) for t in args.transfer}}
+                       if args.transfer else {})})
         return 0
     print(f"engine {reply.engine_id} generation {reply.generation}: "
           f"{reply.pending} transfer(s) pending")
     print_table(["counter", "value"], sorted(reply.stats.items()))
+    if reply.held:
+        print_table(["held", "transfer ids (first 16)"],
+                    [(k, " ".join(v)) for k, v in sorted(reply.held.items())])
+    if args.transfer:
+        print_table(["transfer_id", "outcome"],
+                    [(t, outcomes.get(t, "not known here")) for t in args.transfer])
     if args.timings and reply.timings:
         events = sorted({e for t in reply.timings.values() for e in t})
         rows = [(tid, *(f"{t[e]:.6f}" if e in t else "" for e in events))

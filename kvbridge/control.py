@@ -143,7 +143,10 @@ class ControlServer:
                 msg = self._codec.decode(frames[2], request_context(ctx.rid))
             except MessageError as exc:
                 if isinstance(exc, AuthError) or self._codec.authenticated:
-                    self.dropped_auth += 1
+                    if isinstance(exc, AuthError):
+                        self.dropped_auth += 1
+                    else:  # authenticated, yet not a message we know: a peer's bug
+                        self.dropped_malformed += 1
                     self._warn("dropping a control request: %s", exc)
                     continue
                 self.dropped_malformed += 1

@@ -84,6 +84,8 @@ def test_layout_mismatch_is_named() -> None:
         p.stage(send("p", "t7", [1]))
         d.pull(pull("d", "t7", p, [1], [1]))
         assert d.drain({"d"})["results"]["failed_recving"] == {"d"}
+        why = d.outcome("t7") or ""
+        assert "bytes per block" in why and "layer.0" in why, why
     finally:
         p.close()
         d.close()
@@ -150,3 +152,25 @@ def test_a_claim_that_overtakes_the_stage_is_held_until_it(
     rp = p.drain({"p"}, timeout=5)
     assert rp["results"]["finished_sending"] == {"p"}
     assert rp["stats"].get("lease_expired", 0) == 0
+
+
+def test_checksum_is_negotiated_when_only_one_side_asks_for_it() -> None:
+    """A flipped byte is caught even if only the decode side enables checksums: P learns it at
+    the handshake and must send a digest (a result without one is refused)."""
+    p = AgentProcess("prefill", SHAPE, EXTRA, faults={"corrupt": {1}})
+    # faults={} wraps D's transport without faults (both sides must name the same backend)
+    d = AgentProcess("decode", SHAPE, {**EXTRA, "checksum": True}, faults={})
+    try:
+        p.fill(1)
+        d.expect(expect("d", "n1", p, [10, 11]))
+        p.ready(send("p", "n1", [1, 2]))
+        rd = d.drain({"d"})
+        assert rd["results"]["failed_recving"] == {"d"}
+        assert rd["stats"]["checksum_mismatch"] == 1
+        d.expect(expect("d2", "n2", p, [12, 13]))  # the next, clean one passes
+        p.ready(send("p2", "n2", [3, 4]))
+        assert d.drain({"d2"})["results"]["failed_recving"] == set()
+        np.testing.assert_array_equal(d.blocks([12, 13]), p.blocks([3, 4]))
+    finally:
+        p.close()
+        d.close()

@@ -25,6 +25,7 @@ from kvbridge.messages import (
     HeartbeatReply,
     Hello,
     HelloReply,
+    PullClaim,
     PullDone,
     PushRegister,
     PushResult,
@@ -467,13 +468,23 @@ def test_forged_done_from_another_connection_is_refused(local_pd: PD) -> None:
     assert p.loop.snapshot()["stats"].get("forged_done", 0) == 1
 
 
-def test_done_from_the_claimant_with_a_wrong_byte_count_releases_and_fails(local_pd: PD) -> None:
-    p, d = local_pd
+def test_done_from_the_claimant_with_a_wrong_byte_count_releases_and_fails(
+        local_pd: PD) -> None:
+    p, _ = local_pd
     p.stage(send("p", "t", [1, 2]))
-    d.pull(pull("d", "t", p, [3, 4], [1, 2]))
-    assert d.drain({"d"})["results"]["failed_recving"] == set()
+    c = _client()  # one connection: it claims, then reports a wrong byte count
+    try:
+        claim = c.request(p.address, PullClaim(
+            transfer_id="t", generation=p.generation, block_ids=[1, 2], num_tokens=32,
+            prompt_digest=prompt_digest(tokens(2))))
+        assert isinstance(claim, Ack) and claim.ok
+        done = c.request(p.address, PullDone(transfer_id="t", nbytes=12345))
+        assert isinstance(done, Ack) and done.kind is ErrorKind.MISMATCH
+    finally:
+        c.close()
     rp = p.drain({"p"})
-    assert rp["pending"] == 0  # nothing stays pinned
+    assert rp["results"]["finished_sending"] == {"p"} and rp["pending"] == 0  # not pinned
+    assert (p.outcome("t") or "").startswith("failed")
 
 
 # -- item 10 and 12: failures are failures; nothing hangs ------------------------------------
@@ -496,6 +507,25 @@ def test_a_write_that_cannot_be_posted_is_a_failure_not_a_success() -> None:
         rd = d.drain({"d"})
         assert rd["results"]["failed_recving"] == {"d"}
         assert rd["stats"].get("push_received_bytes", 0) == 0
+        assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_stuck_write_is_a_failure_and_d_keeps_its_blocks_until_it_stopped() -> None:
+    p, slow = _slow_prefill({"transfer_timeout_s": 0.5})
+    d = LocalAgent("decode", extra=FAST)
+    try:
+        d.expect(expect("d", "t", p, [5, 6]))
+        p.ready(send("p", "t", [1, 2]))
+        time.sleep(1.5)  # the WRITE is posted and stuck past transfer_timeout_s
+        assert p.loop.snapshot()["stats"]["transfer_timeout"] == 1
+        rd = d.drain({"d"}, timeout=0.5)
+        assert "d" not in rd["results"]["finished_recving"]  # no answer while it may land
+        slow.release()  # the WRITE stops: P answers, a timeout is a failure
+        rd = d.drain({"d"}, timeout=5)
+        assert rd["results"]["failed_recving"] == {"d"}
         assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
     finally:
         p.close()

@@ -119,6 +119,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
                      kvbridge.__version__, ktc.kv_role, self.tp_size, self.config.summary())
             for warning in self.config.warnings:
                 log.warning("%s", warning)
+            if self.config.sources.get("engine_spin_ms") == "kv_connector_extra_config":
+                log.warning("engine_spin_ms in kv_connector_extra_config is ignored: vLLM's "
+                            "workers read it before the connector exists; set "
+                            "KVBRIDGE_ENGINE_SPIN_MS in every engine's environment instead")
             self._sched = _SchedulerSide(self)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)

@@ -13,7 +13,8 @@ Results (what vLLM must learn) are collected under a lock and taken with :meth:`
 
 If the loop thread ever dies (a bug), every transfer still in progress is reported failed and
 every later request fails at once: nothing hangs silently. Blocks that a posted transfer might
-still write are then never given back (a leak is logged; a corruption would not be).
+still write are then never given back (a CRITICAL line says so; a leak is better than a
+corruption).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ class TransferLoop(PeerEvents):
         self.prober = Prober(self.submit)
         self.peers = PeerTable(self.info, self.transport, self.rpc, self.submit,
                                timeout=config.control_timeout_s, capacity=config.max_peers,
-                               prober=self.prober)
+                               prober=self.prober,
+                               loopback_only=not (self.codec.authenticated
+                                                  or config.allow_insecure_control))
         self.heartbeats = HeartbeatBook(self.rpc, self, self.prober,
                                         interval=config.heartbeat_s, lease=config.lease_s)
         self.pull_source = PullSource(self)
@@ -233,6 +236,16 @@ class TransferLoop(PeerEvents):
                                             "pending": self.pending()}))
         return fut.result(timeout)
 
+    def outcome(self, transfer_id: str, timeout: float = 10.0) -> str | None:
+        """How ``transfer_id`` ended (or what it is doing), read on the loop thread."""
+        from kvbridge.scheduling.dispatch import outcome
+
+        if self.dead or not self._thread.is_alive():
+            return outcome(self, transfer_id)
+        fut: Future[str | None] = Future()
+        self.submit(lambda: fut.set_result(outcome(self, transfer_id)))
+        return fut.result(timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the loop, then the control server and the transport. Idempotent."""
         if self._stopping:
@@ -350,7 +363,8 @@ class TransferLoop(PeerEvents):
                 self._step(ready)
         except BaseException as exc:  # noqa: BLE001 - record why, then fail everything
             self.dead = f"transfer loop died: {type(exc).__name__}: {exc}"
-            log.critical("%s", self.dead, exc_info=True)
+            log.critical("%s; failing every transfer in progress (blocks a transfer may still "
+                         "write are kept for good)", self.dead, exc_info=True)
             self._fail_everything()
         else:
             self._guard(self.pull_source.close)

@@ -1,5 +1,7 @@
 """Peer table: the remote engine ranks this rank moves KV with, learnt only by dialling them.
 
+Without a shared secret only loopback addresses are dialled (mirroring the control server's
+bind policy), so a client cannot point an engine at a "prefill engine" elsewhere on the network.
 A peer is added *only* from the :class:`~kvbridge.messages.HelloReply` that answered our own
 :class:`~kvbridge.messages.Hello` at an address we dialled, and it is keyed by that address. An
 unsolicited Hello never adds or replaces anything, so nobody can slip their memory map in under
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvbridge.control import RpcClient
+from kvbridge.control import RpcClient, is_loopback
 from kvbridge.errors import (
     KVBridgeError,
     LayoutError,
@@ -90,8 +92,9 @@ class PeerTable:
 
     def __init__(self, me: EngineInfo, transport: Transport, rpc: RpcClient,
                  submit: Callable[..., None], *, timeout: float, capacity: int = 1024,
-                 prober: Prober | None = None) -> None:
+                 prober: Prober | None = None, loopback_only: bool = False) -> None:
         self.me = me
+        self._loopback_only = loopback_only
         self._submit = submit
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-peers")
         self._prober = prober
@@ -114,6 +117,12 @@ class PeerTable:
         error. ``generation`` is the generation the caller expects there (``*``: any): a cached
         peer of another generation is re-handshaken, and an answer of another generation is a
         :class:`PeerError` naming both."""
+        if self._loopback_only and not is_loopback(_host_of(address)):
+            callback(PeerError(
+                f"refusing to dial {address} without a shared secret: anyone on the network "
+                "could pose as a prefill engine there. Set KVBRIDGE_SECRET on every engine (or, "
+                "on a trusted network, KVBRIDGE_ALLOW_INSECURE_CONTROL=1)"))
+            return
         peer = self._by_address.get(address)
         if peer is not None and generation in (ANY_GENERATION, peer.info.generation):
             self._by_address.move_to_end(address)
@@ -215,6 +224,10 @@ class PeerTable:
         peer = self._by_address.pop(address, None)
         if peer is not None:
             self._transport.remove_peer(peer.name)
+
+
+def _host_of(address: str) -> str:
+    return address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
 
 
 def make_info(*, engine_id: str, generation: str, rank: int, tp_size: int, backend: str,

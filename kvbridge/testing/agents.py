@@ -70,6 +70,7 @@ class Agent(Protocol):
     def cancel_recv(self, tid: str) -> None: ...
     def drain(self, want: set[str] | list[str], timeout: float = 20.0) -> dict[str, Any]: ...
     def blocks(self, ids: list[int]) -> Any: ...
+    def outcome(self, tid: str) -> str | None: ...
     def fill(self, seed: int) -> None: ...
     def close(self) -> None: ...
 
@@ -113,6 +114,9 @@ class LocalAgent:
 
     def blocks(self, ids: list[int]) -> Any:
         return np.stack([c[ids] for c in self.caches.values()]) if ids else None
+
+    def outcome(self, tid: str) -> str | None:
+        return self.loop.outcome(tid)
 
     def fill(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -203,6 +207,10 @@ class AgentProcess:
 
     def blocks(self, ids: list[int]) -> Any:
         return self.call("blocks", ids)
+
+    def outcome(self, tid: str) -> str | None:
+        out: str | None = self.call("outcome", tid)
+        return out
 
     def fill(self, seed: int) -> None:
         self.call("fill", seed)

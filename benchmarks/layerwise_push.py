@@ -14,9 +14,11 @@ import statistics
 import sys
 import time
 
+from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
-from kvbridge.testing.engines import VllmServer, complete, start_servers, stream_complete
+from kvbridge.params import prefill_request, push_decode_request
+from kvbridge.testing.engines import VllmServer, complete, probe, start_servers, stream_complete
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
 N = 12
@@ -35,18 +37,14 @@ def main(backend: str) -> None:
     p, d = servers
     try:
         start_servers(servers, timeout=600)
-        probe = {s.name: complete(s.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-                 for s in servers}
-        address = {k: f"tcp://{v['remote_host']}:{v['remote_port']}" for k, v in probe.items()}
+        probes = {s.name: probe(s.url) for s in servers}
+        address = {k: v.peer(0).address for k, v in probes.items()}
         handoff: dict[bool, list[float]] = {False: [], True: []}
         ttft: dict[bool, list[float]] = {False: [], True: []}
         for i, prompt in enumerate(random_prompts(2 * N + 2, 800, seed=7)):
             layerwise, tid = bool(i % 2), f"lw-{i}"
-            d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": tid,
-                        **{k: probe["P"][k]
-                           for k in ("remote_engine_id", "remote_host", "remote_port")}}
-            p_params = {"do_remote_decode": True, "transfer_mode": "push", "transfer_id": tid,
-                        "kvbridge_layerwise": layerwise}
+            d_params = push_decode_request(probes["P"], tid)
+            p_params = prefill_request(tid, TransferMode.PUSH, layerwise)
             with cf.ThreadPoolExecutor(2) as ex:
                 fd = ex.submit(stream_complete, d.url, prompt, 8, d_params, {"ignore_eos": True})
                 time.sleep(0.05)  # D registers first, so P can write layer by layer

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.bench_e2e import cpu_seconds, group_cpu_ticks
-from kvbridge.testing.engines import EngineError, VllmServer, complete, start_servers
+from kvbridge.params import push_decode_request
+from kvbridge.testing.engines import EngineError, VllmServer, complete, probe, start_servers
 from kvbridge.testing.proxies import ProxyThread
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
@@ -100,10 +101,7 @@ def idle_cpu(p: VllmServer, d: VllmServer, seconds: float) -> dict[str, float]:
     up, which makes vLLM abort it.
     """
     out = {"idle_P": _group_cpu(p, seconds), "idle_D": _group_cpu(d, seconds)}
-    probe = complete(p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-    params = {"do_remote_prefill": True, "transfer_mode": "push",
-              "transfer_id": f"never-{time.monotonic_ns()}",
-              **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    params = push_decode_request(probe(p.url), f"never-{time.monotonic_ns()}")
     prompt = random_prompts(1, 100, seed=91)[0]
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, d.url, prompt, 4, params, False, None, timeout=seconds + 4)

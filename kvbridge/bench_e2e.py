@@ -727,7 +727,9 @@ def _stats(address: str) -> Any:
 
 
 def _control_probe(url: str, timeout: float) -> dict[str, Any]:
-    params = complete(url, [1], 1, {"kvbridge_probe": True}, timeout=timeout)["kv_transfer_params"]
+    from kvbridge.params import probe_request
+
+    params = complete(url, [1], 1, probe_request(), timeout=timeout)["kv_transfer_params"]
     if not isinstance(params, dict) or "remote_port" not in params:
         raise EngineError(f"{url} did not answer the kvbridge probe: {params!r}")
     return params

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge import registry
+from kvbridge import params, registry
+from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.testing.engines import (
@@ -28,6 +29,7 @@ from kvbridge.testing.engines import (
     VllmServer,
     complete,
     output_token_ids,
+    probe,
     start_servers,
 )
 from kvbridge.testing.proxies import ProxyThread
@@ -85,8 +87,9 @@ def _connector(role: str, engine_id: str, backend: str) -> dict[str, Any]:
 
 
 def _control_address(url: str) -> str:
-    params = complete(url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-    return f"tcp://{params['remote_host']}:{params['remote_port']}"
+    ref = probe(url).peer(0)
+    assert ref is not None
+    return str(ref.address)
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -218,16 +221,13 @@ def test_push_whose_decode_never_arrives_is_released_after_lease(cluster: Cluste
 def test_layerwise_push_matches_single_engine(cluster: Cluster) -> None:
     prompt = random_prompts(1, 250, seed=81)[0]
     ref = cluster.reference(prompt)
-    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
     before = cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0)
-    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "layerwise-1",
-                **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    d_params = params.push_decode_request(probe(cluster.p.url), "layerwise-1")
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, cluster.d.url, prompt, MAX_TOKENS, d_params, False, _GREEDY)
         time.sleep(1.0)  # let D register first, so P can write layer by layer
-        complete(cluster.p.url, prompt, 1, {"do_remote_decode": True, "transfer_mode": "push",
-                                            "transfer_id": "layerwise-1",
-                                            "kvbridge_layerwise": True})
+        complete(cluster.p.url, prompt, 1,
+                 params.prefill_request("layerwise-1", TransferMode.PUSH, layerwise=True))
         out = output_token_ids(fut.result(timeout=120))
     assert out == ref
     assert cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0) == before + 1
@@ -257,9 +257,7 @@ def test_decode_waiting_for_a_push_sleeps_and_abort_releases(cluster: Cluster) -
     bound below is 3x looser than what the idle wait measures, so it is not a timing test.
     """
     prompt = random_prompts(1, 100, seed=91)[0]
-    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "never-1",
-                **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    d_params = params.push_decode_request(probe(cluster.p.url), "never-1")
     assert cluster.d.pid is not None
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, cluster.d.url, prompt, 4, d_params, False, None, timeout=8)
@@ -283,17 +281,14 @@ def _wait_idle(cluster: Cluster, address: str, timeout: float = 30.0) -> None:
 def test_zz_decode_killed_mid_request_leaves_nothing_pinned(cluster: Cluster) -> None:
     """Runs last: kills D. P must end with no pinned blocks once the lease passes."""
     prompt = random_prompts(1, 300, seed=71)[0]
-    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-    d_params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "killed-1",
-                **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    d_params = params.push_decode_request(probe(cluster.p.url), "killed-1")
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, cluster.d.url, prompt, 64, d_params, False, _GREEDY)
         time.sleep(1.0)  # D has registered (or is about to)
         cluster.d.stop(grace=0)
         with pytest.raises(EngineError):
             fut.result(timeout=60)
-    complete(cluster.p.url, prompt, 1, {"do_remote_decode": True, "transfer_id": "killed-1",
-                                        "transfer_mode": "push"})
+    complete(cluster.p.url, prompt, 1, params.prefill_request("killed-1", TransferMode.PUSH))
     deadline = time.monotonic() + LEASE_S + 30
     while time.monotonic() < deadline and cluster.stats(cluster.p_ctl).pending:
         time.sleep(0.5)

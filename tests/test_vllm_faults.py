@@ -19,12 +19,14 @@ import pytest
 
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
+from kvbridge.params import push_decode_request
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
     complete,
     free_port,
     output_token_ids,
+    probe,
     start_servers,
 )
 from kvbridge.testing.proxies import ProxyThread
@@ -235,10 +237,7 @@ def test_decode_leg_for_another_prompt_is_prefilled_locally(cluster: Cluster) ->
 def test_a_push_whose_prefill_leg_never_comes_fails_soon_and_says_why(cluster: Cluster) -> None:
     """Item 5: it took the full 120 s; now P tells D within prefill_wait_s (3 s here)."""
     assert cluster.d is not None and cluster.p is not None
-    probe = complete(cluster.p.url, [1], 1, {"kvbridge_probe": True})["kv_transfer_params"]
-    params = {"do_remote_prefill": True, "transfer_mode": "push", "transfer_id": "orphan-d",
-              **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port",
-                                       "kvbridge_generation", "kvbridge_peers")}}
+    params = push_decode_request(probe(cluster.p.url), "orphan-d")
     t0 = time.monotonic()
     status, _ = _post(cluster.d.url, random_prompts(1, 100, seed=10)[0], params)
     assert status >= 500 and time.monotonic() - t0 < 20

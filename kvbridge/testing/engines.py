@@ -59,6 +59,7 @@ __all__ = [
     "StreamResult",
     "output_token_ids",
     "output_text",
+    "probe",
 ]
 
 log = logging.getLogger("kvbridge.testing.engines")
@@ -596,3 +597,12 @@ def output_text(response: Mapping[str, Any]) -> str:
     """``choices[0].text`` of a completion response ("" if absent)."""
     choices = response.get("choices") or []
     return str(choices[0].get("text") or "") if choices else ""
+
+
+def probe(url: str, timeout: float = 30.0) -> Any:
+    """The :class:`kvbridge.params.TransferParams` a KVBridgeConnector engine answers to a probe
+    (its control addresses): ``params.push_decode_request(probe(p_url), tid)`` is a push D leg."""
+    from kvbridge import params
+
+    answer = complete(url, [1], 1, params.probe_request(), timeout=timeout)
+    return params.parse(answer.get("kv_transfer_params"))

@@ -37,10 +37,7 @@ from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.control import ControlServer, RpcClient
 from kvbridge.layout import KVLayout
-from kvbridge.messages import (
-    Cancel,
-    Codec,
-)
+from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable, make_info
@@ -80,9 +77,11 @@ class TransferLoop(PeerEvents):
         self.server = ControlServer(self.codec, config.side_channel_host, port,
                                     allow_insecure=config.allow_insecure_control)
         if not self.codec.authenticated:
-            log.warning("kvbridge control channel %s has no shared secret: it accepts any "
-                        "local process; set KVBRIDGE_SECRET on every engine (docs/security.md)",
-                        self.server.address)
+            who = ("any local process" if not config.allow_insecure_control
+                   else "anyone who can reach it (allow_insecure_control)")
+            log.warning("kvbridge control channel %s has no shared secret: it accepts %s; "
+                        "set KVBRIDGE_SECRET on every engine (docs/security.md)",
+                        self.server.address, who)
         self.info = make_info(
             engine_id=engine_id, generation=self.generation, rank=rank, tp_size=tp_size,
             backend=self.transport.name, transport_metadata=metadata, layout=layout,

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -332,9 +332,6 @@ class RpcClient:
         for call in list(conn.calls.values()):
             self._calls.pop(call.id, None)
             self._fail(call, PeerUnreachable(f"connection to {address} was closed"))
-
-    def addresses(self) -> Iterator[str]:
-        return iter(list(self._conns))
 
     def close(self) -> None:
         for address in list(self._conns):

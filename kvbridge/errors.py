@@ -28,7 +28,6 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "TransportClosed",
-    "LookupBufferFull",
     "LeaseExpired",
     "PipeClosed",
 ]
@@ -125,10 +124,6 @@ class TransferTimeout(TransferFailed):
 
 class TransportClosed(TransportError):
     """The transport was closed; no new operation is accepted."""
-
-
-class LookupBufferFull(KVBridgeError):
-    """The LookupBuffer is at capacity and the insert could not wait any longer."""
 
 
 class LeaseExpired(KVBridgeError):

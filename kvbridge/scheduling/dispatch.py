@@ -63,7 +63,10 @@ def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | N
         stats = dict(core.stats)
         for key, value in (("control_dropped_auth", core.server.dropped_auth),
                            ("control_dropped_malformed", core.server.dropped_malformed),
-                           ("peers", len(core.peers)), ("heartbeat_targets", len(core.heartbeats))):
+                           ("peers", len(core.peers)), ("handshakes", core.peers.handshakes),
+                           ("heartbeat_targets", len(core.heartbeats)),
+                           ("heartbeats_sent", core.heartbeats.sent),
+                           ("heartbeats_unanswered", core.heartbeats.failed)):
             if value:
                 stats[key] = value
         return StatsReply(engine_id=core.engine_id, generation=core.generation,

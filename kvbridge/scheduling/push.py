@@ -99,7 +99,6 @@ class _Out:
     handles: list[TransferHandle] = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None
-    timed_out: bool = False
 
 
 class PushSource:
@@ -339,7 +338,6 @@ class PushSource:
 
     def _write_timeout(self, out: _Out) -> None:
         if self.outs.get(out.tid) is out and out.handles:
-            out.timed_out = True
             out.error = out.error or (f"WRITE did not finish within "
                                       f"{self.core.config.transfer_timeout_s} s")
             self.core.stats["transfer_timeout"] += 1

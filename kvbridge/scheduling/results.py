@@ -70,7 +70,6 @@ class ResultBox:
         self._core = core
         self._lock = threading.Lock()
         self._results = Results()
-        self._failed_unsafe: set[str] = set()
 
     def sent(self, req_id: str) -> None:
         with self._lock:
@@ -101,13 +100,11 @@ class ResultBox:
                 self._results.failed_recving.add(req_id)
             else:
                 self._results.invalid_blocks.update(local_ids)
-                self._failed_unsafe.add(req_id)
         core.wake_caller()
 
     def release(self, req_id: str) -> None:
         """A receive that failed unsafely: its transfer has stopped now."""
         with self._lock:
-            self._failed_unsafe.discard(req_id)
             self._results.finished_recving.add(req_id)
             self._results.failed_recving.add(req_id)
         self._core.wake_caller()

@@ -13,9 +13,12 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvbridge.offload.config import OffloadConfig
 
 __all__ = ["Config", "TransferMode", "ENV_PREFIX"]
 
@@ -88,6 +91,9 @@ class Config:
     environment in every engine process (extra_config is not seen early enough)."""
     log_level: str = "INFO"
     """Level of the ``kvbridge`` loggers."""
+    offload: dict[str, Any] = field(default_factory=dict)
+    """Tiered offload and KV reuse: ``{"tiers": ["dram", {"name": "disk", "path": …}], …}``
+    (docs/offload.md); ``KVBRIDGE_OFFLOAD_*`` variables override single entries. Empty: off."""
 
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     #: problems that did not stop loading (unknown ``KVBRIDGE_*`` variables); logged at start-up
@@ -120,8 +126,14 @@ class Config:
                 raise ConfigError(_unknown(key, known, "kv_connector_extra_config key"))
             values[key] = _coerce(key, raw)
             sources[key] = "kv_connector_extra_config"
+        from kvbridge.offload.config import ENV_OFFLOAD, apply_env
+
+        offload, used = apply_env(values.get("offload"), env)
+        if used:
+            values["offload"] = offload
+            sources["offload"] = "env " + ", ".join(used)
         for name, raw in env.items():
-            if not name.startswith(ENV_PREFIX):
+            if not name.startswith(ENV_PREFIX) or name.startswith(ENV_OFFLOAD):
                 continue
             key = name[len(ENV_PREFIX) :].lower()
             if key not in known:
@@ -157,6 +169,13 @@ class Config:
         for key in ("max_pending", "max_pending_per_peer", "max_peers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        self.offload_config()
+
+    def offload_config(self) -> OffloadConfig:
+        """The parsed :attr:`offload` (raises :class:`ConfigError` naming the key)."""
+        from kvbridge.offload.config import OffloadConfig
+
+        return OffloadConfig.parse(self.offload)
 
     def describe(self) -> list[tuple[str, str, str]]:
         """``(key, value, source)`` rows; the secret is masked."""
@@ -196,7 +215,7 @@ def _coerce(key: str, raw: Any) -> Any:
     try:
         if key == "mode":
             return TransferMode(str(raw).lower())
-        if key == "backend_options":
+        if key in ("backend_options", "offload"):
             value = json.loads(raw) if isinstance(raw, str) else raw
             if not isinstance(value, dict):
                 raise TypeError("expected a JSON object")

@@ -1,4 +1,5 @@
-"""Backend discovery through stevedore (entry-point group ``kvbridge.backends``).
+"""Plugin discovery through stevedore: transports (``kvbridge.backends``) and offload tiers
+(``kvbridge.tiers``).
 
 The core never imports a backend by name: every backend, the built-in ``shm`` included, is an
 entry point exactly as a third-party plugin would be. Listing is cheap (no backend module is
@@ -15,25 +16,30 @@ from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
 
-__all__ = ["GROUP", "BackendStatus", "available", "load_class", "create", "status"]
+__all__ = ["GROUP", "TIER_GROUP", "BackendStatus", "available", "load_class", "create", "status",
+           "available_tiers", "load_tier_class", "tier_status"]
 
 GROUP = "kvbridge.backends"
+TIER_GROUP = "kvbridge.tiers"
 log = logging.getLogger("kvbridge.registry")
 
 #: What to install when a backend's native dependency is missing.
 INSTALL_HINTS: dict[str, str] = {
     "nixl": "pip install 'kvbridge[nixl]'  (nixl==1.5.1 nixl-cu13==1.5.1 --no-deps on CPU hosts)",
     "mooncake": "pip install 'kvbridge[mooncake]' and apt-get install -y libibverbs1",
+    "lmcache": "pip install lmcache==0.5.6 after the CPU torch (docs/offload.md)",
+    "mooncake_store": "pip install mooncake-transfer-engine-non-cuda and apt-get install -y "
+                      "libibverbs1; run mooncake_master (docs/offload.md)",
 }
 
 
-def _entry_points() -> dict[str, Any]:
+def _entry_points(group: str = GROUP) -> dict[str, Any]:
     """The group's entry points as stevedore discovers them (its cached scan), not loaded."""
     from stevedore import ExtensionManager
 
     class _Lister(ExtensionManager[Any]):  # stevedore's discovery without loading every plugin
         def __init__(self) -> None:
-            self.namespace = GROUP
+            self.namespace = group
 
     return {ep.name: ep for ep in _Lister().list_entry_points()}
 
@@ -104,6 +110,47 @@ def status() -> list[BackendStatus]:
             probe = getattr(cls, "probe", None)
             detail = probe() if callable(probe) else "ok"
             rows.append(BackendStatus(name, ep.value, True, str(detail)))
+        except KVBridgeError as exc:
+            rows.append(BackendStatus(name, ep.value, False, str(exc)))
+    return rows
+
+
+def available_tiers() -> list[str]:
+    """Names of the installed offload tiers (cheap: imports nothing)."""
+    return sorted(_entry_points(TIER_GROUP))
+
+
+def load_tier_class(name: str) -> type[Any]:
+    """Import offload tier ``name``; same errors as :func:`load_class`."""
+    from kvbridge.offload.tier import Tier
+
+    eps = _entry_points(TIER_GROUP)
+    ep = eps.get(name)
+    if ep is None:
+        near = difflib.get_close_matches(name, list(eps), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        installed = ", ".join(sorted(eps)) or "none"
+        raise BackendNotFound(f"unknown offload tier {name!r}{hint} (installed: {installed})")
+    try:
+        cls = ep.load()
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc)) from exc
+    except Exception as exc:  # a broken plugin must not crash listing
+        raise BackendUnavailable(
+            f"offload tier {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise BackendUnavailable(f"offload tier {name!r} ({ep.value}) is not a kvbridge Tier")
+    return cls
+
+
+def tier_status() -> list[BackendStatus]:
+    """Each installed offload tier, whether its module imports, and why not."""
+    rows = []
+    for name, ep in sorted(_entry_points(TIER_GROUP).items()):
+        try:
+            load_tier_class(name)
+            rows.append(BackendStatus(name, ep.value, True, "ok"))
         except KVBridgeError as exc:
             rows.append(BackendStatus(name, ep.value, False, str(exc)))
     return rows

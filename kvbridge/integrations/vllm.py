@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 import kvbridge
@@ -37,6 +38,10 @@ from kvbridge.config import Config
 from kvbridge.errors import ConfigError
 from kvbridge.integrations.vllm_spin import apply_engine_spin
 from kvbridge.layout import KVLayout
+from kvbridge.offload.blocks import BlockIO
+from kvbridge.offload.book import OffloadBook
+from kvbridge.offload.keys import namespace_of, seed_key, weights_fingerprint
+from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, StepPlan
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
@@ -82,6 +87,42 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     control_address: str
     engine_id: str
     generation: str
+
+
+@dataclass
+class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, once per step: offload lookup answers (lookup id → rank → blocks)."""
+
+    answers: dict[str, dict[int, int]]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = {k: dict(v) for k, v in self.answers.items()}
+        if isinstance(other, KVBridgeWorkerMeta):
+            for lid, ranks in other.answers.items():
+                merged.setdefault(lid, {}).update(ranks)
+        return KVBridgeWorkerMeta(merged)
+
+
+def model_identity(vllm_config: VllmConfig) -> dict[str, str]:
+    """What makes two engines' KV for the same tokens identical: the seed of offload keys."""
+    import hashlib
+    import json
+
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    try:
+        hf = json.dumps(mc.hf_config.to_dict(), sort_keys=True, default=str)
+    except Exception:  # noqa: BLE001 - an exotic config: fall back to its repr
+        hf = repr(mc.hf_config)
+    tp, _ = _parallel(vllm_config)
+    return {
+        "model": str(mc.model), "revision": str(getattr(mc, "revision", None)),
+        "weights": weights_fingerprint(str(mc.model)),
+        "hf_config": hashlib.blake2b(hf.encode(), digest_size=16).hexdigest(),
+        "dtype": str(mc.dtype), "cache_dtype": str(cc.cache_dtype),
+        "block_size": str(cc.block_size), "tp_size": str(tp),
+        "quantization": str(getattr(mc, "quantization", None)),
+    }
 
 
 def _parallel(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -134,16 +175,31 @@ class KVBridgeConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         assert self._sched is not None
         self._sched.seen(request)
-        return self._sched.book.matched_tokens(request.request_id, request.num_prompt_tokens,
-                                               num_computed_tokens)
+        tier = self._sched.offload.matched(request.request_id, request.prompt_token_ids,
+                                           num_computed_tokens)
+        if tier is None:
+            return None, False  # tier lookup in flight: vLLM asks again next step
+        count, load_async = self._sched.book.matched_tokens(
+            request.request_id, request.num_prompt_tokens, num_computed_tokens)
+        if count or load_async:
+            return count, load_async  # a P/D receive: the tier part is loaded with it
+        return tier, False  # tier hit: copied in before this step's forward
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._sched is not None
-        ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self._sched.book.after_alloc(request.request_id, list(ids), num_external_tokens,
-                                     request.num_prompt_tokens)
+        sched = self._sched
+        req_id = request.request_id
+        ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        tier = sched.offload.tier_tokens(req_id) if num_external_tokens else 0
+        if sched.book.receives(req_id):
+            tier = min(tier, num_external_tokens)
+            sched.book.after_alloc(req_id, ids, num_external_tokens, request.num_prompt_tokens,
+                                   tier_tokens=tier)
+            sched.offload.committed(req_id, ids, tier)
+        else:
+            sched.offload.committed(req_id, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -164,7 +220,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._sched.finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        return self._sched is not None and self._sched.book.has_pending()
+        return self._sched is not None and (self._sched.book.has_pending()
+                                            or self._sched.offload.has_pending())
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -221,6 +278,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None or self._worker.side is None:
+            return None
+        answers = self._worker.side.take_offload_answers()
+        if not answers:
+            return None
+        rank = self._worker.rank
+        return KVBridgeWorkerMeta({lid: {rank: n} for lid, n in answers.items()})
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None or self._worker.side is None:
             return set()
@@ -265,6 +331,9 @@ class _SchedulerSide:
     def __init__(self, conn: KVBridgeConnector) -> None:
         self.book = HandoffBook(conn.config, conn.engine_id, block_size=conn.block_size,
                                 tp_size=conn.tp_size)
+        self.offload = OffloadBook(conn.config.offload_config(),
+                                   seed_key(model_identity(conn._vllm_config)),
+                                   block_size=conn.block_size, tp_size=conn.tp_size)
         self.config = conn.config
         self.kv_cache_manager: Any = None
         self._first_step_due: dict[str, str] = {}
@@ -298,6 +367,8 @@ class _SchedulerSide:
             if request.num_computed_tokens + scheduled[req_id] >= request.num_prompt_tokens:
                 self.book.prefill_complete(req_id, self._blocks(request),
                                            request.num_prompt_tokens)
+        if self.offload.enabled:
+            self.book.add_offload(self.offload.take_plan(), self.offload.take_stats())
         plan = self.book.take_plan()
         if self._first_step_due:
             now = time.time()
@@ -314,7 +385,8 @@ class _SchedulerSide:
 
     def _idle_wait(self) -> None:
         """Nothing to compute this step: sleep until the worker reports progress (bounded)."""
-        if self.config.idle_wait_ms <= 0 or not self.book.transfers_in_progress():
+        if self.config.idle_wait_ms <= 0 or not (self.book.transfers_in_progress()
+                                                 or self.offload.waiting()):
             return
         if self._wake.poll(int(self._idle_delay * 1000) or 1):
             while True:
@@ -332,10 +404,15 @@ class _SchedulerSide:
         self._seen.discard(req_id)
         self._live.pop(req_id, None)
         self._first_step_due.pop(req_id, None)
-        return self.book.finished(req_id, _ok_status(request), list(block_ids),
-                                  request.num_prompt_tokens)
+        ok = _ok_status(request)
+        hold, params = self.book.finished(req_id, ok, list(block_ids), request.num_prompt_tokens)
+        store = self.offload.finished(req_id, ok, request.prompt_token_ids, list(block_ids))
+        return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVBridgeWorkerMeta):
+            self.offload.answered(meta.answers)
         for req_id in output.finished_recving or ():
             tid = self.book.transfer_done(req_id)
             if tid is not None and req_id in self._live:
@@ -395,8 +472,29 @@ class _WorkerSide:
                             tp_size=self.conn.tp_size, compat=compat)
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
-        self.side = RankSide(loop, self._cuda_fence if on_gpu else None)
+        try:
+            offload = self._offload(layout, on_gpu)
+        except BaseException:
+            loop.close()
+            raise
+        self.side = RankSide(loop, self._cuda_fence if on_gpu else None, offload)
         loop.on_progress(self._poke)
+        if offload is not None:
+            offload.on_progress(self._poke)
+
+    def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:
+        cfg = self.config.offload_config()
+        if not cfg.enabled:
+            return None
+        if on_gpu:
+            raise ConfigError("offload tiers need the KV cache in host memory (CPU engines); "
+                              "GPU offload is not built yet: remove 'offload' from the config")
+        seed = seed_key(model_identity(self._vllm_config))
+        namespace = namespace_of(seed, layout.fingerprint())
+        io = BlockIO(layout)
+        tiers = build_tiers(cfg, io.chunk_bytes, namespace)
+        return OffloadManager(cfg, tiers, io, layout_fingerprint=layout.fingerprint(),
+                              rank=self.rank, tp_size=self.conn.tp_size)
 
     @staticmethod
     def _cuda_fence() -> Fence | None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvbridge.config import Config, TransferMode
 from kvbridge.errors import LayoutError, ParamsError
+from kvbridge.offload.orders import OffloadPlan
 from kvbridge.params import PeerRef, TransferParams, parse, to_wire
 from kvbridge.scheduling.planner import plan_receive, prompt_blocks, prompt_digest
 from kvbridge.scheduling.pull import SendPlan
@@ -74,11 +75,13 @@ class StepPlan:
     first_steps: list[tuple[str, float]] = field(default_factory=list)
     #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
     counters: dict[str, int] = field(default_factory=dict)
+    #: tier lookups, loads, releases and stores (kvbridge.offload)
+    offload: OffloadPlan = field(default_factory=OffloadPlan)
 
     def __bool__(self) -> bool:
         return bool(self.watches or self.announces or self.unwatches or self.releases
                     or self.recvs or self.stages or self.push_ready or self.cancel_recvs
-                    or self.cancel_sends)
+                    or self.cancel_sends or self.offload)
 
 
 @dataclass
@@ -195,9 +198,16 @@ class HandoffBook:
         count = prompt_tokens - num_computed
         return (count, True) if count > 0 else (0, False)
 
+    def receives(self, req_id: str) -> bool:
+        """``req_id`` is a decode leg whose receive is not planned yet."""
+        req = self._reqs.get(req_id)
+        return req is not None and req.recv and not req.planned
+
     def after_alloc(self, req_id: str, block_ids: Sequence[int], external_tokens: int,
-                    prompt_tokens: int) -> None:
-        """``update_state_after_alloc``: plan the receive (once)."""
+                    prompt_tokens: int, tier_tokens: int = 0) -> None:
+        """``update_state_after_alloc``: plan the receive (once). ``tier_tokens`` of the
+        ``external_tokens`` come from this engine's offload tiers (loaded before the receive):
+        only the rest is asked of the prefill engine."""
         req = self._reqs.get(req_id)
         if req is None or not req.recv or req.planned:
             return
@@ -209,8 +219,8 @@ class HandoffBook:
         error = None
         try:
             plan = plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
-                                external_tokens=external_tokens, allocated=block_ids,
-                                remote_ids=remote)
+                                external_tokens=external_tokens - tier_tokens,
+                                allocated=block_ids, remote_ids=remote)
         except LayoutError as exc:
             if not external_tokens:
                 raise
@@ -302,6 +312,11 @@ class HandoffBook:
 
     def has_pending(self) -> bool:
         return bool(self._plan)
+
+    def add_offload(self, plan: OffloadPlan, counters: dict[str, int]) -> None:
+        """Merge the offload book's orders and counters into this step's plan."""
+        self._plan.offload = plan
+        self.stats.update(counters)
 
     def transfer_done(self, req_id: str) -> str | None:
         """The worker reported ``req_id`` finished sending or receiving; its transfer id."""

@@ -5,8 +5,10 @@ applies the scheduler's :class:`~kvbridge.scheduling.handoff.StepPlan` (each ord
 rank's peer; this rank takes its own, so with tensor parallelism rank r of D talks to rank r
 of P), releases push-ready KV after the forward (behind a device fence on GPUs), and turns the
 loop's results into what vLLM expects: a sender's blocks are reported free only once vLLM has
-finished that request; a receive that failed while a transfer might still land reports its
-blocks as load errors now and its request only when the transfer stopped.
+finished that request and every hold on them is over (a pull being served, a push being
+written, an offload store being copied out); a receive that failed while a transfer might
+still land reports its blocks as load errors now and its request only when the transfer
+stopped.
 
 Called from the worker's model-runner thread.
 """
@@ -17,6 +19,7 @@ import logging
 from collections.abc import Callable
 
 from kvbridge.config import TransferMode
+from kvbridge.offload.manager import OffloadManager
 from kvbridge.params import PeerRef
 from kvbridge.scheduling.handoff import StepPlan
 from kvbridge.scheduling.loop import TransferLoop
@@ -33,8 +36,10 @@ FenceFactory = Callable[[], Fence | None]
 class RankSide:
     """See the module docstring. ``fence`` makes a fence after the current device work."""
 
-    def __init__(self, loop: TransferLoop, fence: FenceFactory | None = None) -> None:
+    def __init__(self, loop: TransferLoop, fence: FenceFactory | None = None,
+                 offload: OffloadManager | None = None) -> None:
         self.loop = loop
+        self.offload = offload
         self.rank = loop.rank
         self._fence = fence or (lambda: None)
         self._ready: list[SendPlan] = []
@@ -42,6 +47,8 @@ class RankSide:
         self._finished: set[str] = set()  # requests vLLM finished that we hold blocks for
         self._sending: set[str] = set()  # requests whose blocks the loop holds for sending
         self._sent: set[str] = set()  # released by the loop, not yet finished by vLLM
+        self._storing: set[str] = set()  # blocks held until the offload store copied them
+        self._stored: set[str] = set()  # copied out, not yet finished by vLLM
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -49,8 +56,15 @@ class RankSide:
         return peers[self.rank] if self.rank < len(peers) else None
 
     def apply(self, plan: StepPlan) -> None:
-        """Start what the scheduler decided this step (non-blocking)."""
+        """Start what the scheduler decided this step (non-blocking, except that tier loads
+        are copied into their blocks here, before the step's forward)."""
         loop = self.loop
+        if plan.offload:
+            if self.offload is None:
+                log.error("offload orders for a rank without offload tiers: ignored")
+            else:
+                self._storing.update(s.req_id for s in plan.offload.stores)
+                self._load_errors |= self.offload.apply(plan.offload)
         for tid, peers in plan.watches:
             if (ref := self._mine(peers)) is not None:
                 loop.watch(tid, ref.address, ref.generation)
@@ -118,21 +132,37 @@ class RankSide:
         """``(finished_sending, finished_recving, failed_recving)`` for vLLM this step."""
         self.after_forward()  # steps without a forward skip wait_for_save: never strand a push
         res = self.loop.drain()
-        self._finished |= finished_req_ids & self._sending
+        self._finished |= finished_req_ids & (self._sending | self._storing)
         self._sent |= res.finished_sending
-        # vLLM frees a sender's blocks on finished_sending: only for requests it finished.
-        sending = self._sent & self._finished
+        if self.offload is not None:
+            self._stored |= self.offload.take_stored()
+            counters = self.offload.take_counters()
+            if counters:
+                self.loop.add_counters(counters)
+        # vLLM frees a sender's blocks on finished_sending: only for requests it finished,
+        # once nothing holds them any more.
+        sending = {r for r in self._finished
+                   if (r not in self._sending or r in self._sent)
+                   and (r not in self._storing or r in self._stored)}
         self._sent -= sending
+        self._stored -= sending
         self._finished -= sending
         self._sending -= sending
+        self._storing -= sending
         self._load_errors |= res.invalid_blocks
         recving = res.finished_recving & self._recving
         self._recving -= recving
         return sending, recving, res.failed_recving & recving
+
+    def take_offload_answers(self) -> dict[str, int]:
+        """Tier lookups this rank answered since the last call (lookup id → blocks staged)."""
+        return {} if self.offload is None else self.offload.take_answers()
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         self.loop.close()

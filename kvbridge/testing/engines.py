@@ -606,3 +606,33 @@ def probe(url: str, timeout: float = 30.0) -> Any:
 
     answer = complete(url, [1], 1, params.probe_request(), timeout=timeout)
     return params.parse(answer.get("kv_transfer_params"))
+
+
+def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
+    """``POST /reset_prefix_cache`` (vLLM serves it when ``VLLM_SERVER_DEV_MODE=1``): the next
+    request finds nothing in vLLM's own prefix cache, so any reuse comes from a connector."""
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"",
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"POST {req.full_url} -> HTTP {e.code} (is VLLM_SERVER_DEV_MODE=1 "
+                          "set?)", e.code) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"POST {req.full_url} failed: {e}") from e
+
+
+def engine_stats(address: str, timeout: float = 30.0) -> dict[str, int]:
+    """The counters of the KVBridgeConnector rank whose control channel is ``address``."""
+    from kvbridge.control import ControlClient
+    from kvbridge.messages import Codec, StatsQuery, StatsReply
+
+    client = ControlClient(Codec(), timeout)
+    try:
+        reply = client.request(address, StatsQuery())
+    finally:
+        client.close()
+    if not isinstance(reply, StatsReply):
+        raise EngineError(f"stats from {address}: unexpected reply {type(reply).__name__}")
+    return dict(reply.stats)

@@ -1,0 +1,94 @@
+"""Content keys for KV blocks: a chained hash over full token blocks.
+
+Key ``i`` names the KV of block ``i`` of a prompt *given everything before it*: it hashes key
+``i-1`` and the block's token ids, and key ``-1`` (the seed) hashes what makes KV comparable at
+all: the model identity and the KV geometry. Two engines that compute the same key hold the same
+bytes for that block; a different model, dtype, block size, head layout or prefix gives a
+different key. Keys are blake2b digests of explicit little-endian bytes — never Python's
+``hash()``, which is salted per process — so they are equal across processes, hosts and restarts.
+
+Only *full* blocks get keys: a partial last block is never stored or looked up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["seed_key", "block_keys", "tier_key", "namespace_of", "weights_fingerprint",
+           "KEY_BYTES"]
+
+#: digest size of a key (hex strings are twice as long)
+KEY_BYTES = 16
+
+
+def seed_key(identity: Mapping[str, str]) -> bytes:
+    """The chain's seed from ``identity`` (model, dtype, KV geometry…); order-independent."""
+    blob = json.dumps(dict(identity), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(b"kvbridge-kv-v1\0" + blob, digest_size=KEY_BYTES).digest()
+
+
+def block_keys(seed: bytes, tokens: Sequence[int], block_size: int,
+               limit: int | None = None) -> list[str]:
+    """Hex keys of the full blocks of ``tokens`` (at most ``limit`` of them), in order.
+
+    Pure and deterministic; ``O(len(tokens))``. Token ids must fit in 32 bits (vLLM's do).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    n = len(tokens) // block_size
+    if limit is not None:
+        n = min(n, max(0, limit))
+    if n == 0:
+        return []
+    arr = np.asarray(tokens[: n * block_size], dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 1 << 32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    raw = arr.astype("<u4").tobytes()
+    step = block_size * 4
+    keys: list[str] = []
+    prev = seed
+    for i in range(n):
+        prev = hashlib.blake2b(prev + raw[i * step:(i + 1) * step],
+                               digest_size=KEY_BYTES).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def tier_key(key: str, layout_fingerprint: str, rank: int, tp_size: int) -> str:
+    """The name one worker rank stores ``key`` under: its shard of the block, for its layout."""
+    blob = f"{key}|{layout_fingerprint}|{rank}/{tp_size}".encode()
+    return hashlib.blake2b(blob, digest_size=KEY_BYTES).hexdigest()
+
+
+def namespace_of(seed: bytes, layout_fingerprint: str) -> str:
+    """A directory/object-name prefix for one model + KV layout (hex, filesystem-safe)."""
+    return hashlib.blake2b(seed + layout_fingerprint.encode(), digest_size=KEY_BYTES).hexdigest()
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+
+
+def weights_fingerprint(model: str) -> str:
+    """A cheap fingerprint of a local model directory's files (name, size, mtime).
+
+    Different weights under the same path give different keys, so a tier never serves KV
+    computed by other weights. A model given by hub name (not a directory) fingerprints as
+    its name: the model identity then relies on its revision.
+    """
+    if not os.path.isdir(model):
+        return "name:" + model
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for name in sorted(os.listdir(model)):
+        if not name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        try:
+            st = os.stat(os.path.join(model, name))
+        except OSError:
+            continue
+        h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,489 @@
+"""The worker side of offload: one engine rank's tiers, their capacities, staging, write-behind.
+
+:class:`OffloadManager` owns the rank's tiers (in configured order, fastest first) and applies
+the scheduler's :class:`~kvbridge.offload.orders.OffloadPlan`:
+
+- **Lookup** — find the longest prefix of a request's block keys across the tiers (a prefix may
+  come from several tiers: block 0–3 from DRAM, 4–9 from disk), *load and verify* it into host
+  memory (staging), and answer how many blocks are staged. Non-blocking tiers (DRAM) are asked
+  on the engine thread, so a DRAM hit is answered in the same step; anything slower runs on the
+  manager's I/O thread and is answered in a later step (the engine is woken). A chunk a tier
+  cannot return (corrupted, truncated, gone) ends the prefix there: the scheduler is told fewer
+  blocks and vLLM computes the rest. So a failed tier load is *recomputed*, never served wrong,
+  whatever vLLM's ``kv_load_failure_policy``; it is counted (``offload_load_failed``) and logged.
+- **Load** — copy staged chunks into the request's blocks (before the step's forward; memory to
+  memory, cannot fail on a tier's account).
+- **Store** — copy a finished request's full prompt blocks out of the KV cache (on the I/O
+  thread, off the critical path; the scheduler holds the blocks until then), put them in every
+  non-blocking tier at once and queue them for the blocking tiers (written behind by a second
+  thread, the backlog bounded by ``max_backlog_bytes``).
+- **Capacity** — for tiers with ``managed = True`` an LRU index per tier; adding past
+  ``capacity_bytes`` evicts least recently used chunks (a prompt's blocks are touched last to
+  first, so a chain is evicted from its tail and its head — the useful part — lives longest).
+  Persistent tiers' indexes are rebuilt from ``entries()`` at start. A hit in a lower tier is
+  promoted into the non-blocking tiers above it.
+
+Thread safety: public methods are called from the worker's model-runner thread; the two I/O
+threads share the indexes and staging under one lock, and a blocking tier is called by one
+thread at a time (a lock per tier). Tier exceptions are caught, logged with the tier's name and
+counted; they never reach vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbridge import registry
+from kvbridge.offload.blocks import BlockIO
+from kvbridge.offload.config import OffloadConfig
+from kvbridge.offload.keys import tier_key
+from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
+from kvbridge.offload.tier import Tier, TierContext
+
+__all__ = ["OffloadManager", "build_tiers"]
+
+log = logging.getLogger("kvbridge.offload")
+
+#: staged chunks the scheduler never claimed are dropped after this long
+STAGE_TTL_S = 120.0
+#: how many keys per unmanaged tier the manager remembers as stored (skips re-storing)
+KNOWN_KEYS = 1 << 16
+
+
+def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str) -> list[Tier]:
+    """Construct the configured tiers in order (raises ConfigError/BackendUnavailable)."""
+    tiers: list[Tier] = []
+    try:
+        for spec in config.tiers:
+            cls = registry.load_tier_class(spec.name)
+            tiers.append(cls(TierContext(spec.name, chunk_bytes, namespace, spec.options)))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+class _Index:
+    """LRU of one managed tier: key → bytes, most recently used last."""
+
+    def __init__(self, capacity: int, chunk_bytes: int) -> None:
+        self.capacity = capacity
+        self.chunk_bytes = chunk_bytes
+        self.keys: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def used(self) -> int:
+        return len(self.keys) * self.chunk_bytes
+
+    def add(self, keys: Sequence[str]) -> list[str]:
+        """Insert/touch ``keys`` (last to first); return the keys evicted to make room."""
+        for k in reversed(keys):
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        evicted = []
+        while self.used > self.capacity and self.keys:
+            k, _ = self.keys.popitem(last=False)
+            evicted.append(k)
+        return evicted
+
+    def run(self, keys: Sequence[str], start: int) -> int:
+        """How many keys from ``start`` are indexed, consecutively."""
+        n = 0
+        for k in keys[start:]:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+
+class _Lookup:
+    def __init__(self, order: LookupOrder, tkeys: list[str]) -> None:
+        self.order = order
+        self.tkeys = tkeys
+        self.chunks: list[bytes] = []
+        self.done = False
+        self.released = False
+        self.created = time.monotonic()
+
+
+class OffloadManager:
+    """See the module docstring."""
+
+    def __init__(self, config: OffloadConfig, tiers: Sequence[Tier], io: BlockIO, *,
+                 layout_fingerprint: str, rank: int = 0, tp_size: int = 1) -> None:
+        self.config = config
+        self.tiers = list(tiers)
+        self.io = io
+        self.rank = rank
+        self.tp_size = tp_size
+        self._fp = layout_fingerprint
+        self._lock = threading.Lock()
+        self._tier_locks = {t.name: threading.Lock() for t in self.tiers}
+        self._index: dict[str, _Index] = {
+            t.name: _Index(t.capacity_bytes, io.chunk_bytes) for t in self.tiers if t.managed}
+        self._known: dict[str, OrderedDict[str, None]] = {
+            t.name: OrderedDict() for t in self.tiers if not t.managed}
+        self._lookups: dict[str, _Lookup] = {}
+        self._answers: dict[str, int] = {}
+        self._stored: set[str] = set()
+        self._staged_bytes = 0
+        self._backlog_bytes = 0
+        self.counters: Counter[str] = Counter()
+        self._progress: Callable[[], None] = lambda: None
+        self._closed = False
+        for t in self.tiers:
+            if t.managed:
+                self._rebuild(t)
+        self._fast: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._slow: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._worker, args=(q,), daemon=True,
+                                          name=f"kvbridge-offload-{name}-{rank}")
+                         for q, name in ((self._fast, "io"), (self._slow, "writer"))]
+        for th in self._threads:
+            th.start()
+        log.info("offload rank %d/%d: tiers %s; chunk %d bytes", rank, tp_size,
+                 "; ".join(t.describe() for t in self.tiers), io.chunk_bytes)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def on_progress(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on an I/O thread) when an answer or a finished store is ready."""
+        self._progress = callback
+
+    def _rebuild(self, tier: Tier) -> None:
+        try:
+            entries = tier.entries()
+        except Exception as exc:  # noqa: BLE001 - a tier bug must not stop the engine
+            log.warning("offload tier %s: cannot list its chunks (%s); starting empty",
+                        tier.name, exc)
+            return
+        if not entries:
+            return
+        index = self._index[tier.name]
+        for key, _ in entries:  # oldest first: the newest end up most recently used
+            index.keys[key] = None
+        evicted = index.add([])
+        if evicted:
+            self._call(tier, "evict", evicted)
+        log.info("offload tier %s: %d chunk(s) from a previous run (%d evicted to fit)",
+                 tier.name, len(index.keys), len(evicted))
+
+    def tkeys(self, keys: Sequence[str]) -> list[str]:
+        return [tier_key(k, self._fp, self.rank, self.tp_size) for k in keys]
+
+    # -- the plan (model-runner thread) -------------------------------------------------------
+
+    def apply(self, plan: OffloadPlan) -> set[int]:
+        """Apply one step's plan; return block ids whose load could not be done (load errors)."""
+        bad: set[int] = set()
+        for lid in plan.releases:
+            self.release(lid)
+        for order in plan.lookups:
+            self.lookup(order)
+        for load in plan.loads:
+            if not self.load(load):
+                bad.update(load.block_ids)
+        for store in plan.stores:
+            self.store(store)
+        return bad
+
+    def lookup(self, order: LookupOrder) -> None:
+        tkeys = self.tkeys(order.keys)
+        lk = _Lookup(order, tkeys)
+        with self._lock:
+            old = self._lookups.pop(order.lookup_id, None)
+            if old is not None:
+                self._drop(old)
+            self._lookups[order.lookup_id] = lk
+        self.counters["offload_lookups"] += 1
+        if not self._advance(lk, blocking_ok=False):
+            self._fast.put(lambda: self._finish_lookup(lk))
+
+    def _finish_lookup(self, lk: _Lookup) -> None:
+        self._advance(lk, blocking_ok=True)
+        self._progress()
+
+    def _advance(self, lk: _Lookup, *, blocking_ok: bool) -> bool:
+        """Extend ``lk``'s staged prefix; False if a blocking tier must be asked (not here)."""
+        n = len(lk.tkeys)
+        while len(lk.chunks) < n and not lk.released:
+            p = len(lk.chunks)
+            with self._lock:
+                room = (self.config.max_staged_bytes - self._staged_bytes) // self.io.chunk_bytes
+            if room <= 0:
+                self.counters["offload_staging_full"] += 1
+                break
+            got: list[bytes] = []
+            for i, tier in enumerate(self.tiers):
+                index = self._index.get(tier.name)
+                listed = index.run(lk.tkeys, p) if index is not None else n - p
+                if listed == 0:
+                    continue
+                if tier.blocking and not blocking_ok:
+                    return False
+                want = lk.tkeys[p:p + min(listed, room)]
+                got = self._call(tier, "load", want) or []
+                got = [g for g in got[:len(want)]]
+                if index is not None and len(got) < len(want):
+                    self._lost(tier, want[len(got):], lk)
+                if got:
+                    self.counters[f"offload_hit_blocks_{tier.name}"] += len(got)
+                    if index is not None:
+                        with self._lock:
+                            index.add(want[:len(got)])
+                    if i > 0:
+                        self._promote(i, want[:len(got)], got)
+                    break
+            if not got:
+                break
+            with self._lock:
+                if lk.released:
+                    break
+                lk.chunks.extend(got)
+                self._staged_bytes += len(got) * self.io.chunk_bytes
+        with self._lock:
+            lk.done = True
+            if not lk.released:
+                self._answers[lk.order.lookup_id] = len(lk.chunks)
+            else:
+                self._drop(lk)
+        return True
+
+    def _lost(self, tier: Tier, keys: Sequence[str], lk: _Lookup) -> None:
+        """A managed tier could not return chunks its index lists: forget them, count, log."""
+        index = self._index[tier.name]
+        with self._lock:
+            first = keys[0] if keys else None
+            for k in keys:
+                index.keys.pop(k, None)
+        self.counters["offload_load_failed"] += 1
+        log.warning("offload lookup %s: tier %s could not return a chunk it held (%s); the "
+                    "prompt is recomputed from block %d on", lk.order.lookup_id, tier.name,
+                    first, len(lk.chunks))
+
+    def _promote(self, upto: int, keys: Sequence[str], chunks: Sequence[bytes]) -> None:
+        for tier in self.tiers[:upto]:
+            if not tier.blocking:
+                self._put(tier, list(zip(keys, chunks, strict=True)))
+                self.counters["offload_promoted_blocks"] += len(keys)
+
+    def load(self, order: LoadOrder) -> bool:
+        """Copy staged chunks into blocks (before the forward); False if nothing is staged."""
+        with self._lock:
+            lk = self._lookups.pop(order.lookup_id, None)
+            ok = (lk is not None and lk.done and not lk.released
+                  and order.first + len(order.block_ids) <= len(lk.chunks))
+            chunks = lk.chunks[order.first:order.first + len(order.block_ids)] if ok else []
+            if lk is not None:
+                self._drop(lk)
+        if not ok:
+            self.counters["offload_load_failed"] += 1
+            log.error("offload load %s: no staged chunks for %d block(s) (lookup %s); the "
+                      "blocks are reported as load errors", order.lookup_id,
+                      len(order.block_ids), "unknown" if lk is None else "short")
+            return False
+        self.io.write(order.block_ids, chunks)
+        self.counters["offload_loaded_blocks"] += len(order.block_ids)
+        return True
+
+    def release(self, lookup_id: str) -> None:
+        with self._lock:
+            lk = self._lookups.pop(lookup_id, None)
+            if lk is not None:
+                lk.released = True
+                self._drop(lk)
+            self._answers.pop(lookup_id, None)
+
+    def _drop(self, lk: _Lookup) -> None:  # under self._lock
+        self._staged_bytes -= len(lk.chunks) * self.io.chunk_bytes
+        lk.chunks = []
+        lk.released = True
+
+    def store(self, order: StoreOrder) -> None:
+        """Queue the copy of a finished request's blocks; ``take_stored`` reports it done."""
+        tkeys = self.tkeys(order.keys)
+        if self._everywhere(tkeys):
+            with self._lock:
+                for index in self._index.values():
+                    index.add(tkeys)
+                self._stored.add(order.req_id)
+            self.counters["offload_store_skipped_present"] += 1
+            return
+        self._fast.put(lambda: self._copy_out(order, tkeys))
+
+    def _everywhere(self, tkeys: Sequence[str]) -> bool:
+        with self._lock:
+            for t in self.tiers:
+                idx = self._index.get(t.name)
+                known = self._known.get(t.name)
+                if idx is not None and idx.run(tkeys, 0) < len(tkeys):
+                    return False
+                if known is not None and not all(k in known for k in tkeys):
+                    return False
+        return True
+
+    def _copy_out(self, order: StoreOrder, tkeys: list[str]) -> None:
+        try:
+            chunks = self.io.read(order.block_ids)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("offload store %s: cannot copy its blocks out: %s", order.req_id, exc)
+            chunks = []
+        finally:
+            with self._lock:
+                self._stored.add(order.req_id)
+            self._progress()
+        if not chunks:
+            return
+        items = list(zip(tkeys, chunks, strict=True))
+        for tier in self.tiers:
+            if not tier.blocking:
+                self._put(tier, items)
+                continue
+            size = len(items) * self.io.chunk_bytes
+            with self._lock:
+                if self._backlog_bytes + size > self.config.max_backlog_bytes:
+                    self.counters[f"offload_backlog_full_{tier.name}"] += 1
+                    continue
+                self._backlog_bytes += size
+            self._slow.put(functools.partial(self._write_behind, tier, items, size))
+
+    def _write_behind(self, tier: Tier, items: list[tuple[str, bytes]], size: int) -> None:
+        try:
+            self._put(tier, items)
+        finally:
+            with self._lock:
+                self._backlog_bytes -= size
+
+    def _put(self, tier: Tier, items: list[tuple[str, bytes]]) -> None:
+        """Store into one tier: skip what it holds, evict past capacity, remember the rest."""
+        index = self._index.get(tier.name)
+        known = self._known.get(tier.name)
+        with self._lock:
+            if index is not None:
+                todo = [(k, c) for k, c in items if k not in index.keys]
+                index.add([k for k, _ in items if k in index.keys])
+            else:
+                assert known is not None
+                todo = [(k, c) for k, c in items if k not in known]
+        if not todo:
+            return
+        stored = self._call(tier, "store", todo) or []
+        if len(stored) < len(todo):
+            self.counters[f"offload_store_failed_{tier.name}"] += len(todo) - len(stored)
+        self.counters[f"offload_stored_blocks_{tier.name}"] += len(stored)
+        evicted: list[str] = []
+        with self._lock:
+            if index is not None:
+                evicted = index.add(list(stored))
+            else:
+                assert known is not None
+                for k in stored:
+                    known[k] = None
+                while len(known) > KNOWN_KEYS:
+                    known.popitem(last=False)
+        if evicted:
+            self.counters[f"offload_evicted_blocks_{tier.name}"] += len(evicted)
+            self._call(tier, "evict", evicted)
+
+    def _call(self, tier: Tier, method: str, arg: Any) -> Any:
+        lock = self._tier_locks[tier.name] if tier.blocking else None
+        try:
+            if lock is None:
+                return getattr(tier, method)(arg)
+            with lock:
+                return getattr(tier, method)(arg)
+        except Exception as exc:  # noqa: BLE001 - a tier failure is a miss, not an engine crash
+            self.counters[f"offload_tier_errors_{tier.name}"] += 1
+            log.warning("offload tier %s: %s failed: %s: %s", tier.name, method,
+                        type(exc).__name__, exc)
+            return None
+
+    # -- results (model-runner thread) ---------------------------------------------------------
+
+    def take_answers(self) -> dict[str, int]:
+        """Lookups answered since the last call: lookup id → blocks staged."""
+        self._expire()
+        with self._lock:
+            out, self._answers = self._answers, {}
+        return out
+
+    def take_stored(self) -> set[str]:
+        """Requests whose blocks have been copied out (their blocks may be freed)."""
+        with self._lock:
+            out, self._stored = self._stored, set()
+        return out
+
+    def take_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        self.counters.clear()
+        return out
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [lid for lid, lk in self._lookups.items()
+                   if lk.done and now - lk.created > STAGE_TTL_S]
+            for lid in old:
+                self._drop(self._lookups.pop(lid))
+        if old:
+            self.counters["offload_staging_expired"] += len(old)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Occupancy per tier (for stats)."""
+        with self._lock:
+            return {"tiers": [{"name": t.name, "managed": t.managed,
+                               "used_bytes": (self._index[t.name].used
+                                              if t.name in self._index else None),
+                               "capacity_bytes": t.capacity_bytes} for t in self.tiers],
+                    "staged_bytes": self._staged_bytes, "backlog_bytes": self._backlog_bytes,
+                    "lookups": len(self._lookups)}
+
+    # -- threads ---------------------------------------------------------------------------------
+
+    def _worker(self, q: queue.Queue[Callable[[], None] | None]) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001
+                log.exception("offload job failed")
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued job ran (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout
+        for q in (self._fast, self._slow):
+            done = threading.Event()
+            q.put(done.set)
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        done = threading.Event()
+        self._fast.put(done.set)
+        return done.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued writes (bounded), stop the threads, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout)
+        for q in (self._fast, self._slow):
+            q.put(None)
+        for th in self._threads:
+            th.join(timeout=1.0)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("offload tier %s: close failed: %s", tier.name, exc)
+
+

@@ -1,0 +1,178 @@
+"""Offload tiers on a real vLLM engine: reuse after the prefix cache is reset, a restart that
+keeps the disk tier, a full tier that evicts, a corrupted disk chunk that is recomputed.
+
+One engine (``kv_both``, backend ``shm``) with ``dram`` then ``disk``; every output is compared
+with the first, tier-less computation of the same prompt (the single-engine reference), and
+the engine's own counters say where the KV came from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvbridge.testing.engines import (
+    VllmServer,
+    complete,
+    engine_stats,
+    free_port,
+    output_token_ids,
+    reset_prefix_cache,
+)
+from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 32
+CHUNK = 2 * 2 * BLOCK * 2 * 32 * 4  # layers × K/V × block × kv heads × head dim × fp32
+MAX_TOKENS = 8
+GREEDY = {"ignore_eos": True}
+
+
+@dataclass
+class Engine:
+    model: str
+    disk: Path
+    logs: Path
+    ctl_port: int = field(default_factory=free_port)
+    server: VllmServer | None = None
+    refs: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    @property
+    def ctl(self) -> str:
+        return f"tcp://127.0.0.1:{self.ctl_port}"
+
+    def start(self) -> None:
+        offload = {"tiers": [{"name": "dram", "capacity_bytes": 24 * CHUNK},
+                             {"name": "disk", "path": str(self.disk),
+                              "capacity_bytes": 48 * CHUNK}]}
+        kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
+              "engine_id": "offload-E",
+              "kv_connector_extra_config": {"backend": "shm", "side_channel_port": self.ctl_port,
+                                            "offload": offload}}
+        self.server = VllmServer(self.model, name="offload", port=free_port(),
+                                 kv_transfer_config=kv, cpu_bind="0",
+                                 env={"VLLM_SERVER_DEV_MODE": "1",
+                                      "KVBRIDGE_ENGINE_SPIN_MS": "2"},
+                                 extra_args=["--block-size", str(BLOCK)],
+                                 log_path=self.logs / f"engine-{time.monotonic_ns()}.log")
+        self.server.start().wait_ready(600)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def run(self, prompt: list[int]) -> list[int]:
+        assert self.server is not None
+        out = output_token_ids(complete(self.server.url, prompt, MAX_TOKENS, extra=GREEDY,
+                                        timeout=120))
+        assert out is not None
+        return out
+
+    def reference(self, prompt: list[int]) -> list[int]:
+        """The first computation of ``prompt`` (call before any tier holds it)."""
+        key = tuple(prompt)
+        if key not in self.refs:
+            self.refs[key] = self.run(prompt)
+        return self.refs[key]
+
+    def reset(self) -> None:
+        assert self.server is not None
+        reset_prefix_cache(self.server.url)
+
+    def stats(self) -> dict[str, int]:
+        return engine_stats(self.ctl)
+
+    def settle(self, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
+        """Counters once ``key`` reached ``at_least`` (write-behind is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        stats = self.stats()
+        while stats.get(key, 0) < at_least and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stats = self.stats()
+        return stats
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    e = Engine(str(build_tiny_model()), tmp_path_factory.mktemp("disk"),
+               tmp_path_factory.mktemp("logs"))
+    try:
+        e.start()
+        yield e
+    finally:
+        e.stop()
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+PROMPTS = random_prompts(12, 200, seed=91)  # 6 full blocks each (the 7th is partial)
+
+
+def test_reset_prefix_cache_then_the_tier_serves_identical_output(engine: Engine) -> None:
+    prompt = PROMPTS[0]
+    ref = engine.reference(prompt)
+    stats = engine.settle("offload_stored_blocks_disk", 6)
+    assert stats.get("offload_stored_blocks_dram", 0) >= 6
+    engine.reset()
+    before = engine.stats()
+    assert engine.run(prompt) == ref
+    after = engine.stats()
+    assert _delta(after, before, "offload_hit_blocks_dram") == 6
+    assert _delta(after, before, "offload_loaded_blocks") == 6
+    assert _delta(after, before, "offload_load_failed") == 0
+    # a prompt that shares only its first two blocks hits only those
+    other = prompt[:2 * BLOCK] + PROMPTS[1][2 * BLOCK:]
+    ref_other = engine.reference(other)  # computed: vLLM's own cache has blocks 0-1 now
+    engine.reset()
+    before = engine.stats()
+    assert engine.run(other) == ref_other
+    assert _delta(engine.stats(), before, "offload_loaded_blocks") == 6  # stored after ref
+
+
+def test_full_tiers_evict_without_errors(engine: Engine) -> None:
+    refs = {i: engine.reference(PROMPTS[i]) for i in range(2, 12)}  # 60 chunks into 24 / 48
+    stats = engine.settle("offload_evicted_blocks_disk", 1)
+    assert stats.get("offload_evicted_blocks_dram", 0) > 0
+    assert stats.get("offload_evicted_blocks_disk", 0) > 0
+    assert not any(k.startswith(("offload_tier_errors", "offload_store_failed")) for k in stats)
+    engine.reset()
+    for i in (2, 11):  # the oldest (evicted, recomputed) and the newest (a hit)
+        assert engine.run(PROMPTS[i]) == refs[i]
+    files = list(engine.disk.glob("*/*/*.kvb"))
+    assert 0 < len(files) <= 48
+
+
+def test_restart_keeps_the_disk_tier_and_corruption_is_recomputed(engine: Engine) -> None:
+    prompt, victim = PROMPTS[11], random_prompts(1, 200, seed=92)[0]
+    ref = engine.reference(prompt)
+    engine.reset()
+    engine.run(prompt)  # touch it: most recently used on every tier
+    files_before = set(engine.disk.glob("*/*/*.kvb"))
+    stored = engine.stats().get("offload_stored_blocks_disk", 0)
+    ref_victim = engine.reference(victim)
+    engine.settle("offload_stored_blocks_disk", stored + 6)
+    victim_files = sorted(set(engine.disk.glob("*/*/*.kvb")) - files_before)
+    assert len(victim_files) == 6
+    engine.stop()
+    path = victim_files[0]  # one chunk of the victim, whichever block it is
+    blob = bytearray(path.read_bytes())
+    blob[-7] ^= 0x55
+    path.write_bytes(bytes(blob))
+    engine.start()
+    before = engine.stats()
+    assert engine.run(prompt) == ref
+    after = engine.stats()
+    assert _delta(after, before, "offload_hit_blocks_disk") == 6  # dram was lost, disk was not
+    assert engine.run(victim) == ref_victim
+    final = engine.stats()
+    assert _delta(final, after, "offload_load_failed") == 1
+    assert _delta(final, after, "offload_loaded_blocks") < 6
+    assert not path.exists()  # the corrupted file was removed

@@ -281,8 +281,10 @@ class OffloadManager:
             lk = self._lookups.pop(order.lookup_id, None)
             ok = (lk is not None and lk.done and not lk.released
                   and order.first + len(order.block_ids) <= len(lk.chunks))
-            chunks = lk.chunks[order.first:order.first + len(order.block_ids)] if ok else []
+            chunks: list[bytes] = []
             if lk is not None:
+                if ok:
+                    chunks = lk.chunks[order.first:order.first + len(order.block_ids)]
                 self._drop(lk)
         if not ok:
             self.counters["offload_load_failed"] += 1

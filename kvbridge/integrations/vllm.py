@@ -481,6 +481,7 @@ class _WorkerSide:
         loop.on_progress(self._poke)
         if offload is not None:
             offload.on_progress(self._poke)
+            offload.count_into(loop.add_counters)
 
     def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:
         cfg = self.config.offload_config()

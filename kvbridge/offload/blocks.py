@@ -64,6 +64,6 @@ class BlockIO:
         for c in chunks:
             if len(c) != self.chunk_bytes:
                 raise LayoutError(f"a chunk of {len(c)} bytes for blocks of {self.chunk_bytes}")
-        src = np.frombuffer(b"".join(chunks), dtype=np.uint8).reshape(ids.size, self.chunk_bytes)
-        for view, off, n in self._views:
-            view[ids] = src[:, off:off + n]
+        for row, chunk in zip(ids.tolist(), chunks, strict=True):
+            for view, off, n in self._views:  # straight from each chunk: no joined copy
+                view[row] = np.frombuffer(chunk, dtype=np.uint8, count=n, offset=off)

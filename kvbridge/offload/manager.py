@@ -137,6 +137,8 @@ class OffloadManager:
         self._staged_bytes = 0
         self._backlog_bytes = 0
         self.counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+        self._sink: Callable[[dict[str, int]], None] | None = None
         self._progress: Callable[[], None] = lambda: None
         self._closed = False
         for t in self.tiers:
@@ -153,6 +155,22 @@ class OffloadManager:
                  "; ".join(t.describe() for t in self.tiers), io.chunk_bytes)
 
     # -- set-up ------------------------------------------------------------------------------
+
+    def count_into(self, sink: Callable[[dict[str, int]], None]) -> None:
+        """Deliver counters to ``sink`` (thread-safe, e.g. the loop's ``add_counters``) after
+        every job, so they are current even while the engine is idle."""
+        self._sink = sink
+
+    def _count(self, key: str, n: int) -> None:
+        with self._counter_lock:
+            self.counters[key] += n
+
+    def _flush_counters(self) -> None:
+        if self._sink is None:
+            return
+        counters = self.take_counters()
+        if counters:
+            self._sink(counters)
 
     def on_progress(self, callback: Callable[[], None]) -> None:
         """``callback()`` runs (on an I/O thread) when an answer or a finished store is ready."""
@@ -203,7 +221,7 @@ class OffloadManager:
             if old is not None:
                 self._drop(old)
             self._lookups[order.lookup_id] = lk
-        self.counters["offload_lookups"] += 1
+        self._count("offload_lookups", 1)
         if not self._advance(lk, blocking_ok=False):
             self._fast.put(lambda: self._finish_lookup(lk))
 
@@ -219,7 +237,7 @@ class OffloadManager:
             with self._lock:
                 room = (self.config.max_staged_bytes - self._staged_bytes) // self.io.chunk_bytes
             if room <= 0:
-                self.counters["offload_staging_full"] += 1
+                self._count("offload_staging_full", 1)
                 break
             got: list[bytes] = []
             for i, tier in enumerate(self.tiers):
@@ -235,7 +253,7 @@ class OffloadManager:
                 if index is not None and len(got) < len(want):
                     self._lost(tier, want[len(got):], lk)
                 if got:
-                    self.counters[f"offload_hit_blocks_{tier.name}"] += len(got)
+                    self._count(f"offload_hit_blocks_{tier.name}", len(got))
                     if index is not None:
                         with self._lock:
                             index.add(want[:len(got)])
@@ -264,7 +282,7 @@ class OffloadManager:
             first = keys[0] if keys else None
             for k in keys:
                 index.keys.pop(k, None)
-        self.counters["offload_load_failed"] += 1
+        self._count("offload_load_failed", 1)
         log.warning("offload lookup %s: tier %s could not return a chunk it held (%s); the "
                     "prompt is recomputed from block %d on", lk.order.lookup_id, tier.name,
                     first, len(lk.chunks))
@@ -273,7 +291,7 @@ class OffloadManager:
         for tier in self.tiers[:upto]:
             if not tier.blocking:
                 self._put(tier, list(zip(keys, chunks, strict=True)))
-                self.counters["offload_promoted_blocks"] += len(keys)
+                self._count("offload_promoted_blocks", len(keys))
 
     def load(self, order: LoadOrder) -> bool:
         """Copy staged chunks into blocks (before the forward); False if nothing is staged."""
@@ -287,13 +305,13 @@ class OffloadManager:
                     chunks = lk.chunks[order.first:order.first + len(order.block_ids)]
                 self._drop(lk)
         if not ok:
-            self.counters["offload_load_failed"] += 1
+            self._count("offload_load_failed", 1)
             log.error("offload load %s: no staged chunks for %d block(s) (lookup %s); the "
                       "blocks are reported as load errors", order.lookup_id,
                       len(order.block_ids), "unknown" if lk is None else "short")
             return False
         self.io.write(order.block_ids, chunks)
-        self.counters["offload_loaded_blocks"] += len(order.block_ids)
+        self._count("offload_loaded_blocks", len(order.block_ids))
         return True
 
     def release(self, lookup_id: str) -> None:
@@ -317,7 +335,7 @@ class OffloadManager:
                 for index in self._index.values():
                     index.add(tkeys)
                 self._stored.add(order.req_id)
-            self.counters["offload_store_skipped_present"] += 1
+            self._count("offload_store_skipped_present", 1)
             return
         self._fast.put(lambda: self._copy_out(order, tkeys))
 
@@ -352,7 +370,7 @@ class OffloadManager:
             size = len(items) * self.io.chunk_bytes
             with self._lock:
                 if self._backlog_bytes + size > self.config.max_backlog_bytes:
-                    self.counters[f"offload_backlog_full_{tier.name}"] += 1
+                    self._count(f"offload_backlog_full_{tier.name}", 1)
                     continue
                 self._backlog_bytes += size
             self._slow.put(functools.partial(self._write_behind, tier, items, size))
@@ -379,8 +397,8 @@ class OffloadManager:
             return
         stored = self._call(tier, "store", todo) or []
         if len(stored) < len(todo):
-            self.counters[f"offload_store_failed_{tier.name}"] += len(todo) - len(stored)
-        self.counters[f"offload_stored_blocks_{tier.name}"] += len(stored)
+            self._count(f"offload_store_failed_{tier.name}", len(todo) - len(stored))
+        self._count(f"offload_stored_blocks_{tier.name}", len(stored))
         evicted: list[str] = []
         with self._lock:
             if index is not None:
@@ -392,7 +410,7 @@ class OffloadManager:
                 while len(known) > KNOWN_KEYS:
                     known.popitem(last=False)
         if evicted:
-            self.counters[f"offload_evicted_blocks_{tier.name}"] += len(evicted)
+            self._count(f"offload_evicted_blocks_{tier.name}", len(evicted))
             self._call(tier, "evict", evicted)
 
     def _call(self, tier: Tier, method: str, arg: Any) -> Any:
@@ -403,7 +421,7 @@ class OffloadManager:
             with lock:
                 return getattr(tier, method)(arg)
         except Exception as exc:  # noqa: BLE001 - a tier failure is a miss, not an engine crash
-            self.counters[f"offload_tier_errors_{tier.name}"] += 1
+            self._count(f"offload_tier_errors_{tier.name}", 1)
             log.warning("offload tier %s: %s failed: %s: %s", tier.name, method,
                         type(exc).__name__, exc)
             return None
@@ -424,8 +442,9 @@ class OffloadManager:
         return out
 
     def take_counters(self) -> dict[str, int]:
-        out = dict(self.counters)
-        self.counters.clear()
+        with self._counter_lock:
+            out = dict(self.counters)
+            self.counters.clear()
         return out
 
     def _expire(self) -> None:
@@ -436,7 +455,7 @@ class OffloadManager:
             for lid in old:
                 self._drop(self._lookups.pop(lid))
         if old:
-            self.counters["offload_staging_expired"] += len(old)
+            self._count("offload_staging_expired", len(old))
 
     def snapshot(self) -> dict[str, Any]:
         """Occupancy per tier (for stats)."""
@@ -459,6 +478,7 @@ class OffloadManager:
                 job()
             except Exception:  # noqa: BLE001
                 log.exception("offload job failed")
+            self._flush_counters()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued job ran (tests, shutdown); False on timeout."""

@@ -214,7 +214,7 @@ def run_config(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="benchmarks: transfer bandwidth, descriptor building, end to end",
+        help="benchmarks: transfer bandwidth, descriptor building, end to end, offload",
         description="Benchmarks that compare side by side in one run (ratios, not absolutes).",
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -272,6 +272,21 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_e2e.add_arguments(e)
     e.set_defaults(func=bench_e2e.cli_main)
+
+    from kvbridge import bench_offload
+
+    o = sub.add_parser(
+        "offload",
+        help="TTFT of a long prompt served from each offload tier vs recompute (real engines)",
+        description="Serve the same long prompt (~100 M-parameter random model) by recompute "
+        "and from the dram, disk, lmcache and mooncake_store offload tiers, one real vLLM "
+        "engine per row, after POST /reset_prefix_cache every time; check the engine counters "
+        "(the KV came from the row's tier) and the outputs (equal to recompute's); print TTFT "
+        "median/min and the ratio to recompute. Takes ~4-5 minutes on 2 cores (--quick: a "
+        "smoke run).",
+    )
+    bench_offload.add_arguments(o)
+    o.set_defaults(func=bench_offload.cli_main)
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

@@ -16,6 +16,9 @@ Concurrent builders of the same directory are serialised with an ``flock`` on a 
 file, and a build goes to a temporary directory first, so a reader never sees half a model.
 
 :func:`random_prompts` returns seeded token-id prompts that avoid the special ids.
+
+:func:`build_bench_model` builds a bigger sibling the same way (~100 M parameters, for
+``kvbridge bench offload``: prefill has to cost real time), :func:`bench_prompts` its prompts.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ __all__ = [
     "build_tiny_model",
     "random_prompts",
     "default_cache_dir",
+    "BENCH_VOCAB_SIZE",
+    "BENCH_MIN_PARAMS",
+    "bench_model_spec",
+    "spec_param_count",
+    "build_bench_model",
+    "bench_prompts",
 ]
 
 log = logging.getLogger("kvbridge.testing.tiny_model")
@@ -128,21 +137,22 @@ def _is_built(path: Path, digest: str) -> bool:
     )
 
 
-def _vocab() -> dict[str, int]:
+def _vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
     vocab = {"<pad>": PAD_ID, "<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
     for word in _WORDS:
-        if word not in vocab and len(vocab) < VOCAB_SIZE:
+        if word not in vocab and len(vocab) < size:
             vocab[word] = len(vocab)
-    while len(vocab) < VOCAB_SIZE:
+    while len(vocab) < size:
         vocab[f"t{len(vocab)}"] = len(vocab)
     return vocab
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE,
+                     model_max_length: int = 4096) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     transformers: Any = importlib.import_module("transformers")
-    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=_vocab(vocab_size), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     fast = transformers.PreTrainedTokenizerFast(
@@ -151,7 +161,7 @@ def _write_tokenizer(out: Path) -> None:
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",
-        model_max_length=4096,
+        model_max_length=model_max_length,
     )
     fast.save_pretrained(str(out))
 
@@ -196,8 +206,13 @@ def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
     written.
     """
     target = Path(path) if path is not None else default_cache_dir() / f"tiny-qwen3-s{seed}"
+    return _build(target, tiny_model_spec(seed), "tiny model")
+
+
+def _build(target: Path, spec: dict[str, Any], what: str) -> Path:
+    """Build *spec* at *target* unless its stamp matches (locked, via a temporary directory)."""
     target = target.expanduser().resolve()
-    spec = tiny_model_spec(seed)
+    seed = spec["seed"]
     digest = _spec_hash(spec)
     if _is_built(target, digest):
         return target
@@ -211,11 +226,15 @@ def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-            log.info("building tiny model (seed %d) at %s", seed, target)
+            log.info("building %s (seed %d) at %s", what, seed, target)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
             try:
                 _write_model(tmp, spec)
-                _write_tokenizer(tmp)
+                cfg = spec["config"]
+                if cfg["vocab_size"] == VOCAB_SIZE:
+                    _write_tokenizer(tmp)
+                else:
+                    _write_tokenizer(tmp, cfg["vocab_size"], cfg["max_position_embeddings"])
                 (tmp / STAMP_NAME).write_text(
                     json.dumps({"hash": digest, "spec": spec}, sort_keys=True, indent=1) + "\n"
                 )
@@ -231,6 +250,79 @@ def build_tiny_model(path: str | Path | None = None, seed: int = 0) -> Path:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
+
+
+# -- the bench model -----------------------------------------------------------------------------
+
+#: vocabulary of the bench model (ids below :data:`VOCAB_SIZE` are the tiny model's tokens)
+BENCH_VOCAB_SIZE = 32768
+#: the bench model must have at least this many parameters (checked by :func:`build_bench_model`)
+BENCH_MIN_PARAMS = 100_000_000
+
+
+def bench_model_spec(seed: int = 0) -> dict[str, Any]:
+    """The specification of the bench model: the tiny model's recipe at ~100 M parameters.
+
+    Qwen3ForCausalLM, hidden 768, 12 layers, 12 attention heads / 4 KV heads, head dim 64,
+    intermediate 2048, vocabulary 32768, tied embeddings, float32, 8192 positions
+    (:func:`spec_param_count`: about 100.7 M parameters, 403 MB). KV per token: 12 layers × K/V
+    × 4 heads × 64 × 4 bytes = 24 KiB.
+    """
+    spec = tiny_model_spec(seed)
+    spec["kind"] = "bench"
+    spec["config"].update({
+        "vocab_size": BENCH_VOCAB_SIZE,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+    })
+    return spec
+
+
+def spec_param_count(spec: dict[str, Any]) -> int:
+    """Parameters of the Qwen3 model *spec* describes, computed from its shape (builds nothing)."""
+    c = spec["config"]
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    bias = q + 2 * kv + h if c.get("attention_bias") else 0
+    attn = h * q + 2 * h * kv + q * h + bias + 2 * c["head_dim"]  # q/k/v/o + q_norm, k_norm
+    mlp = 3 * h * inter
+    per_layer = attn + mlp + 2 * h  # input and post-attention RMSNorm
+    embed = c["vocab_size"] * h
+    head = 0 if c.get("tie_word_embeddings", True) else c["vocab_size"] * h
+    return int(embed + layers * per_layer + h + head)  # + the final norm
+
+
+def build_bench_model(path: str | Path | None = None, seed: int = 0) -> Path:
+    """Build (or reuse) the ~100 M-parameter bench model (:func:`bench_model_spec`) at *path*.
+
+    *path* defaults to ``default_cache_dir() / f"bench-qwen3-s{seed}"``. Same machinery and
+    guarantees as :func:`build_tiny_model` (offline, deterministic, stamped, locked); a fresh
+    build takes about 15–30 s and writes ~400 MB. Raises ``ValueError`` if the specification
+    has fewer than :data:`BENCH_MIN_PARAMS` parameters.
+    """
+    spec = bench_model_spec(seed)
+    n = spec_param_count(spec)
+    if n < BENCH_MIN_PARAMS:
+        raise ValueError(f"bench model has {n} parameters, fewer than {BENCH_MIN_PARAMS}")
+    target = Path(path) if path is not None else default_cache_dir() / f"bench-qwen3-s{seed}"
+    return _build(target, spec, "bench model")
+
+
+def bench_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Like :func:`random_prompts` over the bench model's whole vocabulary."""
+    if n < 0 or length < 1:
+        raise ValueError(f"need n >= 0 and length >= 1, got n={n} length={length}")
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(NUM_SPECIAL_TOKENS, BENCH_VOCAB_SIZE) for _ in range(length)]
+        for _ in range(n)
+    ]
 
 
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -59,9 +59,9 @@ def print_json(value: Any) -> None:
 def add_backends_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "backends",
-        help="list installed transport backends and whether they load",
-        description="List the backends of entry-point group kvbridge.backends, whether each "
-        "one loads on this host, and why not.",
+        help="list installed transport backends and offload tiers, and whether they load",
+        description="List the transports of entry-point group kvbridge.backends and the "
+        "offload tiers of kvbridge.tiers, whether each one loads on this host, and why not.",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_backends)
@@ -71,14 +71,17 @@ def run_backends(args: argparse.Namespace) -> int:
     from kvbridge import registry
 
     rows = registry.status()
+    tiers = registry.tier_status()
     if args.json:
-        print_json([asdict(r) for r in rows])
-    elif not rows:
-        print("no kvbridge backends are installed (entry-point group kvbridge.backends)")
-    else:
+        print_json({"backends": [asdict(r) for r in rows], "tiers": [asdict(r) for r in tiers]})
+        return 0
+    for kind, found in (("backend", rows), ("tier", tiers)):
+        if not found:
+            print(f"no kvbridge {kind}s are installed")
+            continue
         print_table(
-            ["backend", "loadable", "target", "detail"],
-            [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in rows],
+            [kind, "loadable", "target", "detail"],
+            [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in found],
         )
     return 0
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,9 +43,21 @@ def test_backends_table() -> None:
 def test_backends_json() -> None:
     res = kvbridge("backends", "--json")
     assert res.returncode == 0, res.stderr
-    rows = {row["name"]: row for row in json.loads(res.stdout)}
+    data = json.loads(res.stdout)
+    rows = {row["name"]: row for row in data["backends"]}
     assert rows["shm"]["loadable"] is True
     assert set(rows["shm"]) == {"name", "target", "loadable", "detail"}
+    tiers = {row["name"]: row for row in data["tiers"]}
+    assert tiers["dram"]["loadable"] is True and tiers["disk"]["loadable"] is True
+
+
+def test_config_shows_offload_from_env(tmp_path: Any) -> None:
+    res = kvbridge("config", "--extra-config", '{"offload": {"tiers": ["dram"]}}',
+                   env={"KVBRIDGE_OFFLOAD_TIERS": "dram,disk",
+                        "KVBRIDGE_OFFLOAD_DISK_PATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("offload "))
+    assert '"disk"' in line and str(tmp_path) in line and "KVBRIDGE_OFFLOAD_TIERS" in line
 
 
 # -- config ---------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ log = logging.getLogger("kvbridge.registry")
 INSTALL_HINTS: dict[str, str] = {
     "nixl": "pip install 'kvbridge[nixl]'  (nixl==1.5.1 nixl-cu13==1.5.1 --no-deps on CPU hosts)",
     "mooncake": "pip install 'kvbridge[mooncake]' and apt-get install -y libibverbs1",
-    "lmcache": "pip install lmcache==0.5.6 after the CPU torch (docs/offload.md)",
+    "lmcache": "pip install --no-deps lmcache==0.5.6 sortedcontainers aiofile, after the CPU "
+               "torch (docs/backends/lmcache.md)",
     "mooncake_store": "pip install mooncake-transfer-engine-non-cuda and apt-get install -y "
                       "libibverbs1; run mooncake_master (docs/offload.md)",
 }

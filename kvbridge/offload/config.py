@@ -30,7 +30,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["OffloadConfig", "TierSpec", "parse_size", "apply_env", "ENV_OFFLOAD"]
+__all__ = ["OffloadConfig", "TierSpec", "parse_size", "parse_bool", "apply_env", "ENV_OFFLOAD"]
 
 ENV_OFFLOAD = "KVBRIDGE_OFFLOAD"
 _KNOBS = {"store": "bool", "load": "bool", "max_staged_bytes": "size",
@@ -58,7 +58,8 @@ def parse_size(raw: Any, what: str) -> int:
     return value
 
 
-def _bool(raw: Any, what: str) -> bool:
+def parse_bool(raw: Any, what: str) -> bool:
+    """``raw`` (a bool or ``on``/``off``/``1``/``0``…); :class:`ConfigError` naming ``what``."""
     if isinstance(raw, bool):
         return raw
     text = str(raw).strip().lower()
@@ -137,7 +138,7 @@ class OffloadConfig:
                 continue
             what = f"offload.{key}"
             if kind == "bool":
-                values[key] = _bool(raw[key], what)
+                values[key] = parse_bool(raw[key], what)
             elif kind == "size":
                 values[key] = parse_size(raw[key], what)
             else:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
+from kvbridge.offload.config import parse_bool
 from kvbridge.offload.tier import Tier, TierContext, check_chunk, is_key
 
 __all__ = ["DiskTier"]
@@ -90,7 +91,8 @@ class DiskTier(Tier):
         except OSError as exc:
             raise ConfigError(f"offload tier {ctx.name!r}: cannot create {self.root}: "
                               f"{exc}") from exc
-        self.fsync = bool(ctx.option("fsync", False, _bool))
+        self.fsync = parse_bool(ctx.options.get("fsync", False),
+                                f"offload tier {ctx.name!r}: fsync")
         self._warned: set[str] = set()
         self._remove_leftovers()
 
@@ -176,13 +178,3 @@ class DiskTier(Tier):
     def describe(self) -> str:
         return f"{self.name} at {self.root} (capacity {self.capacity_bytes} bytes)"
 
-
-def _bool(raw: object) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected a boolean")

@@ -50,6 +50,28 @@ def available() -> list[str]:
     return sorted(_entry_points())
 
 
+def _load(group: str, name: str, base: type[Any], what: str) -> type[Any]:
+    """Import entry point ``name`` of ``group`` and check it subclasses ``base``."""
+    eps = _entry_points(group)
+    ep = eps.get(name)
+    if ep is None:
+        near = difflib.get_close_matches(name, list(eps), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        installed = ", ".join(sorted(eps)) or "none"
+        raise BackendNotFound(f"unknown {what} {name!r}{hint} (installed: {installed})")
+    try:
+        cls = ep.load()
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc)) from exc
+    except Exception as exc:  # a broken plugin (e.g. missing attribute) must not crash listing
+        raise BackendUnavailable(
+            f"{what} {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise BackendUnavailable(f"{what} {name!r} ({ep.value}) is not a kvbridge {base.__name__}")
+    return cls
+
+
 def load_class(name: str) -> type[Any]:
     """Import backend ``name`` and return its Transport class.
 
@@ -58,24 +80,7 @@ def load_class(name: str) -> type[Any]:
     """
     from kvbridge.transport import Transport
 
-    eps = _entry_points()
-    ep = eps.get(name)
-    if ep is None:
-        near = difflib.get_close_matches(name, list(eps), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        installed = ", ".join(sorted(eps)) or "none"
-        raise BackendNotFound(f"unknown kvbridge backend {name!r}{hint} (installed: {installed})")
-    try:
-        cls = ep.load()
-    except ImportError as exc:
-        raise BackendUnavailable(_unavailable(name, exc)) from exc
-    except Exception as exc:  # a broken plugin (e.g. missing attribute) must not crash listing
-        raise BackendUnavailable(
-            f"backend {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Transport)):
-        raise BackendUnavailable(f"backend {name!r} ({ep.value}) is not a kvbridge Transport")
-    return cls
+    return _load(GROUP, name, Transport, "kvbridge backend")
 
 
 def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None) -> Any:
@@ -125,24 +130,7 @@ def load_tier_class(name: str) -> type[Any]:
     """Import offload tier ``name``; same errors as :func:`load_class`."""
     from kvbridge.offload.tier import Tier
 
-    eps = _entry_points(TIER_GROUP)
-    ep = eps.get(name)
-    if ep is None:
-        near = difflib.get_close_matches(name, list(eps), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        installed = ", ".join(sorted(eps)) or "none"
-        raise BackendNotFound(f"unknown offload tier {name!r}{hint} (installed: {installed})")
-    try:
-        cls = ep.load()
-    except ImportError as exc:
-        raise BackendUnavailable(_unavailable(name, exc)) from exc
-    except Exception as exc:  # a broken plugin must not crash listing
-        raise BackendUnavailable(
-            f"offload tier {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, Tier)):
-        raise BackendUnavailable(f"offload tier {name!r} ({ep.value}) is not a kvbridge Tier")
-    return cls
+    return _load(TIER_GROUP, name, Tier, "offload tier")
 
 
 def tier_status() -> list[BackendStatus]:

@@ -70,11 +70,12 @@ def test_status_reports_shm_loadable() -> None:
 
 def _fake_entry_points(monkeypatch: pytest.MonkeyPatch, **targets: str) -> None:
     """Install fake plugins next to the real ones, the way a third-party package would appear."""
-    real = registry._entry_points()
+    registry_entry_points = registry._entry_points
+    real = registry_entry_points()
     fake = {n: EntryPoint(name=n, value=v, group=registry.GROUP) for n, v in targets.items()}
 
-    def entry_points() -> dict[str, Any]:
-        return {**real, **fake}
+    def entry_points(group: str = registry.GROUP) -> dict[str, Any]:
+        return {**real, **fake} if group == registry.GROUP else registry_entry_points(group)
 
     monkeypatch.setattr(registry, "_entry_points", entry_points)
 

@@ -22,6 +22,7 @@ from kvbridge.testing.engines import (
     free_port,
     output_token_ids,
     reset_prefix_cache,
+    wait_stats,
 )
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
@@ -90,12 +91,7 @@ class Engine:
 
     def settle(self, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
         """Counters once ``key`` reached ``at_least`` (write-behind is asynchronous)."""
-        deadline = time.monotonic() + timeout
-        stats = self.stats()
-        while stats.get(key, 0) < at_least and time.monotonic() < deadline:
-            time.sleep(0.2)
-            stats = self.stats()
-        return stats
+        return wait_stats(self.ctl, key, at_least, timeout)
 
 
 @pytest.fixture(scope="module")

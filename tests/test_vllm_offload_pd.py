@@ -6,7 +6,6 @@ single-engine reference; byte counters prove what moved.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from kvbridge.testing.engines import (
     output_token_ids,
     reset_prefix_cache,
     start_servers,
+    wait_stats,
 )
 from kvbridge.testing.proxies import ProxyThread
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
@@ -81,15 +81,6 @@ def _run(url: str, prompt: list[int]) -> list[int]:
     return out
 
 
-def _settle(address: str, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    stats = engine_stats(address)
-    while stats.get(key, 0) < at_least and time.monotonic() < deadline:
-        time.sleep(0.2)
-        stats = engine_stats(address)
-    return stats
-
-
 def _d(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
 
@@ -104,7 +95,7 @@ def test_decode_tier_prefix_moves_only_the_suffix(pd: PD, mode: str) -> None:
     ref_second = _run(pd.p.url, second)
     stored = engine_stats(pd.d_ctl).get("offload_stored_blocks_dram", 0)
     assert _run(pd.proxies.urls[mode], first) == ref_first
-    _settle(pd.d_ctl, "offload_stored_blocks_dram", stored + 6)  # D stored its 6 full blocks
+    wait_stats(pd.d_ctl, "offload_stored_blocks_dram", stored + 6)  # D stored its 6 full blocks
     for e in (pd.p, pd.d):
         reset_prefix_cache(e.url)
     p0, d0 = engine_stats(pd.p_ctl), engine_stats(pd.d_ctl)

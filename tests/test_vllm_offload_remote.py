@@ -6,7 +6,6 @@ is served from the tier (counters), output identical to the first computation.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from kvbridge.testing.engines import (
     output_token_ids,
     reset_prefix_cache,
     start_servers,
+    wait_stats,
 )
 from kvbridge.testing.mooncake_master import MooncakeMaster, skip_reason
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
@@ -49,15 +49,6 @@ def _run(url: str, prompt: list[int]) -> list[int]:
     out = output_token_ids(complete(url, prompt, MAX_TOKENS, extra=GREEDY, timeout=120))
     assert out is not None
     return out
-
-
-def _settle(address: str, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    stats = engine_stats(address)
-    while stats.get(key, 0) < at_least and time.monotonic() < deadline:
-        time.sleep(0.2)
-        stats = engine_stats(address)
-    return stats
 
 
 def _d(after: dict[str, int], before: dict[str, int], key: str) -> int:
@@ -106,7 +97,7 @@ def test_mooncake_store_serves_the_same_engine_and_another(
     (one, one_ctl), (two, two_ctl) = shared
     prompt = random_prompts(1, 200, seed=401)[0]  # 6 full blocks
     ref = _run(one.url, prompt)
-    _settle(one_ctl, "offload_stored_blocks_mooncake_store", 6)
+    wait_stats(one_ctl, "offload_stored_blocks_mooncake_store", 6)
     reset_prefix_cache(one.url)
     before = engine_stats(one_ctl)
     assert _run(one.url, prompt) == ref
@@ -141,7 +132,7 @@ def test_lmcache_tier_serves_identical_output(lmcache_engine: tuple[VllmServer, 
     e, ctl = lmcache_engine
     prompt = random_prompts(1, 200, seed=402)[0]
     ref = _run(e.url, prompt)
-    _settle(ctl, "offload_stored_blocks_lmcache", 6)
+    wait_stats(ctl, "offload_stored_blocks_lmcache", 6)
     reset_prefix_cache(e.url)
     before = engine_stats(ctl)
     assert _run(e.url, prompt) == ref

@@ -636,3 +636,14 @@ def engine_stats(address: str, timeout: float = 30.0) -> dict[str, int]:
     if not isinstance(reply, StatsReply):
         raise EngineError(f"stats from {address}: unexpected reply {type(reply).__name__}")
     return dict(reply.stats)
+
+
+def wait_stats(address: str, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
+    """:func:`engine_stats` once counter ``key`` reached ``at_least`` (or ``timeout`` passed):
+    for counters moved by background work, such as offload stores written behind."""
+    deadline = time.monotonic() + timeout
+    stats = engine_stats(address)
+    while stats.get(key, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = engine_stats(address)
+    return stats

@@ -19,8 +19,9 @@ from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbridge.offload.config import OffloadConfig
+    from kvbridge.transports.compose import MemberSpec
 
-__all__ = ["Config", "TransferMode", "ENV_PREFIX"]
+__all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX"]
 
 ENV_PREFIX = "KVBRIDGE_"
 
@@ -31,6 +32,16 @@ class TransferMode(enum.StrEnum):
     PULL = "pull"
     PUSH = "push"
     AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a backend-specific connector name fixes (:mod:`kvbridge.integrations.names`): a
+    transport ``backend``, or an offload ``tier`` that is added to the configured tiers."""
+
+    source: str
+    backend: str | None = None
+    tier: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,14 +118,16 @@ class Config:
 
     @classmethod
     def load(
-        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+        preset: Preset | None = None,
     ) -> Config:
         """Merge defaults, ``extra`` (vLLM's ``kv_connector_extra_config``) and ``env``.
 
         Raises :class:`ConfigError` for an unknown extra_config key (with a suggestion) or a bad
         value. An unknown ``KVBRIDGE_*`` variable is only a warning (kept in :attr:`warnings`):
         fleets share environments across versions, and a newer variable must not stop an older
-        engine.
+        engine. ``preset`` (a backend-specific connector name) fixes the backend — a ``backend``
+        setting naming another one is a :class:`ConfigError` — or adds its offload tier.
         """
         env = os.environ if env is None else env
         known = cls.keys()
@@ -128,10 +141,14 @@ class Config:
             sources[key] = "kv_connector_extra_config"
         from kvbridge.offload.config import ENV_OFFLOAD, apply_env
 
-        offload, used = apply_env(values.get("offload"), env)
-        if used:
+        tier = preset.tier if preset else None
+        offload, used = apply_env(values.get("offload"), env, require=tier)
+        if used or tier:
             values["offload"] = offload
-            sources["offload"] = "env " + ", ".join(used)
+            origin = ["env " + ", ".join(used)] if used else (
+                [] if sources["offload"] == "default" else [sources["offload"]])
+            sources["offload"] = " + ".join(origin + ([preset.source] if preset and tier
+                                                      else []))
         for name, raw in env.items():
             if not name.startswith(ENV_PREFIX) or name.startswith(ENV_OFFLOAD):
                 continue
@@ -141,6 +158,15 @@ class Config:
                 continue
             values[key] = _coerce(key, raw)
             sources[key] = f"env {name}"
+        if preset and preset.backend:
+            if "backend" in values and values["backend"] != preset.backend:
+                raise ConfigError(
+                    f"{preset.source} selects backend {preset.backend!r}, but "
+                    f"{sources['backend']} sets backend {values['backend']!r}: remove that "
+                    "setting, or use kv_connector KVBridgeConnector to choose the backend by "
+                    "configuration")
+            values["backend"] = preset.backend
+            sources["backend"] = preset.source
         cfg = cls(**values, sources=sources, warnings=tuple(warnings))
         cfg._validate()
         return cfg
@@ -169,13 +195,45 @@ class Config:
         for key in ("max_pending", "max_pending_per_peer", "max_peers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.backend == "compose":
+            self.compose_members()
         self.offload_config()
 
+    def check_loadable(self) -> None:
+        """Import the backend, the compose members and the offload tiers this configuration
+        names; raise :class:`BackendNotFound` or :class:`BackendUnavailable` (with the install
+        hint) for the first that cannot load here. Constructs nothing."""
+        from kvbridge import registry
+
+        registry.load_class(self.backend)
+        for member in self.compose_members():
+            if member.kind == "transport":
+                registry.load_class(member.name)
+        for tier in self.offload_config().tiers:
+            registry.load_tier_class(tier.name)
+
+    def compose_members(self) -> list[MemberSpec]:
+        """``backend_options.members`` of the ``compose`` backend, parsed (empty otherwise)."""
+        if self.backend != "compose":
+            return []
+        from kvbridge.transports.compose import parse_members
+
+        return parse_members(self.backend_options.get("members"))
+
     def offload_config(self) -> OffloadConfig:
-        """The parsed :attr:`offload` (raises :class:`ConfigError` naming the key)."""
+        """The parsed :attr:`offload` (raises :class:`ConfigError` naming the key), with the
+        tier members of a ``compose`` backend appended after the tiers it lists itself."""
         from kvbridge.offload.config import OffloadConfig
 
-        return OffloadConfig.parse(self.offload)
+        raw = dict(self.offload)
+        tiers = [s for s in self.compose_members() if s.kind == "tier"]
+        if tiers:
+            listed = list(raw.get("tiers", []))
+            names = {t if isinstance(t, str) else t.get("name") for t in listed
+                     if isinstance(t, (str, dict))}
+            raw["tiers"] = listed + [{"name": s.name, **s.options} for s in tiers
+                                     if s.name not in names]
+        return OffloadConfig.parse(raw)
 
     def describe(self) -> list[tuple[str, str, str]]:
         """``(key, value, source)`` rows; the secret is masked."""

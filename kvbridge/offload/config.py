@@ -158,9 +158,11 @@ class OffloadConfig:
                 "max_backlog_bytes": self.max_backlog_bytes, "min_blocks": self.min_blocks}
 
 
-def apply_env(raw: Mapping[str, Any] | None, env: Mapping[str, str]) -> tuple[dict[str, Any],
-                                                                               list[str]]:
+def apply_env(raw: Mapping[str, Any] | None, env: Mapping[str, str],
+              require: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """``raw`` with the ``KVBRIDGE_OFFLOAD*`` variables of ``env`` applied; (result, names used).
+    Tier ``require`` (a backend-specific connector's tier) is appended to the tier list unless
+    listed, before the per-tier variables are applied, so they can configure it.
 
     Raises :class:`ConfigError` for malformed JSON or a variable that names no tier or knob.
     """
@@ -183,6 +185,8 @@ def apply_env(raw: Mapping[str, Any] | None, env: Mapping[str, str]) -> tuple[di
         by_name = {t.get("name"): t for t in tiers}
         names = [n.strip() for n in env[prefix + "TIERS"].split(",") if n.strip()]
         tiers = [by_name.get(n, {"name": n}) for n in names]
+    if require is not None and all(t.get("name") != require for t in tiers):
+        tiers.append({"name": require})
     for var in sorted(env):
         if not var.startswith(prefix) or var == prefix + "TIERS":
             continue

@@ -69,11 +69,21 @@ def add_backends_parser(subparsers: Any) -> None:
 
 def run_backends(args: argparse.Namespace) -> int:
     from kvbridge import registry
+    from kvbridge.integrations import names
 
     rows = registry.status()
     tiers = registry.tier_status()
+    loadable = {r.name: r.loadable for r in rows} | {f"tier:{r.name}": r.loadable for r in tiers}
+    connectors = [
+        {"connector": c.name, "kind": c.kind, "backend": c.backend,
+         "loadable": loadable.get(c.backend if c.kind == "transport" else f"tier:{c.backend}",
+                                  False)}
+        for c in names.connector_names()]
     if args.json:
-        print_json({"backends": [asdict(r) for r in rows], "tiers": [asdict(r) for r in tiers]})
+        print_json({"backends": [asdict(r) for r in rows], "tiers": [asdict(r) for r in tiers],
+                    "connectors": [{"connector": names.GENERIC, "kind": "any",
+                                    "backend": "from the configuration", "loadable": True},
+                                   *connectors]})
         return 0
     for kind, found in (("backend", rows), ("tier", tiers)):
         if not found:
@@ -83,6 +93,12 @@ def run_backends(args: argparse.Namespace) -> int:
             [kind, "loadable", "target", "detail"],
             [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in found],
         )
+    print_table(
+        ["vLLM kv_connector", "preselects", "loadable"],
+        [(names.GENERIC, "the configured backend", "yes"),
+         *((c["connector"], f"{c['kind']} {c['backend']}", "yes" if c["loadable"] else "no")
+           for c in connectors)],
+    )
     return 0
 
 

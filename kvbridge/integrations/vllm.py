@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,9 +34,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvbridge
-from kvbridge.config import Config
+from kvbridge.config import Config, Preset
 from kvbridge.errors import ConfigError
+from kvbridge.integrations import names
 from kvbridge.integrations.vllm_spin import apply_engine_spin
+from kvbridge.integrations.vllm_stats import KVBridgePromMetrics, KVBridgeStats, delta
 from kvbridge.layout import KVLayout
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.book import OffloadBook
@@ -48,6 +50,10 @@ from kvbridge.scheduling.rank import RankSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,18 +63,20 @@ if TYPE_CHECKING:
 
     from kvbridge.scheduling.push import Fence
 
-__all__ = ["KVBridgeConnector", "register"]
+__all__ = ["KVBridgeConnector", "register", "connector_class"]
 
 log = logging.getLogger("kvbridge.connector")
-CONNECTOR_NAME = "KVBridgeConnector"
+CONNECTOR_NAME = names.GENERIC
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register the connector name (once per process)."""
+    """``vllm.general_plugins`` entry point: register ``KVBridgeConnector`` and one name per
+    backend (:mod:`kvbridge.integrations.names`), once per process."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+    for name in [CONNECTOR_NAME, *(c.name for c in names.connector_names())]:
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, __name__, name)
     apply_engine_spin()
 
 
@@ -134,13 +142,18 @@ def _parallel(vllm_config: VllmConfig) -> tuple[int, int]:
 class KVBridgeConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
+    #: What a backend-specific subclass (``KVBridgeNixlConnector`` …) preselects.
+    preset: ClassVar[Preset | None] = None
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self.config = Config.load(ktc.kv_connector_extra_config)
+        self.config = Config.load(ktc.kv_connector_extra_config, preset=self.preset)
+        self.config.check_loadable()  # a missing backend fails here, with the install hint
+        self._counted: dict[str, int] = {}
         logging.getLogger("kvbridge").setLevel(self.config.log_level)
         _ensure_log_handler()
         apply_engine_spin()
@@ -156,8 +169,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            log.info("KVBridgeConnector %s (kvbridge %s, role %s, tp %d): %s", self.engine_id,
-                     kvbridge.__version__, ktc.kv_role, self.tp_size, self.config.summary())
+            log.info("%s %s (kvbridge %s, role %s, tp %d): %s", type(self).__name__,
+                     self.engine_id, kvbridge.__version__, ktc.kv_role, self.tp_size,
+                     self.config.summary())
             for warning in self.config.warnings:
                 log.warning("%s", warning)
             if self.config.sources.get("engine_spin_ms") == "kv_connector_extra_config":
@@ -167,6 +181,29 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._sched = _SchedulerSide(self)
         else:
             self._worker = _WorkerSide(self, vllm_config, kv_cache_config)
+
+    # ---- stats (vLLM's KVConnectorStats; docs/metrics.md) ----
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker: the rank's counter increments since the last call (None when none)."""
+        if self._worker is None or self._worker.side is None:
+            return None
+        now = self._worker.side.loop.counters()
+        inc = delta(now, self._counted)
+        self._counted = now
+        return KVBridgeStats(data={"counters": inc}) if inc else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
 
     # ---- scheduler role ----
 
@@ -534,6 +571,39 @@ class _WorkerSide:
             if self._wake is not None:
                 self._wake.close()
                 self._wake = None
+
+
+_named: dict[str, type[KVBridgeConnector]] = {}
+
+
+def connector_class(name: str) -> type[KVBridgeConnector]:
+    """The connector class vLLM knows as ``name`` (``KVBridgeConnector`` or a backend-specific
+    name); :class:`ConfigError` for a name that is neither."""
+    if name == CONNECTOR_NAME:
+        return KVBridgeConnector
+    cls = _named.get(name)
+    if cls is None:
+        entry = names.lookup(name)
+        if entry is None:
+            raise ConfigError(f"no kvbridge connector is called {name!r} (known: "
+                              f"{', '.join(c.name for c in names.connector_names())})")
+        # The class's own name is the registered name: vLLM's MultiConnector keys child stats
+        # by ``type(connector).__name__`` and rebuilds them through the registry by that name.
+        cls = type(name, (KVBridgeConnector,), {
+            "preset": entry.preset(), "__module__": __name__, "__qualname__": name,
+            "__doc__": f"KVBridgeConnector with {entry.kind} {entry.backend!r} preselected."})
+        _named[name] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's factory loads ``KVBridge<Backend>Connector`` from this module by attribute."""
+    if name.startswith("KVBridge") and name.endswith("Connector"):
+        try:
+            return connector_class(name)
+        except ConfigError as exc:
+            raise AttributeError(str(exc)) from None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if os.environ.get("KVBRIDGE_REGISTER_ON_IMPORT"):

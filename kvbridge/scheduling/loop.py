@@ -213,6 +213,11 @@ class TransferLoop(PeerEvents):
         """Add counters kept elsewhere (the scheduler side's) to this rank's stats."""
         self.submit(self.stats.update, dict(counters))
 
+    def counters(self) -> dict[str, int]:
+        """A copy of the counters, from any thread without a round trip (one C-level dict copy
+        under the GIL: each value is one the loop thread really held)."""
+        return dict(self.stats)
+
     def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
         """Record a timing event (wall clock) for a transfer; keeps the last 1024."""
         with self.timing_lock:

@@ -47,7 +47,7 @@ from kvbridge.testing.proxies import ProxyThread
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
 MODES = ("pull", "push", "auto")
-BACKENDS = ("shm", "nixl", "mooncake")
+BACKENDS = ("shm", "nixl", "mooncake", "compose")
 
 
 class _Server(VllmServer):
@@ -65,7 +65,8 @@ class _Server(VllmServer):
 
 
 def engines(backend: str, model: Path, log_dir: Path, spin_ms: str,
-            extra_env: dict[str, str]) -> tuple[VllmServer, VllmServer]:
+            extra_env: dict[str, str], members: list[str] | None = None,
+            ) -> tuple[VllmServer, VllmServer]:
     """P (core 0) and D (core 1), as ``kvbridge bench e2e`` and the e2e tests start them."""
     env = {"VLLM_TARGET_DEVICE": "cpu", **extra_env}
     drop: tuple[str, ...] = ()
@@ -78,6 +79,9 @@ def engines(backend: str, model: Path, log_dir: Path, spin_ms: str,
         kv = {"kv_connector": "KVBridgeConnector", "kv_role": role,
               "engine_id": f"load-{backend}-{name}",
               "kv_connector_extra_config": {"backend": backend}}
+        if backend == "compose":
+            kv["kv_connector_extra_config"]["backend_options"] = {  # type: ignore[index]
+                "members": members or ["shm", "nixl"]}
         servers.append(_Server(model, name=f"load-{backend}-{name}", kv_transfer_config=kv,
                                cpu_bind=core, env=env, extra_args=["--block-size", "32"],
                                log_path=log_dir / f"{backend}-spin{spin_ms}-{name}.log",
@@ -210,6 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="nixl")
+    p.add_argument("--members", default="shm,nixl",
+                   help="compose backend: comma-separated members, in order")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
                    "pull,push,auto")
     p.add_argument("--runs", type=int, default=3, help="bench serve runs per mode")
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     extra_env = dict(kv.split("=", 1) for kv in args.engine_env)
     spin = args.spin_ms
     model = build_tiny_model()
-    p, d = engines(args.backend, model, out, spin, extra_env)
+    p, d = engines(args.backend, model, out, spin, extra_env, args.members.split(","))
     proxies: ProxyThread | None = None
     rows: list[dict[str, Any]] = []
     try:

@@ -1,10 +1,13 @@
 """Move KV-shaped blocks between two processes with kvbridge's transport API.
 
     .venv/bin/python examples/transfer_two_processes.py [--backend shm|nixl|mooncake]
+    .venv/bin/python examples/transfer_two_processes.py --backend compose --members memory,shm,nixl
 
 The parent registers a "prefill" cache, a spawned child registers a "decode" cache; they swap
 metadata over a pipe (in kvbridge proper, the control channel does this), the parent WRITEs
-scattered blocks into the child with a notification, and the child checks every byte.
+scattered blocks into the child with a notification, and the child checks every byte. With
+``compose`` the first member that reaches the child carries the WRITE (``memory`` cannot: the
+child is another process) and the output names it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ def _cache(seed: int) -> tuple[dict[str, np.ndarray], KVLayout]:
     return caches, KVLayout.from_tensors(caches, num_blocks=SHAPE[0], block_size=SHAPE[2])
 
 
-def decode_side(conn: Any, backend: str) -> None:
+def decode_side(conn: Any, backend: str, options: dict[str, Any]) -> None:
     caches, layout = _cache(seed=2)
-    transport = registry.create(backend, "decode")
+    transport = registry.create(backend, "decode", options)
     conn.send((transport.register_memory([MemoryRegion(a, n) for a, n in layout.regions()]),
                layout.to_dict()))
     transport.add_peer(conn.recv())
@@ -46,13 +49,16 @@ def decode_side(conn: Any, backend: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="shm")
+    parser.add_argument("--members", default="memory,shm",
+                        help="compose: comma-separated member transports, in order")
     args = parser.parse_args()
+    options = {"members": args.members.split(",")} if args.backend == "compose" else {}
     caches, layout = _cache(seed=1)
-    transport = registry.create(args.backend, "prefill")
+    transport = registry.create(args.backend, "prefill", options)
     mine = transport.register_memory([MemoryRegion(a, n) for a, n in layout.regions()])
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=decode_side, args=(child_conn, args.backend))
+    child = ctx.Process(target=decode_side, args=(child_conn, args.backend, options))
     child.start()
     try:
         peer_meta, peer_layout = conn.recv()
@@ -65,7 +71,9 @@ def main() -> int:
         got = conn.recv()
         expected = np.stack([c[src] for c in caches.values()])
         ok = np.array_equal(got, expected)
-        print(f"{args.backend}: wrote {len(src)} blocks as {len(local)} descriptors "
+        member_for = getattr(transport, "member_for", None)
+        via = f" through member {member_for(peer)}" if member_for else ""
+        print(f"{args.backend}{via}: wrote {len(src)} blocks as {len(local)} descriptors "
               f"({int(local[:, 1].sum())} bytes): {'every byte arrived' if ok else 'MISMATCH'}")
         return 0 if ok else 1
     finally:

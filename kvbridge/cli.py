@@ -187,6 +187,13 @@ def add_config_parser(subparsers: Any) -> None:
         default=None,
         help="a kv_connector_extra_config JSON object, e.g. '{\"backend\": \"nixl\"}'",
     )
+    p.add_argument(
+        "--connector",
+        metavar="NAME",
+        default=None,
+        help="the vLLM kv_connector name, e.g. KVBridgeNixlConnector (it may preselect the "
+        "backend or add a tier; default KVBridgeConnector)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_config)
 
@@ -215,15 +222,28 @@ def _json_value(cfg: Any, key: str) -> Any:
 
 def run_config(args: argparse.Namespace) -> int:
     from kvbridge.config import Config
+    from kvbridge.integrations import names
 
-    cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"))
+    preset = None
+    if args.connector and args.connector != names.GENERIC:
+        entry = names.lookup(args.connector)
+        if entry is None:
+            raise ConfigError(f"--connector: no kvbridge connector is called {args.connector!r} "
+                              f"(known: {names.GENERIC}, "
+                              f"{', '.join(c.name for c in names.connector_names())})")
+        preset = entry.preset()
+    cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
     rows = cfg.describe()
+    tiers = [t.name for t in cfg.offload_config().tiers]
     if args.json:
-        print_json({key: {"value": _json_value(cfg, key), "source": source}
-                    for key, _shown, source in rows})
+        out = {key: {"value": _json_value(cfg, key), "source": source}
+               for key, _shown, source in rows}
+        out["effective_offload_tiers"] = {"value": tiers, "source": "offload + compose members"}
+        print_json(out)
     else:
         print("precedence: env KVBRIDGE_<KEY> > kv_connector_extra_config > default")
         print_table(["key", "value", "source"], rows)
+        print(f"effective offload tiers: {', '.join(tiers) or 'none (offload off)'}")
     return 0
 
 

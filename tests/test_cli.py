@@ -49,6 +49,31 @@ def test_backends_json() -> None:
     assert set(rows["shm"]) == {"name", "target", "loadable", "detail"}
     tiers = {row["name"]: row for row in data["tiers"]}
     assert tiers["dram"]["loadable"] is True and tiers["disk"]["loadable"] is True
+    assert rows["compose"]["loadable"] is True
+    conns = {row["connector"]: row for row in data["connectors"]}
+    assert conns["KVBridgeShmConnector"] == {"connector": "KVBridgeShmConnector",
+                                             "kind": "transport", "backend": "shm",
+                                             "loadable": True}
+    assert conns["KVBridgeLMCacheConnector"]["kind"] == "tier"
+    assert "KVBridgeConnector" in conns and "KVBridgeMemoryConnector" not in conns
+
+
+def test_backends_table_lists_connector_names() -> None:
+    res = kvbridge("backends")
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("KVBridgeNixlConnector "))
+    assert "transport nixl" in line
+
+
+def test_config_with_a_connector_name() -> None:
+    res = kvbridge("config", "--connector", "KVBridgeNixlConnector", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["backend"] == {"value": "nixl", "source": "kv_connector KVBridgeNixlConnector"}
+    res = kvbridge("config", "--connector", "KVBridgeComposeConnector", "--extra-config",
+                   '{"backend_options": {"members": ["shm", "disk"]}}')
+    assert res.returncode == 0, res.stderr
+    assert "effective offload tiers: disk" in res.stdout
 
 
 def test_config_shows_offload_from_env(tmp_path: Any) -> None:
@@ -94,8 +119,13 @@ def test_config_json() -> None:
         (["--extra-config", "{oops"], {}, "--extra-config is not valid JSON"),
         (["--extra-config", "[1]"], {}, "--extra-config must be a JSON object"),
         ([], {"KVBRIDGE_LEASE_S": "soon"}, "bad value for lease_s: 'soon'"),
+        (["--connector", "KVBridgeNopeConnector"], {}, "no kvbridge connector is called"),
+        (["--connector", "KVBridgeNixlConnector"], {"KVBRIDGE_BACKEND": "shm"},
+         "selects backend 'nixl'"),
+        (["--connector", "KVBridgeComposeConnector"], {}, "backend_options.members"),
     ],
-    ids=["unknown-key", "bad-json", "not-object", "bad-env"],
+    ids=["unknown-key", "bad-json", "not-object", "bad-env", "unknown-connector",
+         "connector-conflict", "compose-without-members"],
 )
 def test_config_errors_are_one_line(args: list[str], env: dict[str, str], message: str) -> None:
     res = kvbridge("config", *args, env=env)

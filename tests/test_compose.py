@@ -266,3 +266,26 @@ def _notes(t: Transport, want: int, timeout: float = 5.0) -> list[tuple[str, byt
             break
         time.sleep(0.01)
     return got
+
+
+def test_capabilities_are_derived_from_members() -> None:
+    from kvbridge.transport import Capabilities
+
+    class ReadOnlyFar(MemoryTransport):
+        capabilities = Capabilities(write=False, cross_host=True)
+
+    t = ComposeTransport("x", members=[("m", MemoryTransport("x")), ("r", ReadOnlyFar("x"))])
+    try:
+        caps = t.capabilities
+        assert caps.read and not caps.write  # any member may carry a peer: all must write
+        assert caps.cross_host  # one member reaches other hosts
+        assert not caps.device_memory
+    finally:
+        t.close()
+    t = ComposeTransport("y", {"members": ["memory", "shm"]})
+    try:
+        assert t.capabilities == Capabilities(read=True, write=True, notifications=True,
+                                              device_memory=False, cross_host=False)
+        assert t.member_names == ["memory", "shm"]
+    finally:
+        t.close()

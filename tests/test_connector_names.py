@@ -1,13 +1,10 @@
 """One vLLM connector name per backend, and kvbridge's stats in vLLM's shape (no engine needed).
 
-The names are real classes resolved through vLLM's own connector factory; the Prometheus metrics
-are real ``prometheus_client`` counters in a private registry.
+The names are real classes resolved through vLLM's own connector factory.
 """
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,19 +13,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from importlib.metadata import EntryPoint  # noqa: E402
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-
 from kvbridge import registry  # noqa: E402
 from kvbridge.config import Config  # noqa: E402
 from kvbridge.errors import BackendUnavailable, ConfigError  # noqa: E402
 from kvbridge.integrations import names  # noqa: E402
 from kvbridge.integrations import vllm as kvb_vllm  # noqa: E402
-from kvbridge.integrations.vllm_stats import (  # noqa: E402
-    EXPORTED,
-    KVBridgePromMetrics,
-    KVBridgeStats,
-    delta,
-)
 
 
 def test_every_builtin_backend_has_a_name() -> None:
@@ -124,41 +113,3 @@ def test_a_name_whose_backend_cannot_load_fails_with_the_hint(
         compose.check_loadable()
     Config.load({}, env={}).check_loadable()  # shm loads
 
-
-# -- stats ----------------------------------------------------------------------------------------
-
-
-def test_stats_aggregate_and_refuse_junk() -> None:
-    a = KVBridgeStats({"counters": {"pull_bytes": 5, "junk": "x", "neg": -1, "flag": True}})
-    assert a.counters == {"pull_bytes": 5}
-    b = KVBridgeStats.__new__(KVBridgeStats)
-    b.__init__(data={"counters": {"pull_bytes": 2, "recv_ok": 1}})  # type: ignore[misc]
-    assert a.aggregate(b).reduce() == {"pull_bytes": 7, "recv_ok": 1}
-    assert KVBridgeStats(None).is_empty() and KVBridgeStats({"counters": "nope"}).is_empty()
-    a.reset()
-    assert a.is_empty()
-    rebuilt = kvb_vllm.KVBridgeConnector.build_kv_connector_stats(b.to_dict())
-    assert isinstance(rebuilt, KVBridgeStats) and rebuilt.counters == b.counters
-    assert delta({"a": 5, "b": 1, "c": 3}, {"a": 2, "b": 1}) == {"a": 3, "c": 3}
-
-
-def test_prometheus_counters_per_engine() -> None:
-    reg = CollectorRegistry()
-    types: dict[type, Any] = {cls: functools.partial(cls, registry=reg)
-                              for cls in (Counter, Gauge, Histogram)}
-    vllm_config: Any = SimpleNamespace(kv_transfer_config=None)
-    prom = KVBridgePromMetrics(vllm_config, types, ["model_name", "engine"],
-                               {0: ["tiny", "0"], 1: ["tiny", "1"]})
-    prom.observe({"counters": {"pull_bytes": 4096, "not_exported": 9, "recv_ok": 2}}, 0)
-    prom.observe({"counters": {"pull_bytes": 1}}, 1)
-    prom.observe({"counters": {"pull_bytes": 1}}, 7)  # an engine index vLLM never declared
-    prom.observe({"garbage": 1}, 0)
-    sample = functools.partial(reg.get_sample_value, labels={"model_name": "tiny",
-                                                             "engine": "0"})
-    assert sample("vllm:kvbridge_pull_bytes_total") == 4096
-    assert sample("vllm:kvbridge_recv_ok_total") == 2
-    assert reg.get_sample_value("vllm:kvbridge_pull_bytes_total",
-                                {"model_name": "tiny", "engine": "1"}) == 1
-    assert reg.get_sample_value("vllm:kvbridge_not_exported_total", {"model_name": "tiny",
-                                                                     "engine": "0"}) is None
-    assert all(sample(f"vllm:kvbridge_{n}_total") is not None for n in EXPORTED)

@@ -37,7 +37,9 @@ from kvbridge.control import ControlServer
 from kvbridge.messages import Ack, Codec, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
+from kvbridge.testing import prom
 
+P = "kvbridge_proxy_"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
@@ -533,8 +535,10 @@ async def test_auto_switches_push_to_pull_under_load(
     modes = [s.body["kv_transfer_params"]["transfer_mode"] for s in p.requests()]
     assert modes == ["push", "pull", "push"]
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'mode_decisions_total{configured="auto",chosen="push",reason="headroom"} 2' in text
-    assert 'mode_decisions_total{configured="auto",chosen="pull",reason="busy"} 1' in text
+    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="push",
+                      reason="headroom") == 2
+    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="pull",
+                      reason="busy") == 1
 
 
 async def test_auto_falls_back_to_pull_without_probe(
@@ -548,7 +552,8 @@ async def test_auto_falls_back_to_pull_without_probe(
     assert status == 502 and "KVBridgeConnector" in answer["error"]["message"]
     assert d.requests() == []
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'chosen="pull",reason="no_probe"' in text
+    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="pull",
+                      reason="no_probe") == 1
     # a failed probe is not repeated for every request (back-off of cooldown_s)
     status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
     assert status == 502 and len(p.requests(probe=True)) == 1
@@ -589,7 +594,7 @@ async def test_decode_dying_mid_stream_ends_with_an_error_event(
     last = json.loads(received.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
     assert last["error"]["type"] == "decode_error" and d.url in last["error"]["message"]
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'requests_total{mode="pull",outcome="upstream_error"} 1' in text
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="upstream_error") == 1
 
 
 async def test_prefill_client_error_keeps_its_status(
@@ -779,7 +784,7 @@ async def test_new_generation_in_a_prefill_answer_drops_the_probe(
     assert len(p.requests(probe=True)) == 2  # re-probed for the third request
     assert d.requests()[2].body["kv_transfer_params"]["kvbridge_generation"] == "gen-2"
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'probes_dropped_total{reason="generation_changed"} 1' in text
+    assert prom.value(text, P + "probes_dropped_total", reason="generation_changed") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -814,9 +819,10 @@ async def test_push_failing_after_a_prefill_restart_is_retried_once_as_pull(
     if not p_answers_first:
         assert len(p.requests(probe=True)) == 2 and p.requests()[0].cancelled
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'retries_total{reason="prefill_restarted"} 1' in text
-    assert 'chosen="pull",reason="prefill_restarted"' in text
-    assert 'requests_total{mode="pull",outcome="ok"} 1' in text
+    assert prom.value(text, P + "retries_total", reason="prefill_restarted") == 1
+    assert any(name == P + "mode_decisions_total" and ("chosen", "pull") in labels
+               and ("reason", "prefill_restarted") in labels for name, labels in prom.samples(text))
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="ok") == 1
 
 
 async def test_push_failing_without_a_restart_is_not_retried(
@@ -829,7 +835,7 @@ async def test_push_failing_without_a_restart_is_not_retried(
     assert status == 503 and answer["error"]["message"] == "stand-in decode failure"
     assert len(p.requests()) == 1 and len(d.requests()) == 1
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert "retries_total{" not in text
+    assert "kvbridge_proxy_retries_total{" not in text
 
 
 # ------------------------------------------------------------------------------ failure reasons
@@ -854,7 +860,7 @@ async def test_decode_failure_reason_from_the_control_channel(
     status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
     assert status == 502 and len(d.requests(probe=True)) == 1  # ...and cached
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert 'reason_queries_total{outcome="answered"} 4' in text
+    assert prom.value(text, P + "reason_queries_total", outcome="answered") == 4
 
 
 async def test_push_prefill_failure_reason(
@@ -949,7 +955,7 @@ async def test_client_disconnect_mid_stream_cancels_decode(
         await asyncio.sleep(0.02)
     assert proxy.decodes.engines[0].in_flight == 0
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert f'requests_total{{mode="{mode.value}",outcome="cancelled"}} 1' in text
+    assert prom.value(text, P + "requests_total", mode=mode.value, outcome="cancelled") == 1
 
 
 async def test_client_disconnect_during_push_prefill_cancels_both_legs(
@@ -990,13 +996,23 @@ async def test_models_health_and_metrics(engines: Any, proxies: Any, client: Any
     async with client.get(proxy.url + "/metrics") as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()
-    assert 'kvbridge_proxy_requests_total{mode="push",outcome="ok"} 1' in text
-    assert f'kvbridge_proxy_in_flight{{engine="{d.url}",role="decode"}} 0' in text
-    assert f'kvbridge_proxy_engine_requests_total{{engine="{p.url}",role="prefill"}} 1' in text
-    assert 'kvbridge_proxy_ttft_seconds_count{mode="push"} 1' in text
-    assert 'kvbridge_proxy_ttft_seconds_bucket{mode="push",le="+Inf"} 1' in text
+    samples = prom.samples(text)
+
+    def value(name: str, **labels: str) -> float | None:
+        return prom.value(text, name, **labels)
+
+    assert value("kvbridge_proxy_requests_total", mode="push", outcome="ok") == 1
+    assert value("kvbridge_proxy_in_flight", engine=d.url, role="decode") == 0
+    assert value("kvbridge_proxy_engine_requests_total", engine=p.url, role="prefill") == 1
+    assert value("kvbridge_proxy_ttft_seconds_count", mode="push") == 1
+    assert value("kvbridge_proxy_ttft_seconds_bucket", mode="push", le="+Inf") == 1
     assert "# TYPE kvbridge_proxy_ttft_seconds histogram" in text
-    assert 'kvbridge_proxy_request_duration_seconds_count{mode="push"} 1' in text
+    assert value("kvbridge_proxy_request_duration_seconds_count", mode="push") == 1
+    assert value("kvbridge_proxy_upstream_seconds_count", role="prefill") == 1
+    assert value("kvbridge_proxy_upstream_seconds_count", role="decode") == 1
+    assert value("kvbridge_proxy_prefill_leg_seconds_count", mode="push") == 1
+    assert any(name == "kvbridge_proxy_mode_decisions_total" and ("chosen", "push") in labels
+               for name, labels in samples)
 
     d.health_status = 503  # no healthy D: 503 with details
     async with client.get(proxy.url + "/health") as r:

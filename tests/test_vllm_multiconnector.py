@@ -6,8 +6,9 @@ one). Through the proxy, in pull and push mode, D's greedy output equals P's sin
 output. vLLM keys a MultiConnector's child stats by class name and rebuilds them in the
 API-server process through its connector registry by that name, then feeds each child's
 Prometheus metrics: the test reads ``vllm:kvbridge_*`` from both engines' ``/metrics`` and the
-periodic ``KV Transfer metrics`` log line, so a name that did not resolve there (or stats
-without Prometheus metrics, which trips an assertion in vLLM) would fail it. The
+periodic ``KV Transfer metrics`` log line (counters, and per-transfer histograms labelled by mode,
+backend and peer), so a name that did not resolve there (or stats without Prometheus metrics,
+which trips an assertion in vLLM) would fail it; it also scrapes the proxy's own series. The
 ExampleConnector really runs beside us: P's storage directory fills with its files.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.testing import prom
 from kvbridge.testing.engines import (
     VllmServer,
     complete,
@@ -93,20 +95,25 @@ def _run(url: str, prompt: list[int]) -> list[int]:
     return out
 
 
-def _metric(url: str, name: str) -> float:
+def _scrape(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = [float(m.group(1)) for m in
-              re.finditer(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)]
-    return sum(values)
+        return str(resp.read().decode())
 
 
-def _wait_metric(url: str, name: str, above: float, timeout: float = 60.0) -> float:
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of series ``name`` over every label set that includes ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in prom.samples(_scrape(url)).items()
+               if n == name and want <= set(lab))
+
+
+def _wait_metric(url: str, name: str, above: float, timeout: float = 60.0,
+                 **labels: str) -> float:
     deadline = time.monotonic() + timeout
-    value = _metric(url, name)
+    value = _metric(url, name, **labels)
     while value <= above and time.monotonic() < deadline:
         time.sleep(0.5)
-        value = _metric(url, name)
+        value = _metric(url, name, **labels)
     return value
 
 
@@ -119,6 +126,7 @@ def test_disaggregated_inside_multiconnector(fleet: Fleet, mode: str) -> None:
     ctl = fleet.d_ctl if mode == "pull" else fleet.p_ctl
     before_ctl = engine_stats(ctl).get(key, 0)
     before_prom = _metric(engine.url, f"vllm:kvbridge_{key}_total")
+    before_hist = _metric(engine.url, "vllm:kvbridge_transfer_seconds_count", mode=mode)
     for prompt, ref in zip(prompts, refs, strict=True):
         assert _run(fleet.proxies.urls[mode], prompt) == ref
     moved = engine_stats(ctl).get(key, 0) - before_ctl
@@ -126,6 +134,20 @@ def test_disaggregated_inside_multiconnector(fleet: Fleet, mode: str) -> None:
     # the same increments reach vLLM's /metrics through MultiConnector's stats path
     after_prom = _wait_metric(engine.url, f"vllm:kvbridge_{key}_total", before_prom + moved - 1)
     assert after_prom - before_prom == moved
+    # ... and so do the per-transfer histograms, labelled by mode, backend and peer
+    hist = "vllm:kvbridge_transfer_seconds_count"
+    assert _wait_metric(engine.url, hist, before_hist + len(prompts) - 1, mode=mode,
+                        backend="shm", peer="multi-prefill" if mode == "pull" else "multi-decode"
+                        ) - before_hist == len(prompts)
+    if mode == "pull":  # D measures each hand-off
+        assert _metric(fleet.d.url, "vllm:kvbridge_handoff_seconds_count", mode="pull") >= 3
+    assert _metric(engine.url, "vllm:kvbridge_transfer_bytes_sum", mode=mode) >= moved
+    # the proxy's own series (prometheus_client) counted the same requests
+    proxy = _scrape(fleet.proxies.urls[mode])
+    assert prom.value(proxy, "kvbridge_proxy_requests_total", mode=mode,
+                      outcome="ok") == len(prompts)
+    assert (prom.value(proxy, "kvbridge_proxy_upstream_seconds_count", role="decode") or 0
+            ) >= len(prompts)
 
 
 def test_stats_logged_by_child_name(fleet: Fleet) -> None:

@@ -185,13 +185,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # ---- stats (vLLM's KVConnectorStats; docs/metrics.md) ----
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Worker: the rank's counter increments since the last call (None when none)."""
+        """Worker: the rank's counter increments and per-transfer samples since the last call
+        (None when nothing happened)."""
         if self._worker is None or self._worker.side is None:
             return None
-        now = self._worker.side.loop.counters()
+        loop = self._worker.side.loop
+        now = loop.counters()
+        data: dict[str, Any] = loop.observe.drain()
         inc = delta(now, self._counted)
         self._counted = now
-        return KVBridgeStats(data={"counters": inc}) if inc else None
+        if inc:
+            data["counters"] = inc
+        return KVBridgeStats(data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

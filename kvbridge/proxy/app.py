@@ -592,6 +592,7 @@ class ProxyServer:
     ) -> aiohttp.ClientResponse:
         """POST and return the response once its headers arrived; errors → _LegFailed."""
         role = e.role.value
+        t0 = time.monotonic()
         try:
             resp = await self.session.post(e.url + path, json=body, headers=call.headers)
         except aiohttp.ConnectionTimeoutError as exc:
@@ -616,6 +617,7 @@ class ProxyServer:
         except aiohttp.ClientError as exc:
             raise _LegFailed(502, f"{role} engine {e.url}: {exc}", role + "_error") from exc
         e.mark_up()
+        self.metrics.observe_upstream(role, time.monotonic() - t0)
         return resp
 
     async def _prefill_leg(
@@ -629,6 +631,7 @@ class ProxyServer:
     ) -> TransferParams:
         """Run P's one-token prefill; returns P's parsed and checked ``kv_transfer_params``."""
         p.acquire()
+        t0 = time.monotonic()
         try:
             resp = await self._open(p, path, body, call)
             try:
@@ -660,6 +663,7 @@ class ProxyServer:
             except ParamsError as exc:
                 raise _LegFailed(502, f"prefill engine {p.url}: {exc}", "prefill_error") from None
             self._note_generation(p, answer)
+            self.metrics.observe_prefill_leg(mode.value, time.monotonic() - t0)
             return answer
         finally:
             p.release()

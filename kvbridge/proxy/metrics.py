@@ -1,11 +1,13 @@
-"""The proxy's Prometheus metrics, rendered in the text exposition format (no dependency).
+"""The proxy's Prometheus metrics, kept with ``prometheus_client`` in a registry of its own.
 
-Single event loop use only (not thread-safe). Names, all prefixed ``kvbridge_proxy_``:
+One :class:`ProxyMetrics` per proxy, each with a private ``CollectorRegistry``, so several
+proxies in one process (tests, one per mode) never collide. Used from the proxy's event loop;
+``prometheus_client`` objects are thread-safe anyway. Names, all prefixed ``kvbridge_proxy_``:
 
 - ``requests_total{mode,outcome}`` — finished client requests; ``mode`` is the mode used
   (push | pull | none when rejected before routing), ``outcome`` one of :data:`OUTCOMES`.
 - ``mode_decisions_total{configured,chosen,reason}`` — every routing decision (auto's choice).
-- ``in_flight{engine,role}`` — the proxy's open requests per engine (gauge).
+- ``in_flight{engine,role}`` — the proxy's open requests per engine (gauge, read at scrape).
 - ``engine_requests_total{engine,role}``, ``engine_errors_total{engine,role}`` — per engine.
 - ``errors_total{kind}`` — failures by kind (prefill, decode, probe, timeout, bad_request, …).
 - ``retries_total{reason}`` — requests dispatched a second time (``prefill_restarted``: a push
@@ -17,13 +19,22 @@ Single event loop use only (not thread-safe). Names, all prefixed ``kvbridge_pro
 - ``ttft_seconds{mode}`` — histogram: request received → first byte of D's stream sent
   (streaming requests only: that is the first token the client sees).
 - ``request_duration_seconds{mode}`` — histogram: request received → response complete.
+- ``upstream_seconds{role}`` — histogram: a request to an engine sent → its response headers
+  received (for D, in streaming mode, about its time to first token, KV wait included).
+- ``prefill_leg_seconds{mode}`` — histogram: P's one-token prefill leg, sent → answer read.
+
+Every label value comes from a fixed set or from the configured engine URLs, so the number of
+series is bounded by the deployment, never by clients.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvbridge.proxy.routing import Engine
 
@@ -31,123 +42,98 @@ __all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS"]
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-_Labels = tuple[tuple[str, str], ...]
-_EngineValue = Callable[[Engine], int]
+_P = "kvbridge_proxy_"
 
 
-class _Histogram:
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
+class _Engines(Collector):
+    """Per-engine series, read from the routing table's live engines at scrape time."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def __init__(self) -> None:
+        self.engines: Callable[[], Iterable[Engine]] = lambda: ()
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _fmt_labels(labels: _Labels) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-    return "{" + inner + "}"
+    def collect(self) -> Iterator[Any]:
+        engines = list(self.engines())
+        series: list[tuple[Any, Callable[[Engine], int]]] = [
+            (GaugeMetricFamily(_P + "in_flight", "Open proxy requests per engine.",
+                               labels=["engine", "role"]), lambda e: e.in_flight),
+            (CounterMetricFamily(_P + "engine_requests", "Requests sent per engine.",
+                                 labels=["engine", "role"]), lambda e: e.total),
+            (CounterMetricFamily(_P + "engine_errors", "Connection-level failures per engine.",
+                                 labels=["engine", "role"]), lambda e: e.errors),
+        ]
+        for family, get in series:
+            for e in engines:
+                family.add_metric([e.url, e.role.value], get(e))
+            yield family
 
 
 class ProxyMetrics:
     """Counters and histograms of one proxy; :meth:`render` gives the /metrics text."""
 
     def __init__(self) -> None:
-        self.requests: dict[_Labels, int] = defaultdict(int)
-        self.decisions: dict[_Labels, int] = defaultdict(int)
-        self.errors: dict[_Labels, int] = defaultdict(int)
-        self.retries: dict[_Labels, int] = defaultdict(int)
-        self.probes_dropped: dict[_Labels, int] = defaultdict(int)
-        self.reason_queries: dict[_Labels, int] = defaultdict(int)
-        self.ttft: dict[_Labels, _Histogram] = {}
-        self.duration: dict[_Labels, _Histogram] = {}
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: Sequence[str]) -> Counter:
+            return Counter(_P + name, doc, labelnames=labels, registry=r)
+
+        def histogram(name: str, doc: str, labels: Sequence[str]) -> Histogram:
+            return Histogram(_P + name, doc, labelnames=labels, buckets=BUCKETS, registry=r)
+
+        self._requests = counter("requests", "Client requests by mode used and outcome.",
+                                 ("mode", "outcome"))
+        self._decisions = counter("mode_decisions", "Routing decisions (auto: push or pull).",
+                                  ("configured", "chosen", "reason"))
+        self._errors = counter("errors", "Failures by kind.", ("kind",))
+        self._retries = counter("retries", "Requests dispatched a second time, by reason.",
+                                ("reason",))
+        self._probes_dropped = counter("probes_dropped", "Cached probe answers forgotten, by "
+                                       "reason.", ("reason",))
+        self._reason_queries = counter("reason_queries", "Control-channel queries explaining a "
+                                       "failed leg.", ("outcome",))
+        self._ttft = histogram("ttft_seconds", "Time to first streamed byte as seen at the "
+                               "proxy.", ("mode",))
+        self._duration = histogram("request_duration_seconds", "Request received to response "
+                                   "done.", ("mode",))
+        self._upstream = histogram("upstream_seconds", "Request to an engine sent to its "
+                                   "response headers received.", ("role",))
+        self._prefill_leg = histogram("prefill_leg_seconds", "P's prefill leg, sent to answer "
+                                      "read.", ("mode",))
+        self._engines = _Engines()
+        r.register(self._engines)
 
     def request_done(self, mode: str, outcome: str) -> None:
-        self.requests[(("mode", mode), ("outcome", outcome))] += 1
+        self._requests.labels(mode, outcome).inc()
 
     def decision(self, configured: str, chosen: str, reason: str) -> None:
-        self.decisions[(("configured", configured), ("chosen", chosen), ("reason", reason))] += 1
+        self._decisions.labels(configured, chosen, reason).inc()
 
     def error(self, kind: str) -> None:
-        self.errors[(("kind", kind),)] += 1
+        self._errors.labels(kind).inc()
 
     def retry(self, reason: str) -> None:
-        self.retries[(("reason", reason),)] += 1
+        self._retries.labels(reason).inc()
 
     def probe_dropped(self, reason: str) -> None:
-        self.probes_dropped[(("reason", reason),)] += 1
+        self._probes_dropped.labels(reason).inc()
 
     def reason_query(self, outcome: str) -> None:
-        self.reason_queries[(("outcome", outcome),)] += 1
+        self._reason_queries.labels(outcome).inc()
 
     def observe_ttft(self, mode: str, seconds: float) -> None:
-        self.ttft.setdefault((("mode", mode),), _Histogram(BUCKETS)).observe(seconds)
+        self._ttft.labels(mode).observe(seconds)
 
     def observe_duration(self, mode: str, seconds: float) -> None:
-        self.duration.setdefault((("mode", mode),), _Histogram(BUCKETS)).observe(seconds)
+        self._duration.labels(mode).observe(seconds)
+
+    def observe_upstream(self, role: str, seconds: float) -> None:
+        self._upstream.labels(role).observe(seconds)
+
+    def observe_prefill_leg(self, mode: str, seconds: float) -> None:
+        self._prefill_leg.labels(mode).observe(seconds)
 
     def render(self, engines: Iterable[Engine]) -> str:
         """The Prometheus text exposition of every metric, engines' live gauges included."""
-        p = "kvbridge_proxy_"
-        lines: list[str] = []
-
-        def counter(name: str, help_: str, data: dict[_Labels, int]) -> None:
-            lines.append(f"# HELP {p}{name} {help_}")
-            lines.append(f"# TYPE {p}{name} counter")
-            for labels, value in sorted(data.items()):
-                lines.append(f"{p}{name}{_fmt_labels(labels)} {value}")
-
-        def histogram(name: str, help_: str, data: dict[_Labels, _Histogram]) -> None:
-            lines.append(f"# HELP {p}{name} {help_}")
-            lines.append(f"# TYPE {p}{name} histogram")
-            for labels, h in sorted(data.items()):
-                cumulative = 0
-                for bound, n in zip((*h.buckets, float("inf")), h.counts, strict=True):
-                    cumulative += n
-                    le = "+Inf" if bound == float("inf") else repr(bound)
-                    lab = _fmt_labels((*labels, ("le", le)))
-                    lines.append(f"{p}{name}_bucket{lab} {cumulative}")
-                lines.append(f"{p}{name}_sum{_fmt_labels(labels)} {h.sum:.6f}")
-                lines.append(f"{p}{name}_count{_fmt_labels(labels)} {h.count}")
-
-        counter("requests_total", "Client requests by mode used and outcome.", self.requests)
-        counter("mode_decisions_total", "Routing decisions (auto: push or pull).", self.decisions)
-        counter("errors_total", "Failures by kind.", self.errors)
-        counter("retries_total", "Requests dispatched a second time, by reason.", self.retries)
-        counter("probes_dropped_total", "Cached probe answers forgotten, by reason.",
-                self.probes_dropped)
-        counter("reason_queries_total", "Control-channel queries explaining a failed leg.",
-                self.reason_queries)
-
-        engines = list(engines)
-        per_engine: list[tuple[str, str, _EngineValue]] = [
-            ("in_flight", "gauge", lambda e: e.in_flight),
-            ("engine_requests_total", "counter", lambda e: e.total),
-            ("engine_errors_total", "counter", lambda e: e.errors),
-        ]
-        helps = {
-            "in_flight": "Open proxy requests per engine.",
-            "engine_requests_total": "Requests sent per engine.",
-            "engine_errors_total": "Connection-level failures per engine.",
-        }
-        for name, kind, get in per_engine:
-            lines.append(f"# HELP {p}{name} {helps[name]}")
-            lines.append(f"# TYPE {p}{name} {kind}")
-            for e in engines:
-                lab = _fmt_labels((("engine", e.url), ("role", e.role.value)))
-                lines.append(f"{p}{name}{lab} {get(e)}")
-
-        histogram("ttft_seconds", "Time to first streamed byte as seen at the proxy.", self.ttft)
-        histogram("request_duration_seconds", "Request received to response done.", self.duration)
-        return "\n".join(lines) + "\n"
+        listed = list(engines)
+        self._engines.engines = lambda: listed
+        return generate_latest(self.registry).decode()

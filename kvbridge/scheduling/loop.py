@@ -36,10 +36,12 @@ import zmq
 from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.control import ControlServer, RpcClient
+from kvbridge.errors import KVBridgeError
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
+from kvbridge.scheduling.observations import Observations
 from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
 from kvbridge.scheduling.push import Fence, PushSource, PushSpec
@@ -88,6 +90,7 @@ class TransferLoop(PeerEvents):
             control_address=self.server.address, compat=dict(compat or {}),
             checksum=config.checksum)
         self.stats: Counter[str] = Counter()
+        self.observe = Observations(self.transport.name)
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
         self.timing_lock = threading.Lock()
         self.ended = Outcomes()
@@ -212,6 +215,16 @@ class TransferLoop(PeerEvents):
     def add_counters(self, counters: dict[str, int]) -> None:
         """Add counters kept elsewhere (the scheduler side's) to this rank's stats."""
         self.submit(self.stats.update, dict(counters))
+
+    def backend_of(self, peer_name: str) -> str:
+        """The transport carrying ``peer_name`` (a compose member's name, else the backend)."""
+        member_for = getattr(self.transport, "member_for", None)
+        if callable(member_for):
+            try:
+                return str(member_for(peer_name))
+            except KVBridgeError:
+                pass
+        return self.transport.name
 
     def counters(self) -> dict[str, int]:
         """A copy of the counters, from any thread without a round trip (one C-level dict copy

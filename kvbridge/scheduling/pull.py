@@ -16,7 +16,8 @@ given back once the READ handle has stopped.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
@@ -232,6 +233,7 @@ class _Pull:
     handle: TransferHandle | None = None
     local: DescriptorArray | None = None
     failure: str | None = None  # reported already; blocks held until the handle stops
+    started: float = field(default_factory=time.perf_counter)
 
 
 class PullSink:
@@ -310,6 +312,7 @@ class PullSink:
                 continue
             job.local = None
             self.core.timers.cancel(("read", job.spec.transfer_id))
+            self._observe(job, handle, state)
             if job.failure is not None:  # already failed (timeout, abort): blocks now safe
                 self._forget(job)
                 self.core.results.release(job.spec.req_id)
@@ -320,6 +323,14 @@ class PullSink:
 
     def in_flight(self) -> bool:
         return any(j.local is not None for j in self.jobs.values())
+
+    def _observe(self, job: _Pull, handle: TransferHandle, state: HandleState) -> None:
+        if job.peer is None:
+            return
+        wire = (handle.finished or time.perf_counter()) - handle.started
+        self.core.observe.transfer("pull", job.peer.info.engine_id, state is HandleState.DONE,
+                                   wire, handle.nbytes, handle.count,
+                                   self.core.backend_of(job.peer.name))
 
     def _read_done(self, job: _Pull) -> None:
         core, s = self.core, job.spec
@@ -338,6 +349,10 @@ class PullSink:
         if isinstance(reply, Ack) and reply.ok:
             self._forget(job)
             self.core.stats["pull_bytes"] += nbytes
+            if job.peer is not None:
+                self.core.observe.handoff("pull", job.peer.info.engine_id,
+                                          time.perf_counter() - job.started,
+                                          self.core.backend_of(job.peer.name))
             self.core.results.received(job.spec.req_id, job.spec.transfer_id)
             return False
         why = reply.error if isinstance(reply, Ack) else f"no confirmation: {reply}"

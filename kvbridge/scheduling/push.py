@@ -373,6 +373,12 @@ class PushSource:
                 self._regs_by_conn[out.ctx.conn] = n
             else:
                 self._regs_by_conn.pop(out.ctx.conn, None)
+        if out.handles and out.peer is not None:
+            wire = (max(h.finished or h.started for h in out.handles)
+                    - min(h.started for h in out.handles))
+            core.observe.transfer("push", out.peer.info.engine_id, error is None, wire,
+                                  out.nbytes, sum(h.count for h in out.handles),
+                                  core.backend_of(out.peer.name))
         if error is None:
             core.mark(out.tid, "write_done")
             core.stats["push_sent"] += 1

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
@@ -54,6 +55,7 @@ class _In:
     peer: Peer | None = None
     call: int | None = None
     failure: str | None = None  # reported; blocks held until P's answer or P gone
+    started: float = field(default_factory=time.perf_counter)
 
 
 class PushSink:
@@ -147,6 +149,9 @@ class PushSink:
             return
         self._forget(w)
         core.stats["push_received_bytes"] += msg.nbytes
+        if w.peer is not None:
+            core.observe.handoff("push", w.peer.info.engine_id, time.perf_counter() - w.started,
+                                 core.backend_of(w.peer.name))
         core.results.received(s.req_id, s.transfer_id)
 
     def on_confirm(self, ctx: RequestContext, msg: PushConfirm) -> Message:

@@ -287,8 +287,12 @@ class Transport(ABC):
                     f"{handle.op.value} of {handle.nbytes} bytes to {handle.peer!r} did not "
                     f"finish within {timeout} s"
                 )
-            handle.done_event.wait(delay)
+            self._event_of(handle).wait(delay)
             delay = min(delay * 2, 5e-3)
+
+    def _event_of(self, handle: TransferHandle) -> threading.Event:
+        """The event :meth:`wait` sleeps on between polls (a wrapper's inner handle's)."""
+        return handle.done_event
 
     def transfer(
         self,

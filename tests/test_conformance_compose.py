@@ -11,8 +11,6 @@ would fail here.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,19 +56,7 @@ class _ComposeNixl(_Compose):
     timeout = 60.0
     pytestmark = [pytest.mark.timeout(180), pytest.mark.nixl,
                   pytest.mark.skipif(not _has_nixl, reason="the nixl package is not installed")]
-
-    @pytest.fixture(autouse=True)
-    def _ucx_env(self) -> Iterator[None]:
-        saved = {k: os.environ.get(k) for k in self.peer_env}
-        os.environ.update(self.peer_env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    local_env = True
 
 
 class TestComposeShmNixl(_ComposeNixl):

@@ -6,8 +6,6 @@ Matrix over ``UCX_TLS``: UCX's default selection (cma for one-sided operations o
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,19 +23,7 @@ class _NixlEnv(TransportConformance):
     backend = "nixl"
     options: dict[str, Any] = {}
     timeout = 60.0  # peer start-up (spawn, import nixl, agent) takes 10-50 s on a busy 2-core box
-
-    @pytest.fixture(autouse=True)
-    def _ucx_env(self) -> Iterator[None]:
-        saved = {k: os.environ.get(k) for k in self.peer_env}
-        os.environ.update(self.peer_env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    local_env = True
 
 
 class TestNixlConformanceDefault(_NixlEnv):

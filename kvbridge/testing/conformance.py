@@ -11,6 +11,7 @@ Usage (fsspec style)::
         peer_env = {"UCX_TLS": "tcp"}   # optional: environment of the peer process
         timeout = 30.0                  # optional: bound of one peer command / wait
         in_process_peer = False         # optional: True = the peer is a second transport here
+        local_env = False               # optional: True = apply peer_env to this process too
 
 Override :meth:`TransportConformance.make_transport` to build the local transport differently
 (e.g. wrapped in :class:`kvbridge.testing.faults.FaultyTransport`), and
@@ -38,6 +39,7 @@ metadata → :class:`MessageError`, a layout of the wrong geometry → :class:`L
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -101,6 +103,9 @@ class TransportConformance:
     timeout: ClassVar[float] = 30.0
     #: True: the peer is an :class:`InProcessPeer` (no process; ``peer_env`` must stay empty).
     in_process_peer: ClassVar[bool] = False
+    #: True: ``peer_env`` is also set in this process during each test (both agents then use,
+    #: e.g., the same UCX transports), and restored afterwards.
+    local_env: ClassVar[bool] = False
 
     pytestmark = [pytest.mark.timeout(180)]
 
@@ -120,6 +125,22 @@ class TransportConformance:
         return PeerProcess(self.backend, opts, self.peer_env, timeout=self.timeout)
 
     # -- fixtures -------------------------------------------------------------------------------
+
+    @pytest.fixture(autouse=True)
+    def _local_env(self) -> Iterator[None]:
+        if not self.local_env:
+            yield
+            return
+        saved = {k: os.environ.get(k) for k in self.peer_env}
+        os.environ.update(self.peer_env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     @pytest.fixture
     def local(self) -> Iterator[Transport]:

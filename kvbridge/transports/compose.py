@@ -68,7 +68,6 @@ from kvbridge.errors import (
     KVBridgeError,
     MessageError,
     PeerUnreachable,
-    TransferTimeout,
     TransportClosed,
     TransportError,
     UnknownPeer,
@@ -465,21 +464,10 @@ class ComposeTransport(Transport):
         handle._finish(HandleState.FAILED, "; ".join(handle.attempts))
         return handle.state
 
-    def wait(self, handle: TransferHandle, timeout: float | None = None) -> HandleState:
-        """Block until ``handle`` is terminal, sleeping on the member handle's event."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 50e-6
-        while True:
-            state = self.poll(handle)
-            if state.terminal:
-                return state
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TransferTimeout(
-                    f"{handle.op.value} of {handle.nbytes} bytes to {handle.peer!r} did not "
-                    f"finish within {timeout} s")
-            inner = handle.inner if isinstance(handle, ComposeHandle) else None
-            (inner or handle).done_event.wait(delay)
-            delay = min(delay * 2, 5e-3)
+    def _event_of(self, handle: TransferHandle) -> threading.Event:
+        """:meth:`wait` sleeps on the member handle's event (set by the member's thread)."""
+        inner = handle.inner if isinstance(handle, ComposeHandle) else None
+        return (inner or handle).done_event
 
     # -- notifications --------------------------------------------------------------------------
 

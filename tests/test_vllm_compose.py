@@ -27,10 +27,9 @@ from kvbridge.testing.engines import (
     free_port,
     output_token_ids,
     reset_prefix_cache,
-    start_servers,
     wait_stats,
 )
-from kvbridge.testing.proxies import ProxyThread
+from kvbridge.testing.proxies import ProxyThread, serve_pd
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(900)]
@@ -85,15 +84,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     p_port, d_port = free_port(), free_port()
     f = Fleet(_engine(model, "prefill", p_port, logs), _engine(model, "decode", d_port, logs),
               f"tcp://127.0.0.1:{p_port}", f"tcp://127.0.0.1:{d_port}")
-    try:
-        start_servers([f.p, f.d], timeout=600)
-        f.proxies = ProxyThread([f.p.url], [f.d.url], modes=("pull", "push")).start()
+    with serve_pd(f.p, f.d) as f.proxies:
         yield f
-    finally:
-        if f.proxies is not None:
-            f.proxies.close()
-        f.p.stop()
-        f.d.stop()
 
 
 def _run(url: str, prompt: list[int]) -> list[int]:

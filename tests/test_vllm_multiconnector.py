@@ -30,9 +30,8 @@ from kvbridge.testing.engines import (
     engine_stats,
     free_port,
     output_token_ids,
-    start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
+from kvbridge.testing.proxies import ProxyThread, serve_pd
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -78,15 +77,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(_engine(model, "prefill", p_port, logs, p_store),
               _engine(model, "decode", d_port, logs, d_store),
               f"tcp://127.0.0.1:{p_port}", f"tcp://127.0.0.1:{d_port}", p_store)
-    try:
-        start_servers([f.p, f.d], timeout=600)
-        f.proxies = ProxyThread([f.p.url], [f.d.url], modes=("pull", "push")).start()
+    with serve_pd(f.p, f.d) as f.proxies:
         yield f
-    finally:
-        if f.proxies is not None:
-            f.proxies.close()
-        f.p.stop()
-        f.d.stop()
 
 
 def _run(url: str, prompt: list[int]) -> list[int]:

@@ -20,10 +20,9 @@ from kvbridge.testing.engines import (
     free_port,
     output_token_ids,
     reset_prefix_cache,
-    start_servers,
     wait_stats,
 )
-from kvbridge.testing.proxies import ProxyThread
+from kvbridge.testing.proxies import ProxyThread, serve_pd
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -64,15 +63,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     p_port, d_port = free_port(), free_port()
     c = PD(_engine(model, "prefill", p_port, logs), _engine(model, "decode", d_port, logs),
            f"tcp://127.0.0.1:{p_port}", f"tcp://127.0.0.1:{d_port}")
-    try:
-        start_servers([c.p, c.d], timeout=600)
-        c.proxies = ProxyThread([c.p.url], [c.d.url], modes=("pull", "push")).start()
+    with serve_pd(c.p, c.d) as c.proxies:
         yield c
-    finally:
-        if c.proxies is not None:
-            c.proxies.close()
-        c.p.stop()
-        c.d.stop()
 
 
 def _run(url: str, prompt: list[int]) -> list[int]:

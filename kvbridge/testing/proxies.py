@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
+from kvbridge.testing.engines import VllmServer, start_servers
 
-__all__ = ["ProxyThread"]
+__all__ = ["ProxyThread", "serve_pd"]
 
 
 class ProxyThread:
@@ -49,3 +51,20 @@ class ProxyThread:
                 pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def serve_pd(prefill: VllmServer, decode: VllmServer, modes: Sequence[str] = ("pull", "push"),
+             timeout: float = 600.0, **settings: Any) -> Iterator[ProxyThread]:
+    """Start ``prefill`` and ``decode`` (not yet started), then one proxy per mode in front of
+    them; yield the proxies. Everything is stopped on exit, also when starting failed."""
+    proxies: ProxyThread | None = None
+    try:
+        start_servers([prefill, decode], timeout=timeout)
+        proxies = ProxyThread([prefill.url], [decode.url], modes=modes, **settings).start()
+        yield proxies
+    finally:
+        if proxies is not None:
+            proxies.close()
+        prefill.stop()
+        decode.stop()

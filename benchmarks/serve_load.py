@@ -31,9 +31,7 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.bench_e2e import cpu_seconds, group_cpu_ticks
+from kvbridge.bench_serve import bench_serve_command, result_metrics, run_bench_process
 from kvbridge.params import push_decode_request
 from kvbridge.testing.engines import EngineError, VllmServer, complete, probe, start_servers
 from kvbridge.testing.proxies import ProxyThread
@@ -119,58 +118,17 @@ def idle_cpu(p: VllmServer, d: VllmServer, seconds: float) -> dict[str, float]:
 
 def bench_command(args: argparse.Namespace, url: str, model: Path, out: Path, name: str,
                   seed: int) -> list[str]:
-    return [
-        sys.executable, "-m", "kvbridge.integrations.vllm_serve", "bench", "serve",
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-        "--model", "tiny", "--tokenizer", str(model),
-        "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--request-rate", str(args.rate), "--ignore-eos", "--seed", str(seed),
-        "--num-warmups", str(args.warmups),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--save-result", "--save-detailed", "--result-dir", str(out),
-        "--result-filename", f"{name}.json", "--disable-tqdm",
-    ]  # fmt: skip
-
-
-def run_bench(cmd: list[str], log_path: Path, timeout: float) -> int:
-    """Run ``vllm bench serve`` in its own process group; kill the group on any exit."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                     "TRANSFORMERS_OFFLINE": "1"})
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return -1
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
+    return bench_serve_command(url, model, out, name, rate=args.rate,
+                               num_prompts=args.num_prompts, input_len=args.input_len,
+                               output_len=args.output_len, seed=seed, warmups=args.warmups)
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The row of one run, from ``bench serve``'s saved JSON (times in ms)."""
-    ok = [e in (None, "") for e in result.get("errors") or []]
-    ttfts = [t * 1000 for t, good in zip(result.get("ttfts") or [], ok, strict=False) if good]
-    lat = [t * 1000 for t, good in zip(result.get("latencies") or [], ok, strict=False) if good]
-    row: dict[str, Any] = {
-        "completed": result.get("completed"), "failed": result.get("failed"),
-        "ttft_p50": result.get("p50_ttft_ms", result.get("median_ttft_ms")),
-        "ttft_p99": result.get("p99_ttft_ms"),
-        "ttft_max": max(ttfts) if ttfts else None,
-        "tpot_p50": result.get("p50_tpot_ms", result.get("median_tpot_ms")),
-        "tpot_p99": result.get("p99_tpot_ms"),
-        "e2e_p99": result.get("p99_e2el_ms"),
-        "e2e_max": max(lat) if lat else None,
-    }
+    """The row of one run, from ``bench serve``'s saved JSON (times in ms): the figures of
+    :func:`kvbridge.bench_serve.result_metrics`, the p99/p50 ratio and the verdict."""
+    row: dict[str, Any] = result_metrics(result)
+    lat = [t * 1000 for t, e in zip(result.get("latencies") or [], result.get("errors") or [],
+                                    strict=False) if e in (None, "")]
     p50, p99 = row["ttft_p50"], row["ttft_p99"]
     row["ratio"] = p99 / p50 if p50 and p99 is not None else None
     slow = [x for x in lat if x > args.freeze_s * 1000]
@@ -300,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = bench_command(args, proxies.urls[mode], model, out, name, args.seed + i)
                 t_wall = time.time()
                 say(f"{name}: vllm bench serve -> {proxies.urls[mode]}")
-                rc = run_bench(cmd, out / f"{name}.bench.log", args.bench_timeout)
+                rc = run_bench_process(cmd, out / f"{name}.bench.log", args.bench_timeout)
                 path = out / f"{name}.json"
                 row: dict[str, Any] = {"backend": args.backend, "spin": spin, "mode": mode,
                                        "run": i, "rc": rc, "wall_start": t_wall,

@@ -94,6 +94,9 @@ __all__ = [
     "format_table",
     "workload_prompts",
     "engine_specs",
+    "side_channel_port",
+    "vllm_pull_params",
+    "vllm_push_params",
     "run_benchmark",
     "add_arguments",
     "cli_main",
@@ -534,7 +537,8 @@ def engine_specs(config: str, model: Path, log_dir: Path,
     return p, d
 
 
-def _side_channel_port(server: VllmServer) -> int:
+def side_channel_port(server: VllmServer) -> int:
+    """The NIXL side-channel port :func:`engine_specs` gave a vLLM-connector engine."""
     return int(server.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
 
 
@@ -628,9 +632,24 @@ def _p_leg(pair: _Pair, prompt: list[int], params: Mapping[str, Any],
                     headers=headers)
 
 
-def _vllm_pull_params() -> dict[str, Any]:
+def vllm_pull_params() -> dict[str, Any]:
+    """P's ``kv_transfer_params`` in vLLM's stock NixlConnector protocol (the P leg, max_tokens=1);
+    D then gets whatever ``kv_transfer_params`` P answers."""
     return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def vllm_push_params(rid: str, p_side_channel_port: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(P's, D's) ``kv_transfer_params`` of one request in vLLM's stock NixlPushConnector
+    protocol: both legs are sent concurrently with ``X-Request-Id: rid``; D is told P's engine id
+    (:data:`VLLM_PUSH_P_ENGINE`) and side-channel port, and P's request id for *rid*."""
+    transfer_id = "xfer-" + rid
+    p_params = {**vllm_pull_params(), "transfer_id": transfer_id}
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": VLLM_PUSH_P_ENGINE, "remote_host": "localhost",
+                "remote_port": p_side_channel_port, "tp_size": 1, "pp_size": 1,
+                "remote_request_id": f"cmpl-{rid}-0", "transfer_id": transfer_id}
+    return p_params, d_params
 
 
 def _kvb_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
@@ -669,15 +688,11 @@ def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRe
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
         if pair.config == "vllm-nixl-pull":
-            _pull(pair, prompt, _vllm_pull_params(), rec)
+            _pull(pair, prompt, vllm_pull_params(), rec)
         elif pair.config == "vllm-nixl-push":
             rid = uuid.uuid4().hex
-            rec.transfer_id = "xfer-" + rid
-            p_params = {**_vllm_pull_params(), "transfer_id": rec.transfer_id}
-            d_params = {"do_remote_prefill": True, "do_remote_decode": False,
-                        "remote_engine_id": VLLM_PUSH_P_ENGINE, "remote_host": "localhost",
-                        "remote_port": _side_channel_port(pair.p), "tp_size": 1, "pp_size": 1,
-                        "remote_request_id": f"cmpl-{rid}-0", "transfer_id": rec.transfer_id}
+            p_params, d_params = vllm_push_params(rid, side_channel_port(pair.p))
+            rec.transfer_id = p_params["transfer_id"]
             _concurrent_legs(pair, prompt, p_params, d_params, rec, {"X-Request-Id": rid})
         else:
             from kvbridge.proxy.routing import new_transfer_id, push_decode_params

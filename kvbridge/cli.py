@@ -253,7 +253,8 @@ def run_config(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="benchmarks: transfer bandwidth, descriptor building, end to end, offload",
+        help="benchmarks: transfer bandwidth, descriptor building, end to end, offload, "
+        "serving load",
         description="Benchmarks that compare side by side in one run (ratios, not absolutes).",
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -326,6 +327,22 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_offload.add_arguments(o)
     o.set_defaults(func=bench_offload.cli_main)
+
+    from kvbridge import bench_serve
+
+    v = sub.add_parser(
+        "serve",
+        help="vllm bench serve at several request rates: kvbridge's modes vs vLLM's NIXL "
+        "connectors (real engines; JSON results and PNG plots)",
+        description="Put vLLM's own `vllm bench serve` load (random dataset, streamed "
+        "/v1/completions, --ignore-eos) at each of --rates through kvbridge's proxy (pull, push, "
+        "auto) and through a stock-protocol proxy in front of vLLM's NixlConnector and "
+        "NixlPushConnector, one fresh engine pair per group; print TTFT/TPOT/E2E per (setup, "
+        "rate), write results.json and bench_serve.png (TTFT p50, TTFT p99, TPOT p50 vs rate) "
+        "to --out. --plot-only RESULTS_JSON redraws the plots without running anything.",
+    )
+    bench_serve.add_arguments(v)
+    v.set_defaults(func=bench_serve.cli_main)
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

@@ -1,0 +1,500 @@
+"""``kvbridge bench serve``: flags, the result JSON -> table and -> plots path, the stock-protocol
+proxy against fake engines, and one small run on real engines (marked ``vllm``).
+
+The unit tests start no engines. matplotlib is installed under CI (``.ci/install-steps``): there a
+missing matplotlib fails the plot tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge import bench_serve as bs
+from kvbridge import cli
+from kvbridge.bench_e2e import VLLM_PUSH_P_ENGINE, vllm_pull_params
+from kvbridge.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _need_matplotlib() -> None:
+    if bs.matplotlib_available():
+        return
+    if os.environ.get("CI"):
+        pytest.fail("matplotlib is not installed, but CI installs it (.ci/install-steps)")
+    pytest.skip("matplotlib is not installed")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser(["bench", "serve", *argv]).parse_args(["bench", "serve", *argv])
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    s = bs.settings_from_args(_args())
+    assert s.setups == bs.SETUP_NAMES
+    assert s.rates == (2.0, 4.0, 8.0, 16.0)
+    assert (s.num_prompts, s.input_len, s.output_len, s.backend) == (40, 200, 16, "nixl")
+    assert s.plots and s.out is None
+
+
+def test_flags_map_to_settings() -> None:
+    s = bs.settings_from_args(_args("--setups", "vllm-nixl-pull, kvbridge-pull,vllm-nixl-pull",
+                                    "--rates", "4, 2,0.5,4", "--num-prompts", "8",
+                                    "--backend", "shm", "--out", "/tmp/x", "--no-plots"))
+    assert s.setups == ("vllm-nixl-pull", "kvbridge-pull")
+    assert s.rates == (4.0, 2.0, 0.5)
+    assert (s.num_prompts, s.backend, s.out, s.plots) == (8, "shm", Path("/tmp/x"), False)
+    assert bs.parse_setups("all") == bs.SETUP_NAMES
+
+
+@pytest.mark.parametrize("text", ["", " , ", "kvbridge-pull,nope", "vllm-nixl", "kvbridge-shm"])
+def test_unknown_setups_are_named(text: str) -> None:
+    with pytest.raises(ConfigError, match="--setups"):
+        bs.parse_setups(text)
+
+
+@pytest.mark.parametrize("text", ["", ",", "0", "-2", "2,abc", "inf", "nan", "2,1e400"])
+def test_bad_rates_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="--rates"):
+        bs.parse_rates(text)
+
+
+def test_too_many_rates_are_refused() -> None:
+    with pytest.raises(ConfigError, match="at most"):
+        bs.parse_rates(",".join(str(i) for i in range(1, bs.MAX_RATES + 2)))
+
+
+@pytest.mark.parametrize("flag,value", [("--num-prompts", "0"), ("--output-len", "1"),
+                                        ("--warmups", "-1"), ("--idle-timeout", "0"),
+                                        ("--input-len", "0")])
+def test_bad_numbers_are_refused(flag: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        bs.settings_from_args(_args(flag, value))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--setups", "bogus"], "unknown setup 'bogus'"),
+    (["--rates", "2,zero"], "'zero' is not a number"),
+    (["--rates", "-4"], "positive, finite"),
+])
+def test_cli_reports_bad_flags_without_starting_anything(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "serve", *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_backend_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "serve", "--backend", "tcp"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'tcp'" in capsys.readouterr().err
+
+
+# -- grouping and seeds --------------------------------------------------------------------------
+
+
+def test_kvbridge_modes_share_one_pair_and_vllm_connectors_get_their_own() -> None:
+    groups = bs.setup_groups(("vllm-nixl-push", "kvbridge-push", "vllm-nixl-pull",
+                              "kvbridge-pull"))
+    assert groups == [("vllm-nixl-push", ("vllm-nixl-push",)),
+                      ("kvbridge", ("kvbridge-push", "kvbridge-pull")),
+                      ("vllm-nixl-pull", ("vllm-nixl-pull",))]
+
+
+def test_seeds_pair_the_same_mode_and_never_repeat_on_a_shared_pair() -> None:
+    assert bs.run_seed(7, "kvbridge-pull", 1) == bs.run_seed(7, "vllm-nixl-pull", 1)
+    assert bs.run_seed(7, "kvbridge-push", 0) == bs.run_seed(7, "vllm-nixl-push", 0)
+    shared = {bs.run_seed(7, s, i) for s in ("kvbridge-pull", "kvbridge-push", "kvbridge-auto")
+              for i in range(bs.MAX_RATES)}
+    assert len(shared) == 3 * bs.MAX_RATES
+
+
+def test_bench_serve_command_asks_for_what_is_parsed(tmp_path: Path) -> None:
+    cmd = bs.bench_serve_command("http://127.0.0.1:9", tmp_path / "m", tmp_path, "x-rate2",
+                                 rate=2.0, num_prompts=8, input_len=200, output_len=16, seed=5,
+                                 ready_check_s=0)
+    text = " ".join(cmd)
+    for part in ("bench serve", "--base-url http://127.0.0.1:9", "--endpoint /v1/completions",
+                 "--dataset-name random", "--request-rate 2 ", "--ignore-eos", "--seed 5",
+                 "--num-warmups 0", "--ready-check-timeout-sec 0", "--metric-percentiles 50,99",
+                 "--result-filename x-rate2.json", "--random-input-len 200",
+                 "--random-output-len 16", "--num-prompts 8"):
+        assert part in text, part
+    default = bs.bench_serve_command("u", tmp_path, tmp_path, "n", rate=8, num_prompts=1,
+                                     input_len=1, output_len=2, seed=0, warmups=2)
+    assert "--ready-check-timeout-sec" not in default and "--num-warmups" in default
+
+
+# -- result JSON -> rows -> table and plots ------------------------------------------------------
+
+
+BENCH_RESULT = {
+    "completed": 3, "failed": 1, "duration": 2.5, "request_throughput": 1.2,
+    "p50_ttft_ms": 40.0, "p99_ttft_ms": 90.0, "median_ttft_ms": 41.0,
+    "p50_tpot_ms": 3.5, "p99_tpot_ms": 6.0, "p50_e2el_ms": 100.0, "p99_e2el_ms": 150.0,
+    "ttfts": [0.04, 0.09, 0.03, 0.0], "latencies": [0.1, 0.15, 0.09, 9.0],
+    "errors": ["", None, "", "boom"],
+}
+
+
+def test_result_metrics_reads_bench_serves_json() -> None:
+    m = bs.result_metrics(BENCH_RESULT)
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert (m["ttft_p50"], m["ttft_p99"], m["tpot_p50"], m["tpot_p99"]) == (40.0, 90.0, 3.5, 6.0)
+    assert (m["e2e_p50"], m["e2e_p99"], m["request_throughput"]) == (100.0, 150.0, 1.2)
+    assert m["ttft_max"] == pytest.approx(90.0)  # the failed request's values are left out
+    assert m["e2e_max"] == pytest.approx(150.0)
+    empty = bs.result_metrics({"completed": 0, "failed": 4, "p50_ttft_ms": float("nan")})
+    assert empty["ttft_p50"] is None and empty["ttft_max"] is None
+
+
+def _report() -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    for setup, base in (("kvbridge-pull", 30.0), ("vllm-nixl-pull", 60.0),
+                        ("kvbridge-push", 20.0)):
+        for i, rate in enumerate((2.0, 4.0, 8.0)):
+            rows.append({"setup": setup, "rate": rate, "seed": i, "rc": 0, "completed": 8,
+                         "failed": 0, "ttft_p50": base * (i + 1), "ttft_p99": base * 40 * (i + 1),
+                         "tpot_p50": 3.0 + i, "tpot_p99": 5.0 + i, "e2e_p99": 200.0 + i,
+                         "request_throughput": rate * 0.9})
+    rows.append({"setup": "vllm-nixl-push", "rate": 2.0, "seed": 1000,
+                 "error": "warm-up failed (2 requests): HTTP 502"})
+    rows[4]["ttft_p50"] = None  # a run without the value: a gap in its line
+    settings = {"backend": "nixl", "num_prompts": 8, "input_len": 200, "output_len": 16}
+    return {"kind": bs.RESULTS_KIND, "version": 1, "date": "2026-12-03T15:00:00+00:00",
+            "host": {"cpus": 2, "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"},
+            "settings": settings, "out": "/tmp/nowhere", "groups": {}, "rows": rows}
+
+
+def test_table_has_one_row_per_run_and_names_errors() -> None:
+    text = bs.format_table(_report()["rows"])
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["setup", "rate", "ok/fail"]
+    assert any(line.split()[:3] == ["kvbridge-pull", "4", "8/0"] for line in lines)
+    assert "vllm-nixl-push @ 2 req/s: warm-up failed" in text
+    assert "vllm-nixl-push  2     -/-" in text
+
+
+def _assert_png(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.verify()
+    return width, height
+
+
+def test_plots_are_valid_pngs(tmp_path: Path) -> None:
+    _need_matplotlib()
+    paths = bs.write_plots(_report(), tmp_path / "plots")
+    assert paths == [tmp_path / "plots" / bs.PLOT_FILE]
+    width, height = _assert_png(paths[0])
+    assert width > 2 * height  # three panels side by side
+
+
+def test_plots_survive_a_report_without_values(tmp_path: Path) -> None:
+    _need_matplotlib()
+    report = _report()
+    report["rows"] = [{"setup": "kvbridge-pull", "rate": 2.0, "error": "engines did not start"}]
+    _assert_png(bs.write_plots(report, tmp_path)[0])
+
+
+def test_plot_only_redraws_from_a_results_file(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _need_matplotlib()
+    results = tmp_path / "run" / bs.RESULTS_FILE
+    results.parent.mkdir()
+    results.write_text(json.dumps(_report()))
+    assert cli.main(["bench", "serve", "--plot-only", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "kvbridge-push" in out and "TTFT p50 ms" in out
+    _assert_png(results.parent / bs.PLOT_FILE)
+    other = tmp_path / "docs"
+    assert cli.main(["bench", "serve", "--plot-only", str(results), "--out", str(other)]) == 0
+    _assert_png(other / bs.PLOT_FILE)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"), ("{not json", "is not JSON"), ('{"rows": []}', "not a kvbridge"),
+    (json.dumps({"kind": bs.RESULTS_KIND, "rows": [{"setup": "a"}]}), "'rows' must be"),
+])
+def test_plot_only_refuses_bad_files(tmp_path: Path, content: str | None, message: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["bench", "serve", "--plot-only", str(path)]) == 1
+    assert message in capsys.readouterr().err
+
+
+# -- the stock-protocol proxy --------------------------------------------------------------------
+
+
+def test_stock_prefill_body_is_a_one_token_non_streamed_copy() -> None:
+    from kvbridge.bench_proxy import stock_decode_body, stock_prefill_body
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 16, "max_completion_tokens": 16,
+            "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 4,
+            "ignore_eos": True, "nested": {"a": [1]}}
+    p = stock_prefill_body(body, vllm_pull_params())
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
+    assert "stream_options" not in p and "min_tokens" not in p
+    assert p["ignore_eos"] is True and p["kv_transfer_params"] == vllm_pull_params()
+    p["nested"]["a"].append(2)
+    assert body["nested"] == {"a": [1]} and body["max_tokens"] == 16  # the original is untouched
+    d = stock_decode_body(body, {"remote_engine_id": "e"})
+    assert d["kv_transfer_params"] == {"remote_engine_id": "e"}
+    assert {k: v for k, v in d.items() if k != "kv_transfer_params"} == body
+
+
+class _FakeEngines:
+    """A fake P and D on 127.0.0.1: P answers JSON with kv_transfer_params, D streams SSE."""
+
+    def __init__(self) -> None:
+        self.p_bodies: list[dict[str, Any]] = []
+        self.d_bodies: list[dict[str, Any]] = []
+        self.p_headers: list[str | None] = []
+        self.d_headers: list[str | None] = []
+        self.p_seen = asyncio.Event()
+        self.d_seen = asyncio.Event()
+        self.d_closed = asyncio.Event()
+        self.p_handler: Callable[[Any], Awaitable[Any]] | None = None
+        self.d_handler: Callable[[Any], Awaitable[Any]] | None = None
+        self.runners: list[Any] = []
+
+    async def start(self) -> tuple[str, str]:
+        from aiohttp import web
+
+        urls = []
+        for role in ("p", "d"):
+            app = web.Application()
+            app.router.add_post("/v1/completions", getattr(self, f"_{role}"))
+            # like vLLM, a client that goes away cancels its request
+            runner = web.AppRunner(app, handler_cancellation=True)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.runners.append(runner)
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        return urls[0], urls[1]
+
+    async def stop(self) -> None:
+        for r in self.runners:
+            await r.cleanup()
+
+    async def _p(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.p_bodies.append(await request.json())
+        self.p_headers.append(request.headers.get("X-Request-Id"))
+        self.p_seen.set()
+        if self.p_handler is not None:
+            return await self.p_handler(request)
+        return web.json_response({"choices": [{"text": "x"}],
+                                  "kv_transfer_params": {"remote_engine_id": "P-engine",
+                                                         "remote_block_ids": [[1, 2]]}})
+
+    async def _d(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.d_bodies.append(await request.json())
+        self.d_headers.append(request.headers.get("X-Request-Id"))
+        self.d_seen.set()
+        try:
+            if self.d_handler is not None:
+                return await self.d_handler(request)
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for i in range(3):
+                chunk = {"choices": [{"text": f"t{i}", "index": 0}]}
+                await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+        finally:
+            self.d_closed.set()
+
+
+async def _through_proxy(protocol: str, fake: _FakeEngines,
+                         body: dict[str, Any]) -> tuple[int, bytes, dict[str, int]]:
+    import aiohttp
+
+    from kvbridge.bench_proxy import StockProxy
+
+    p_url, d_url = await fake.start()
+    proxy = StockProxy(protocol, p_url, d_url, p_side_channel_port=5599, timeout_s=10.0)
+    await proxy.start()
+    try:
+        assert proxy.url.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as s, s.post(
+                proxy.url + "/v1/completions", json=body,
+                headers={"x-request-id": "benchmark-0"}) as r:
+            return r.status, await r.read(), dict(proxy.stats)
+    finally:
+        await proxy.stop()
+        await fake.stop()
+
+
+BODY = {"model": "tiny", "prompt": "a b c", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def test_stock_pull_prefills_then_streams_d_with_ps_params() -> None:
+    fake = _FakeEngines()
+    status, raw, stats = asyncio.run(_through_proxy("pull", fake, BODY))
+    assert status == 200
+    assert raw.count(b"data: ") == 4 and raw.endswith(b"data: [DONE]\n\n")
+    (p,), (d,) = fake.p_bodies, fake.d_bodies
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p["kv_transfer_params"] == vllm_pull_params()
+    assert d["kv_transfer_params"] == {"remote_engine_id": "P-engine",
+                                       "remote_block_ids": [[1, 2]]}
+    assert d["stream"] is True and d["max_tokens"] == 3 and d["stream_options"]
+    assert stats["ok"] == 1 and stats["failed"] == 0
+
+
+def test_stock_push_sends_both_legs_at_once_with_one_request_id() -> None:
+    fake = _FakeEngines()
+
+    async def p_waits_for_d(request: Any) -> Any:  # deadlocks unless D was sent concurrently
+        from aiohttp import web
+
+        await asyncio.wait_for(fake.d_seen.wait(), 5)
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": None})
+
+    fake.p_handler = p_waits_for_d
+    status, raw, stats = asyncio.run(_through_proxy("push", fake, BODY))
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    (p,), (d,) = fake.p_bodies, fake.d_bodies
+    rid = fake.p_headers[0]
+    assert rid and rid == fake.d_headers[0] and rid != "benchmark-0"
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert p["kv_transfer_params"]["transfer_id"] == f"xfer-{rid}"
+    kvp = d["kv_transfer_params"]
+    assert kvp["do_remote_prefill"] is True and kvp["remote_engine_id"] == VLLM_PUSH_P_ENGINE
+    assert kvp["remote_port"] == 5599 and kvp["remote_request_id"] == f"cmpl-{rid}-0"
+    assert kvp["transfer_id"] == f"xfer-{rid}"
+    assert stats["ok"] == 1 and stats["p_failed_late"] == 0
+
+
+def test_stock_push_aborts_d_when_p_fails_first() -> None:
+    fake = _FakeEngines()
+
+    async def p_fails(request: Any) -> Any:
+        from aiohttp import web
+
+        await asyncio.wait_for(fake.d_seen.wait(), 5)
+        return web.json_response({"error": "prefill broke"}, status=500)
+
+    async def d_hangs(request: Any) -> Any:
+        await asyncio.sleep(30)  # waiting for a push that never comes
+
+    fake.p_handler = p_fails
+    fake.d_handler = d_hangs
+
+    async def run() -> tuple[int, bytes, dict[str, int], bool]:
+        status, raw, stats = await _through_proxy("push", fake, BODY)
+        return status, raw, stats, fake.d_closed.is_set()
+
+    status, raw, stats, d_closed = asyncio.run(asyncio.wait_for(run(), 20))
+    assert status == 502
+    assert b"prefill leg failed, decode leg aborted" in raw and b"prefill broke" in raw
+    assert d_closed  # D's request was dropped, not left waiting
+    assert stats["failed"] == 1
+
+
+def test_stock_pull_without_ps_params_is_a_502() -> None:
+    fake = _FakeEngines()
+
+    async def p_without_params(request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    fake.p_handler = p_without_params
+    status, raw, _ = asyncio.run(_through_proxy("pull", fake, BODY))
+    assert status == 502 and b"no kv_transfer_params" in raw
+    assert fake.d_bodies == []
+
+
+def test_stock_proxy_refuses_bad_settings() -> None:
+    from kvbridge.bench_proxy import StockProxy
+
+    with pytest.raises(ConfigError, match="protocol"):
+        StockProxy("auto", "http://p", "http://d")
+    with pytest.raises(ConfigError, match="side-channel"):
+        StockProxy("push", "http://p", "http://d")
+
+
+def test_stock_proxy_thread_starts_and_closes_idempotently() -> None:
+    import urllib.request
+
+    from kvbridge.bench_proxy import StockProxyThread
+
+    t = StockProxyThread("pull", "http://127.0.0.1:9", "http://127.0.0.1:9").start()
+    try:
+        with urllib.request.urlopen(t.url + "/health", timeout=5) as r:
+            assert json.loads(r.read())["protocol"] == "pull"
+    finally:
+        t.close()
+    t.close()
+
+
+def test_a_run_without_matplotlib_stops_before_starting_engines(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(bs, "matplotlib_available", lambda: False)
+    monkeypatch.setattr(bs, "run_serve_bench", lambda *a, **k: pytest.fail("started a run"))
+    assert cli.main(["bench", "serve", "--out", str(tmp_path)]) == 1
+    assert "--no-plots" in capsys.readouterr().err
+
+
+# -- one small real run --------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_small_real_run_writes_results_and_plots(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """kvbridge-pull (shm), one rate, 4 prompts: ~80 s on an idle 2-core host (engines ~45 s,
+    one ``vllm bench serve`` ~20 s). The vLLM setups' stock proxy is covered above against fake
+    engines and by the smoke run of docs/benchmarks.md."""
+    from kvbridge.testing import engines
+
+    plots = bs.matplotlib_available()
+    argv = ["bench", "serve", "--setups", "kvbridge-pull", "--backend", "shm", "--rates", "4",
+            "--num-prompts", "4", "--warmups", "1", "--start-timeout", "240",
+            "--bench-timeout", "150", "--idle-timeout", "30", "--out", str(tmp_path),
+            "--no-progress", *([] if plots else ["--no-plots"])]
+    assert cli.main(argv) == 0, capsys.readouterr().err[-3000:]
+    report = json.loads((tmp_path / bs.RESULTS_FILE).read_text())
+    (row,) = report["rows"]
+    assert row["setup"] == "kvbridge-pull" and row["rate"] == 4.0 and row["rc"] == 0
+    assert row["completed"] == 4 and row["failed"] == 0 and not row.get("error")
+    assert row["idle"] is True
+    assert 0 < row["ttft_p50"] <= row["ttft_p99"] and row["tpot_p50"] > 0
+    assert report["groups"]["kvbridge"]["engines"] == "kvbridge-shm"
+    assert "kvbridge-pull" in capsys.readouterr().out
+    assert not engines._LIVE, "an engine was left running"
+    if plots:
+        _assert_png(tmp_path / bs.PLOT_FILE)
+    elif os.environ.get("CI"):
+        pytest.fail("matplotlib is not installed, but CI installs it (.ci/install-steps)")

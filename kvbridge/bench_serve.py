@@ -767,7 +767,8 @@ def _signals_unwind() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: bool) -> None:
+def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: bool,
+                  results: Path | None = None) -> None:
     if as_json:
         json.dump({**report, "plots": [str(p) for p in plots]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -781,7 +782,7 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
     print()
     print(format_table(report.get("rows") or []))
     print()
-    print(f"results: {Path(str(report.get('out', '.'))) / RESULTS_FILE}")
+    print(f"results: {results or Path(str(report.get('out', '.'))) / RESULTS_FILE}")
     for path in plots:
         print(f"plot: {path}")
 
@@ -793,7 +794,8 @@ def cli_main(args: argparse.Namespace) -> int:
         if not matplotlib_available():
             raise ConfigError("--plot-only needs matplotlib (pip install matplotlib)")
         plots = write_plots(report, out_dir)
-        _print_report({**report, "out": str(args.plot_only.resolve().parent)}, plots, args.json)
+        _print_report({**report, "out": str(args.plot_only.resolve().parent)}, plots, args.json,
+                      results=args.plot_only.resolve())
         return 0
     settings = settings_from_args(args)
     if settings.plots and not matplotlib_available():

@@ -224,14 +224,7 @@ def run_config(args: argparse.Namespace) -> int:
     from kvbridge.config import Config
     from kvbridge.integrations import names
 
-    preset = None
-    if args.connector and args.connector != names.GENERIC:
-        entry = names.lookup(args.connector)
-        if entry is None:
-            raise ConfigError(f"--connector: no kvbridge connector is called {args.connector!r} "
-                              f"(known: {names.GENERIC}, "
-                              f"{', '.join(c.name for c in names.connector_names())})")
-        preset = entry.preset()
+    preset = names.preset_for(args.connector)
     cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
     rows = cfg.describe()
     tiers = [t.name for t in cfg.offload_config().tiers]
@@ -441,6 +434,12 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
         "kvbridge.proxy.app",
         "run the disaggregated prefill/decode router (push | pull | auto)",
         "pip install 'kvbridge[proxy]'",
+    ),
+    LazyCommand(
+        "doctor",
+        "kvbridge.doctor",
+        "check what makes deployments fail: backends, vLLM, ptrace/CMA, NIXL, ports, secret",
+        "pip install kvbridge",
     ),
     LazyCommand(
         "demo",

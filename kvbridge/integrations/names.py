@@ -30,7 +30,8 @@ from typing import Literal
 from kvbridge import registry
 from kvbridge.config import Preset
 
-__all__ = ["GENERIC", "ConnectorName", "connector_name", "connector_names", "lookup"]
+__all__ = ["GENERIC", "ConnectorName", "connector_name", "connector_names", "lookup",
+           "preset_for"]
 
 GENERIC = "KVBridgeConnector"
 _WORDS = {"lmcache": "LMCache", "nixl": "Nixl", "shm": "Shm"}
@@ -85,3 +86,17 @@ def lookup(name: str) -> ConnectorName | None:
         if entry.name == name:
             return entry
     return None
+
+
+def preset_for(name: str | None, what: str = "--connector") -> Preset | None:
+    """The preset of connector ``name`` (None for :data:`GENERIC` or no name);
+    :class:`~kvbridge.errors.ConfigError` naming ``what`` for a name that is neither."""
+    if not name or name == GENERIC:
+        return None
+    entry = lookup(name)
+    if entry is None:
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError(f"{what}: no kvbridge connector is called {name!r} (known: {GENERIC}, "
+                          f"{', '.join(c.name for c in connector_names())})")
+    return entry.preset()

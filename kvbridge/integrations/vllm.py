@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
     from kvbridge.scheduling.push import Fence
 
-__all__ = ["KVBridgeConnector", "register", "connector_class"]
+__all__ = ["KVBridgeConnector", "register", "connector_class", "resolve_connector"]
 
 log = logging.getLogger("kvbridge.connector")
 CONNECTOR_NAME = names.GENERIC
@@ -78,6 +78,16 @@ def register() -> None:
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, __name__, name)
     apply_engine_spin()
+
+
+def resolve_connector(name: str) -> type[Any]:
+    """The class vLLM's ``KVConnectorFactory`` builds for ``name`` (what an engine started with
+    ``kv_connector: name`` would get); ValueError when vLLM has no such name registered.
+    ``kvbridge doctor`` calls it after :func:`register`."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls: type[Any] = KVConnectorFactory.get_connector_class_by_name(name)
+    return cls
 
 
 @dataclass

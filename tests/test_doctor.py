@@ -1,0 +1,146 @@
+"""``kvbridge doctor``: the real checks on this host, and each way a deployment fails, forced.
+
+The forced failures use the real check functions against real configurations; only the probe a
+failure needs (the ptrace scope, vLLM's import, a plugin's entry point) is replaced, or the
+condition is made real (a port really bound).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import pytest
+
+from kvbridge import _doctor_probes as probes
+from kvbridge import doctor, registry
+from kvbridge.config import Config
+from kvbridge.doctor import Check, Status, Target
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", *args],
+                          capture_output=True, text=True, timeout=240)
+
+
+def _target(extra: dict[str, Any] | None = None, tp: int = 1) -> Target:
+    return Target.of(Config.load(extra or {}, env={}), tp)
+
+
+def _one(out: Check | list[Check]) -> Check:
+    return out if isinstance(out, Check) else out[0]
+
+
+def test_this_host_passes_and_json_is_one_object_per_check() -> None:
+    res = _cli("--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(res.stdout)
+    assert all(set(r) == {"check", "status", "detail"} for r in rows)
+    by = {r["check"]: r for r in rows}
+    assert by["shm cma"]["status"] == "ok"  # a real process_vm_readv against a child
+    assert by["backend shm"]["status"] == "ok" and "used by this configuration" in by[
+        "backend shm"]["detail"]
+    assert by["vllm connectors"]["status"] == "ok"
+    assert by["security"]["status"] == "ok" and by["ports"]["status"] == "ok"
+    assert {r["status"] for r in rows} <= {"ok", "warn", "skip"}
+
+
+def test_routable_address_without_secret_fails_the_run() -> None:
+    res = _cli("--extra-config", '{"side_channel_host": "10.1.2.3"}')
+    assert res.returncode == 1
+    line = next(x for x in res.stdout.splitlines() if x.startswith("security"))
+    assert "FAIL" in line and "KVBRIDGE_SECRET" in line
+
+
+def test_security_levels() -> None:
+    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3"})).status is Status.FAIL
+    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3",
+                                          "allow_insecure_control": True})).status is Status.WARN
+    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3",
+                                          "secret": "s3"})).status is Status.OK
+
+
+def test_a_bound_port_fails() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        check = doctor.check_ports(_target({"side_channel_port": port}))
+        assert check.status is Status.FAIL and str(port) in check.detail
+        # tp 2 checks port + 1 too
+        check = doctor.check_ports(_target({"side_channel_port": port - 1}, tp=2))
+        assert check.status is Status.FAIL and str(port) in check.detail
+    assert doctor.check_ports(_target({"side_channel_port": 65535}, tp=2)).status is Status.FAIL
+
+
+@pytest.mark.parametrize("scope, status", [(0, Status.OK), (1, Status.OK), (3, Status.FAIL)])
+def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Status) -> None:
+    monkeypatch.setattr(probes, "read_ptrace_scope", lambda *a: scope)
+    monkeypatch.setattr(probes, "has_cap_sys_ptrace", lambda: False)
+    check = _one(doctor.check_ptrace_scope(_target()))
+    assert check.status is status, check.detail
+
+
+def _broken_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = registry._entry_points
+
+    def fake(group: str = registry.GROUP) -> dict[str, Any]:
+        eps = dict(real(group))
+        if group == registry.GROUP:
+            eps["nixl"] = EntryPoint("nixl", "kvbridge_no_such_nixl_xyz:T", group)
+        return eps
+
+    monkeypatch.setattr(registry, "_entry_points", fake)
+
+
+def test_a_broken_backend_fails_only_when_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    _broken_backend(monkeypatch)
+    unused = {c.name: c for c in doctor.check_backends(_target())}
+    assert unused["backend nixl"].status is Status.WARN
+    assert "not used by this configuration" in unused["backend nixl"].detail
+    used = {c.name: c for c in doctor.check_backends(_target({"backend": "nixl"}))}
+    assert used["backend nixl"].status is Status.FAIL
+    assert "install" in used["backend nixl"].detail
+    composed = {c.name: c for c in doctor.check_backends(_target(
+        {"backend": "compose", "backend_options": {"members": ["shm", "nixl"]}}))}
+    assert composed["backend nixl"].status is Status.FAIL
+
+
+def test_vllm_missing_is_a_failure_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_vllm() -> Any:
+        raise ImportError("No module named 'vllm'")
+
+    monkeypatch.setattr(doctor, "import_vllm_integration", no_vllm)
+    lines = doctor.check_vllm(_target())
+    assert lines[0].status is Status.FAIL and "pip install" in lines[0].detail
+    assert lines[1].status is Status.SKIP
+
+
+def test_a_check_that_crashes_becomes_a_fail_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(t: Target) -> Check:
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(doctor, "CHECKS", (("exploding", boom), ("python", doctor.check_python)))
+    checks = doctor.run_checks(Config.load({}, env={}))
+    assert checks[0] == Check("exploding", Status.FAIL,
+                              "the check itself failed: RuntimeError: surprise")
+    assert checks[1].status is Status.OK and doctor.failed(checks)
+
+
+def test_a_bad_configuration_is_the_first_line() -> None:
+    checks = doctor.diagnose({"backend": "compose"}, env={})
+    assert checks[0].name == "config" and checks[0].status is Status.FAIL
+    assert "backend_options.members" in checks[0].detail
+    with pytest.raises(Exception, match="tp must be"):
+        doctor.run_checks(Config.load({}, env={}), tp=0)
+
+
+def test_unknown_connector_is_a_usage_error() -> None:
+    res = _cli("--connector", "KVBridgeNopeConnector")
+    assert res.returncode == 1 and "no kvbridge connector is called" in res.stderr

@@ -432,6 +432,10 @@ def test_push_timeout_before_confirmation_is_safe_at_once() -> None:
         rd = d.drain({"d"}, timeout=10)
         assert rd["results"]["failed_recving"] == {"d"}
         assert rd["stats"]["push_timeout"] == 1
+        events = {tuple(e[:4]): e[4] for e in d.loop.observe.drain()["events"]}
+        # the same failures, labelled for vLLM's metrics by mode, backend and P's engine id
+        assert events[("push_timeout", "push", "memory", "prefill")] == 1
+        assert events[("recv_failed", "push", "memory", "prefill")] == 1
     finally:
         p.close()
         d.close()
@@ -633,8 +637,11 @@ def test_lease_expiry_releases_and_fences_a_late_reader(local_pd: PD) -> None:
     rp = p.drain({"p"}, timeout=10)
     assert rp["results"]["finished_sending"] == {"p"}
     assert rp["stats"]["lease_expired"] == 1
+    assert ["lease_expired", "pull", "memory", "-", 1] in p.loop.observe.drain()["events"]
     d.pull(pull("d", "t", p, [5, 6], [1, 2]))
     assert d.drain({"d"})["results"]["failed_recving"] == {"d"}
+    events = {tuple(e[:4]): e[4] for e in d.loop.observe.drain().get("events", [])}
+    assert events[("recv_failed", "pull", "memory", "prefill")] == 1  # D knew its P
 
 
 # -- item 11: head-of-line blocking ------------------------------------------------------------

@@ -146,3 +146,26 @@ def test_label_sets_are_bounded() -> None:
     names = {s.labels.get("peer") for m in reg.collect() for s in m.samples
              if s.name == "vllm:kvbridge_transfers_total"}
     assert len(names) == MAX_LABEL_SETS + 1
+
+
+def test_events_are_counted_with_labels_and_refused_when_forged() -> None:
+    obs = Observations("nixl")
+    obs.event("lease_expired", "push")
+    obs.event("lease_expired", "push")
+    obs.event("checksum_mismatch", "pull", "P-1", "shm")
+    obs.event("made_up_event", "pull")  # not an event kvbridge counts: ignored
+    got = sorted(obs.drain()["events"])
+    assert got == [["checksum_mismatch", "pull", "shm", "P-1", 1],
+                   ["lease_expired", "push", "nixl", "-", 2]]
+    stats = KVBridgeStats({"events": [*got, ["forged", "pull", "shm", "P", 1],
+                                      ["push_timeout", "pull", "shm", "P", 0],
+                                      ["push_timeout", "pull", "shm", "P", True], "x"]})
+    assert stats.data["events"] == got and not stats.is_empty()
+    prom, reg = _prom()
+    prom.observe(stats.data, 0)
+    assert reg.get_sample_value("vllm:kvbridge_events_total", {
+        **ENGINE0, "mode": "push", "backend": "nixl", "peer": "-",
+        "event": "lease_expired"}) == 2
+    assert reg.get_sample_value("vllm:kvbridge_events_total", {
+        **ENGINE0, "mode": "pull", "backend": "shm", "peer": "P-1",
+        "event": "checksum_mismatch"}) == 1

@@ -14,6 +14,8 @@ The payload (``data``), every part optional:
 - ``transfers``: ``[[mode, backend, peer, outcome, seconds, bytes, descriptors], …]``, one per
   finished READ / WRITE (:mod:`kvbridge.scheduling.observations`);
 - ``handoffs``: ``[[mode, backend, peer, seconds], …]``, one per finished hand-off on D;
+- ``events``: ``[[event, mode, backend, peer, count], …]``, failure events of
+  :data:`~kvbridge.scheduling.observations.EVENTS` (peer ``-`` where the rank does not know it);
 - ``dropped``: samples the rank could not keep (its buffer was full).
 
 Anything malformed is dropped when the payload is parsed (it crosses a process boundary), label
@@ -32,6 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from kvbridge.scheduling.observations import EVENTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,12 +124,22 @@ def _handoffs(data: Mapping[str, Any]) -> list[list[Any]]:
     return out
 
 
+def _events(data: Mapping[str, Any]) -> list[list[Any]]:
+    out = []
+    raw = data.get("events", [])
+    for s in raw[:_MAX_SAMPLES] if isinstance(raw, list) else []:
+        if (isinstance(s, (list, tuple)) and len(s) == 5 and s[0] in EVENTS and s[1] in _MODES
+                and _label(s[2]) and _label(s[3]) and _int(s[4]) and s[4] > 0):
+            out.append([s[0], s[1], _label(s[2]), _label(s[3]), s[4]])
+    return out
+
+
 def _parse(data: Mapping[str, Any] | None) -> dict[str, Any]:
     data = data if isinstance(data, Mapping) else {}
     dropped = data.get("dropped", 0)
     return {"counters": _counters(data), "transfers": _transfers(data),
-            "handoffs": _handoffs(data), "dropped": dropped if _int(dropped) and dropped > 0
-            else 0}
+            "handoffs": _handoffs(data), "events": _events(data),
+            "dropped": dropped if _int(dropped) and dropped > 0 else 0}
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -147,7 +161,7 @@ class KVBridgeStats(KVConnectorStats):
         mine = self.counters
         for k, v in theirs["counters"].items():
             mine[k] = mine.get(k, 0) + v
-        for key in ("transfers", "handoffs"):
+        for key in ("transfers", "handoffs", "events"):
             room = _MAX_SAMPLES - len(self.data[key])
             self.data[key].extend(theirs[key][:max(0, room)])
             self.data["dropped"] += max(0, len(theirs[key]) - max(0, room))
@@ -175,7 +189,8 @@ class KVBridgeStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.counters or self.data["transfers"] or self.data["handoffs"])
+        return not (self.counters or self.data["transfers"] or self.data["handoffs"]
+                    or self.data["events"])
 
 
 class _Family:
@@ -233,6 +248,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                              _BYTE_BUCKETS)
         self._descs = family(h, "vllm:kvbridge_transfer_descriptors", "descriptors of one "
                              "transfer", where, _DESC_BUCKETS)
+        self._events = family(c, "vllm:kvbridge_events", "failure events (lease expired, "
+                              "checksum mismatch, push/transfer timeout, push failed, receive "
+                              "failed) by event", [*where, "event"])
         self._handoff = family(h, "vllm:kvbridge_handoff_seconds", "D: load started to KV "
                                "usable (claim + READ + confirm, or registration to DONE)", where,
                                _TIME_BUCKETS)
@@ -256,3 +274,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             child = self._handoff.child(engine_idx, (mode, backend, peer))
             if child is not None:
                 child.observe(seconds)
+        for event, mode, backend, peer, n in data["events"]:
+            child = self._events.child(engine_idx, (mode, backend, peer, event))
+            if child is not None:
+                child.inc(n)

@@ -42,7 +42,7 @@ from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.observations import Observations
-from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable, make_info
+from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
 from kvbridge.scheduling.push import Fence, PushSource, PushSpec
 from kvbridge.scheduling.push_wait import PushSink
@@ -225,6 +225,15 @@ class TransferLoop(PeerEvents):
             except KVBridgeError:
                 pass
         return self.transport.name
+
+    def count(self, name: str, mode: str, peer: Peer | None = None, *,
+              stats: bool = True) -> None:
+        """A failure event: ``stats[name] += 1`` (unless ``stats`` is False, when another place
+        counts it) and the same event labelled by mode, backend and peer for vLLM's metrics."""
+        if stats:
+            self.stats[name] += 1
+        self.observe.event(name, mode, None if peer is None else peer.info.engine_id,
+                           None if peer is None else self.backend_of(peer.name))
 
     def counters(self) -> dict[str, int]:
         """A copy of the counters, from any thread without a round trip (one C-level dict copy

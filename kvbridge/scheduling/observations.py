@@ -20,11 +20,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["Observations", "MAX_SAMPLES", "MAX_PEERS", "OTHER"]
+__all__ = ["Observations", "MAX_SAMPLES", "MAX_PEERS", "OTHER", "UNKNOWN", "EVENTS"]
 
 MAX_SAMPLES = 4096
 MAX_PEERS = 16
 OTHER = "other"
+#: The peer label of an event whose peer engine is not known here (e.g. P, about a decode
+#: engine that dialled it).
+UNKNOWN = "-"
+#: Events counted with labels (mode, backend, peer): the failures an operator looks for.
+EVENTS = ("lease_expired", "checksum_mismatch", "push_timeout", "transfer_timeout",
+          "push_failed", "recv_failed")
 
 
 class Observations:
@@ -36,6 +42,7 @@ class Observations:
         self._peers: dict[str, str] = {}
         self._transfers: list[list[Any]] = []
         self._handoffs: list[list[Any]] = []
+        self._events: dict[tuple[str, str, str, str], int] = {}
         self._dropped = 0
 
     def peer_label(self, engine_id: str) -> str:
@@ -59,6 +66,16 @@ class Observations:
         self._add(self._handoffs, [mode, backend or self.backend, self.peer_label(peer),
                                    max(0.0, float(seconds))])
 
+    def event(self, name: str, mode: str, peer: str | None = None,
+              backend: str | None = None) -> None:
+        """One failure event of :data:`EVENTS` (others are ignored); ``peer`` None: unknown."""
+        if name not in EVENTS:
+            return
+        key = (name, mode, backend or self.backend,
+               UNKNOWN if peer is None else self.peer_label(peer))
+        with self._lock:
+            self._events[key] = self._events.get(key, 0) + 1
+
     def _add(self, into: list[list[Any]], sample: list[Any]) -> None:
         with self._lock:
             if len(self._transfers) + len(self._handoffs) >= MAX_SAMPLES:
@@ -69,12 +86,16 @@ class Observations:
     def drain(self) -> dict[str, Any]:
         """The samples since the last drain (empty dict when none):
         ``{"transfers": [[mode, backend, peer, outcome, seconds, bytes, descriptors], …],
-        "handoffs": [[mode, backend, peer, seconds], …], "dropped": n}``."""
+        "handoffs": [[mode, backend, peer, seconds], …], "events": [[name, mode, backend, peer,
+        count], …], "dropped": n}``."""
         with self._lock:
             transfers, self._transfers = self._transfers, []
             handoffs, self._handoffs = self._handoffs, []
+            events, self._events = self._events, {}
             dropped, self._dropped = self._dropped, 0
         out: dict[str, Any] = {}
+        if events:
+            out["events"] = [[*key, n] for key, n in events.items()]
         if transfers:
             out["transfers"] = transfers
         if handoffs:

@@ -174,7 +174,7 @@ class PullSource:
             reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
                         error="this prefill engine verifies checksums; the DONE carries none")
         elif msg.checksum is not None and msg.checksum != core.digest(st.claimed):
-            core.stats["checksum_mismatch"] += 1
+            core.count("checksum_mismatch", "pull")
             reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
                         error="checksum mismatch: bytes changed in transit")
         if reply.ok:
@@ -209,7 +209,7 @@ class PullSource:
         st = self.staged.get(tid)
         if st is None:
             return
-        self.core.stats["lease_expired"] += 1
+        self.core.count("lease_expired", "pull")
         log.warning("lease of %s (%s) expired before decode %s; %d blocks released", tid,
                     st.plan.req_id, "finished reading" if st.claimant else "claimed it",
                     len(st.plan.block_ids))
@@ -357,7 +357,7 @@ class PullSink:
             return False
         why = reply.error if isinstance(reply, Ack) else f"no confirmation: {reply}"
         if isinstance(reply, Ack) and reply.kind is ErrorKind.CHECKSUM:
-            self.core.stats["checksum_mismatch"] += 1
+            self.core.count("checksum_mismatch", "pull", job.peer)
         self._fail(job, f"prefill did not confirm the read: {why}", cancel=False)
         return False
 
@@ -367,7 +367,7 @@ class PullSink:
 
     def _timed_out(self, job: _Pull) -> None:
         if self._live(job):
-            self.core.stats["transfer_timeout"] += 1
+            self.core.count("transfer_timeout", "pull", job.peer)
             self._fail(job, f"READ did not finish within {self.core.config.transfer_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
@@ -397,6 +397,7 @@ class PullSink:
             core.cancel_remote(s.peer_address, s.transfer_id, why)
         reading = job.local is not None
         job.failure = why
+        core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it
         core.results.fail(s.req_id, s.local_ids, why, safe=not reading,
                           transfer_id=s.transfer_id)
         if not reading:

@@ -340,14 +340,14 @@ class PushSource:
         if self.outs.get(out.tid) is out and out.handles:
             out.error = out.error or (f"WRITE did not finish within "
                                       f"{self.core.config.transfer_timeout_s} s")
-            self.core.stats["transfer_timeout"] += 1
+            self.core.count("transfer_timeout", "push", out.peer)
             log.warning("push %s: %s (waiting for it to stop before answering)", out.tid,
                         out.error)
 
     def _unclaimed(self, tid: str) -> None:
         out = self.outs.get(tid)
         if out is not None and out.reg is None:
-            self.core.stats["lease_expired"] += 1
+            self.core.count("lease_expired", "push", out.peer)
             log.warning("push %s: no decode registered within the lease; blocks released", tid)
             self._finish(out, "lease expired (decode never registered)")
 
@@ -386,7 +386,7 @@ class PushSource:
             if len(out.handles) > 1:
                 core.stats["push_layerwise"] += 1
         else:
-            core.stats["push_failed"] += 1
+            core.count("push_failed", "push", out.peer)
             log.warning("push %s failed: %s", out.tid, error)
         core.ended.record(out.tid, "done" if error is None else f"failed: {error}")
         if answer and out.ctx is not None:

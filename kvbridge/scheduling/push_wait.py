@@ -142,7 +142,7 @@ class PushSink:
         elif msg.checksum is None and core.config.checksum:
             problem = "this engine verifies checksums; the push carried none"
         elif msg.checksum is not None and msg.checksum != core.digest(s.local_ids):
-            core.stats["checksum_mismatch"] += 1
+            core.count("checksum_mismatch", "push", w.peer)
             problem = "checksum mismatch: bytes changed in transit"
         if problem is not None:
             self._fail(w, problem, safe=True, cancel=False)
@@ -171,7 +171,7 @@ class PushSink:
 
     def _timed_out(self, w: _In) -> None:
         if self._live(w):
-            self.core.stats["push_timeout"] += 1
+            self.core.count("push_timeout", "push", w.peer)
             self._give_up(w, f"no push within {self.core.config.push_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
@@ -230,6 +230,7 @@ class PushSink:
         if cancel and w.state is not _Wait.DIALING:
             core.cancel_remote(s.peer_address, s.transfer_id, why)
         w.failure = why
+        core.count("recv_failed", "push", w.peer, stats=False)  # results.fail counts it
         core.results.fail(s.req_id, s.local_ids, why, safe=safe, transfer_id=s.transfer_id)
         if safe:
             self._forget(w)

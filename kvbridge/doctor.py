@@ -394,6 +394,9 @@ def check_ports(t: Target) -> Check:
     problems, notes = [], []
     for port in range(base, last + 1):
         why = probes.port_in_use(bind_host, port)
+        if why and "not an address of this host" in why:
+            return Check("ports", Status.FAIL, f"side_channel_host {why}; set "
+                                               "KVBRIDGE_SIDE_CHANNEL_HOST to one of its addresses")
         if why == "only TIME_WAIT":
             notes.append(f"{port}: only TIME_WAIT connections (ZeroMQ binds it anyway)")
         elif why:

@@ -8,6 +8,7 @@ condition is made real (a port really bound).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -25,8 +26,9 @@ pytestmark = [pytest.mark.timeout(300)]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
     return subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", *args],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, env=env)
 
 
 def _target(extra: dict[str, Any] | None = None, tp: int = 1) -> Target:
@@ -77,6 +79,16 @@ def test_a_bound_port_fails() -> None:
         check = doctor.check_ports(_target({"side_channel_port": port - 1}, tp=2))
         assert check.status is Status.FAIL and str(port) in check.detail
     assert doctor.check_ports(_target({"side_channel_port": 65535}, tp=2)).status is Status.FAIL
+
+
+def test_a_host_that_is_not_ours_fails_once_with_the_right_fix() -> None:
+    # 192.0.2.0/24 is TEST-NET-1: never an address of this host
+    for port in (0, 5600):
+        check = doctor.check_ports(_target({"side_channel_host": "192.0.2.1",
+                                            "side_channel_port": port}, tp=2))
+        assert check.status is Status.FAIL, check.detail
+        assert check.detail.count("not an address of this host") == 1
+        assert "KVBRIDGE_SIDE_CHANNEL_HOST" in check.detail and "ss -ltnp" not in check.detail
 
 
 @pytest.mark.parametrize("scope, status", [(0, Status.OK), (1, Status.OK), (3, Status.FAIL)])

@@ -232,9 +232,7 @@ class _ProxyHost:
         out: dict[str, int] = {}
 
         async def read() -> None:
-            for labels, n in self.servers[mode].metrics.decisions.items():
-                chosen = dict(labels).get("chosen", "?")
-                out[chosen] = out.get(chosen, 0) + n
+            out.update(self.servers[mode].metrics.chosen_modes())
 
         with contextlib.suppress(Exception):
             self._run(read(), 5.0)

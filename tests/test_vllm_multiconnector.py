@@ -118,7 +118,9 @@ def test_disaggregated_inside_multiconnector(fleet: Fleet, mode: str) -> None:
     ctl = fleet.d_ctl if mode == "pull" else fleet.p_ctl
     before_ctl = engine_stats(ctl).get(key, 0)
     before_prom = _metric(engine.url, f"vllm:kvbridge_{key}_total")
-    before_hist = _metric(engine.url, "vllm:kvbridge_transfer_seconds_count", mode=mode)
+    where = {"mode": mode, "backend": "shm",
+             "peer": "multi-prefill" if mode == "pull" else "multi-decode"}
+    before_hist = _metric(engine.url, "vllm:kvbridge_transfer_seconds_count", **where)
     for prompt, ref in zip(prompts, refs, strict=True):
         assert _run(fleet.proxies.urls[mode], prompt) == ref
     moved = engine_stats(ctl).get(key, 0) - before_ctl
@@ -128,8 +130,7 @@ def test_disaggregated_inside_multiconnector(fleet: Fleet, mode: str) -> None:
     assert after_prom - before_prom == moved
     # ... and so do the per-transfer histograms, labelled by mode, backend and peer
     hist = "vllm:kvbridge_transfer_seconds_count"
-    assert _wait_metric(engine.url, hist, before_hist + len(prompts) - 1, mode=mode,
-                        backend="shm", peer="multi-prefill" if mode == "pull" else "multi-decode"
+    assert _wait_metric(engine.url, hist, before_hist + len(prompts) - 1, **where
                         ) - before_hist == len(prompts)
     if mode == "pull":  # D measures each hand-off
         assert _metric(fleet.d.url, "vllm:kvbridge_handoff_seconds_count", mode="pull") >= 3

@@ -132,6 +132,16 @@ class ProxyMetrics:
     def observe_prefill_leg(self, mode: str, seconds: float) -> None:
         self._prefill_leg.labels(mode).observe(seconds)
 
+    def chosen_modes(self) -> dict[str, int]:
+        """How many routing decisions chose each mode (``push`` / ``pull``), over all reasons."""
+        out: dict[str, int] = {}
+        for metric in self._decisions.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    chosen = s.labels.get("chosen", "?")
+                    out[chosen] = out.get(chosen, 0) + int(s.value)
+        return out
+
     def render(self, engines: Iterable[Engine]) -> str:
         """The Prometheus text exposition of every metric, engines' live gauges included."""
         listed = list(engines)

@@ -232,21 +232,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def parse_configs(text: str) -> tuple[str, ...]:
     """``"a,b"`` → the configurations, validated, duplicates removed, order kept; ``all`` → all."""
-    names: list[str] = []
-    for part in text.split(","):
-        name = part.strip()
-        if not name:
-            continue
-        if name == "all":
-            names.extend(CONFIG_NAMES)
-            continue
-        if name not in CONFIG_NAMES:
-            raise ConfigError(f"unknown configuration {name!r}; expected some of "
-                              f"{', '.join(CONFIG_NAMES)} (comma-separated) or all")
-        names.append(name)
-    if not names:
-        raise ConfigError("--configs names no configuration")
-    return tuple(dict.fromkeys(names))
+    from kvbridge.cli import parse_names
+
+    return parse_names(text, CONFIG_NAMES, "--configs", "configuration")
 
 
 def handoff_times(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence[str]) -> list[

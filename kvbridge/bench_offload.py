@@ -192,21 +192,10 @@ class RowResult:
 
 def parse_rows(text: str) -> tuple[str, ...]:
     """``"dram, disk"`` → the rows, validated, in the table's order; ``all`` → every row."""
-    names: set[str] = set()
-    for part in text.split(","):
-        name = part.strip()
-        if not name:
-            continue
-        if name == "all":
-            names.update(ROW_NAMES)
-            continue
-        if name not in ROW_NAMES:
-            raise ConfigError(f"unknown row {name!r}; expected some of {', '.join(ROW_NAMES)} "
-                              "(comma-separated) or all")
-        names.add(name)
-    if not names:
-        raise ConfigError("--rows names no row")
-    return tuple(r for r in ROW_NAMES if r in names)
+    from kvbridge.cli import parse_names
+
+    chosen = set(parse_names(text, ROW_NAMES, "--rows", "row"))
+    return tuple(r for r in ROW_NAMES if r in chosen)
 
 
 def parse_tier_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -136,21 +136,9 @@ class ServeSettings:
 
 def parse_setups(text: str) -> tuple[str, ...]:
     """``"a,b"`` → the setups, validated, duplicates removed, order kept; ``all`` → all."""
-    names: list[str] = []
-    for part in text.split(","):
-        name = part.strip()
-        if not name:
-            continue
-        if name == "all":
-            names.extend(SETUP_NAMES)
-            continue
-        if name not in SETUP_NAMES:
-            raise ConfigError(f"--setups: unknown setup {name!r}; expected some of "
-                              f"{', '.join(SETUP_NAMES)} (comma-separated) or all")
-        names.append(name)
-    if not names:
-        raise ConfigError("--setups names no setup")
-    return tuple(dict.fromkeys(names))
+    from kvbridge.cli import parse_names
+
+    return parse_names(text, SETUP_NAMES, "--setups", "setup")
 
 
 def parse_rates(text: str) -> tuple[float, ...]:

@@ -211,6 +211,24 @@ def parse_json_object(text: str | None, what: str) -> dict[str, Any]:
     return value
 
 
+def parse_names(text: str, known: Sequence[str], option: str, what: str) -> tuple[str, ...]:
+    """``"a, b"`` → those of ``known``, duplicates removed, in the order given; ``all`` → every
+    one. :class:`ConfigError` naming ``option`` for an unknown name or an empty list."""
+    names: list[str] = []
+    for part in text.split(","):
+        name = part.strip()
+        if name == "all":
+            names.extend(known)
+        elif name and name not in known:
+            raise ConfigError(f"{option}: unknown {what} {name!r}; expected some of "
+                              f"{', '.join(known)} (comma-separated) or all")
+        elif name:
+            names.append(name)
+    if not names:
+        raise ConfigError(f"{option} names no {what}")
+    return tuple(dict.fromkeys(names))
+
+
 def _json_value(cfg: Any, key: str) -> Any:
     value = getattr(cfg, key)
     if key == "secret" and value:

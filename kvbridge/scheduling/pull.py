@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvbridge.blocks import prepare_blocks, submit_blocks
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import DescriptorArray, descriptor_pair
 from kvbridge.messages import Ack, Cancel, CancelReply, ErrorKind, Message, PullClaim, PullDone
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.transport import HandleState, Op, TransferHandle
@@ -231,7 +231,7 @@ class _Pull:
     spec: PullSpec
     peer: Peer | None = None
     handle: TransferHandle | None = None
-    local: DescriptorArray | None = None
+    reading: bool = False  # the READ is posted and has not stopped
     failure: str | None = None  # reported already; blocks held until the handle stops
     started: float = field(default_factory=time.perf_counter)
 
@@ -288,13 +288,12 @@ class PullSink:
         assert job.peer is not None
         core, s = self.core, job.spec
         try:
-            local, remote = descriptor_pair(core.layout, s.local_ids, job.peer.layout,
-                                            s.remote_ids)
-            job.handle = core.transport.submit(Op.READ, job.peer.name, local, remote)
+            pair = prepare_blocks(core.transport, job.peer.name, core.layout, job.peer.layout)
+            job.handle = submit_blocks(core.transport, Op.READ, pair, s.local_ids, s.remote_ids)
         except KVBridgeError as exc:
             self._fail(job, f"cannot post the READ: {exc}")
             return False
-        job.local = local
+        job.reading = True
         core.timers.cancel(("pull", s.transfer_id))
         core.watch_handle(job.handle)
         core.timers.set(("read", s.transfer_id), core.config.transfer_timeout_s,
@@ -305,12 +304,12 @@ class PullSink:
         """Complete the READs that stopped (called by the loop while any is in flight)."""
         for job in list(self.jobs.values()):
             handle = job.handle
-            if handle is None or job.local is None:
+            if handle is None or not job.reading:
                 continue
             state = self.core.transport.poll(handle)
             if state is HandleState.PENDING:
                 continue
-            job.local = None
+            job.reading = False
             self.core.timers.cancel(("read", job.spec.transfer_id))
             self._observe(job, handle, state)
             if job.failure is not None:  # already failed (timeout, abort): blocks now safe
@@ -322,7 +321,7 @@ class PullSink:
                 self._read_done(job)
 
     def in_flight(self) -> bool:
-        return any(j.local is not None for j in self.jobs.values())
+        return any(j.reading for j in self.jobs.values())
 
     def _observe(self, job: _Pull, handle: TransferHandle, state: HandleState) -> None:
         if job.peer is None:
@@ -395,7 +394,7 @@ class PullSink:
         core, s = self.core, job.spec
         if cancel:
             core.cancel_remote(s.peer_address, s.transfer_id, why)
-        reading = job.local is not None
+        reading = job.reading
         job.failure = why
         core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it
         core.results.fail(s.req_id, s.local_ids, why, safe=not reading,

@@ -29,9 +29,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from kvbridge.blocks import prepare_blocks, submit_blocks
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import descriptor_pair
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -298,15 +298,15 @@ class PushSource:
             out.posted.update(todo)
             src = out.plan.block_ids[out.reg.skip_blocks:]
             try:
-                local, remote = descriptor_pair(core.layout.select(todo), src,
-                                                out.peer.layout.select(todo), out.reg.block_ids)
-                handle = core.transport.submit(Op.WRITE, out.peer.name, local, remote)
+                pair = prepare_blocks(core.transport, out.peer.name, core.layout, out.peer.layout)
+                handle = submit_blocks(core.transport, Op.WRITE, pair, src, out.reg.block_ids,
+                                       planes=todo)
             except KVBridgeError as exc:
                 out.error = f"cannot post the WRITE: {exc}"
                 break
             core.watch_handle(handle)
             out.handles.append(handle)
-            out.nbytes += int(local[:, 1].sum())
+            out.nbytes += handle.nbytes
             core.mark(out.tid, "write_posted")
             if len(out.handles) == 1:
                 core.timers.set(("write", out.tid), core.config.transfer_timeout_s,

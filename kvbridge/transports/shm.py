@@ -84,6 +84,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
 from kvbridge.errors import (
     BackendUnavailable,
     ConfigError,
@@ -103,7 +104,6 @@ from kvbridge.transport import (
     MemoryRegion,
     Op,
     TransferHandle,
-    Transport,
     check_within,
 )
 from kvbridge.transports._notify import (
@@ -636,6 +636,21 @@ class _Job:
     notification: bytes | None
 
 
+@dataclass
+class _BlockJob:
+    """A transfer by block ids: its iovecs are built on the worker, from the plane tables."""
+
+    handle: TransferHandle
+    peer: _Peer
+    pair: BlockPair
+    req: BlockRequest
+    notification: bytes | None
+
+    def iovecs(self) -> tuple[IovArray, IovArray]:
+        loc, rem = self.req.descriptors(self.pair, columns=2)
+        return loc.view(np.uint64), rem.view(np.uint64)
+
+
 def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
     """Refuse addresses/lengths whose sum could overflow the int64 range check (one reduction
     per list: this runs on every submit)."""
@@ -653,7 +668,7 @@ def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi:
     return value
 
 
-class ShmTransport(Transport):
+class ShmTransport(BlockTransport):
     """Same-host transport over cross-memory attach; see the module docstring."""
 
     name = "shm"
@@ -683,7 +698,8 @@ class ShmTransport(Transport):
         self._regions: list[tuple[int, int]] = []
         self._version = 0
         self._peers: dict[str, _Peer] = {}
-        self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _BlockJob | Callable[[], None] | None] = (
+            queue.SimpleQueue())
         self._abort = threading.Event()
         self._boot_id, self._pid_ns = _boot_id(), _pid_ns()
         self._inbox = NotificationInbox(
@@ -798,6 +814,7 @@ class ShmTransport(Transport):
         if closed:
             peer.retire()
             self._check_open()
+        self._forget_blocks(peer.agent)
         if old is not None:
             self._retire(old)
         log.info("shm %r added peer %r (pid %d proven, registration v%d, %d region(s))",
@@ -917,6 +934,7 @@ class ShmTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             old = self._peers.pop(peer, None)
+        self._forget_blocks(peer)
         if old is not None:
             self._retire(old)
             log.info("shm %r removed peer %r", self.agent_name, peer)
@@ -966,17 +984,39 @@ class ShmTransport(Transport):
             self._jobs.put(job)
         return handle
 
+    def _prepare_blocks(self, pair: BlockPair) -> _Peer:
+        """Check both layouts against the registered and the proven regions (once)."""
+        p = self._peer(pair.peer)
+        with self._lock:
+            regions = list(self._regions)
+        check_in_regions(pair.local, regions, "local")
+        check_in_regions(pair.remote, p.regions, f"remote ({pair.peer})")
+        return p
+
+    def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                       notification: bytes | None) -> TransferHandle:
+        """Queue the request; the worker builds its iovecs (O(blocks) here)."""
+        p: _Peer = pair.native
+        if self._peer(pair.peer) is not p:
+            raise UnknownPeer(f"shm {self.agent_name!r}: peer {pair.peer!r} was re-added")
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count(pair.local))
+        job = _BlockJob(handle, p, pair, req, notification)
+        with self._lock:
+            self._check_open()
+            self._jobs.put(job)
+        return handle
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            if not isinstance(job, _Job):
+            if not isinstance(job, (_Job, _BlockJob)):
                 job()
                 continue
             self._run(job)
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job | _BlockJob) -> None:
         h, peer = job.handle, job.peer
         if self._abort.is_set():
             h._finish(HandleState.FAILED, "transport closed before the transfer started")
@@ -990,7 +1030,8 @@ class ShmTransport(Transport):
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            copy_iovecs(fn, peer.pid, job.local, job.remote, self._iov_max, self._abort)
+            local, remote = (job.local, job.remote) if isinstance(job, _Job) else job.iovecs()
+            copy_iovecs(fn, peer.pid, local, remote, self._iov_max, self._abort)
             if job.notification is not None:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -1030,6 +1071,7 @@ class ShmTransport(Transport):
                 self._jobs.put(None)
                 peers = list(self._peers.values())
                 self._peers.clear()
+            self._forget_blocks(None)
             self._listener.close()
             self._worker.join(timeout)
             if self._worker.is_alive():
@@ -1050,7 +1092,7 @@ class ShmTransport(Transport):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, _Job):
+            if isinstance(job, (_Job, _BlockJob)):
                 job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
             elif job is not None:
                 job()

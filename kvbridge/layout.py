@@ -323,9 +323,17 @@ def check_block_ids(
     block_ids: Sequence[int] | npt.NDArray[np.integer[Any]], num_blocks: int, side: str = "local"
 ) -> npt.NDArray[np.int64]:
     """Validate a list of block ids: integers in ``[0, num_blocks)``, no duplicates."""
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        return ids
+    try:
+        raw = np.asarray(block_ids)
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"{side} block ids are not a list of integers: {exc}") from None
+    if raw.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if raw.dtype.kind not in "iu":
+        raise LayoutError(f"{side} block ids must be integers, not {raw.dtype}")
+    ids = raw.astype(np.int64, copy=False).reshape(-1)
+    if raw.dtype.kind == "u" and raw.dtype.itemsize == 8 and int(raw.max()) >= 1 << 63:
+        raise LayoutError(f"{side} block id out of range [0, {num_blocks}): {int(raw.max())}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_blocks:
         raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {lo}, max {hi}")

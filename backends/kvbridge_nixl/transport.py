@@ -80,6 +80,8 @@ __all__ = ["NixlTransport", "NixlPeerInfo"]
 log = logging.getLogger("kvbridge.transport.nixl")
 
 METADATA_VERSION = 1
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
 _MAX_GRIDS = 4
 _AUTO_GRANULE_CAP = 64 << 10
 _AUTO_GRANULE_MIN = 1 << 10
@@ -121,7 +123,7 @@ class _Prepared:
     remote: Any  # prepared dlist handle of the remote layout (this pair's own)
 
 
-def _strided(layout: KVLayout) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _strided(layout: KVLayout) -> I64:
     """NIXL's compressed list over every block of every plane: rows (address, block bytes,
     device, stride, count); entry ``plane * num_blocks + block``."""
     t = layout.plane_table
@@ -131,14 +133,14 @@ def _strided(layout: KVLayout) -> np.ndarray[Any, np.dtype[np.int64]]:
     return out
 
 
-def _indices(planes: npt.NDArray[np.int64] | None, total: int, num_blocks: int,
-             ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
-    """Entries ``plane * num_blocks + id`` of a strided list, plane-major, as int32."""
+def _indices(planes: I64 | None, total: int, num_blocks: int, ids: I64, out: I32) -> I32:
+    """Entries ``plane * num_blocks + id`` of a strided list, plane-major, as int32, written
+    into ``out`` (at least planes × ids long); returns the used part."""
     first = np.arange(total, dtype=np.int32) if planes is None else planes.astype(np.int32)
     first *= np.int32(num_blocks)
-    out = np.empty((first.size, ids.size), dtype=np.int32)
-    np.add(first[:, None], ids.astype(np.int32)[None, :], out=out)
-    return out.reshape(-1)
+    used = out[: first.size * ids.size].reshape(first.size, ids.size)
+    np.add(first[:, None], ids.astype(np.int32)[None, :], out=used)
+    return used.reshape(-1)
 
 
 def _translate(exc: BaseException, what: str, peer: str | None = None) -> KVBridgeError:
@@ -174,6 +176,7 @@ class NixlTransport(BlockTransport):
         self._retired_peers: list[_Peer] = []
         self._local_grids: OrderedDict[int, Any] = OrderedDict()
         self._layout_dlists: OrderedDict[LayoutKey, Any] = OrderedDict()
+        self._scratch: I32 = np.empty(0, dtype=np.int32)  # index arrays, see _block_args
         self._retired_dlists: list[Any] = []
         self._inflight: dict[int, tuple[TransferHandle, _Peer]] = {}
         self._closing = False
@@ -399,28 +402,50 @@ class NixlTransport(BlockTransport):
         return handle
 
     def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest, notif: bytes) -> Any:
-        """Make the request (indices into the prepared lists, or a few coalesced ranges
-        directly) and post it; the lock is held."""
-        prep: _Prepared = pair.native
+        """Make the request and post it; the lock is held."""
         what = f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}"
         try:
-            if req.runs * _DIRECT_RUN_FACTOR <= req.blocks:
-                loc, rem = req.descriptors(pair)
-                native = self._agent.initialize_xfer(
-                    op.value, self._agent.get_xfer_descs(loc, self._mem_type or "DRAM"),
-                    self._agent.get_xfer_descs(rem, prep.peer.mem_type), pair.peer, notif)
-                self.stats["block_direct"] += 1
-            else:
-                total = len(pair.local.planes)
-                li = _indices(req.planes, total, pair.local.num_blocks, req.local_ids)
-                ri = _indices(req.planes, total, pair.remote.num_blocks, req.remote_ids)
-                native = self._agent.make_prepped_xfer(op.value, prep.local, li, prep.remote,
-                                                       ri, notif)
-                self.stats["block_prepped"] += 1
+            native = self._make_blocks(op, pair, self._block_args(pair, req), notif)
         except Exception as exc:
             raise _translate(exc, what, pair.peer) from exc
         self._start(native, what, pair.peer)
         return native
+
+    def _block_args(self, pair: BlockPair, req: BlockRequest) -> tuple[bool, I64 | I32,
+                                                                        I64 | I32]:
+        """What NIXL gets for ``req`` (kvbridge's own per-transfer work, no NIXL call; the
+        lock is held): ``(True, ranges, ranges)`` — the coalesced ``(N, 3)`` ranges, when the
+        ids form long runs — or ``(False, indices, indices)`` into the prepared lists.
+
+        The index arrays live in one scratch buffer reused by every transfer: NIXL resolves
+        the indices inside ``make_prepped_xfer`` and keeps none of them, and fresh arrays of
+        this size cost more in page faults (glibc hands big blocks back to the kernel after
+        NIXL's own frees) than building them."""
+        if req.runs * _DIRECT_RUN_FACTOR <= req.blocks:
+            loc, rem = req.descriptors(pair)
+            return True, loc, rem
+        total = len(pair.local.planes)
+        n = req.plane_count(pair.local) * req.blocks  # one index per block, runs or not
+        if self._scratch.size < 2 * n:
+            self._scratch = np.empty(2 * n, dtype=np.int32)
+        return (False,
+                _indices(req.planes, total, pair.local.num_blocks, req.local_ids, self._scratch),
+                _indices(req.planes, total, pair.remote.num_blocks, req.remote_ids,
+                         self._scratch[n:]))
+
+    def _make_blocks(self, op: Op, pair: BlockPair, args: tuple[bool, I64 | I32, I64 | I32],
+                     notif: bytes) -> Any:
+        """The NIXL request for :meth:`_block_args`' output (native calls only; lock held)."""
+        prep: _Prepared = pair.native
+        direct, local, remote = args
+        if direct:
+            self.stats["block_direct"] += 1
+            return self._agent.initialize_xfer(
+                op.value, self._agent.get_xfer_descs(local, self._mem_type or "DRAM"),
+                self._agent.get_xfer_descs(remote, prep.peer.mem_type), pair.peer, notif)
+        self.stats["block_prepped"] += 1
+        return self._agent.make_prepped_xfer(op.value, prep.local, local, prep.remote, remote,
+                                             notif)
 
     def _release_blocks(self, pair: BlockPair) -> None:
         prep: _Prepared | None = pair.native

@@ -113,6 +113,12 @@ class BlockConformance:
             assert local.prepare_blocks(pair.peer_name, pair.local_layout,
                                         pair.remote.layout) is bp
 
+        lids = [1, 2, 3, 10, 20, 30, 40]  # a run among single blocks
+        rids = [5, 6, 7, 0, 50, 51, 62]
+        mine, theirs, handle = self._transfer(pair, op, lids, rids, planes=[5, 0, 2])
+        self._check(pair, op, mine, theirs, lids, rids, [5, 0, 2])
+        assert handle.count == 3 * 5
+
         lids = [*range(3, 20), 40, *range(50, 60)]
         rids = [*range(30, 47), 2, *range(10, 20)]
         mine, theirs, handle = self._transfer(pair, op, lids, rids)
@@ -128,6 +134,15 @@ class BlockConformance:
         mine, theirs, handle = self._transfer(pair, op, [], [])
         assert handle.nbytes == 0
         self._check(pair, op, mine, theirs, [], [])
+
+        # two scattered transfers in flight at once (per-transfer buffers must not be shared)
+        mine, theirs = pair.local_buf.copy(), pair.remote_buf()
+        bp = prepare_blocks(local, pair.peer_name, pair.local_layout, pair.remote.layout)
+        first = submit_blocks(local, op, bp, [0, 9, 5], [8, 1, 4])
+        second = submit_blocks(local, op, bp, [33, 20, 61], [60, 41, 22])
+        for h in (first, second):
+            assert local.wait(h, self.timeout) is HandleState.DONE, h.error
+        self._check(pair, op, mine, theirs, [0, 9, 5, 33, 20, 61], [8, 1, 4, 60, 41, 22])
 
     @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
     def test_blocks_views(self, local: Transport, peer: Peer, op: Op) -> None:

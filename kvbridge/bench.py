@@ -57,6 +57,7 @@ __all__ = [
     "parse_ops",
     "run_transfer_bench",
     "memcpy_once",
+    "scattered",
     "format_transfer_report",
 ]
 
@@ -278,6 +279,20 @@ def memcpy_once(src: Bytes, dst: Bytes, block: int, perm: I64, op: Op) -> float:
     return time.perf_counter() - t0
 
 
+def scattered(rng: np.random.Generator, n: int) -> I64:
+    """A random permutation of ``range(n)`` in which no element is followed by its successor,
+    so that no two blocks coalesce (for n >= 4)."""
+    perm = rng.permutation(n).astype(np.int64)
+    for _ in range(100):
+        bad = np.flatnonzero(np.diff(perm) == 1)
+        if bad.size == 0 or n < 4:
+            break
+        for i in bad.tolist():  # swap the successor away with a random element
+            j = int(rng.integers(n))
+            perm[i + 1], perm[j] = perm[j], perm[i + 1]
+    return perm
+
+
 def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int) -> Any:
     """The backend package's raw session, or None when it has none."""
     fn = registry.backend_hook(backend, "raw_session")
@@ -344,7 +359,7 @@ def run_transfer_bench(
                      _pattern(seed + 1, total_bytes), timeout)
         rng = np.random.default_rng(seed + 2)
         for block in block_sizes:
-            perm = rng.permutation(total_bytes // block).astype(np.int64)
+            perm = scattered(rng, total_bytes // block)
             for op in ops:
                 rows.append(_bench_one(side, session, raw_error, op, block, perm, reps, mode,
                                        confidence))

@@ -148,12 +148,14 @@ def test_bench_transfer_shm_paired_checks_bytes_and_prints_ratio_intervals() -> 
     assert header.split() == ["block", "op", "descs", "kvbridge", "memcpy", "raw", "kvb/memcpy",
                               "kvb/raw"]
     rows = [line.split() for line in res.stdout.splitlines()
-            if line.strip().endswith("-") and ("read" in line or "write" in line)]
+            if " read " in line or " write " in line]
     assert [(r[0] + r[1], r[2]) for r in rows] == [("16KiB", "read"), ("16KiB", "write"),
                                                    ("256KiB", "read"), ("256KiB", "write")]
-    for r in rows:  # "0.812 [0.75, 0.90]": median, then its interval around it
-        median, low, high = float(r[7]), float(r[8].strip("[,")), float(r[9].strip("]"))
-        assert low <= median + 0.01 and median <= high + 0.01
+    for r in rows:  # kvb/memcpy and kvb/raw: "0.812 [0.75, 0.90]", a median in its interval
+        for at in (7, 10):
+            median, low, high = float(r[at]), float(r[at + 1].strip("[,")), float(
+                r[at + 2].strip("]"))
+            assert low <= median + 0.01 and median <= high + 0.01
 
 
 def test_bench_transfer_shm_json_paired() -> None:
@@ -172,18 +174,30 @@ def test_bench_transfer_shm_json_paired() -> None:
         ci = row["vs_memcpy"]
         assert ci["n"] == 7 and ci["low"] <= ci["median"] <= ci["high"]
         assert row["ratio_memcpy"] == ci["median"]
-        assert row["raw_gbps"] is None and row["ratio_raw"] is None and row["vs_raw"] is None
+        raw = row["vs_raw"]  # shm's raw column: process_vm_readv/writev alone
+        assert row["raw_gbps"] > 0 and raw["low"] <= raw["median"] <= raw["high"]
+        assert row["ratio_raw"] == raw["median"] and row["raw_error"] is None
 
 
 def test_bench_transfer_sequential_is_best_of() -> None:
     res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "4", "--block-kib",
-                   "256", "--op", "read", "--mode", "sequential", "--reps", "2", "--json")
+                   "256", "--op", "read", "--mode", "sequential", "--reps", "2", "--no-raw",
+                   "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["mode"] == "sequential" and report["statistic"] == "best of reps"
     row = report["rows"][0]
     assert row["vs_memcpy"] is None
     assert row["ratio_memcpy"] == pytest.approx(row["kvbridge_gbps"] / row["memcpy_gbps"])
+    assert row["raw_gbps"] is None  # --no-raw
+
+
+def test_bench_transfer_shm_raw_column() -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "4", "--block-kib",
+                   "64", "--op", "write", "--reps", "3")
+    assert res.returncode == 0, res.stderr
+    row = next(line.split() for line in res.stdout.splitlines() if " write " in line)
+    assert float(row[5]) > 0 and row[-2].startswith("[")  # raw GB/s, kvb/raw interval
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -120,6 +121,8 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_REGIONS",
     "decode_metadata",
+    "split_iovecs",
+    "raw_session",
 ]
 
 log = logging.getLogger("kvbridge.transport.shm")
@@ -322,6 +325,33 @@ def copy_iovecs(
                 arr[i, 0] += np.uint64(part)
                 arr[i, 1] -= np.uint64(part)
     return moved
+
+
+def split_iovecs(local: IovArray, remote: IovArray, parts: int) -> list[tuple[IovArray, IovArray]]:
+    """Cut ``local[i] <-> remote[i]`` into at most ``parts`` pieces of about equal bytes (a
+    range that crosses a cut is split), each a private C-contiguous pair for
+    :func:`copy_iovecs`. O(ranges), vectorised but for the cuts."""
+    lengths = local[:, 1].astype(np.int64)
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if ends.size else 0
+    out: list[tuple[IovArray, IovArray]] = []
+    start = 0
+    for k in range(1, parts + 1):
+        end = total * k // parts
+        if end <= start:
+            continue
+        r0 = int(np.searchsorted(ends, start, side="right"))
+        r1 = int(np.searchsorted(ends, end, side="left"))
+        loc, rem = local[r0:r1 + 1].copy(), remote[r0:r1 + 1].copy()
+        skip = np.uint64(start - (int(ends[r0]) - int(lengths[r0])))
+        cut = np.uint64(int(ends[r1]) - end)
+        for arr in (loc, rem):
+            arr[0, 0] += skip
+            arr[0, 1] -= skip
+            arr[-1, 1] -= cut
+        out.append((loc, rem))
+        start = end
+    return out
 
 
 def _iov(descs: DescriptorArray) -> IovArray:
@@ -683,6 +713,9 @@ class ShmTransport(BlockTransport):
         if not 1 <= self._iov_max <= IOV_MAX:
             raise DescriptorError(f"iov_max must be in [1, {IOV_MAX}], got {self._iov_max}")
         opts = self.options
+        self._threads = int(_option(opts, "threads", 1, 1, 64))
+        self._split_bytes = int(_option(opts, "split_bytes", 16 << 20, 1, 1 << 40))
+        self._helpers: ThreadPoolExecutor | None = None
         self._hs_timeout = _option(opts, "handshake_timeout", 5.0, 0.01, 600.0)
         listener_timeout = _option(opts, "listener_timeout", 2.0, 0.01, 600.0)
         max_conns = int(_option(opts, "listener_max_connections", 16, 1, 4096))
@@ -1031,7 +1064,7 @@ class ShmTransport(BlockTransport):
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
             local, remote = (job.local, job.remote) if isinstance(job, _Job) else job.iovecs()
-            copy_iovecs(fn, peer.pid, local, remote, self._iov_max, self._abort)
+            self._copy(fn, peer.pid, local, remote, h.nbytes)
             if job.notification is not None:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -1039,6 +1072,32 @@ class ShmTransport(BlockTransport):
             h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: {exc}")
             return
         h._finish(HandleState.DONE)
+
+    def _copy(self, fn: Callable[..., int], pid: int, local: IovArray, remote: IovArray,
+              nbytes: int) -> None:
+        """Copy on the worker, split across the helper threads when the transfer is large
+        (every part is waited for, also when one fails: its bytes may be landing)."""
+        parts = self._threads if nbytes >= self._split_bytes else 1
+        if parts <= 1 or local.shape[0] == 0:
+            copy_iovecs(fn, pid, local, remote, self._iov_max, self._abort)
+            return
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self._threads - 1,
+                                               thread_name_prefix=f"kvbridge-shm-{self.agent_name}")
+        (loc0, rem0), *rest = split_iovecs(local, remote, parts)
+        futures = [self._helpers.submit(copy_iovecs, fn, pid, loc, rem, self._iov_max,
+                                        self._abort) for loc, rem in rest]
+        errors: list[BaseException] = []
+        try:
+            copy_iovecs(fn, pid, loc0, rem0, self._iov_max, self._abort)
+        except Exception as exc:  # noqa: BLE001 - reported once every part stopped
+            errors.append(exc)
+        for f in futures:
+            failure = f.exception()
+            if failure is not None:
+                errors.append(failure)
+        if errors:
+            raise errors[0]
 
     def poll(self, handle: TransferHandle) -> HandleState:
         """The handle's state (non-blocking; the worker thread makes progress)."""
@@ -1081,6 +1140,8 @@ class ShmTransport(BlockTransport):
                 self._worker.join(5.0)
             self._abort.set()
             self._fail_leftovers()
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=True)
             for p in peers:
                 p.retire()
             self._inbox.close()
@@ -1101,3 +1162,11 @@ class ShmTransport(BlockTransport):
 def _close_fd(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
+
+
+def raw_session(total_bytes: int, seed: int = 0) -> Any:
+    """Cross-memory attach alone (:class:`kvbridge.transports._shm_bench.RawSession`), for the
+    raw column of ``kvbridge bench transfer --backend shm``."""
+    from kvbridge.transports._shm_bench import RawSession
+
+    return RawSession(total_bytes, seed)

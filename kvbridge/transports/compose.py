@@ -37,9 +37,10 @@ Contract (on top of :mod:`kvbridge.transport`):
   its bytes may have landed in the peer's memory — and its handle ends FAILED with the member's
   name in the error; later transfers move to the next member. Notifications follow the peer's
   current member; a ``send_notification`` that raises is retried on the next one.
-* **Transfers by block id** (:class:`~kvbridge.blocks.BlockTransport`): a pair is prepared on
-  the peer's current member at once (so a bad layout fails there) and on a fallback member when
-  the transfer first moves to it; requests are validated once here and handed to the carrying
+* **Transfers by block id** (:class:`~kvbridge.blocks.BlockTransport`): a member prepares the
+  pair the first time a transfer of it is posted there (a member failing to prepare is passed
+  over like one failing to submit; a layout outside registered memory raises
+  :class:`DescriptorError`); requests are validated once here and handed to the carrying
   member's own block path (or, for a member without one, its ``submit`` with descriptors).
 * **Handles** are wrappers (:class:`ComposeHandle`) around the member's handle. ``poll`` drives
   the member's ``poll`` and the READ retry on the calling thread; the member's completion
@@ -440,9 +441,9 @@ class ComposeTransport(BlockTransport):
         return self.submit(op, peer, local, remote, notification)
 
     def _prepare_blocks(self, pair: BlockPair) -> _Pairs:
-        native = _Pairs(self._route(pair.peer), {})
-        self._member_pair(pair, native, native.route.active)
-        return native
+        """Members prepare lazily, when a transfer is posted on them, so that a member that
+        fails to prepare is passed over like one that fails to submit."""
+        return _Pairs(self._route(pair.peer), {})
 
     def _member_pair(self, pair: BlockPair, native: _Pairs, index: int) -> BlockPair:
         """Member ``index``'s pair for ``pair`` (prepared now if that member has not carried

@@ -27,6 +27,9 @@ Contract (on top of :mod:`kvbridge.transport`):
   ``max_notification_bytes`` in total, default 4 MiB). Beyond that the *new* message is dropped and
   counted in the receiver's :attr:`MemoryTransport.dropped_notifications` (a warning at most once
   a second); a transfer whose attached notification was dropped still ends DONE.
+* Transfers by block id (:class:`~kvbridge.blocks.BlockTransport`): preparing checks both
+  layouts against the regions registered then; ``submit_blocks`` validates the ids and queues,
+  and the worker computes the coalesced copies from the plane tables.
 * Thread safety: every method may be called from any thread.
 * ``close`` unregisters the token, waits up to ``timeout`` for queued transfers, fails the rest,
   joins the worker, then stops peers from touching our memory (an inbound copy stops at its next

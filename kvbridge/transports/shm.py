@@ -39,6 +39,11 @@ Contract (on top of :mod:`kvbridge.transport`):
   process has exited since the handshake fails without a system call (a pidfd says so, so a
   recycled pid is never written to). A transfer's notification is sent after all its bytes
   landed, and only if it succeeded. ``poll`` never blocks.
+* Transfers by block id (:class:`~kvbridge.blocks.BlockTransport`, the core's path): preparing
+  checks both layouts against the registered and the proven regions once; ``submit_blocks``
+  validates the ids (O(blocks)) and queues; the worker builds the iovecs from the plane tables.
+  With the ``threads`` option, a transfer of at least ``split_bytes`` is copied in that many
+  parts at once; it finishes (and notifies) when every part stopped.
 * The listener is one daemon thread answering each connection once: at most
   ``listener_max_connections`` at a time, requests of at most 4 KiB, each connection closed after
   ``listener_timeout`` seconds, clients of another user refused; garbage closes the connection
@@ -57,7 +62,8 @@ Options: ``notify_host`` (bind address of the inbox, default ``127.0.0.1``), ``n
 must agree), ``iov_max`` (iovecs per system call, default 1024), ``handshake_timeout`` (seconds,
 default 5), ``listener_timeout`` (seconds per inbound connection, default 2),
 ``listener_max_connections`` (default 16), ``max_notifications`` (default 4096),
-``max_notification_bytes`` (default 4 MiB).
+``max_notification_bytes`` (default 4 MiB), ``threads`` (default 1), ``split_bytes`` (default
+16 MiB).
 """
 
 from __future__ import annotations

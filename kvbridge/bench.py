@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge import registry
+from kvbridge.bench_raw import scattered
 from kvbridge.bench_stats import MedianCI, median_ci, paired_ratios, size_label, table
 from kvbridge.blocks import BlockPair, prepare_blocks, submit_blocks
 from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
@@ -57,7 +58,6 @@ __all__ = [
     "parse_ops",
     "run_transfer_bench",
     "memcpy_once",
-    "scattered",
     "format_transfer_report",
 ]
 
@@ -277,20 +277,6 @@ def memcpy_once(src: Bytes, dst: Bytes, block: int, perm: I64, op: Op) -> float:
     else:
         d2[perm] = s2
     return time.perf_counter() - t0
-
-
-def scattered(rng: np.random.Generator, n: int) -> I64:
-    """A random permutation of ``range(n)`` in which no element is followed by its successor,
-    so that no two blocks coalesce (for n >= 4)."""
-    perm = rng.permutation(n).astype(np.int64)
-    for _ in range(100):
-        bad = np.flatnonzero(np.diff(perm) == 1)
-        if bad.size == 0 or n < 4:
-            break
-        for i in bad.tolist():  # swap the successor away with a random element
-            j = int(rng.integers(n))
-            perm[i + 1], perm[j] = perm[j], perm[i + 1]
-    return perm
 
 
 def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int) -> Any:

@@ -83,7 +83,7 @@ def test_format_and_helpers() -> None:
 def test_scattered_permutation_never_coalesces() -> None:
     import numpy as np
 
-    from kvbridge.bench import scattered
+    from kvbridge.bench_raw import scattered
 
     rng = np.random.default_rng(3)
     for n in (4, 5, 64, 4096):

@@ -11,7 +11,6 @@ for the paired bench. Blocking; the target is always stopped.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge_mooncake._engine import create_engine, is_bad_batch_id
 
@@ -35,13 +35,7 @@ def _target_main(conn: Connection, total: int, seed: int) -> None:
         conn.send({"error": "register_memory failed"})
         return
     conn.send({"session": f"127.0.0.1:{engine.get_rpc_port()}", "address": buf.ctypes.data})
-    while True:
-        msg = conn.recv()
-        if msg == "data":
-            conn.send(buf.tobytes())
-        else:  # stop
-            break
-    conn.close()
+    serve_buffer(conn, buf)
 
 
 def _run(
@@ -83,20 +77,11 @@ class RawSession:
         self.total = int(total_bytes)
         self._seed = seed
         self._lists: dict[int, tuple[list[int], list[int], Any]] = {}
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(child, self.total, seed + 11),
-                                 daemon=True)
-        self._proc.start()
-        child.close()
         self._engine: Any = None
+        self._target = RawTarget("mooncake", _target_main, (self.total, seed + 11), timeout)
         try:
-            if not self._conn.poll(timeout):
-                raise TransferFailed("raw mooncake bench: the target process did not start")
-            hello = self._conn.recv()
-            if "error" in hello:
-                raise TransferFailed(f"raw mooncake bench target: {hello['error']}")
-            self._session, self._address = hello["session"], int(hello["address"])
+            self._session = str(self._target.hello["session"])
+            self._address = int(self._target.hello["address"])
             self._engine = create_engine("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
             self._local = np.random.default_rng(seed + 12).integers(0, 256, self.total,
                                                                     dtype=np.uint8)
@@ -109,11 +94,8 @@ class RawSession:
     def _prepare(self, block: int) -> tuple[list[int], list[int], Any]:
         hit = self._lists.get(block)
         if hit is None:
-            if block <= 0 or block > self.total:
-                raise ConfigError(f"block size {block} must be in (0, {self.total}]")
-            nblocks = self.total // block
-            perm = np.random.default_rng(self._seed + 13 + block).permutation(nblocks)
-            laddr = (self._local.ctypes.data + np.arange(nblocks, dtype=np.int64) * block)
+            perm = scattered_blocks(self.total, block, self._seed + 13)
+            laddr = self._local.ctypes.data + np.arange(perm.size, dtype=np.int64) * block
             hit = self._lists[block] = (laddr.tolist(), (self._address + perm * block).tolist(),
                                         perm)
             _run(self._engine, "read", self._session, hit[0], hit[1], block)  # warm-up
@@ -131,27 +113,14 @@ class RawSession:
 
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless the buffers agree block by block."""
-        *_, perm = self._prepare(block_bytes)
-        self._conn.send("data")
-        n = perm.size * block_bytes
-        theirs = np.frombuffer(self._conn.recv(), dtype=np.uint8)[:n].reshape(-1, block_bytes)
-        if not np.array_equal(theirs[perm], self._local[:n].reshape(-1, block_bytes)):
-            raise TransferFailed(f"raw mooncake {op} of {block_bytes}-byte blocks: bytes differ")
+        self._target.check(op, self._local, self._prepare(block_bytes)[2], block_bytes)
 
     def close(self) -> None:
         """Unregister, stop the target. Idempotent."""
         if self._engine is not None:
             self._engine.unregister_memory(self._local.ctypes.data)
             self._engine = None
-        try:
-            self._conn.send("stop")
-        except (OSError, ValueError):
-            pass
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._target.close()
 
     def __enter__(self) -> RawSession:
         return self

@@ -13,7 +13,6 @@ target process is always stopped.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -21,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, PeerUnreachable, TransferFailed
+from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
+from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge_nixl._agent import NixlOptions, create_agent
 
 __all__ = ["RawSession", "raw_bench", "block_cost"]
@@ -34,13 +34,7 @@ def _target_main(
     buf = np.random.default_rng(seed).integers(0, 256, total, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, total, 0, "")], "DRAM")
     conn.send({"metadata": agent.get_agent_metadata(), "address": buf.ctypes.data})
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            break
-        if msg == "data":
-            conn.send(buf.tobytes())
-    conn.close()
+    serve_buffer(conn, buf)
 
 
 class RawSession:
@@ -64,24 +58,16 @@ class RawSession:
         self._opts = NixlOptions.parse(options)
         self._prepared: dict[int, tuple[Any, Any, Any, Any]] = {}
         self._reps = 0
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        tag = f"{time.monotonic_ns():x}"
-        self._proc = ctx.Process(target=_target_main, args=(child, f"raw-target-{tag}",
-                                                            self.total, seed + 1, dict(options)),
-                                 daemon=True)
-        self._proc.start()
-        child.close()
         self._agent: Any = None
+        tag = f"{time.monotonic_ns():x}"
+        self._target = RawTarget("nixl", _target_main, (f"raw-target-{tag}", self.total,
+                                                        seed + 1, dict(options)), timeout)
         try:
-            if not self._conn.poll(timeout):
-                raise PeerUnreachable("raw nixl bench target did not start")
-            hello = self._conn.recv()
-            self._address = int(hello["address"])
+            self._address = int(self._target.hello["address"])
             self._agent, _ = create_agent(f"raw-init-{tag}", self._opts)
             self._mine = np.random.default_rng(seed).integers(0, 256, self.total, dtype=np.uint8)
             self._agent.register_memory([(self._mine.ctypes.data, self.total, 0, "")], "DRAM")
-            peer = self._agent.add_remote_agent(hello["metadata"])
+            peer = self._agent.add_remote_agent(self._target.hello["metadata"])
             self._peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         except BaseException:
             self.close()
@@ -91,10 +77,8 @@ class RawSession:
         hit = self._prepared.get(block)
         if hit is not None:
             return hit
-        if block <= 0 or block > self.total:
-            raise ConfigError(f"block size {block} must be in (0, {self.total}]")
-        nblocks = self.total // block
-        perm = np.random.default_rng(self._seed + 7 + block).permutation(nblocks)
+        perm = scattered_blocks(self.total, block, self._seed + 7)
+        nblocks = perm.size
         ids = np.arange(nblocks, dtype=np.int64)
         zeros = np.zeros(nblocks, np.int64)
         local = np.stack([self._mine.ctypes.data + ids * block, np.full(nblocks, block), zeros],
@@ -129,12 +113,7 @@ class RawSession:
 
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless the last ``op`` left both buffers consistent."""
-        *_, perm = self._prepare(block_bytes)
-        self._conn.send("data")
-        n = perm.size * block_bytes
-        theirs = np.frombuffer(self._conn.recv(), dtype=np.uint8)[:n].reshape(-1, block_bytes)
-        if not np.array_equal(theirs[perm], self._mine[:n].reshape(-1, block_bytes)):
-            raise TransferFailed(f"raw nixl {op} of {block_bytes}-byte blocks: bytes differ")
+        self._target.check(op, self._mine, self._prepare(block_bytes)[3], block_bytes)
 
     def close(self) -> None:
         """Release the lists, stop the target. Idempotent."""
@@ -142,15 +121,7 @@ class RawSession:
             lh.release()
             rh.release()
         self._prepared.clear()
-        try:
-            self._conn.send("stop")
-        except (OSError, ValueError):
-            pass
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._target.close()
         self._agent = None
 
     def __enter__(self) -> RawSession:

@@ -197,36 +197,41 @@ class BlockTransport(Transport):
         super().__init__(agent_name, options)
         self._pairs: OrderedDict[tuple[str, LayoutKey, LayoutKey], BlockPair] = OrderedDict()
         self._pairs_lock = threading.Lock()
+        self._pairs_epoch = 0  # counts _forget_blocks calls: a preparation that overlaps one
+        # is not cached
 
     def prepare_blocks(self, peer: str, local: KVLayout, remote: KVLayout) -> BlockPair:
         """The prepared pair for ``(peer, local, remote)``, from the cache or prepared now."""
-        if self._closed:
-            raise TransportClosed(f"{self.name} transport {self.agent_name!r} is closed")
         key = (peer, local.key, remote.key)
-        with self._pairs_lock:
-            hit = self._pairs.get(key)
-            if hit is not None:
-                self._pairs.move_to_end(key)
-                return hit
-        local.check_compatible(remote)
-        pair = BlockPair(peer, local, remote, owner=self)
-        pair.native = self._prepare_blocks(pair)
-        drop: list[BlockPair] = []
-        with self._pairs_lock:
-            hit = self._pairs.get(key)
-            if hit is not None:  # another thread prepared it meanwhile: keep one
-                drop.append(pair)
-                pair = hit
-            else:
-                self._pairs[key] = pair
-                while len(self._pairs) > self.max_block_pairs:
-                    _, old = self._pairs.popitem(last=False)
-                    old.evicted = True
-                    drop.append(old)
-        for old in drop:
-            old.live = False
-            self._release_blocks(old)
-        return pair
+        while True:
+            if self._closed:
+                raise TransportClosed(f"{self.name} transport {self.agent_name!r} is closed")
+            with self._pairs_lock:
+                hit = self._pairs.get(key)
+                if hit is not None:
+                    self._pairs.move_to_end(key)
+                    return hit
+                epoch = self._pairs_epoch
+            local.check_compatible(remote)
+            pair = BlockPair(peer, local, remote, owner=self)
+            pair.native = self._prepare_blocks(pair)
+            drop = [pair]
+            with self._pairs_lock:
+                hit = self._pairs.get(key)
+                if hit is None and epoch == self._pairs_epoch:
+                    self._pairs[key] = pair
+                    drop.clear()
+                    while len(self._pairs) > self.max_block_pairs:
+                        _, old = self._pairs.popitem(last=False)
+                        old.evicted = True
+                        drop.append(old)
+            for old in drop:
+                old.live = False
+                self._release_blocks(old)
+            if pair.live:
+                return pair
+            # another thread cached this pair meanwhile (use it), or a peer was forgotten while
+            # preparing (this one may belong to the replaced peer): look again
 
     def submit_blocks(
         self, op: Op, pair: BlockPair, local_ids: BlockIds, remote_ids: BlockIds,
@@ -261,6 +266,7 @@ class BlockTransport(Transport):
     def _forget_blocks(self, peer: str | None) -> None:
         """Drop the prepared pairs of ``peer`` (every pair for None) and release them."""
         with self._pairs_lock:
+            self._pairs_epoch += 1
             keys = [k for k in self._pairs if peer is None or k[0] == peer]
             gone = [self._pairs.pop(k) for k in keys]
         for pair in gone:

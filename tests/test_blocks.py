@@ -167,3 +167,26 @@ def test_fallback_uses_submit_with_descriptors(connected: tuple[Any, ...]) -> No
     with pytest.raises(LayoutMismatch):
         prepare_blocks(wrapped, "b", la, KVLayout(lb.planes[:1], 16, 16, lb.dtype))
     wrapped.close()
+
+
+def test_a_pair_prepared_while_its_peer_is_re_added_is_not_cached(
+        connected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_peer (forgetting the peer's pairs) overlapping a preparation: the pair prepared for
+    the replaced peer must not stay cached, or every later transfer would be refused."""
+    a, _, ba, la, bb, lb, mb = connected
+    real = MemoryTransport._prepare_blocks
+    calls = []
+
+    def racing(self: MemoryTransport, pair: blocks.BlockPair) -> Any:
+        native = real(self, pair)
+        calls.append(native)
+        if len(calls) == 1:
+            self.add_peer(mb)  # the peer is replaced while this preparation runs
+        return native
+
+    monkeypatch.setattr(MemoryTransport, "_prepare_blocks", racing)
+    pair = a.prepare_blocks("b", la, lb)
+    assert len(calls) == 2 and pair.native is calls[1]  # prepared again, for the new peer
+    handle = a.submit_blocks(Op.WRITE, pair, [2], [6])
+    assert a.wait(handle, 10) is HandleState.DONE
+    np.testing.assert_array_equal(bb[:, :, 6], ba[:, :, 2])

@@ -304,6 +304,14 @@ BROKEN: dict[str, tuple[str, Mutation, str]] = {
     "hugepages request != limit": (
         "1p1d", lambda o: container(o, D)["resources"]["requests"].update(
             {"hugepages-2Mi": "2Gi"}), "hugepages-2Mi request 2Gi != limit 5120Mi"),
+    "hugepages in the env but not in the pod": (
+        "8p2d", lambda o: obj(o, "ConfigMap", "kvbridge-engine-env")["data"].update(
+            {"FI_EFA_USE_HUGE_PAGE": "1"}), "FI_EFA_USE_HUGE_PAGE is not 0 but the pod gets no "
+        "hugepages"),
+    "hugepages volume without a limit": (
+        "1p1d", lambda o: [container(o, P)["resources"][k].pop("hugepages-2Mi")
+                           for k in ("requests", "limits")],
+        "a HugePages-2Mi volume without a hugepages-2Mi limit"),
     "no IPC_LOCK": (
         "1p1d", set_path("StatefulSet", P, f"{C0}/securityContext", {}), "no IPC_LOCK"),
     "image without registry and tag": (
@@ -409,7 +417,7 @@ def test_strategic_merge_uses_merge_keys_and_null_deletes() -> None:
     out = strategic_merge(base, patch)
     a = out["containers"][0]
     assert a["args"] == ["3"]  # lists of scalars are replaced
-    assert [e["name"] for e in a["env"]] == ["X", "Y"]  # merged by name
+    assert [e["name"] for e in a["env"]] == ["Y", "X"]  # merged by name, new ones first
     assert a["ports"] == [{"containerPort": 80, "name": "http", "protocol": "TCP"}]
     assert [c["name"] for c in out["containers"]] == ["a", "b"] and "drop" not in out
     assert base["containers"][0]["args"] == ["1", "2"]  # inputs untouched

@@ -13,7 +13,8 @@ schema, strict (unknown fields are errors), with the offline ``kubernetes-valida
   backend and backend options; the guard middleware is on; the control channel advertises the
   pod's IP on a fixed port range that misses the HTTP port and that the NetworkPolicy opens;
   engine ids are unique; GPUs equal the tensor-parallel size, EFA interfaces are requested,
-  with ``IPC_LOCK`` and ``/dev/shm``; every engine is a StatefulSet behind a headless Service;
+  with ``IPC_LOCK`` and ``/dev/shm``, and hugepages unless ``FI_EFA_USE_HUGE_PAGE=0``; every
+  engine is a StatefulSet behind a headless Service;
 * the proxy: its args parse with the proxy's own argparse; it binds all addresses on its
   container port; its ``--prefill``/``--decode`` pools are exactly the engines' stable DNS
   names on their vLLM port, one per pod; no GPU, no EFA;
@@ -413,15 +414,15 @@ class _Checker:
             return None
         for warning in config.warnings:
             self.problem(w, warning)
-        self.engine_config(w, c, config, i, int(ns.port), int(ns.tensor_parallel_size),
+        self.engine_config(w, c, config, env, i, int(ns.port), int(ns.tensor_parallel_size),
                            int(ns.pipeline_parallel_size))
         name = w["metadata"]["name"]
         return EnginePod(role, name, f"{name}-{i}", str(w["spec"].get("serviceName")),
                          int(ns.port), int(ns.tensor_parallel_size), config,
                          str(ktc.engine_id))
 
-    def engine_config(self, w: Obj, c: Obj, config: Config, index: int, port: int, tp: int,
-                      pp: int) -> None:
+    def engine_config(self, w: Obj, c: Obj, config: Config, env: Mapping[str, str], index: int,
+                      port: int, tp: int, pp: int) -> None:
         want = self.expect
         if config.backend != want.backend:
             self.problem(w, f"backend {config.backend!r}, expected {want.backend!r}")
@@ -457,6 +458,10 @@ class _Checker:
             self.problem(w, f"no {EFA} limit: the engine gets no EFA interface")
         if "IPC_LOCK" not in c.get("securityContext", {}).get("capabilities", {}).get("add", []):
             self.problem(w, "no IPC_LOCK capability (EFA registers pinned memory)")
+        pages = [k for k in lim if k.startswith("hugepages-")]
+        if env.get("FI_EFA_USE_HUGE_PAGE", "1") != "0" and not pages:
+            self.problem(w, "FI_EFA_USE_HUGE_PAGE is not 0 but the pod gets no hugepages "
+                            "(libfabric's buffers would fault): request hugepages-2Mi or set 0")
         mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
         vols = {v["name"]: v for v in _pod(w).get("volumes", [])}
         if vols.get(mounts.get("/dev/shm", ""), {}).get("emptyDir", {}).get("medium") != "Memory":

@@ -6,6 +6,8 @@ without kubectl. It supports only what ``deploy/k8s`` uses, and refuses everythi
 :class:`KustomizeError` rather than ignore a field kustomize would apply:
 
 * ``resources``: YAML files (several documents each) and directories with a kustomization;
+* ``components``: directories with a ``kind: Component`` kustomization, applied to the
+  resources gathered so far (before this kustomization's own generators and transformers);
 * ``namespace``: set on every object;
 * ``replicas``: ``spec.replicas`` of the named workload;
 * ``images``: ``newName`` / ``newTag`` / ``digest`` of every container whose image is ``name``;
@@ -15,8 +17,9 @@ without kubectl. It supports only what ``deploy/k8s`` uses, and refuses everythi
   ``generatorOptions.disableNameSuffixHash: true`` (name hashing is not implemented).
 
 Strategic merge follows Kubernetes' merge keys for the lists the examples patch (containers,
-env, ports, volumes, volume mounts by name or port); other lists are replaced, and a ``null``
-value deletes the key. Pure functions over files; no network, no kubectl.
+env, ports, volumes, volume mounts by name or port; new elements first, as kustomize orders
+them); other lists are replaced, and a ``null`` value deletes the key. Pure functions over
+files; no network, no kubectl.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ MERGE_KEYS: dict[str, str] = {
 }
 #: ``ports`` merge by ``containerPort`` in a container and by ``port`` in a Service.
 _PORT_KEYS = ("containerPort", "port")
-_SUPPORTED = {"apiVersion", "kind", "resources", "namespace", "replicas", "images", "patches",
-              "secretGenerator", "generatorOptions"}
+_SUPPORTED = {"apiVersion", "kind", "resources", "components", "namespace", "replicas",
+              "images", "patches", "secretGenerator", "generatorOptions"}
 _WORKLOADS = {"Deployment", "StatefulSet", "ReplicaSet"}
 
 
@@ -63,19 +66,26 @@ def load_yaml(path: Path) -> list[Obj]:
 
 def render(directory: Path) -> list[Obj]:
     """The objects ``kubectl kustomize directory`` prints (see the module docstring)."""
-    directory = Path(directory)
+    return _build(Path(directory), [], "Kustomization")
+
+
+def _build(directory: Path, objs: list[Obj], kind: str) -> list[Obj]:
+    """Apply the kustomization (or component) in ``directory`` to ``objs``."""
     path = directory / "kustomization.yaml"
     docs = load_yaml(path)
     if len(docs) != 1:
         raise KustomizeError(f"{path}: expected one document, got {len(docs)}")
     k = docs[0]
+    if k.get("kind", "Kustomization") != kind:
+        raise KustomizeError(f"{path}: kind {k.get('kind')!r}, expected {kind}")
     unsupported = sorted(set(k) - _SUPPORTED)
     if unsupported:
         raise KustomizeError(f"{path}: unsupported field(s) {', '.join(unsupported)}")
-    objs: list[Obj] = []
     for entry in _list(k, "resources", path):
         target = directory / str(entry)
         objs += render(target) if target.is_dir() else load_yaml(target)
+    for entry in _list(k, "components", path):
+        objs = _build(directory / str(entry), objs, "Component")
     objs += _secrets(k, directory, path)
     for patch in _patches(k, directory, path):
         _apply_patch(objs, patch, path)
@@ -207,11 +217,12 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
             key = next((k for k in _PORT_KEYS if all(k in p for p in base + patch)), None)
         if key and all(isinstance(x, dict) and key in x for x in base + patch):
             out_list = copy.deepcopy(base)
+            added = []
             for item in patch:
                 match = [i for i, b in enumerate(out_list) if b[key] == item[key]]
                 if match:
                     out_list[match[0]] = strategic_merge(out_list[match[0]], item, field)
                 else:
-                    out_list.append(copy.deepcopy(item))
-            return out_list
+                    added.append(copy.deepcopy(item))
+            return added + out_list  # kustomize puts new elements first
     return copy.deepcopy(patch)

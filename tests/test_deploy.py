@@ -68,9 +68,9 @@ def test_overlay_is_valid_and_consistent(tree: Path, serve_parser: k8s.ServePars
     assert k8s.schema_problems(objs) == []
     fleet = k8s.check_fleet(objs, serve_parser)
     assert fleet.problems == []
-    n_p, n_d, d_tp = {"1p1d": (1, 1, 1), "8p2d": (8, 2, 4)}[overlay]
+    n_p, n_d = {"1p1d": (1, 1), "8p2d": (8, 2)}[overlay]
     assert [e.pod for e in fleet.role("prefill")] == [f"kvbridge-prefill-{i}" for i in range(n_p)]
-    assert [e.tp for e in fleet.role("decode")] == [d_tp] * n_d
+    assert [e.pod for e in fleet.role("decode")] == [f"kvbridge-decode-{i}" for i in range(n_d)]
     assert len(fleet.prefill_urls) == n_p and len(fleet.decode_urls) == n_d
     for engine in fleet.engines:
         assert engine.engine_id == engine.pod
@@ -116,6 +116,7 @@ def test_secret_env_is_ignored_by_git() -> None:
 # -- broken copies, in memory: every fault is reported by name ---------------------------------
 
 Mutation = Callable[[Objs], None]
+P, D, PROXY = "kvbridge-prefill", "kvbridge-decode", "kvbridge-proxy"
 
 
 def obj(objs: Objs, kind: str, name: str) -> dict[str, Any]:
@@ -170,6 +171,17 @@ def set_path(kind: str, name: str, path: str, value: Any) -> Mutation:
     return mutate
 
 
+def with_tp(n: int, *names: str) -> Mutation:
+    """Tensor parallelism ``n`` on these engines, with their GPUs and EFA interfaces."""
+    def mutate(objs: Objs) -> None:
+        for name in names:
+            c = container(objs, name)
+            c["args"][c["args"].index("--tensor-parallel-size") + 1] = str(n)
+            for k in ("requests", "limits"):
+                c["resources"][k].update({"nvidia.com/gpu": n, "vpc.amazonaws.com/efa": 2 * n})
+    return mutate
+
+
 def both(*fns: Mutation) -> Mutation:
     def mutate(objs: Objs) -> None:
         for fn in fns:
@@ -177,9 +189,8 @@ def both(*fns: Mutation) -> Mutation:
     return mutate
 
 
-P, D, PROXY = "kvbridge-prefill", "kvbridge-decode", "kvbridge-proxy"
-SPEC = "spec/template/spec"
-C0 = f"{SPEC}/containers/0"
+C0 = "spec/template/spec/containers/0"
+TP4 = with_tp(4, P, D)
 
 BROKEN: dict[str, tuple[str, Mutation, str]] = {
     # what a schema catches
@@ -208,6 +219,9 @@ BROKEN: dict[str, tuple[str, Mutation, str]] = {
     "not a kvbridge connector": (
         "1p1d", edit_ktc(P, lambda k: k.update({"kv_connector": "NixlConnector"})),
         "no kvbridge connector is called 'NixlConnector'"),
+    "heterogeneous TP": (
+        "8p2d", with_tp(4, D), "kvbridge-prefill (tp 1) -> kvbridge-decode (tp 4), pull: "
+        "kv_transfer_params.tp_size: prefill runs tensor-parallel 1, this engine 4"),
     "UCX instead of LIBFABRIC": (
         "8p2d", edit_ktc(D, lambda k: k["kv_connector_extra_config"].update(
             {"backend_options": {"backends": ["UCX"]}})),
@@ -280,11 +294,12 @@ BROKEN: dict[str, tuple[str, Mutation, str]] = {
         "1p1d", set_path("StatefulSet", P, f"{C0}/readinessProbe/httpGet/path", "/healthz"),
         "readinessProbe is not GET /health"),
     "control ports over the HTTP port": (
-        "8p2d", lambda o: obj(o, "ConfigMap", "kvbridge-engine-env")["data"].update(
-            {"KVBRIDGE_SIDE_CHANNEL_PORT": "7998"}), "control ports 7998-8001 (tp 4)"),
+        "8p2d", both(TP4, lambda o: obj(o, "ConfigMap", "kvbridge-engine-env")["data"].update(
+            {"KVBRIDGE_SIDE_CHANNEL_PORT": "7998"})), "control ports 7998-8001 (tp 4)"),
     "policy closes rank 3's control port": (
-        "8p2d", set_path("NetworkPolicy", "kvbridge-engines", "spec/ingress/1/ports/0/endPort",
-                         5602), "no NetworkPolicy rule selecting these pods opens control ports"),
+        "8p2d", both(TP4, set_path("NetworkPolicy", "kvbridge-engines",
+                                   "spec/ingress/1/ports/0/endPort", 5602)),
+        "no NetworkPolicy rule selecting these pods opens control ports 5600-5603"),
     "scrape port that is not declared": (
         "1p1d", lambda o: obj(o, "StatefulSet", D)["spec"]["template"]["metadata"][
             "annotations"].update({"prometheus.io/port": "9090"}),
@@ -298,8 +313,8 @@ BROKEN: dict[str, tuple[str, Mutation, str]] = {
                            for k in ("requests", "limits")],
         "no vpc.amazonaws.com/efa limit"),
     "fewer GPUs than TP": (
-        "8p2d", lambda o: [container(o, D)["resources"][k].update({"nvidia.com/gpu": 2})
-                           for k in ("requests", "limits")],
+        "8p2d", both(TP4, lambda o: [container(o, D)["resources"][k].update(
+            {"nvidia.com/gpu": 2}) for k in ("requests", "limits")]),
         "nvidia.com/gpu limit 2, tensor x pipeline parallel size is 4"),
     "hugepages request != limit": (
         "1p1d", lambda o: container(o, D)["resources"]["requests"].update(
@@ -347,6 +362,14 @@ def _rendered(tree: Path, overlay: str) -> Objs:
     return _CACHE[overlay]
 
 
+def test_a_tensor_parallel_fleet_is_valid(tree: Path, serve_parser: k8s.ServeParser) -> None:
+    objs = copy.deepcopy(_rendered(tree, "8p2d"))
+    TP4(objs)
+    fleet = k8s.check_fleet(objs, serve_parser)
+    assert fleet.problems == [] and {e.tp for e in fleet.engines} == {4}
+    assert k8s.schema_problems(objs) == []
+
+
 # -- broken copies on disk: the renderer refuses, the checks fail ------------------------------
 
 
@@ -370,9 +393,9 @@ def test_typo_in_a_base_file_fails_every_overlay(tree: Path, tmp_path: Path,
 
 def test_patch_naming_no_resource_is_refused(tree: Path, tmp_path: Path) -> None:
     root = broken_tree(tree, tmp_path)
-    patch = root / "overlays" / "8p2d" / "decode-tp4.yaml"
-    patch.write_text(patch.read_text().replace("name: kvbridge-decode", "name: kvbridge-dec"))
-    with pytest.raises(KustomizeError, match="StatefulSet 'kvbridge-dec', which no resource"):
+    patch = root / "overlays" / "8p2d" / "proxy-pools.yaml"
+    patch.write_text(patch.read_text().replace("name: kvbridge-proxy", "name: kvbridge-prox"))
+    with pytest.raises(KustomizeError, match="Deployment 'kvbridge-prox', which no resource"):
         render(root / "overlays" / "8p2d")
 
 

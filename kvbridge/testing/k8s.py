@@ -12,7 +12,8 @@ schema, strict (unknown fields are errors), with the offline ``kubernetes-valida
   (extra_config plus the pod's ``KVBRIDGE_*`` variables) with no unknown key, into the expected
   backend and backend options; the guard middleware is on; the control channel advertises the
   pod's IP on a fixed port range that misses the HTTP port and that the NetworkPolicy opens;
-  engine ids are unique; GPUs equal the tensor-parallel size, EFA interfaces are requested,
+  engine ids are unique; every prefill/decode pair of shapes passes D's own check of a decode
+  leg (tensor-parallel sizes); GPUs equal the tensor-parallel size, EFA interfaces are requested,
   with ``IPC_LOCK`` and ``/dev/shm``, and hugepages unless ``FI_EFA_USE_HUGE_PAGE=0``; every
   engine is a StatefulSet behind a headless Service;
 * the proxy: its args parse with the proxy's own argparse; it binds all addresses on its
@@ -40,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvbridge.config import ENV_PREFIX, Config
-from kvbridge.errors import ConfigError
+from kvbridge.config import ENV_PREFIX, Config, TransferMode
+from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.integrations.names import preset_for
 from kvbridge.testing.engines import GUARD_MIDDLEWARE
 
@@ -133,6 +134,7 @@ def check_fleet(objs: Sequence[Obj], serve_parser: ServeParser,
         if not fleet.role(role):
             fleet.problems.append(f"no {role} engine (a StatefulSet labelled {COMPONENT}: {role} "
                                   "running vllm serve)")
+    c.pairs()
     ids = [e.engine_id for e in fleet.engines]
     for dup in sorted({i for i in ids if ids.count(i) > 1}):
         fleet.problems.append(f"engine_id {dup!r} is used by several pods")
@@ -420,6 +422,29 @@ class _Checker:
         return EnginePod(role, name, f"{name}-{i}", str(w["spec"].get("serviceName")),
                          int(ns.port), int(ns.tensor_parallel_size), config,
                          str(ktc.engine_id))
+
+    def pairs(self) -> None:
+        """Every prefill/decode shape pair passes D's own check of a decode leg from that P
+        (:meth:`TransferParams.check_decode_leg`: today, equal tensor-parallel sizes)."""
+        from kvbridge import params
+
+        shapes = {(p.tp, d.tp): (p, d) for p in self.fleet.role("prefill")
+                  for d in self.fleet.role("decode")}
+        for (p_tp, d_tp), (p, d) in sorted(shapes.items()):
+            host = p.config.side_channel_host
+            leg = params.parse({
+                "do_remote_prefill": True, "remote_engine_id": p.engine_id, "remote_host": host,
+                "remote_port": p.config.side_channel_port, "tp_size": p_tp,
+                "remote_block_ids": [0], "remote_num_tokens": 16,
+                "kvbridge_peers": [{"address": f"tcp://{host}:{p.config.side_channel_port + r}",
+                                    "generation": "g"} for r in range(p_tp)]})
+            for mode in (TransferMode.PULL, TransferMode.PUSH):
+                try:
+                    leg.check_decode_leg(mode, d_tp, 16, 16)
+                except ParamsError as exc:
+                    self.fleet.problems.append(f"{p.workload} (tp {p_tp}) -> {d.workload} (tp "
+                                               f"{d_tp}), {mode.value}: {exc}")
+                    break
 
     def engine_config(self, w: Obj, c: Obj, config: Config, env: Mapping[str, str], index: int,
                       port: int, tp: int, pp: int) -> None:

@@ -27,6 +27,8 @@ import yaml
 from kvbridge.testing import k8s
 from kvbridge.testing.kustomize import KustomizeError, render, strategic_merge
 
+pytestmark = pytest.mark.timeout(300)  # importing vLLM (for its parser) is most of it
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "k8s"
 OVERLAYS = ["1p1d", "8p2d"]

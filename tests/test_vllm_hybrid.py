@@ -19,6 +19,7 @@ hybrid P's hand-off with a message naming the groups. Three engines start once f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from kvbridge import params
+from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
 from kvbridge.errors import ConfigError
 from kvbridge.messages import Codec, StatsQuery, StatsReply
@@ -184,6 +187,24 @@ def test_partial_prefix_hit_on_decode_moves_only_missing_blocks(hybrid: Hybrid) 
         after = hybrid.stats(hybrid.d)
         assert _moved(before, after) == expected_bytes(len(prompt), hit_tokens=hit), mode
         assert 0 < expected_bytes(len(prompt), hit) < expected_bytes(len(prompt))
+
+
+def test_layerwise_push(hybrid: Hybrid) -> None:
+    """P writes each layer's blocks of its own group as soon as that layer's KV is written."""
+    prompt = random_prompts(1, 250, seed=151)[0]
+    ref = hybrid.reference(prompt)
+    p_before, d_before = hybrid.stats(hybrid.p), hybrid.stats(hybrid.d)
+    d_params = params.push_decode_request(probe(hybrid.p.url), "hybrid-layerwise-1")
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, hybrid.d.url, prompt, MAX_TOKENS, d_params, False, _GREEDY)
+        time.sleep(1.0)  # let D register first, so P can write layer by layer
+        complete(hybrid.p.url, prompt, 1, params.prefill_request(
+            "hybrid-layerwise-1", TransferMode.PUSH, layerwise=True))
+        out = output_token_ids(fut.result(timeout=120))
+    assert out == ref
+    p_after, d_after = hybrid.stats(hybrid.p), hybrid.stats(hybrid.d)
+    assert p_after.get("push_layerwise", 0) == p_before.get("push_layerwise", 0) + 1
+    assert _moved(d_before, d_after) == expected_bytes(len(prompt))
 
 
 def test_a_plain_decode_refuses_a_hybrid_prefills_hand_off(hybrid: Hybrid) -> None:

@@ -172,7 +172,6 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   "contains duplicate block ids")
 
-
     def check_block_groups(self, prompt_tokens: int, group_block_sizes: Sequence[int]) -> None:
         """A pull's block ids against this engine's KV-cache groups (``group_block_sizes``:
         each group's block size; empty for an engine without groups). Raises

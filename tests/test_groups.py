@@ -247,10 +247,13 @@ def test_malformed_decode_tables_fail_the_plan(d0: list[int], why: str) -> None:
                            allocated=d_tables, remote=None, null_block=NULL)
 
 
-def test_one_group_keeps_the_skip_rule() -> None:
+def test_an_engine_without_groups_keeps_the_skip_rule() -> None:
     with pytest.raises(LayoutError, match="3 blocks after 2 asked, the prompt has 4"):
-        sources_for((1, 2, 3, 4), (7, 8, 9), 2, 1)
-    assert sources_for((1, 2, 3, 4), (8, 9), 2, 1) == (3, 4)
+        sources_for((1, 2, 3, 4), (7, 8, 9), 2, 0)
+    assert sources_for((1, 2, 3, 4), (8, 9), 2, 0) == (3, 4)
+    # one sliding-window group (all layers windowed): what D lacks after its own window and a
+    # 2-block hit pairs from the end; the skip does not count what either window dropped
+    assert sources_for((16, 17, 18, 19), (48, 49), 2, 1) == (18, 19)
 
 
 # -- the scheduler-side book ------------------------------------------------------------------
@@ -391,6 +394,23 @@ def test_every_groups_blocks_land_in_their_own_layer(hybrid_pd: tuple[LocalAgent
     assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_checksums_cover_every_groups_blocks(mode: str) -> None:
+    """Checksum mode digests the refs' bytes in the same order on both sides."""
+    extra = {**FAST, "checksum": True}
+    p = LocalAgent("hybrid-P", SHAPE, extra, groups=GROUPS, aliased=True)
+    d = LocalAgent("hybrid-D", SHAPE, extra, groups=GROUPS, aliased=True)
+    try:
+        p.fill(11)
+        _, rd = _handoff(p, d, mode, f"t-sum-{mode}")
+        assert rd["results"]["finished_recving"] == {"d"}
+        assert not rd["results"]["failed_recving"]
+        assert rd["stats"].get("checksum_mismatch", 0) == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_forged_claim_for_a_dropped_block_is_refused(
         hybrid_pd: tuple[LocalAgent, LocalAgent, bool]) -> None:
     from kvbridge.scheduling.pull import PullSpec, SendPlan
@@ -420,6 +440,39 @@ def test_a_hybrid_prefill_and_a_plain_decode_refuse_each_other() -> None:
         rd = d.drain({"d"})
         assert rd["results"]["failed_recving"] == {"d"}
         assert "KV-cache groups differ" in (d.outcome("t-mix") or "")
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_one_sliding_window_group_with_a_prefix_hit(mode: str) -> None:
+    """A model whose every layer has the window (Mistral-style): one group, refs are block ids,
+    and a hit on D beyond what the windows dropped still pairs from the prompt's end."""
+    from kvbridge.scheduling.pull import PullSpec, SendPlan
+    from kvbridge.scheduling.push import PushSpec
+
+    groups = (dataclasses.replace(SW, planes=(0,)),)
+    p = LocalAgent("sw-P", (1, 80, B, 64), FAST, groups=groups)
+    d = LocalAgent("sw-D", (1, 80, B, 64), FAST, groups=groups)
+    try:
+        p.fill(3)
+        plan = plan_group_receive(prompt_tokens=149, groups=groups, external_tokens=149 - 128,
+                                  allocated=D_TABLES[:1], remote=P_TABLES[:1], null_block=NULL)
+        assert plan.local_ids == (48, 49) and plan.remote_ids == (18, 19)
+        digest = prompt_digest(PROMPT[:149])
+        send = SendPlan("p", "t-sw", held_refs(P_TABLES[:1], groups, 149, NULL), 149, digest)
+        if mode == "pull":
+            p.stage(send)
+            d.pull(PullSpec("d", "t-sw", p.address, plan.local_ids, plan.remote_ids,
+                            plan.skip_blocks, 149, digest, p.generation))
+        else:
+            d.expect(PushSpec("d", "t-sw", p.address, plan.local_ids, plan.skip_blocks, 149,
+                              digest, p.generation))
+            p.ready(send)
+        rd = d.drain({"d"})
+        assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
+        np.testing.assert_array_equal(d.blocks([48, 49]), p.blocks([18, 19]))
     finally:
         p.close()
         d.close()

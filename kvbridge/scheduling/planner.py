@@ -178,12 +178,14 @@ def plan_group_receive(*, prompt_tokens: int, groups: Sequence[KVGroup], externa
 
 
 def sources_for(held: Sequence[int], wanted: Sequence[int], skip_blocks: int,
-                num_groups: int) -> tuple[int, ...]:
+                groups: int) -> tuple[int, ...]:
     """P: the refs of its own that pair with ``wanted`` (the blocks a decode engine asks for,
     ``skip_blocks`` after the prompt's first): per group, the same number of blocks from the end
-    of what P ``held`` for the prompt. Raises :class:`LayoutError` when P holds fewer (or, with
-    one group, when ``skip_blocks`` and ``wanted`` do not make up the prompt)."""
-    if num_groups <= 1 and skip_blocks + len(wanted) != len(held):
+    of what P ``held`` for the prompt. ``groups`` is the engine's number of KV-cache groups, 0
+    for an engine without (then ``skip_blocks`` and ``wanted`` must make up the prompt). Raises
+    :class:`LayoutError` when P holds fewer blocks than asked."""
+    if not groups and skip_blocks + len(wanted) != len(held):
         raise LayoutError(f"{len(wanted)} blocks after {skip_blocks} asked, the prompt has "
                           f"{len(held)}")
-    return suffix_of(held, group_counts(wanted, num_groups), num_groups)
+    n = max(groups, 1)
+    return suffix_of(held, group_counts(wanted, n), n)

@@ -148,7 +148,7 @@ class PullSource:
         """The claim names exactly the blocks of ``plan`` that pair with what D lacks."""
         try:
             expected = sources_for(plan.block_ids, msg.block_ids, msg.skip_blocks,
-                                   self.core.layout.num_groups)
+                                   len(self.core.layout.groups))
         except KVBridgeError:
             return False
         return tuple(msg.block_ids) == expected

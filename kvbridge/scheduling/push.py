@@ -258,7 +258,7 @@ class PushSource:
         """P's blocks that pair with the ones D registered (checked by :meth:`_mismatch`)."""
         assert out.plan is not None and out.reg is not None
         return sources_for(out.plan.block_ids, out.reg.block_ids, out.reg.skip_blocks,
-                           self.core.layout.num_groups)
+                           len(self.core.layout.groups))
 
     def _dialled(self, out: _Out, result: Peer | KVBridgeError) -> None:
         if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:

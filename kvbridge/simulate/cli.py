@@ -26,7 +26,13 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.simulate.fleet import MODES
 from kvbridge.simulate.metrics import Summary
-from kvbridge.simulate.profile import Profile, builtin_profiles, load_profile, profile_to_dict
+from kvbridge.simulate.profile import (
+    Profile,
+    builtin_profiles,
+    load_profile,
+    override,
+    profile_to_dict,
+)
 from kvbridge.simulate.sizing import Fleetspec, Slo, run_one, size_fleet, sweep
 from kvbridge.simulate.workload import Lengths, Workload, load_trace
 
@@ -42,6 +48,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
 def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     p.add_argument("--profile", default="seeds",
                    help="shipped profile name (see `kvbridge simulate profiles`) or a JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one profile parameter (repeatable), e.g. "
+                        "link.read_bandwidth=4e10")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if not workload:
         return
@@ -125,6 +134,11 @@ def cli_main(args: argparse.Namespace) -> int:
 # -- option handling -----------------------------------------------------------------------------
 
 
+def _profile(args: argparse.Namespace) -> Profile:
+    profile = load_profile(args.profile)
+    return override(profile, args.set) if args.set else profile
+
+
 def _modes(text: str) -> tuple[str, ...]:
     from kvbridge.cli import parse_names
 
@@ -183,17 +197,16 @@ def _fmt(d: dict[str, float], key: str, nd: int = 1) -> str:
 
 def _summary_rows(rows: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "fleet", "rate", "done", "TTFT p50", "p90", "p99", "mean",
-               "TPOT p50", "p90", "p99", "hand-off p50", "req/s", "auto chose", "busiest"]
+               "TPOT p50", "p90", "p99", "mean", "hand-off p50", "req/s", "auto chose"]
     out = []
     for s in rows:
-        busiest = max(s.utilisation.items(), key=lambda kv: kv[1], default=("-", 0.0))
         chose = ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items())) if s.mode == "auto" \
             else ""
         out.append([s.mode, f"{s.prefills}P{s.decodes}D", f"{s.rate:g}", str(s.completed),
                     _fmt(s.ttft, "p50"), _fmt(s.ttft, "p90"), _fmt(s.ttft, "p99"),
                     _fmt(s.ttft, "mean"), _fmt(s.tpot, "p50", 2), _fmt(s.tpot, "p90", 2),
-                    _fmt(s.tpot, "p99", 2), _fmt(s.handoff, "p50"), f"{s.throughput:.2f}",
-                    chose or "-", f"{busiest[0]} {busiest[1]:.0%}"])
+                    _fmt(s.tpot, "p99", 2), _fmt(s.tpot, "mean", 2), _fmt(s.handoff, "p50"),
+                    f"{s.throughput:.2f}", chose or "-"])
     return headers, out
 
 
@@ -208,7 +221,7 @@ def _describe(profile: Profile, workload: Workload, spec: Fleetspec) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    profile = load_profile(args.profile)
+    profile = _profile(args)
     workload, spec = _scenario(args, profile, args.rate)
     modes = _modes(args.mode)
     rows: list[Summary] = []
@@ -238,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from kvbridge.bench_serve import parse_rates
 
-    profile = load_profile(args.profile)
+    profile = _profile(args)
     rates = parse_rates(args.rates)
     workload, spec = _scenario(args, profile, rates[0])
     rows = sweep(profile, workload, spec, rates, _modes(args.mode))
@@ -259,7 +272,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _size(args: argparse.Namespace) -> int:
-    profile = load_profile(args.profile)
+    profile = _profile(args)
     workload, spec = _scenario(args, profile, args.rate)
     slo = Slo(args.ttft_slo, args.tpot_slo, args.percentile)
     answers = [size_fleet(profile, workload, replace(spec, mode=m), slo, args.max_engines)
@@ -291,7 +304,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     if not 0 < args.tolerance < 10:
         raise ConfigError(f"--tolerance: must be in (0, 10), got {args.tolerance}")
-    profile = load_profile(args.profile)
+    profile = _profile(args)
     results = load_results(args.results)
     rows = validate(profile, results, args.setup_prefix, args.repeats, args.prefills,
                     args.decodes)

@@ -14,7 +14,8 @@ inline) runs at the start of the next step.
 D (:class:`DecodeEngine`): each step first admits waiting requests (FCFS, prompt + output
 blocks must fit); admitting puts the connector's per-request work on the loop (pull on vLLM:
 allocate, build descriptors, post the READ; push: allocate and register), which delays the
-whole step. A request whose KV landed during a step is noticed when that step ends and decodes
+whole step (with ``async_overlap``, only by what the forward pass does not hide). A request
+whose KV landed during a step is noticed when that step ends and decodes
 from the next one (its first step computes the last prompt token and yields token 1); a loop
 idle when KV lands notices it ``idle_wake_s`` later. Every step gives each running request one
 token; a request that has its ``output_len`` tokens leaves and frees its blocks.
@@ -258,7 +259,8 @@ class DecodeEngine:
         if not self.running and onloop == 0.0:
             self.busy = False
             return
-        dt = onloop + self.cost.step_time(len(self.running), self.context)
+        forward = self.cost.step_time(len(self.running), self.context)
+        dt = max(onloop, forward) if self.cost.async_overlap else onloop + forward
         self.busy = True
         self.busy_s += dt
         self.onloop_s += onloop

@@ -3,8 +3,10 @@
 Per request: TTFT = client send → first token at the client (D's first token + the stream's
 way back); TPOT = (last token − first token) / (output tokens − 1); hand-off = P's KV ready →
 D's first step with the request (the same cut as ``kvbridge bench e2e``). :func:`summarize`
-gives p50/p90/p99 and means in milliseconds, the completed throughput, how auto chose, and the
-engines' utilisation. :func:`check_invariants` is what the tests assert after every run.
+gives p50/p90/p99 and means in milliseconds, the completion rate (completions per second between
+the first and the last completion: the offered rate when the fleet keeps up, its capacity when it
+does not), how auto chose, and the engines' utilisation. :func:`check_invariants` is what the
+tests assert after every run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Summary:
     tpot: dict[str, float]
     handoff: dict[str, float]
     throughput: float
+    offered: float = 0.0
+    """The arrival rate the run actually drew (arrivals per second, first to last)."""
     chosen: dict[str, int] = field(default_factory=dict)
     utilisation: dict[str, float] = field(default_factory=dict)
 
@@ -45,7 +49,8 @@ class Summary:
         return {"mode": self.mode, "prefills": self.prefills, "decodes": self.decodes,
                 "rate": self.rate, "completed": self.completed, "ttft_ms": self.ttft,
                 "tpot_ms": self.tpot, "handoff_ms": self.handoff,
-                "throughput": self.throughput, "chosen": self.chosen,
+                "throughput": self.throughput, "offered": self.offered,
+                "chosen": self.chosen,
                 "utilisation": self.utilisation}
 
 
@@ -77,9 +82,10 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
     tpots = [v for v in (tpot_s(r) for r in measured) if v is not None]
     handoffs = [r.t_ready - r.t_kv_ready for r in measured
                 if r.t_ready is not None and r.t_kv_ready is not None]
-    first = min((r.spec.arrival for r in measured), default=0.0)
-    last = max((r.t_finish for r in measured if r.t_finish is not None), default=0.0)
-    span = last - first
+    finishes = sorted(r.t_finish for r in measured if r.t_finish is not None)
+    span = finishes[-1] - finishes[0] if len(finishes) > 1 else 0.0
+    arrivals = sorted(r.spec.arrival for r in fleet.requests if r.id >= skip)
+    window = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     end = max(fleet.loop.now, 1e-9)
     util = {f"P{e.index}": e.busy_s / end for e in fleet.prefills}
     util |= {f"D{e.index}": e.busy_s / end for e in fleet.decodes}
@@ -91,7 +97,8 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
         rate=rate, completed=len(reqs),
         ttft=_stats([ttft_s(fleet, r) for r in measured]), tpot=_stats(tpots),
         handoff=_stats(handoffs),
-        throughput=len(measured) / span if span > 0 else 0.0,
+        throughput=(len(finishes) - 1) / span if span > 0 else 0.0,
+        offered=(len(arrivals) - 1) / window if window > 0 else rate,
         chosen=dict(Counter(r.mode for r in measured)), utilisation=util)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ __all__ = [
     "load_profile",
     "parse_profile",
     "profile_to_dict",
+    "override",
 ]
 
 PROFILE_KIND = "kvbridge-simulate-profile"
@@ -122,6 +123,9 @@ class DecodeCost:
     """D's KV pool in tokens; a request is admitted (FCFS) when prompt + output blocks fit."""
     idle_wake_s: float = 0.0
     """An idle D loop notices a finished transfer this long after it lands."""
+    async_overlap: bool = False
+    """The connector's CPU work on the loop overlaps the accelerator's forward pass (vLLM's
+    async scheduling on a GPU): a step costs ``max(connector work, forward)``, not the sum."""
 
     def step_time(self, batch: int, context_tokens: int) -> float:
         if batch == 0:
@@ -355,3 +359,23 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         out["scenario"] = dataclasses.asdict(profile.scenario)
     out["sources"] = dict(profile.sources)
     return out
+
+
+def override(profile: Profile, assignments: Sequence[str]) -> Profile:
+    """``profile`` with ``SECTION.KEY=VALUE`` assignments applied (``--set``, for what-if runs):
+    VALUE is JSON (``true``, ``0.7``, ``"x"``) or a bare string; the result is validated like a
+    profile file, so a bad key or value is a ConfigError naming it."""
+    doc = profile_to_dict(profile)
+    for text in assignments:
+        name, sep, raw = text.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot or section not in (*_SECTIONS, "scenario") or not key:
+            raise ConfigError(f"--set: expected SECTION.KEY=VALUE with SECTION one of "
+                              f"{', '.join((*_SECTIONS, 'scenario'))}, got {text!r}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        doc.setdefault(section, {})[key] = value
+        doc["sources"][f"{section}.{key}"] = f"overridden on the command line (--set {text})"
+    return parse_profile(doc, "--set")

@@ -7,8 +7,9 @@
   TTFT and TPOT percentiles meet the SLOs at a rate, searched in order of total engines.
 
 *Meeting* an SLO: the chosen percentile of TTFT (and of TPOT, when given) is within the SLO, and
-the fleet keeps up (completed throughput at least ``keep_up`` of the offered rate), so an
-overloaded fleet whose queue simply had no time to grow in a short run does not pass.
+the fleet keeps up (its completion rate is at least ``keep_up`` of the arrival rate the run
+drew), so an overloaded fleet whose queue simply had no time to grow in a short run does not
+pass.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def sweep(profile: Profile, workload: Workload, spec: Fleetspec, rates: Sequence
 def meets(s: Summary, slo: Slo) -> bool:
     """Whether one run meets the SLO (see the module docstring)."""
     key = f"p{slo.percentile}"
-    if s.throughput < slo.keep_up * s.rate or key not in s.ttft:
+    if s.throughput < slo.keep_up * s.offered or key not in s.ttft:
         return False
     if s.ttft[key] > slo.ttft_ms:
         return False

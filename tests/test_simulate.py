@@ -307,3 +307,40 @@ def test_length_ranges() -> None:
     for bad in ("0", "5-2", "a", "1-2-3"):
         with pytest.raises(ConfigError, match="--x"):
             Lengths.parse(bad, "--x")
+
+
+# -- calibration: deriving a profile from measurements (the engine runs are not tested here) ------
+
+
+def test_derive_recovers_known_costs(host: Profile) -> None:
+    from kvbridge.simulate.calibrate import Measurements, derive
+
+    m = Measurements(loadavg=["0.5 0.5 0.5", "1.0 0.8 0.6"], max_batched_tokens=2048)
+    m.prefill = {n: [0.004 + 2e-5 * n] * 3 for n in (32, 128, 256, 512, 896)}
+    m.decode = [(b, b * 224, 0.003 + 0.0005 * b) for b in (1, 2, 4, 8) for _ in range(3)]
+    m.decode += [(4, 4 * 824, 0.003 + 0.0005 * 4)] * 3
+    m.gaps = {
+        "pull": {"send->recv_start": [0.023],
+                 "recv_start->recv_done": [0.009], "recv_done->first_step": [0.002],
+                 "first_step->first_token": [0.0095]},
+        "push": {"send->kv_ready": [0.012], "kv_ready->write_posted": [0.003],
+                 "write_posted->write_done": [0.002], "write_done->recv_done": [-0.0004],
+                 "recv_done->first_step": [0.002], "first_step->first_token": [0.0095]},
+    }
+    doc = derive(m, profile_to_dict(host), "shm", "testhost")
+    doc.pop("calibration")
+    p = parse_profile(doc)
+    assert p.prefill.step_base_s == pytest.approx(0.004, rel=1e-6)
+    assert p.prefill.per_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert p.prefill.per_token_ctx_s == pytest.approx(0.0, abs=1e-12)
+    assert p.prefill.max_batched_tokens == 2048
+    assert p.decode.per_seq_s == pytest.approx(0.0005, rel=1e-6)
+    assert p.decode.per_ctx_token_s == pytest.approx(0.0, abs=1e-9)
+    assert p.proxy.request_s == pytest.approx(0.012 - 0.008, rel=1e-6)
+    assert p.proxy.answer_s == pytest.approx(0.023 - 0.008 - 2 * 0.004, rel=1e-6)
+    assert p.pull.setup_s == pytest.approx(0.009 - 0.002, rel=1e-6)
+    assert p.push.setup_s == pytest.approx(0.003) and p.push.notify_s == 0.0
+    assert p.decode.idle_wake_s == pytest.approx(0.002)
+    assert p.link.write_bandwidth == pytest.approx(host.model.kv_bytes_per_token * 200 / 0.002)
+    assert not p.pull.on_d_loop and p.push.post_on_p_thread
+    assert "testhost" in p.sources["prefill.per_token_s"]

@@ -7,10 +7,11 @@ Starts the engine pair of ``kvbridge bench e2e`` (the tiny model, P on core 0, D
    each with a fresh prompt; the engine-side time is vLLM's ``vllm:request_prefill_time_seconds``
    (one step for these lengths), the client-side wall time minus it is the HTTP round trip.
    Least squares gives ``step_base_s + per_token_s * L + per_token_ctx_s * L^2/2``.
-2. **D's decode step** against batch size and context: B concurrent streams sent straight to D
-   (B = 1, 2, 4, 8 at one prompt length, and B = 4 at a longer one); each stream's mean
-   inter-token time is the step time of its batch. Least squares gives ``step_base_s +
-   per_seq_s * B + per_ctx_token_s * sum(context)``.
+2. **D's decode step** against batch size and context: B concurrent streams through the kvbridge
+   proxy in push mode, as ``kvbridge bench serve`` sends them (B = 1, 2, 4, 8 at one prompt
+   length, and B = 4 at a longer one); the median of the streams' mean inter-token times is the
+   step time of that batch *as a client sees it*, streaming path included. Least squares gives
+   ``step_base_s + per_seq_s * B + per_ctx_token_s * sum(context)``.
 3. **The hand-off**, through the real kvbridge proxy in pull and in push, sequential requests:
    the engines' own per-transfer timings (``StatsQuery``: P ``kv_ready``, ``write_posted``,
    ``write_done``; D ``recv_start``, ``recv_done``, ``first_step``) and the client's send and
@@ -89,19 +90,21 @@ def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], 
     from kvbridge.testing.tiny_model import random_prompts
 
     name = "vllm:request_prefill_time_seconds"
-    for i, length in enumerate(_PREFILL_LENS):
-        for j, prompt in enumerate(random_prompts(reps + 1, length, seed=1000 + i)):
+    prompts = {n: random_prompts(reps + 1, n, seed=1000 + i)
+               for i, n in enumerate(_PREFILL_LENS)}
+    for j in range(reps + 1):  # lengths interleaved, so drifting host load hits them alike
+        for length in _PREFILL_LENS:
             s0, c0 = _metric(url, name)
             t0 = time.perf_counter()
-            complete(url, prompt, 1, timeout=120)
+            complete(url, prompts[length][j], 1, timeout=120)
             wall = time.perf_counter() - t0
             s1, c1 = _metric(url, name)
-            if c1 - c0 != 1 or j == 0:  # the first of each length warms up shapes
+            if c1 - c0 != 1 or j == 0:  # the first round warms up every shape
                 continue
             m.prefill.setdefault(length, []).append(s1 - s0)
             m.http_rtt.append(wall - (s1 - s0))
-        say(f"prefill {length} tokens: median "
-            f"{statistics.median(m.prefill.get(length, [0.0])) * 1000:.1f} ms")
+    say("prefill (ms, medians): " + ", ".join(
+        f"{n} tokens {statistics.median(v) * 1000:.1f}" for n, v in m.prefill.items()))
 
 
 def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], None]) -> None:
@@ -111,20 +114,22 @@ def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], N
     shapes = [(b, _DECODE_PROMPT) for b in _BATCHES] + [(4, _LONG_PROMPT)]
     seed = 5000
     with ThreadPoolExecutor(max(_BATCHES)) as pool:
-        for batch, plen in shapes:
-            for _ in range(max(1, reps // 4)):
+        for rep in range(max(2, reps // 2)):  # shapes interleaved, as for prefill
+            for batch, plen in shapes:
                 seed += 1
                 prompts = random_prompts(batch, plen, seed=seed)
                 futs = [pool.submit(stream_complete, url, p, _DECODE_TOKENS,
                                     extra={"ignore_eos": True}, timeout=120) for p in prompts]
-                for f in futs:
-                    tpot = f.result().tpot
-                    if tpot is not None:
-                        ctx = batch * (plen + _DECODE_TOKENS // 2)
-                        m.decode.append((batch, ctx, tpot))
-            steps = [t for b, c, t in m.decode if b == batch and c // batch > plen]
-            say(f"decode batch {batch}, prompt {plen}: median step "
-                f"{statistics.median(steps) * 1000 if steps else float('nan'):.2f} ms")
+                tpots = [t for t in (f.result().tpot for f in futs) if t is not None]
+                if rep > 0 and tpots:  # the first round warms up every shape
+                    m.decode.append((batch, batch * (plen + _DECODE_TOKENS // 2),
+                                     statistics.median(tpots)))
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for b, c, t in m.decode:
+        by_shape.setdefault((b, c), []).append(t)
+    say("decode step (ms, medians): " + ", ".join(
+        f"batch {b} context {c} {statistics.median(v) * 1000:.2f}"
+        for (b, c), v in by_shape.items()))
 
 
 def _control(url: str) -> str:
@@ -153,54 +158,52 @@ def _gap(a: Mapping[str, float], ea: str, b: Mapping[str, float], eb: str) -> fl
     return b[eb] - a[ea] if ea in a and eb in b else None
 
 
-def _measure_handoff(p_url: str, d_url: str, reps: int, m: Measurements,
-                     say: Callable[[str], None]) -> None:
+def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
+                     m: Measurements, say: Callable[[str], None]) -> None:
     from kvbridge.testing.engines import stream_complete
-    from kvbridge.testing.proxies import ProxyThread
     from kvbridge.testing.tiny_model import random_prompts
 
     p_ctl, d_ctl = _control(p_url), _control(d_url)
-    proxies = ProxyThread([p_url], [d_url], modes=("pull", "push")).start()
-    try:
-        for k, mode in enumerate(("pull", "push")):
-            url = proxies.urls[mode]
-            prompts = random_prompts(reps + 2, _HANDOFF_PROMPT, seed=9000 + k)
-            for p in prompts[:2]:  # warm-up: handshakes, first transfers
-                stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True}, timeout=120)
-            seen = set(_timings(p_ctl))
-            sends: list[tuple[float, float]] = []
-            for p in prompts[2:]:
-                t_wall = time.time()
-                res = stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True},
-                                      timeout=120)
-                if res.ttft is not None:
-                    sends.append((t_wall, t_wall + res.ttft))
-                    m.ttft.setdefault(mode, []).append(res.ttft)
-                time.sleep(0.05)
-            pt, dt = _timings(p_ctl), _timings(d_ctl)
-            fresh = sorted((t for t in pt if t not in seen and "kv_ready" in pt[t]),
-                           key=lambda t: pt[t]["kv_ready"])
-            gaps = m.gaps.setdefault(mode, {})
-            for tid, (t_send, t_first) in zip(fresh, sends, strict=False):
-                p_ev, d_ev = pt[tid], dt.get(tid, {})
-                c = {"send": t_send, "first_token": t_first}
-                for name, value in (
-                        ("send->kv_ready", _gap(c, "send", p_ev, "kv_ready")),
-                        ("kv_ready->recv_start", _gap(p_ev, "kv_ready", d_ev, "recv_start")),
-                        ("recv_start->recv_done", _gap(d_ev, "recv_start", d_ev, "recv_done")),
-                        ("kv_ready->write_posted", _gap(p_ev, "kv_ready", p_ev, "write_posted")),
-                        ("write_posted->write_done",
-                         _gap(p_ev, "write_posted", p_ev, "write_done")),
-                        ("write_done->recv_done", _gap(p_ev, "write_done", d_ev, "recv_done")),
-                        ("recv_done->first_step", _gap(d_ev, "recv_done", d_ev, "first_step")),
-                        ("first_step->first_token",
-                         _gap(d_ev, "first_step", c, "first_token"))):
-                    if value is not None:
-                        gaps.setdefault(name, []).append(value)
-            say(f"{mode}: " + ", ".join(f"{n} {statistics.median(v) * 1000:.1f}"
-                                        for n, v in gaps.items()) + " (ms, medians)")
-    finally:
-        proxies.close()
+    for k, mode in enumerate(("pull", "push")):
+        url = urls[mode]
+        prompts = random_prompts(reps + 2, _HANDOFF_PROMPT, seed=9000 + k)
+        for p in prompts[:2]:  # warm-up: handshakes, first transfers
+            stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True}, timeout=120)
+        seen = set(_timings(d_ctl))
+        sends: list[tuple[float, float]] = []
+        for p in prompts[2:]:
+            t_wall = time.time()
+            res = stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True},
+                                  timeout=120)
+            if res.ttft is not None:
+                sends.append((t_wall, t_wall + res.ttft))
+                m.ttft.setdefault(mode, []).append(res.ttft)
+            time.sleep(0.05)
+        pt, dt = _timings(p_ctl), _timings(d_ctl)
+        # P records no kv_ready for pull transfers (only push producers are tracked):
+        # order the new transfers by D's recv_start, which every mode records.
+        fresh = sorted((t for t in dt if t not in seen and "recv_start" in dt[t]),
+                       key=lambda t: dt[t]["recv_start"])
+        gaps = m.gaps.setdefault(mode, {})
+        for tid, (t_send, t_first) in zip(fresh, sends, strict=False):
+            p_ev, d_ev = pt.get(tid, {}), dt[tid]
+            c = {"send": t_send, "first_token": t_first}
+            for name, value in (
+                    ("send->kv_ready", _gap(c, "send", p_ev, "kv_ready")),
+                    ("send->recv_start", _gap(c, "send", d_ev, "recv_start")),
+                    ("kv_ready->recv_start", _gap(p_ev, "kv_ready", d_ev, "recv_start")),
+                    ("recv_start->recv_done", _gap(d_ev, "recv_start", d_ev, "recv_done")),
+                    ("kv_ready->write_posted", _gap(p_ev, "kv_ready", p_ev, "write_posted")),
+                    ("write_posted->write_done",
+                     _gap(p_ev, "write_posted", p_ev, "write_done")),
+                    ("write_done->recv_done", _gap(p_ev, "write_done", d_ev, "recv_done")),
+                    ("recv_done->first_step", _gap(d_ev, "recv_done", d_ev, "first_step")),
+                    ("first_step->first_token",
+                     _gap(d_ev, "first_step", c, "first_token"))):
+                if value is not None:
+                    gaps.setdefault(name, []).append(value)
+        say(f"{mode}: " + ", ".join(f"{n} {statistics.median(v) * 1000:.1f}"
+                                    for n, v in gaps.items()) + " (ms, medians)")
 
 
 def _batched_tokens(log_path: Path | None) -> int:
@@ -218,21 +221,26 @@ def _batched_tokens(log_path: Path | None) -> int:
 
 
 def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None]) -> Measurements:
-    """Start the engines, take every measurement, stop the engines."""
+    """Start the engines (and proxies), take every measurement, stop everything."""
     from kvbridge.bench_e2e import engine_specs
     from kvbridge.testing.engines import start_servers
+    from kvbridge.testing.proxies import ProxyThread
     from kvbridge.testing.tiny_model import build_tiny_model
 
     m = Measurements(loadavg=[_loadavg()])
     p, d = engine_specs(f"kvbridge-{backend}", build_tiny_model(), log_dir)
+    proxies: ProxyThread | None = None
     try:
         say(f"starting the engine pair (logs in {log_dir})")
         start_servers([p, d], timeout=600)
         m.max_batched_tokens = _batched_tokens(p.log_path)
         _measure_prefill(p.url, reps, m, say)
-        _measure_decode(d.url, reps, m, say)
-        _measure_handoff(p.url, d.url, reps, m, say)
+        proxies = ProxyThread([p.url], [d.url], modes=("pull", "push")).start()
+        _measure_decode(proxies.urls["push"], reps, m, say)
+        _measure_handoff(p.url, d.url, proxies.urls, reps, m, say)
     finally:
+        if proxies is not None:
+            proxies.close()
         p.stop()
         d.stop()
     m.loadavg.append(_loadavg())
@@ -283,8 +291,8 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
     doc["decode"].update(step_base_s=d_base, per_seq_s=d_seq, per_ctx_token_s=d_ctx,
                          max_num_seqs=_MAX_NUM_SEQS)
     for k in ("step_base_s", "per_seq_s", "per_ctx_token_s"):
-        src[f"decode.{k}"] = (f"least squares over the mean inter-token time of B concurrent "
-                              f"streams straight to D (B = {list(_BATCHES)}, prompt "
+        src[f"decode.{k}"] = (f"least squares over the median inter-token time of B concurrent "
+                              f"streams through the proxy, push (B = {list(_BATCHES)}, prompt "
                               f"{_DECODE_PROMPT}; B = 4, prompt {_LONG_PROMPT}); " + tag)
     kv_per_token = 2 * doc["model"]["layers"] * doc["model"]["kv_heads"] * \
         doc["model"]["head_dim"] * doc["model"]["dtype_bytes"]
@@ -295,10 +303,9 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
                                              "per token")
     g_pull, g_push = m.gaps.get("pull", {}), m.gaps.get("push", {})
     prefill_200 = base_s + per_tok * _HANDOFF_PROMPT + per_ctx * _HANDOFF_PROMPT ** 2 / 2
-    request = _med(g_pull.get("send->kv_ready", []) + g_push.get("send->kv_ready", []),
-                   prefill_200) - prefill_200
-    request = max(0.0, request)
-    answer = max(0.0, _med(g_pull.get("kv_ready->recv_start")) - request)
+    request = max(0.0, _med(g_push.get("send->kv_ready"), prefill_200) - prefill_200)
+    pull_start = _med(g_pull.get("send->recv_start"), 2 * request + prefill_200)
+    answer = max(0.0, pull_start - 2 * request - prefill_200)
     write = _med(g_push.get("write_posted->write_done"), 1e-3)
     rank_bytes = kv_per_token * _HANDOFF_PROMPT / max(1, doc["model"]["tp"])
     step1 = d_base + d_seq + d_ctx * _HANDOFF_PROMPT
@@ -319,10 +326,11 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
     doc["decode"]["idle_wake_s"] = _med(g_pull.get("recv_done->first_step", []) +
                                         g_push.get("recv_done->first_step", []))
     explained = {
-        "proxy.request_s": "median client send -> P kv_ready (proxy runs) minus the fitted "
-                           "prefill of the prompt: client -> proxy -> P accepted and scheduled",
-        "proxy.answer_s": "median P kv_ready -> D recv_start (pull) minus proxy.request_s: "
-                          "P's answer back at the proxy",
+        "proxy.request_s": "median client send -> P kv_ready (push through the proxy) minus "
+                           "the fitted prefill of the prompt: client -> proxy -> P accepted",
+        "proxy.answer_s": "median client send -> D recv_start (pull through the proxy) minus "
+                          "the prefill and two legs of proxy.request_s: P's answer back at the "
+                          "proxy",
         "proxy.stream_s": "median D first_step -> client first token minus one decode step",
         "link.read_bandwidth": "the prompt's KV bytes / median push write_posted -> write_done "
                                "(the same transport moves a READ)",

@@ -342,7 +342,22 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
         "push.register_latency_s": "not visible separately; one control message, as notify_s",
         "decode.idle_wake_s": "median D recv_done -> first_step (both modes)",
     }
+    fixed = {
+        "pull.on_d_loop": "false: kvbridge's pull (claim, descriptors, READ) runs on the "
+                          "transfer-loop thread, not the engine loop (kvbridge/scheduling/pull.py)",
+        "push.post_on_p_thread": "true: P's transfer-loop thread posts the WRITE after the "
+                                 "forward pass (kvbridge/scheduling/push.py)",
+        "decode.max_num_seqs": "--max-num-seqs 8 (kvbridge.testing.engines.BASE_ARGS)",
+        "decode.async_overlap": "false: on CPU the forward pass runs on the engine's own core",
+    }
+    doc["decode"]["async_overlap"] = False
     src.update({k: f"{v}; {tag}" for k, v in explained.items()})
+    src.update(fixed)
+    for section in ("prefill", "decode", "link", "pull", "push", "proxy"):
+        src.pop(section, None)  # the base's section-wide notes describe other numbers now
+        for key in doc[section]:
+            src.setdefault(f"{section}.{key}", f"not measured by calibrate: kept from the "
+                                               f"base profile {base.get('name', '?')!r}")
     doc["calibration"] = {
         "prefill_ms": {str(k): round(_med(v) * 1000, 3) for k, v in m.prefill.items()},
         "http_rtt_ms": round(_med(m.http_rtt) * 1000, 3),

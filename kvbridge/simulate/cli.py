@@ -38,6 +38,8 @@ from kvbridge.simulate.workload import Lengths, Workload, load_trace
 
 __all__ = ["add_arguments", "cli_main"]
 
+_MAX_ENGINES = 256
+
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     from kvbridge.cli import print_table
@@ -97,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     z.add_argument("--ttft-slo", type=float, required=True, help="TTFT target, ms")
     z.add_argument("--tpot-slo", type=float, default=None, help="TPOT target, ms")
     z.add_argument("--percentile", type=int, default=90, help="50, 90 or 99 (default 90)")
-    z.add_argument("--max-engines", type=int, default=16, help="search bound on P + D")
+    z.add_argument("--max-engines", type=int, default=16, help="search bound on P + D (2..64)")
     z.set_defaults(func=_size)
 
     v = sub.add_parser("validate", help="simulated vs measured for a `kvbridge bench serve` "
@@ -158,8 +160,13 @@ def _fraction(value: float | None, option: str, below_one: bool = False) -> None
 def _scenario(args: argparse.Namespace, profile: Profile,
               rate: float | None) -> tuple[Workload, Fleetspec]:
     sc = profile.scenario
-    for name in ("prefills", "decodes", "requests", "push_headroom"):
-        _positive(getattr(args, name), "--" + name.replace("_", "-"))
+    for name in ("prefills", "decodes", "requests"):
+        _positive(getattr(args, name), "--" + name)
+    for name, value, bound in (("--prefills", args.prefills, _MAX_ENGINES),
+                               ("--decodes", args.decodes, _MAX_ENGINES),
+                               ("--push-headroom", args.push_headroom, 1 << 20)):
+        if value is not None and not 0 <= value <= bound:
+            raise ConfigError(f"{name}: must be in 0..{bound}, got {value}")
     _positive(rate, "--rate")
     _fraction(args.prefix_hit, "--prefix-hit", below_one=True)
     _fraction(args.fragmentation, "--fragmentation")
@@ -275,6 +282,8 @@ def _size(args: argparse.Namespace) -> int:
     profile = _profile(args)
     workload, spec = _scenario(args, profile, args.rate)
     slo = Slo(args.ttft_slo, args.tpot_slo, args.percentile)
+    if not 2 <= args.max_engines <= 64:
+        raise ConfigError(f"--max-engines: must be in 2..64, got {args.max_engines}")
     answers = [size_fleet(profile, workload, replace(spec, mode=m), slo, args.max_engines)
                for m in _modes(args.mode)]
     if args.json:

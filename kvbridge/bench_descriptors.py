@@ -165,7 +165,7 @@ def _steps(pair: BlockPair, lids: tuple[int, ...], rids: tuple[int, ...],
         return int(loc.shape[0])
 
     def validate() -> int:
-        return BlockRequest.build(local, remote, lids, rids).count(local)
+        return BlockRequest.build(local, remote, lids, rids).count
 
     def iovecs() -> int:
         loc, _ = BlockRequest.build(local, remote, lids, rids).descriptors(pair, columns=2)
@@ -189,8 +189,7 @@ def _nixl_rows(report: DescriptorReport, planes: int, num_blocks: int,
     for case, samples in measured.items():
         samples = samples[1:]  # the first request warms NIXL up
         lids, rids = cases[case]
-        count = BlockRequest.build(*_fake(planes, num_blocks), lids, rids).count(
-            _fake(planes, num_blocks)[0])
+        count = BlockRequest.build(*_fake(planes, num_blocks), lids, rids).count
         report.rows.append(_row("nixl: + indices", case, count, [s[0] for s in samples],
                                 [s[1] for s in samples], [s[2] for s in samples]))
 

@@ -52,17 +52,19 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.errors import DescriptorError, LayoutError, TransportClosed, UnknownPeer
+from kvbridge.groups import split_refs
 from kvbridge.layout import (
     KVLayout,
     LayoutKey,
     block_runs,
     check_block_ids,
     fill_ranges,
+    int_ids,
 )
 from kvbridge.transport import Op, TransferHandle, Transport, as_descriptors, check_within
 
 __all__ = [
-    "BlockPair", "BlockRequest", "BlockTransport", "BlockIds", "prepare_blocks",
+    "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "prepare_blocks",
     "submit_blocks", "submit_request", "check_in_regions",
 ]
 
@@ -86,38 +88,16 @@ class BlockPair:
 
 
 @dataclass(frozen=True, eq=False)
-class BlockRequest:
-    """One transfer by block ids, validated against a pair's layouts (see :meth:`build`)."""
+class BlockPart:
+    """The blocks of a request that move in the same planes: all of them on an engine without
+    KV-cache groups, one group's on a hybrid one."""
 
+    planes: I64 | None  # plane indices, None = every plane
     local_ids: I64
     remote_ids: I64
-    planes: I64 | None  # plane indices, None = every plane
     starts: I64  # run starts (positions in the id lists)
     counts: I64  # run lengths
-    nbytes: int
-
-    @classmethod
-    def build(cls, local: KVLayout, remote: KVLayout, local_ids: BlockIds, remote_ids: BlockIds,
-              planes: Sequence[int] | I64 | None = None) -> BlockRequest:
-        """Validate in O(blocks + planes); raise :class:`LayoutError` naming the problem.
-
-        The layouts are a compatible pair (the caller checked). Runs of ids consecutive on both
-        sides are coalesced when every selected plane is dense on both sides.
-        """
-        lids = check_block_ids(local_ids, local.num_blocks, "local")
-        rids = check_block_ids(remote_ids, remote.num_blocks, "remote")
-        if lids.size != rids.size:
-            raise LayoutError(f"{lids.size} local block ids but {rids.size} remote block ids")
-        sel = _check_planes(planes, len(local.planes))
-        ldense, rdense = local.dense_planes, remote.dense_planes
-        if sel is None:
-            merge = bool(ldense.all() and rdense.all())
-            per_block = int(local.bytes_per_block)
-        else:
-            merge = bool(ldense[sel].all() and rdense[sel].all())
-            per_block = int(local.plane_table[2][sel].sum())
-        starts, counts = block_runs(lids, rids, merge)
-        return cls(lids, rids, sel, starts, counts, per_block * int(lids.size))
+    plane_count: int
 
     @property
     def blocks(self) -> int:
@@ -127,33 +107,106 @@ class BlockRequest:
     def runs(self) -> int:
         return int(self.starts.size)
 
-    def plane_count(self, layout: KVLayout) -> int:
-        return len(layout.planes) if self.planes is None else int(self.planes.size)
 
-    def count(self, layout: KVLayout) -> int:
-        """Byte ranges per side: selected planes × runs."""
-        return self.plane_count(layout) * self.runs
+@dataclass(frozen=True, eq=False)
+class BlockRequest:
+    """One transfer by block ids, validated against a pair's layouts (see :meth:`build`)."""
 
-    def tables(self, pair: BlockPair) -> tuple[I64, I64]:
-        """The selected planes' tables ``(3, k)`` of the local and the remote layout."""
-        lt, rt = pair.local.plane_table, pair.remote.plane_table
-        if self.planes is None:
-            return lt, rt
-        return lt[:, self.planes], rt[:, self.planes]
+    parts: tuple[BlockPart, ...]
+    nbytes: int
+    blocks: int  # ids (block refs on a hybrid engine) given
+
+    @classmethod
+    def build(cls, local: KVLayout, remote: KVLayout, local_ids: BlockIds, remote_ids: BlockIds,
+              planes: Sequence[int] | I64 | None = None) -> BlockRequest:
+        """Validate in O(blocks + planes); raise :class:`LayoutError` naming the problem.
+
+        The layouts are a compatible pair (the caller checked). With KV-cache groups the ids are
+        block refs (``block × groups + group``, :mod:`kvbridge.groups`): each moves in its
+        group's planes (among ``planes``), group by group. Runs of ids consecutive on both
+        sides are coalesced where every plane they move in is dense on both sides.
+        """
+        sel = _check_planes(planes, len(local.planes))
+        if not local.groups:
+            lids = check_block_ids(local_ids, local.num_blocks, "local")
+            rids = check_block_ids(remote_ids, remote.num_blocks, "remote")
+            _same_count(lids, rids)
+            parts = [_part(local, remote, sel, lids, rids)] if lids.size else []
+        else:
+            lrefs, rrefs = int_ids(local_ids, "local"), int_ids(remote_ids, "remote")
+            _same_count(lrefs, rrefs)
+            lg, lids = split_refs(lrefs, local.num_groups)
+            rg, rids = split_refs(rrefs, local.num_groups)
+            if not np.array_equal(lg, rg):
+                raise LayoutError("local and remote block refs name different KV-cache groups")
+            check_block_ids(lids, local.num_blocks, "local")  # one pool: no block twice
+            check_block_ids(rids, remote.num_blocks, "remote")
+            parts = []
+            for g, group in enumerate(local.groups):
+                mine = np.asarray(group.planes, dtype=np.int64)
+                if sel is not None:
+                    mine = mine[np.isin(mine, sel)]
+                which = lg == g
+                if mine.size and which.any():
+                    parts.append(_part(local, remote, mine, lids[which], rids[which]))
+        nbytes = sum(_part_bytes(local, p) for p in parts)
+        return cls(tuple(parts), nbytes, int(np.size(local_ids)))
+
+    @property
+    def runs(self) -> int:
+        return sum(p.runs for p in self.parts)
+
+    @property
+    def count(self) -> int:
+        """Byte ranges per side: planes × runs, summed over the parts."""
+        return sum(p.plane_count * p.runs for p in self.parts)
+
+    @property
+    def entries(self) -> int:
+        """Block-plane pairs per side (one per plane and id, runs not coalesced)."""
+        return sum(p.plane_count * p.blocks for p in self.parts)
 
     def descriptors(self, pair: BlockPair, columns: int = 3) -> tuple[I64, I64]:
-        """The byte ranges as two ``(planes × runs, columns)`` int64 arrays, plane-major:
-        address, length and (``columns=3``) device — what :func:`descriptor_pair` returns for
-        the same blocks and planes. O(planes × runs): transports call it off the caller's
-        thread, or not at all."""
-        lt, rt = self.tables(pair)
-        k, runs = lt.shape[1], self.runs
-        both = np.empty((2, k, runs, columns), dtype=np.int64)
+        """The byte ranges as two ``(count, columns)`` int64 arrays — address, length and
+        (``columns=3``) device — in the order of :func:`descriptor_pair` (part by part,
+        plane-major). O(planes × runs): transports call it off the caller's thread, or not
+        at all."""
+        both = np.empty((2, self.count, columns), dtype=np.int64)
         ldev = pair.local.device if columns == 3 else None
         rdev = pair.remote.device if columns == 3 else None
-        fill_ranges(both[0], lt, self.local_ids[self.starts], self.counts, ldev)
-        fill_ranges(both[1], rt, self.remote_ids[self.starts], self.counts, rdev)
-        return both[0].reshape(k * runs, columns), both[1].reshape(k * runs, columns)
+        lt, rt = pair.local.plane_table, pair.remote.plane_table
+        at = 0
+        for p in self.parts:
+            n = p.plane_count * p.runs
+            lpt, rpt = (lt, rt) if p.planes is None else (lt[:, p.planes], rt[:, p.planes])
+            for side, table, ids, dev in ((0, lpt, p.local_ids, ldev), (1, rpt, p.remote_ids,
+                                                                         rdev)):
+                out = both[side, at:at + n].reshape(p.plane_count, p.runs, columns)
+                fill_ranges(out, table, ids[p.starts], p.counts, dev)
+            at += n
+        return both[0], both[1]
+
+
+def _same_count(lids: I64, rids: I64) -> None:
+    if lids.size != rids.size:
+        raise LayoutError(f"{lids.size} local block ids but {rids.size} remote block ids")
+
+
+def _part(local: KVLayout, remote: KVLayout, planes: I64 | None, lids: I64,
+          rids: I64) -> BlockPart:
+    ldense, rdense = local.dense_planes, remote.dense_planes
+    if planes is None:
+        merge, k = bool(ldense.all() and rdense.all()), len(local.planes)
+    else:
+        merge, k = bool(ldense[planes].all() and rdense[planes].all()), int(planes.size)
+    starts, counts = block_runs(lids, rids, merge)
+    return BlockPart(planes, lids, rids, starts, counts, k)
+
+
+def _part_bytes(layout: KVLayout, part: BlockPart) -> int:
+    per_block = (layout.bytes_per_block if part.planes is None
+                 else int(layout.plane_table[2][part.planes].sum()))
+    return per_block * part.blocks
 
 
 def _check_planes(planes: Sequence[int] | I64 | None, total: int) -> I64 | None:

@@ -5,6 +5,7 @@ Transfers use the in-process ``memory`` transport (real bytes, no process)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 from kvbridge import blocks
 from kvbridge.blocks import BlockRequest, BlockTransport, prepare_blocks, submit_blocks
 from kvbridge.errors import LayoutError, LayoutMismatch
+from kvbridge.groups import GroupKind, KVGroup, to_refs
 from kvbridge.layout import KVLayout, KVPlane, check_block_ids, descriptor_pair
+from kvbridge.testing.agents import make_caches
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.testing.peer import kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
@@ -36,8 +39,9 @@ def layout(base: int, planes: int = 4, num_blocks: int = 32, block_bytes: int = 
 def test_request_coalesces_runs_on_both_sides() -> None:
     a, b = layout(1 << 30), layout(1 << 31)
     req = BlockRequest.build(a, b, [1, 2, 3, 9, 10, 20], [5, 6, 7, 0, 2, 3])
-    assert req.starts.tolist() == [0, 3, 4, 5] and req.counts.tolist() == [3, 1, 1, 1]
-    assert req.runs == 4 and req.blocks == 6 and req.count(a) == 16
+    (part,) = req.parts
+    assert part.starts.tolist() == [0, 3, 4, 5] and part.counts.tolist() == [3, 1, 1, 1]
+    assert req.runs == 4 and req.blocks == 6 and req.count == 16 and req.entries == 24
     assert req.nbytes == 6 * a.bytes_per_block
 
 
@@ -63,10 +67,10 @@ def test_descriptors_equal_descriptor_pair(lids: list[int], rids: list[int],
     got = req.descriptors(pair)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
-    assert req.count(a) == want[0].shape[0]
+    assert req.count == want[0].shape[0]
     assert req.nbytes == int(want[0][:, 1].sum())
     if planes == [0, 1, 2, 3]:
-        assert req.planes is None  # every plane in order: the fast path
+        assert req.parts[0].planes is None  # every plane in order: the fast path
 
 
 def test_iovec_columns() -> None:
@@ -190,3 +194,73 @@ def test_a_pair_prepared_while_its_peer_is_re_added_is_not_cached(
     handle = a.submit_blocks(Op.WRITE, pair, [2], [6])
     assert a.wait(handle, 10) is HandleState.DONE
     np.testing.assert_array_equal(bb[:, :, 6], ba[:, :, 2])
+
+
+# -- hybrid models: KV-cache groups and block refs -------------------------------------------------
+
+
+GROUPS = (KVGroup(GroupKind.SLIDING, 16, 40, (0,)), KVGroup(GroupKind.SLIDING, 16, 40, (1,)),
+          KVGroup(GroupKind.FULL, 16, None, (2,)))
+
+
+def hybrid(base: int) -> KVLayout:
+    return dataclasses.replace(layout(base, planes=3, num_blocks=32), groups=GROUPS)
+
+
+@pytest.mark.parametrize("planes", [None, [2], [1, 2], [0]], ids=["all", "full", "two", "sw"])
+def test_refs_route_to_their_groups_planes_like_descriptor_pair(planes: list[int] | None
+                                                                ) -> None:
+    a, b = hybrid(1 << 30), hybrid(1 << 31)
+    lrefs = to_refs(0, [3, 4], 3) + to_refs(1, [9], 3) + to_refs(2, [10, 11, 12], 3)
+    rrefs = to_refs(0, [7, 8], 3) + to_refs(1, [1], 3) + to_refs(2, [20, 21, 2], 3)
+    req = BlockRequest.build(a, b, lrefs, rrefs, planes)
+    sel = planes or [0, 1, 2]
+    want = descriptor_pair(a.select(sel), lrefs, b.select(sel), rrefs)
+    for got, expected in zip(req.descriptors(blocks.BlockPair("p", a, b)), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert req.count == want[0].shape[0] and req.nbytes == int(want[0][:, 1].sum())
+    if planes is None:
+        assert req.nbytes == a.nbytes(lrefs) and req.blocks == 6
+
+
+def test_refs_of_other_groups_or_shared_blocks_are_refused() -> None:
+    a, b = hybrid(1 << 30), hybrid(1 << 31)
+    with pytest.raises(LayoutError, match="different KV-cache groups"):
+        BlockRequest.build(a, b, to_refs(0, [1], 3), to_refs(1, [1], 3))
+    with pytest.raises(LayoutError, match="duplicates"):  # one pool: a block has one group
+        BlockRequest.build(a, b, to_refs(0, [1], 3) + to_refs(2, [1], 3),
+                           to_refs(0, [2], 3) + to_refs(2, [3], 3))
+    with pytest.raises(LayoutError, match="out of range"):
+        BlockRequest.build(a, b, to_refs(0, [32], 3), to_refs(0, [1], 3))
+    with pytest.raises(LayoutError, match="must be integers"):
+        BlockRequest.build(a, b, [0.5], [1])
+    nothing = BlockRequest.build(a, b, to_refs(0, [5], 3), to_refs(0, [6], 3), planes=[2])
+    assert nothing.count == 0 and nothing.nbytes == 0 and nothing.blocks == 1
+
+
+def test_hybrid_transfer_moves_each_groups_blocks() -> None:
+    """Real bytes through a block transport: each ref lands in its own group's plane only."""
+    a, b = MemoryTransport("ha"), MemoryTransport("hb")
+    caches_a, la = make_caches((3, 32, 16, 8), GROUPS)
+    caches_b, lb = make_caches((3, 32, 16, 8), GROUPS)
+    for arr in (*caches_a.values(), *caches_b.values()):
+        arr[...] = np.random.default_rng(arr.ctypes.data % 1000).random(arr.shape)
+    try:
+        ma = a.register_memory([MemoryRegion(x.ctypes.data, x.nbytes) for x in caches_a.values()])
+        mb = b.register_memory([MemoryRegion(x.ctypes.data, x.nbytes) for x in caches_b.values()])
+        a.add_peer(mb)
+        b.add_peer(ma)
+        before = {k: v.copy() for k, v in caches_b.items()}
+        pair = a.prepare_blocks("hb", la, lb)
+        lrefs = to_refs(0, [3], 3) + to_refs(2, [10, 11], 3)
+        rrefs = to_refs(0, [7], 3) + to_refs(2, [20, 5], 3)
+        h = a.submit_blocks(Op.WRITE, pair, lrefs, rrefs)
+        assert a.wait(h, 10) is HandleState.DONE and h.nbytes == la.nbytes(lrefs)
+        expected = {k: v.copy() for k, v in before.items()}
+        expected["layer.0"][7] = caches_a["layer.0"][3]
+        expected["layer.2"][[20, 5]] = caches_a["layer.2"][[10, 11]]
+        for k, v in caches_b.items():
+            np.testing.assert_array_equal(v, expected[k])
+    finally:
+        a.close()
+        b.close()

@@ -237,7 +237,7 @@ class MooncakeTransport(BlockTransport):
                 raise UnknownPeer(f"mooncake {self.agent_name!r}: peer {pair.peer!r} was "
                                   "re-added")
             handle = TransferHandle(op=op, peer=pair.peer, nbytes=req.nbytes,
-                                    count=req.count(pair.local))
+                                    count=req.count)
             entry.lane.post(Job(handle, None, None, notification,
                                 build=lambda: req.descriptors(pair)))
         return handle

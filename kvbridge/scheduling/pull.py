@@ -25,6 +25,7 @@ from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
 from kvbridge.messages import Ack, Cancel, CancelReply, ErrorKind, Message, PullClaim, PullDone
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.planner import sources_for
 from kvbridge.transport import HandleState, Op, TransferHandle
 
 if TYPE_CHECKING:
@@ -126,13 +127,11 @@ class PullSource:
                        error=f"transfer {tid} is claimed by another connection")
         plan = st.plan
         problem = None
-        end = msg.skip_blocks + len(msg.block_ids)
         if msg.num_tokens != plan.num_tokens:
             problem = f"prefill computed {plan.num_tokens} tokens, the claim says {msg.num_tokens}"
         elif msg.prompt_digest != plan.prompt_digest:
             problem = "the claim's prompt differs from the prompt prefilled here"
-        elif end != len(plan.block_ids) or tuple(msg.block_ids) != plan.block_ids[
-                msg.skip_blocks:end]:
+        elif not self._leased(plan, msg):
             problem = (f"the claim names blocks P did not lease to {tid} (skip "
                        f"{msg.skip_blocks}, {len(msg.block_ids)} ids)")
         if problem is not None:
@@ -144,6 +143,15 @@ class PullSource:
         core.timers.set(("lease", tid), lease, lambda: self._expire(tid))
         core.stats["pull_claimed"] += 1
         return Ack()
+
+    def _leased(self, plan: SendPlan, msg: PullClaim) -> bool:
+        """The claim names exactly the blocks of ``plan`` that pair with what D lacks."""
+        try:
+            expected = sources_for(plan.block_ids, msg.block_ids, msg.skip_blocks,
+                                   len(self.core.layout.groups))
+        except KVBridgeError:
+            return False
+        return tuple(msg.block_ids) == expected
 
     def _early_expired(self, tid: str, ctx: RequestContext) -> None:
         waiting = self._early.get(tid, [])
@@ -165,7 +173,7 @@ class PullSource:
             core.stats["forged_done"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
                        error=f"DONE for {tid} from a connection that did not claim it")
-        expected = core.layout.bytes_per_block * len(st.claimed)
+        expected = core.layout.nbytes(st.claimed)
         reply = Ack()
         if msg.nbytes != expected:
             reply = Ack(ok=False, kind=ErrorKind.MISMATCH,
@@ -333,7 +341,7 @@ class PullSink:
 
     def _read_done(self, job: _Pull) -> None:
         core, s = self.core, job.spec
-        nbytes = core.layout.bytes_per_block * len(s.local_ids)
+        nbytes = core.layout.nbytes(s.local_ids)
         assert job.peer is not None
         checksum = None
         if core.config.checksum or job.peer.info.checksum:

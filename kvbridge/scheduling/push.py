@@ -43,6 +43,7 @@ from kvbridge.messages import (
     PushResult,
 )
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.pull import SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
@@ -246,10 +247,18 @@ class PushSource:
             return f"prefill computed {plan.num_tokens} tokens, decode expects {reg.num_tokens}"
         if reg.prompt_digest != plan.prompt_digest:
             return "decode's prompt differs from the prompt prefilled here"
-        if reg.skip_blocks + len(reg.block_ids) != len(plan.block_ids):
+        try:
+            self._sources(out)
+        except KVBridgeError as exc:
             return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
-                    f"prompt has {len(plan.block_ids)}")
+                    f"prompt has {len(plan.block_ids)} here ({exc})")
         return None
+
+    def _sources(self, out: _Out) -> tuple[int, ...]:
+        """P's blocks that pair with the ones D registered (checked by :meth:`_mismatch`)."""
+        assert out.plan is not None and out.reg is not None
+        return sources_for(out.plan.block_ids, out.reg.block_ids, out.reg.skip_blocks,
+                           len(self.core.layout.groups))
 
     def _dialled(self, out: _Out, result: Peer | KVBridgeError) -> None:
         if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:
@@ -296,8 +305,8 @@ class PushSource:
             if not todo or not out.reg.block_ids:
                 continue
             out.posted.update(todo)
-            src = out.plan.block_ids[out.reg.skip_blocks:]
             try:
+                src = self._sources(out)
                 pair = prepare_blocks(core.transport, out.peer.name, core.layout, out.peer.layout)
                 handle = submit_blocks(core.transport, Op.WRITE, pair, src, out.reg.block_ids,
                                        planes=todo)
@@ -394,9 +403,8 @@ class PushSource:
                                 error=error)
             if error is None and out.plan is not None and out.reg is not None and (
                     core.config.checksum or (out.peer is not None and out.peer.info.checksum)):
-                src = out.plan.block_ids[out.reg.skip_blocks:]
                 result = PushResult(transfer_id=out.tid, ok=True, nbytes=out.nbytes,
-                                    checksum=core.digest(src))
+                                    checksum=core.digest(self._sources(out)))
             core.server.reply(out.ctx, result)
         if out.plan is not None and out.final:
             core.results.sent(out.plan.req_id)

@@ -133,7 +133,7 @@ class PushSink:
         if not msg.ok:
             self._fail(w, f"prefill failed the push: {msg.error}", safe=True, cancel=False)
             return
-        expected = core.layout.bytes_per_block * len(s.local_ids)
+        expected = core.layout.nbytes(s.local_ids)
         problem = None
         if w.state is not _Wait.CONFIRMED and s.local_ids:
             problem = "prefill reported a write this engine never confirmed"

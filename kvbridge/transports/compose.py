@@ -469,7 +469,7 @@ class ComposeTransport(BlockTransport):
             return submit_request(self._members[index].transport, op, mine, req, notification)
 
         handle = ComposeHandle(op=op, peer=pair.peer, nbytes=req.nbytes,
-                               count=req.count(pair.local), post=post)
+                               count=req.count, post=post)
         self._post(route, route.active, handle)
         return handle
 

@@ -462,7 +462,7 @@ class MemoryTransport(BlockTransport):
         p: _Peer = pair.native
         if self._peer(pair.peer) is not p:
             raise UnknownPeer(f"memory {self.agent_name!r}: peer {pair.peer!r} was re-added")
-        handle = TransferHandle(op, pair.peer, req.nbytes, req.count(pair.local))
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
         if not p.endpoint.open:
             handle._finish(HandleState.FAILED, f"{op.value} with {pair.peer!r} failed: the peer "
                                                "was closed")

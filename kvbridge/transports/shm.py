@@ -1038,7 +1038,7 @@ class ShmTransport(BlockTransport):
         p: _Peer = pair.native
         if self._peer(pair.peer) is not p:
             raise UnknownPeer(f"shm {self.agent_name!r}: peer {pair.peer!r} was re-added")
-        handle = TransferHandle(op, pair.peer, req.nbytes, req.count(pair.local))
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
         job = _BlockJob(handle, p, pair, req, notification)
         with self._lock:
             self._check_open()

@@ -24,15 +24,20 @@ __all__ = ["RawTarget", "serve_buffer", "scattered", "scattered_blocks"]
 
 
 def serve_buffer(conn: Connection, buf: npt.NDArray[np.uint8]) -> None:
-    """In the target: answer ``"data"`` with the buffer's bytes until anything else or EOF."""
+    """In the target: answer ``"data"`` with the buffer's bytes and ``"zero"`` by zeroing it,
+    until anything else or EOF."""
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             break
-        if msg != "data":
+        if msg == "data":
+            conn.send(buf.tobytes())
+        elif msg == "zero":
+            buf.fill(0)
+            conn.send(True)
+        else:
             break
-        conn.send(buf.tobytes())
     conn.close()
 
 
@@ -88,6 +93,16 @@ class RawTarget:
         theirs = np.frombuffer(self._conn.recv(), dtype=np.uint8)[:n].reshape(-1, block)
         if not np.array_equal(theirs[perm], mine[:n].reshape(-1, block)):
             raise TransferFailed(f"raw {self.what} {op} of {block}-byte blocks: bytes differ")
+
+    def reset(self, op: str, mine: npt.NDArray[np.uint8]) -> None:
+        """Zero the destination of the next ``op``: ``mine`` for a READ, the far buffer for a
+        WRITE (as kvbridge's side of the bench does before each of its transfers, so both pay
+        the same for dirty cache lines)."""
+        if op.lower() == "read":
+            mine.fill(0)
+        else:
+            self._conn.send("zero")
+            self._conn.recv()
 
     def close(self) -> None:
         """Stop the process (asked, then killed). Idempotent."""

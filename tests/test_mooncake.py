@@ -362,6 +362,7 @@ def test_raw_session_alternates_ops_and_verifies() -> None:
     with raw_session(2 << 20, seed=3) as session:
         for op in ("write", "read"):
             for block in (65536, 262144):
+                session.reset(op, block)  # zeroes the destination: verify proves the copy
                 assert session.run(op, block) > 0
                 session.verify(op, block)
         session._local[7] ^= 0xFF  # noqa: SLF001 - corrupt one byte on purpose

@@ -394,6 +394,7 @@ def test_raw_session_alternates_ops_and_sizes_and_verifies() -> None:
     with raw_session(4 << 20, seed=5) as session:
         for op in ("read", "write", "read"):
             for block in (65536, 262144):
+                session.reset(op, block)  # zeroes the destination: verify proves the copy
                 assert session.run(op, block) > 0
                 session.verify(op, block)
         session._mine[0] ^= 0xFF  # noqa: SLF001 - corrupt one byte on purpose

@@ -368,6 +368,7 @@ def test_raw_session_is_cma_alone_and_verifies() -> None:
 
     with raw_session(1 << 20, seed=9) as session:
         for op in ("read", "write"):
+            session.reset(op, 65536)  # zeroes the destination: verify proves the copy
             assert session.run(op, 65536) > 0
             session.verify(op, 65536)
         session._mine[3] ^= 0xFF  # noqa: SLF001 - corrupt one byte on purpose

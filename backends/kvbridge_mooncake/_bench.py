@@ -111,6 +111,10 @@ class RawSession:
         _run(self._engine, op, self._session, laddr, raddr, block_bytes)
         return time.perf_counter() - t0
 
+    def reset(self, op: str, block_bytes: int) -> None:
+        """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
+        self._target.reset(op, self._local)
+
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless the buffers agree block by block."""
         self._target.check(op, self._local, self._prepare(block_bytes)[2], block_bytes)

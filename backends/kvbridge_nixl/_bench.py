@@ -111,6 +111,10 @@ class RawSession:
             raise TransferFailed(f"raw nixl {kind} of {block_bytes}-byte blocks: {state}")
         return elapsed
 
+    def reset(self, op: str, block_bytes: int) -> None:
+        """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
+        self._target.reset(op, self._mine)
+
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless the last ``op`` left both buffers consistent."""
         self._target.check(op, self._mine, self._prepare(block_bytes)[3], block_bytes)

@@ -72,6 +72,10 @@ class RawSession:
         copy_iovecs(fn, self._pid, loc, rem, IOV_MAX)
         return time.perf_counter() - t0
 
+    def reset(self, op: str, block_bytes: int) -> None:
+        """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
+        self._target.reset(op, self._mine)
+
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless both buffers agree block by block."""
         self._target.check(op, self._mine, self._prepare(block_bytes)[2], block_bytes)

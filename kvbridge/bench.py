@@ -19,14 +19,16 @@ wrong byte raises :class:`TransferFailed`. Next to it, per repetition:
 
 Every column zeroes its destination before each timed transfer (untimed), as kvbridge's must
 to check its bytes: writing into freshly dirtied cache lines costs more than into clean ones
-(measured: up to 10 % on a 64 MiB READ), so skipping it for one column would bias the ratio.
+(seen: up to 10 % on a 64 MiB READ), so skipping it for one column would bias the ratio.
 
-Mode ``paired`` (the default) alternates the columns inside every repetition, in a rotating
-order, after one untimed warm-up each, so that whatever else the host does hits all columns
-alike; it reports each column's median GB/s and, for kvbridge/raw and kvbridge/memcpy, the
-median of the per-repetition ratios with a distribution-free confidence interval
-(:func:`kvbridge.bench_stats.median_ci`). Mode ``sequential`` runs each column's repetitions
-back to back and reports best-of (the bench before pairing).
+Mode ``paired`` (the default) runs the columns inside every repetition, cycling through every
+order of them (each column follows each other equally often: what ran just before, and the
+untimed byte check after a kvbridge transfer, stir the caches), after one untimed warm-up each,
+so that whatever else the host does hits all columns alike; it reports each column's median
+GB/s and, for kvbridge/raw and kvbridge/memcpy, the median of the per-repetition ratios with a
+distribution-free confidence interval (:func:`kvbridge.bench_stats.median_ci`). Mode
+``sequential`` runs each column's repetitions back to back and reports best-of (the bench
+before pairing).
 
 Blocking: the bench blocks the calling thread until done; the target process and the raw
 session are always stopped before returning, also on failure.
@@ -35,6 +37,7 @@ session are always stopped before returning, also on failure.
 from __future__ import annotations
 
 import inspect
+import itertools
 import multiprocessing as mp
 import os
 import statistics
@@ -457,8 +460,9 @@ def _bench_one(
             raw_error = f"{type(exc).__name__}: {exc}"
             del columns[name], times[name]
     names = list(columns)
-    order = ([names[(rep + k) % len(names)] for k in range(len(names))] for rep in range(reps))
-    plan = (list(order) if mode == "paired" else [[name] * reps for name in names])
+    orders = list(itertools.permutations(names))  # every order in turn: each column follows
+    plan = ([list(orders[rep % len(orders)]) for rep in range(reps)]  # each other equally often
+            if mode == "paired" else [[name] * reps for name in names])
     try:
         for batch in plan:
             for name in batch:
@@ -495,7 +499,8 @@ def _row(block: int, op: Op, ranges: int, n: int, times: dict[str, list[float]],
 def format_transfer_report(report: TransferReport) -> str:
     before, after = report.load
     if report.mode == "paired":
-        how = (f"{report.reps} paired reps (columns interleaved, rotating order); GB/s: median; "
+        how = (f"{report.reps} paired reps (columns interleaved, every order in turn); GB/s: "
+               "median; "
                f"kvb/x: median of per-rep ratios [{report.confidence:.0%} CI, order statistics, "
                "distribution-free]")
     else:

@@ -37,10 +37,12 @@ from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.control import ControlServer, RpcClient
 from kvbridge.errors import KVBridgeError
+from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
+from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
@@ -59,12 +61,17 @@ class TransferLoop(PeerEvents):
 
     def __init__(self, config: Config, engine_id: str, layout: KVLayout, *, rank: int = 0,
                  tp_size: int = 1, compat: dict[str, str] | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, heads: HeadSplit | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
         self.layout = layout
+        if heads is not None:
+            heads.check(layout, tp_size, rank)
+        self.heads = heads
+        #: this rank's geometry for the heterogeneous mapping (kvbridge.scheduling.mapping)
+        self.shape = Shape(tp_size, rank, layout.block_size, heads)
         self.generation = uuid.uuid4().hex[:12]
         self.codec = Codec(config.secret, config.max_message_bytes,
                            window_s=config.replay_window_s)
@@ -88,7 +95,7 @@ class TransferLoop(PeerEvents):
             engine_id=engine_id, generation=self.generation, rank=rank, tp_size=tp_size,
             backend=self.transport.name, transport_metadata=metadata, layout=layout,
             control_address=self.server.address, compat=dict(compat or {}),
-            checksum=config.checksum)
+            checksum=config.checksum, heads=heads)
         self.stats: Counter[str] = Counter()
         self.observe = Observations(self.transport.name)
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
@@ -433,9 +440,11 @@ class TransferLoop(PeerEvents):
 
     def _fail_everything(self) -> None:
         why = self.dead or "transfer loop stopped"
-        for job in list(self.pull_sink.jobs.values()):
-            self.results.fail(job.spec.req_id, job.spec.local_ids, why,
-                              safe=job.handle is None, transfer_id=job.spec.transfer_id)
+        for parts in list(self.pull_sink.jobs.values()):
+            spec = parts[0].spec
+            self.results.fail(spec.req_id, spec.local_ids, why,
+                              safe=all(job.handle is None for job in parts),
+                              transfer_id=spec.transfer_id)
         for w in list(self.push_sink.waits.values()):
             self.results.fail(w.spec.req_id, w.spec.local_ids, why, safe=False,
                               transfer_id=w.spec.transfer_id)

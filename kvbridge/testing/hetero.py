@@ -72,15 +72,14 @@ def engine(tp: int, block_size: int, *, total: int = 4, head_dim: int = 8, layer
     return ranks
 
 
-def logical(rank: Rank, layer: int, block: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+def logical(rank: Rank, layer: int, block: int) -> np.ndarray[Any, Any]:
     """``[K|V, local heads, N, head_dim]`` of ``block`` in ``layer`` (a view)."""
     a = rank.layers[layer]
     if rank.kind == "cpu":
         nb, h, n, two_d = a.shape
-        return a[block].reshape(h, 2, n, two_d // 2).transpose(1, 0, 2, 3)
-    if rank.kind == "split":
-        return a[:, block]
-    return a[block]
+        out: np.ndarray[Any, Any] = a[block].reshape(h, 2, n, two_d // 2).transpose(1, 0, 2, 3)
+        return out
+    return a[:, block] if rank.kind == "split" else a[block]
 
 
 def expected_decode(prefill: list[Rank], p_ids: list[int], decode: Rank, d_ids: list[int],

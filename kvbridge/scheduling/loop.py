@@ -445,12 +445,13 @@ class TransferLoop(PeerEvents):
             self.results.fail(spec.req_id, spec.local_ids, why,
                               safe=all(job.handle is None for job in parts),
                               transfer_id=spec.transfer_id)
-        for w in list(self.push_sink.waits.values()):
-            self.results.fail(w.spec.req_id, w.spec.local_ids, why, safe=False,
-                              transfer_id=w.spec.transfer_id)
+        for waits in list(self.push_sink.waits.values()):
+            expected = waits[0].spec
+            self.results.fail(expected.req_id, expected.local_ids, why, safe=False,
+                              transfer_id=expected.transfer_id)
         for st in list(self.pull_source.staged.values()):
             self.results.sent(st.plan.req_id)
         for out in list(self.push_source.outs.values()):
-            if out.plan is not None and out.final and not out.handles:
+            if out.plan is not None and out.final and not any(t.handles for t in out.targets):
                 self.results.sent(out.plan.req_id)
 

@@ -35,7 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvbridge
 from kvbridge.config import Config, Preset
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.heads import HeadSplit
 from kvbridge.integrations import names
 from kvbridge.integrations.vllm_spin import apply_engine_spin
 from kvbridge.integrations.vllm_stats import KVBridgePromMetrics, KVBridgeStats, delta
@@ -513,15 +514,15 @@ class _WorkerSide:
                                        self.conn.block_size)
         mc = self._vllm_config.model_config
         hf = mc.hf_config
-        compat = {
+        compat = {  # block size and TP size are the layout's and head split's to check
             "model_type": str(getattr(hf, "model_type", "?")),
             "num_hidden_layers": str(getattr(hf, "num_hidden_layers", "?")),
             "dtype": str(mc.dtype).removeprefix("torch."),
             "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
-            "block_size": str(self.conn.block_size),
         }
         loop = TransferLoop(self.config, self.conn.engine_id, layout, rank=self.rank,
-                            tp_size=self.conn.tp_size, compat=compat)
+                            tp_size=self.conn.tp_size, compat=compat,
+                            heads=self._head_split(kv_caches, layout))
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
         try:
@@ -534,6 +535,34 @@ class _WorkerSide:
         if offload is not None:
             offload.on_progress(self._poke)
             offload.count_into(loop.add_counters)
+
+    def _head_split(self, kv_caches: dict[str, Any], layout: KVLayout) -> HeadSplit | None:
+        """This rank's KV heads when kvbridge can map them (heterogeneous TP and block size):
+        vLLM's CPU attention backend, whose blocks (``KVCacheLayout.LBHNC``, tensors
+        ``(blocks, heads, block_size, 2*head_dim)``) hold ``[heads, K|V, block_size,
+        head_dim]``. None for other backends: they exchange KV only with engines of the same TP
+        size and block size (docs/concepts.md)."""
+        vc, tp = self._vllm_config, self.conn.tp_size
+        mc = vc.model_config
+        try:
+            from vllm.platforms import current_platform
+
+            resolved = vc.cache_config.get_resolved_kv_cache_layout().name
+            total, local = mc.get_total_num_kv_heads(), mc.get_num_kv_heads(vc.parallel_config)
+            head_dim, cpu = mc.get_head_size(), current_platform.is_cpu()
+            split = HeadSplit.for_rank(total, tp, self.rank, head_dim)
+            expected = (layout.num_blocks, local, self.conn.block_size, 2 * head_dim)
+            if not cpu or resolved != "LBHNC" or split.heads != local or any(
+                    tuple(t.shape) != expected for t in kv_caches.values()):
+                log.info("KV layout %s on %s: no head split (heterogeneous TP and block size "
+                         "are not mapped for it)", resolved, "CPU" if cpu else "this device")
+                return None
+            split.check(layout, tp, self.rank)
+        except (KVBridgeError, AttributeError, ValueError) as exc:
+            log.info("no KV head split for this engine (%s): heterogeneous TP and block size "
+                     "are not mapped for it", exc)
+            return None
+        return split
 
     def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:
         cfg = self.config.offload_config()

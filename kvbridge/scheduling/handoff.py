@@ -53,6 +53,7 @@ class RecvOrder:
     num_tokens: int
     prompt_digest: str
     error: str | None = None  # planning failed after vLLM committed: report it failed
+    remote_skip: int | None = None  # prefill's first block of remote_ids (its block size)
 
 
 @dataclass
@@ -132,7 +133,7 @@ class HandoffBook:
             remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
             tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
             kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
-            kvbridge_version=_version())
+            kvbridge_block_size=self.block_size, kvbridge_version=_version())
         return to_wire(params)
 
     # -- requests ------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class HandoffBook:
                                   f"{req.transfer_id} is already used by request {owner} "
                                   "(n > 1 or a batched prompt shares one hand-off)")
             if params.do_remote_prefill:
-                params.check_decode_leg(req.mode, self.tp_size, n_prompt, self.block_size)
+                params.check_decode_leg(req.mode, n_prompt, self.block_size)
         except ParamsError as err:
             self._reqs[req_id] = self._refuse(req_id, raw, err)
             return
@@ -186,7 +187,9 @@ class HandoffBook:
         self._reqs[req_id] = req
 
     def _peers(self, params: TransferParams) -> tuple[PeerRef, ...]:
-        refs = [params.peer(r) for r in range(self.tp_size)]
+        """Every prefill rank's address, in rank order (prefill's TP size, not this engine's:
+        each worker rank picks the ranks it exchanges KV with)."""
+        refs = [params.peer(r) for r in range(params.tp_size)]
         return tuple(r for r in refs if r is not None)
 
     def matched_tokens(self, req_id: str, prompt_tokens: int,
@@ -220,7 +223,8 @@ class HandoffBook:
         try:
             plan = plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
                                 external_tokens=external_tokens - tier_tokens,
-                                allocated=block_ids, remote_ids=remote)
+                                allocated=block_ids, remote_ids=remote,
+                                remote_block_size=req.params.kvbridge_block_size)
         except LayoutError as exc:
             if not external_tokens:
                 raise
@@ -232,7 +236,8 @@ class HandoffBook:
         self._plan.recvs.append(RecvOrder(
             req_id, req.transfer_id, req.mode, peers,
             plan.local_ids if plan else (), plan.remote_ids if plan else (),
-            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error))
+            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error,
+            plan.remote_skip if plan else None))
         req.recving = True
         self._busy[req_id] = req.transfer_id
 

@@ -46,11 +46,13 @@ def prompt_blocks(block_ids: Sequence[int], num_prompt_tokens: int, block_size: 
 @dataclass(frozen=True)
 class ReceivePlan:
     """One decode-side hand-off: fill ``local_ids`` with the prompt's blocks from
-    ``skip_blocks`` on (``remote_ids``: the prefill engine's ids of those blocks, for a pull)."""
+    ``skip_blocks`` on (``remote_ids``: the prefill engine's ids of those tokens, for a pull,
+    from its block ``remote_skip`` on: its blocks may be of another size)."""
 
     skip_blocks: int
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
+    remote_skip: int = 0
 
     @property
     def empty(self) -> bool:
@@ -58,13 +60,15 @@ class ReceivePlan:
 
 
 def plan_receive(*, prompt_tokens: int, block_size: int, external_tokens: int,
-                 allocated: Sequence[int], remote_ids: Sequence[int] | None) -> ReceivePlan:
+                 allocated: Sequence[int], remote_ids: Sequence[int] | None,
+                 remote_block_size: int | None = None) -> ReceivePlan:
     """The blocks a decode request must receive.
 
     ``external_tokens`` is what the connector asked vLLM to load (the prompt minus the local
     prefix hit); the hit is whole blocks. ``allocated`` are the request's blocks in prompt order
     (at least the prompt's); ``remote_ids`` the prefill engine's prompt blocks (pull) or None
-    (push). Raises :class:`LayoutError` if the numbers cannot describe one prompt.
+    (push), in blocks of ``remote_block_size`` tokens (default ``block_size``). Raises
+    :class:`LayoutError` if the numbers cannot describe one prompt.
     """
     if not 0 <= external_tokens <= prompt_tokens:
         raise LayoutError(f"external_tokens {external_tokens} outside [0, {prompt_tokens}]")
@@ -80,9 +84,12 @@ def plan_receive(*, prompt_tokens: int, block_size: int, external_tokens: int,
         raise LayoutError(f"{len(allocated)} blocks allocated for a prompt of {n_blocks}")
     local = tuple(int(b) for b in allocated[skip:n_blocks])
     remote: tuple[int, ...] = ()
+    size = remote_block_size or block_size
+    remote_skip = hit // size
     if remote_ids is not None:
-        if len(remote_ids) != n_blocks:
+        n_remote = blocks_for(prompt_tokens, size)
+        if len(remote_ids) != n_remote:
             raise LayoutError(f"prefill names {len(remote_ids)} blocks for a prompt of "
-                              f"{n_blocks}")
-        remote = tuple(int(b) for b in remote_ids[skip:n_blocks])
-    return ReceivePlan(skip, local, remote)
+                              f"{n_remote}")
+        remote = tuple(int(b) for b in remote_ids[remote_skip:n_remote])
+    return ReceivePlan(skip, local, remote, remote_skip)

@@ -22,11 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.config import Config
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import DescriptorArray, KVLayout
+from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.mapping import Shape, sources
+from kvbridge.testing.agents import LocalAgent
+from kvbridge.transport import Transport
 
-__all__ = ["Rank", "engine", "logical", "expected_decode", "run", "KINDS"]
+__all__ = ["Rank", "engine", "logical", "expected_decode", "run", "KINDS", "HeteroAgent"]
 
 KINDS = ("cpu", "split", "outer")
 _INTERIOR = {"cpu": (1, 2), "split": (1, 1), "outer": (2, 1)}  # (outer, inner)
@@ -125,3 +129,20 @@ def run(local: DescriptorArray, remote: DescriptorArray,
             start = la - rank.buf.ctypes.data
             assert 0 <= start and start + ln <= rank.buf.size, "write outside the rank's cache"
             counter[start:start + ln] += 1
+
+
+class HeteroAgent(LocalAgent):
+    """A transfer loop over ``rank``'s caches, with its head split (see the module
+    docstring); the methods are :class:`~kvbridge.testing.agents.LocalAgent`'s."""
+
+    def __init__(self, engine_id: str, rank: Rank, extra: dict[str, Any] | None = None, *,
+                 transport: Transport | None = None) -> None:
+        self.cache = rank
+        self.caches = {f"layer.{i}": a for i, a in enumerate(rank.layers)}
+        self.layout = rank.layout
+        self.config = Config.load({"backend": "memory", **(extra or {})}, env={})
+        self.loop = TransferLoop(self.config, engine_id, rank.layout, rank=rank.shape.rank,
+                                 tp_size=rank.shape.tp_size, compat={"model": "test"},
+                                 transport=transport, heads=rank.shape.heads)
+        self.address = self.loop.control_address
+        self.generation = self.loop.generation

@@ -4,13 +4,20 @@ A :class:`HeadSplit` completes a :class:`~kvbridge.layout.KVLayout` for heteroge
 parallelism and block sizes: with it, a rank's share of a peer's block is a computable byte
 range. It describes *head-major* block interiors only, where one block of one plane is::
 
-    [outer, heads, inner, block_size, head_dim]   (elements of the layout's dtype)
+    [outer, heads, inner, slab]   (a slab: block_size x head_dim elements of one head and part)
 
-``outer * inner * planes_per_layer`` is the number of KV parts (2: K and V). vLLM's CPU
-attention backend (``KVCacheLayout.LBHNC``) keeps one plane per layer whose blocks are
-``[heads, 2, block_size, head_dim]``: ``outer=1, inner=2``. A split layout with separate K and
-V planes of ``[heads, block_size, head_dim]`` blocks is ``outer=1, inner=1``. Layouts whose
-heads are interleaved per token (``[block_size, heads, head_dim]``) have no HeadSplit: such
+``outer * inner * planes_per_layer`` is the number of KV parts (2: K and V). ``order`` says,
+per part (``outer * inner`` letters), how its slab is laid out: ``t`` token-major
+``[block_size, head_dim]``, ``d`` dim-major ``[head_dim, block_size]``; empty means the slab is
+opaque (a kernel-private format): whole slabs still move between TP sizes, but a block cannot be
+cut by token, so the block size must be equal. ``interior`` names the format; two engines must
+agree on it (equal block sizes included: a whole block of one format is garbage in another).
+
+vLLM's CPU attention backend (``KVCacheLayout.LBHNC``, ISA ``vec``/``vec16``) keeps one plane per
+layer whose blocks are ``[heads, (K: [head_dim, N], V: [N, head_dim])]``: ``outer=1, inner=2,
+order="dt"`` (measured by writing known values through its ``cpu_attn_reshape_and_cache``).
+Separate K and V planes of ``[heads, N, head_dim]`` blocks are ``outer=1, inner=1, order="t"``.
+Layouts whose heads are interleaved per token (``[N, heads, head_dim]``) have no HeadSplit: such
 engines exchange KV only with engines of the same TP size and block size.
 
 Heads are spread over ranks as vLLM does it: with ``tp <= total`` rank ``r`` holds the
@@ -67,13 +74,22 @@ class HeadSplit(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     outer: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
     inner: Annotated[int, msgspec.Meta(ge=1, le=2)] = 2
+    order: Annotated[str, msgspec.Meta(max_length=4, pattern="^[td]*$")] = ""
+    """Per part: ``t`` token-major slab, ``d`` dim-major; empty: opaque (equal blocks only)."""
+    interior: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """The name of the block format (e.g. ``vllm-cpu:vec``); both sides must agree."""
 
     @classmethod
     def for_rank(cls, total_heads: int, tp: int, rank: int, head_dim: int, *, outer: int = 1,
-                 inner: int = 2) -> HeadSplit:
+                 inner: int = 2, order: str = "", interior: str = "") -> HeadSplit:
         first, n = rank_heads(total_heads, tp, rank)
         return cls(total_heads=total_heads, first_head=first, heads=n, head_dim=head_dim,
-                   outer=outer, inner=inner)
+                   outer=outer, inner=inner, order=order, interior=interior)
+
+    def like(self, tp: int, rank: int) -> HeadSplit:
+        """The same model and block format, as rank ``rank`` of ``tp`` holds it."""
+        return HeadSplit.for_rank(self.total_heads, tp, rank, self.head_dim, outer=self.outer,
+                                  inner=self.inner, order=self.order, interior=self.interior)
 
     def slab_elements(self, block_size: int) -> int:
         """Elements of one ``[block_size, head_dim]`` slab (one head, one part)."""
@@ -93,6 +109,9 @@ class HeadSplit(msgspec.Struct, frozen=True, kw_only=True):
         """Raise :class:`LayoutMismatch` unless this split is rank ``rank`` of ``tp``'s and fits
         ``layout`` (the canonical heads, whole elements per block)."""
         first, n = rank_heads(self.total_heads, tp, rank)
+        if self.order and len(self.order) != self.outer * self.inner:
+            raise LayoutMismatch(f"{who}: order {self.order!r} does not name "
+                                 f"{self.outer * self.inner} KV parts")
         if (self.first_head, self.heads) != (first, n):
             raise LayoutMismatch(
                 f"{who} says rank {rank} of tensor-parallel {tp} holds KV heads "

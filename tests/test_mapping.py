@@ -109,6 +109,16 @@ def test_handoff_is_byte_exact(shape: tuple[int, int, int, int, int], direction:
         _handoff(prefill, decode, num_tokens, skip, direction)
 
 
+def test_opaque_slabs_move_whole_heads_but_refuse_another_block_size() -> None:
+    prefill = engine(1, 32, total=4, kind="opaque", seed=3)
+    decode = engine(2, 32, total=4, kind="opaque", seed=4)
+    _handoff(prefill, decode, 150, 1, "pull")  # TP 1 -> 2: whole head slabs
+    other = engine(1, 64, total=4, kind="opaque")[0]
+    with pytest.raises(LayoutMismatch, match="opaque inside a head: block_size 32 here and 64"):
+        side(prefill[0].layout, prefill[0].shape, other.shape, Share(0, 0, 4), list(range(8)), 0,
+             Span(0, 200))
+
+
 @pytest.mark.parametrize("kind", ["split", "outer"])
 @pytest.mark.parametrize("shape", [(4, 1, 2, 32, 32), (4, 2, 1, 32, 64), (2, 4, 1, 64, 32)],
                          ids=str)
@@ -141,9 +151,11 @@ def test_block_ratio_gives_one_affine_sub_transfer_per_offset(pb: int, db: int,
     if pb < db:  # P 32 -> D 64: P's ids [0::2] fill the first halves, [1::2] the second
         np.testing.assert_array_equal(subs[0].remote_ids, np.arange(10, 10 + n // pb)[0::expect])
         np.testing.assert_array_equal(subs[0].local_ids, np.arange(n // db))
-    # each view: per layer, head and K/V part one plane of min(pb, db) tokens
-    assert len(subs[0].local.planes) == 2 * 4 * 2
-    assert subs[0].local.planes[0].block_bytes == min(pb, db) * 8 * 4
+    # each view, per layer and head: V is one plane of min(pb, db) tokens; K (dim-major in
+    # vLLM's CPU blocks) one plane of min(pb, db) elements per head dimension
+    assert len(subs[0].local.planes) == 2 * 4 * (8 + 1)
+    sizes = sorted({p.block_bytes for p in subs[0].local.planes})
+    assert sizes == [min(pb, db) * 4, min(pb, db) * 8 * 4]
 
 
 def test_who_reads_what_covers_every_head_once() -> None:

@@ -538,30 +538,41 @@ class _WorkerSide:
 
     def _head_split(self, kv_caches: dict[str, Any], layout: KVLayout) -> HeadSplit | None:
         """This rank's KV heads when kvbridge can map them (heterogeneous TP and block size):
-        vLLM's CPU attention backend, whose blocks (``KVCacheLayout.LBHNC``, tensors
-        ``(blocks, heads, block_size, 2*head_dim)``) hold ``[heads, K|V, block_size,
-        head_dim]``. None for other backends: they exchange KV only with engines of the same TP
-        size and block size (docs/concepts.md)."""
+        vLLM's CPU attention backend (``KVCacheLayout.LBHNC``, tensors ``(blocks, heads,
+        block_size, 2*head_dim)``), whose kernel keeps per head K as ``[head_dim, N]`` then V
+        as ``[N, head_dim]`` for its ``vec``/``vec16`` ISAs (``order="dt"``); other ISAs'
+        slabs are kept opaque (TP maps, block sizes must be equal). None for other backends:
+        they exchange KV only with engines of the same TP size and block size."""
         vc, tp = self._vllm_config, self.conn.tp_size
         mc = vc.model_config
         try:
             from vllm.platforms import current_platform
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
             resolved = vc.cache_config.get_resolved_kv_cache_layout().name
             total, local = mc.get_total_num_kv_heads(), mc.get_num_kv_heads(vc.parallel_config)
             head_dim, cpu = mc.get_head_size(), current_platform.is_cpu()
-            split = HeadSplit.for_rank(total, tp, self.rank, head_dim)
             expected = (layout.num_blocks, local, self.conn.block_size, 2 * head_dim)
-            if not cpu or resolved != "LBHNC" or split.heads != local or any(
-                    tuple(t.shape) != expected for t in kv_caches.values()):
+            if not cpu or resolved != "LBHNC" or any(tuple(t.shape) != expected
+                                                     for t in kv_caches.values()):
                 log.info("KV layout %s on %s: no head split (heterogeneous TP and block size "
                          "are not mapped for it)", resolved, "CPU" if cpu else "this device")
                 return None
+            cache_dtype = str(vc.cache_config.cache_dtype)
+            isa = _get_attn_isa(mc.dtype, self.conn.block_size, head_dim, cache_dtype)
+            order = "dt" if isa in ("vec", "vec16") and cache_dtype == "auto" else ""
+            split = HeadSplit.for_rank(total, tp, self.rank, head_dim, order=order,
+                                       interior=f"vllm-cpu:{isa}:{cache_dtype}")
+            if split.heads != local:
+                return None
             split.check(layout, tp, self.rank)
-        except (KVBridgeError, AttributeError, ValueError) as exc:
+        except (KVBridgeError, AttributeError, ImportError, ValueError, TypeError) as exc:
             log.info("no KV head split for this engine (%s): heterogeneous TP and block size "
                      "are not mapped for it", exc)
             return None
+        log.info("KV heads [%d, %d) of %d, block format %s: heterogeneous TP%s mapped",
+                 split.first_head, split.first_head + split.heads, total, split.interior,
+                 " and block size" if order else "")
         return split
 
     def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:

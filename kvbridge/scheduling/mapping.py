@@ -14,16 +14,17 @@ I/O and no vLLM:
   ids each view is indexed by. :func:`kvbridge.layout.descriptor_pair` turns each pair into
   descriptors (:func:`descriptors`).
 
-Geometry (:mod:`kvbridge.heads`): a block of a plane is ``[outer, heads, inner, N, head_dim]``.
+Geometry (:mod:`kvbridge.heads`): a block of a plane is ``[outer, heads, inner, slab]``.
 With equal block sizes a part is, per plane and outer index, one range of whole heads (the
 whole plane when both ranks hold the same heads: today's homogeneous transfer, unchanged).
 With block sizes ``P`` and ``D`` (one dividing the other) the unit is ``g = min(P, D)`` tokens
 of one head and part: prompt chunk ``c`` (tokens ``[c*g, (c+1)*g)``) lies in block ``c*g // B``
-at token offset ``c*g % B`` of a side with block size ``B``. Chunks are grouped by ``c mod
-(max/g)``; inside a group both sides' offsets are constant and their block indices advance by a
-constant step, so each group is one sub-transfer whose views are affine in the block id (for
-P 32 → D 64: one over P's ids ``[0::2]`` into the first half of D's blocks, one over ``[1::2]``
-into the second half).
+at token offset ``c*g % B`` of a side with block size ``B``; in a token-major slab that is one
+range, in a dim-major one (vLLM CPU's K) one range of ``g`` elements per head dimension. Chunks
+are grouped by ``c mod (max/g)``; inside a group both sides' offsets are constant and their
+block indices advance by a constant step, so each group is one sub-transfer whose views are
+affine in the block id (for P 32 → D 64: one over P's ids ``[0::2]`` into the first half of D's
+blocks, one over ``[1::2]`` into the second half). Opaque slabs refuse another block size.
 
 The order of sub-transfers, planes and blocks is a pure function of both sides' *shapes*
 (never of addresses), so each side can compute its own half alone — a prefill rank checks a
@@ -257,15 +258,22 @@ def _view(layout: KVLayout, split: HeadSplit, bm: int, bo: int, first_head: int,
                 planes.append(KVPlane(f"{p.layer}/{o}:{first_head}+{heads}", p.base + start,
                                       p.block_stride, heads * split.inner * slab))
         return _derived(layout, planes, bm)
-    g = math.gcd(bm, bo)
-    chunk, skip = g * split.head_dim * isz, offset * split.head_dim * isz
+    if not split.order:
+        raise LayoutMismatch(f"blocks of {split.interior or 'this'} format are opaque inside a "
+                             f"head: block_size {bm} here and {bo} at the peer cannot be mapped")
+    g, hd = math.gcd(bm, bo), split.head_dim
     for p in layout.planes:
         for o in range(split.outer):
             for h in range(local, local + heads):
                 for i in range(split.inner):
-                    start = ((o * split.heads + h) * split.inner + i) * slab + skip
-                    planes.append(KVPlane(f"{p.layer}/{o}:{h}.{i}@{offset}", p.base + start,
-                                          p.block_stride, chunk))
+                    start = p.base + ((o * split.heads + h) * split.inner + i) * slab
+                    label = f"{p.layer}/{o}:{h}.{i}@{offset}"
+                    if split.order[o * split.inner + i] == "t":  # [N, head_dim]: one range
+                        planes.append(KVPlane(label, start + offset * hd * isz, p.block_stride,
+                                              g * hd * isz))
+                    else:  # [head_dim, N]: g tokens of each dimension's row
+                        planes.extend(KVPlane(f"{label}d{d}", start + (d * bm + offset) * isz,
+                                              p.block_stride, g * isz) for d in range(hd))
     return _derived(layout, planes, g)
 
 

@@ -120,14 +120,18 @@ def _check_heads(mine: HeadSplit, own: KVLayout, theirs: HeadSplit, layout: KVLa
         raise LayoutMismatch(f"number of KV planes differs: {len(own.planes)} here, "
                              f"{len(layout.planes)} at {engine} (different model, layer count "
                              "or K/V split)")
-    for name in ("total_heads", "head_dim", "outer", "inner"):
+    for name in ("total_heads", "head_dim", "outer", "inner", "order", "interior"):
         a, b = getattr(mine, name), getattr(theirs, name)
         if a != b:
-            raise LayoutMismatch(f"KV {name} differs: {a} here, {b} at {engine}")
+            raise LayoutMismatch(f"KV {name} differs: {a!r} here, {b!r} at {engine}")
     if mine.itemsize(own) != theirs.itemsize(layout):
         raise LayoutMismatch(f"bytes per KV element differ: {mine.itemsize(own)} here, "
                              f"{theirs.itemsize(layout)} at {engine}")
     check_block_sizes(own.block_size, layout.block_size)
+    if own.block_size != layout.block_size and not mine.order:
+        raise LayoutMismatch(f"block_size {own.block_size} here and {layout.block_size} at "
+                             f"{engine}: blocks of {mine.interior or 'this'} format are opaque "
+                             "inside a head, so only equal block sizes can be exchanged")
 
 
 PeerCallback = Callable[[Peer | KVBridgeError], None]

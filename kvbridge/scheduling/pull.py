@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch, PeerError
-from kvbridge.heads import HeadSplit
 from kvbridge.layout import DescriptorArray, KVLayout
 from kvbridge.messages import (
     Ack,
@@ -231,8 +230,7 @@ class PullSource:
             if share is None:
                 raise LayoutMismatch(f"decode rank {part.rank} of tensor-parallel "
                                      f"{part.tp_size} reads nothing from rank {core.rank} here")
-            split = HeadSplit.for_rank(split.total_heads, part.tp_size, part.rank,
-                                       split.head_dim, outer=split.outer, inner=split.inner)
+            split = split.like(part.tp_size, part.rank)
         reader = mapping.Shape(part.tp_size, part.rank, part.block_size, split)
         half = mapping.side(core.layout, core.shape, reader, share, msg.block_ids,
                             msg.skip_blocks, mapping.Span(part.first_token, msg.num_tokens))

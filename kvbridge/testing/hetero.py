@@ -1,13 +1,16 @@
 """Engines of any TP size and block size as numpy KV caches, for heterogeneous-mapping tests.
 
-:func:`engine` builds every rank of one engine: per layer a float32 cache in one of three
-head-major interiors (``cpu``: vLLM's CPU layout ``(blocks, heads, block_size, 2*head_dim)``
-whose memory is ``[heads, K|V, N, head_dim]``; ``split``: separate K and V planes of
-``[heads, N, head_dim]``; ``outer``: ``[K|V, heads, N, head_dim]`` in one plane), all layers in
-one flat byte buffer so a test can count how often every byte was written.
+:func:`engine` builds every rank of one engine: per layer a float32 cache in one of the
+head-major interiors of :data:`KINDS` (``cpu``: vLLM's CPU layout, tensors ``(blocks, heads,
+block_size, 2*head_dim)`` whose memory per head is K as ``[head_dim, N]`` then V as
+``[N, head_dim]``, as its kernel writes them; ``split``: separate K and V planes of
+``[heads, N, head_dim]``; ``outer``: ``[K|V, heads, N, head_dim]`` in one plane; ``opaque``: the
+``cpu`` memory with a head split that does not say how a slab is ordered), all layers in one
+flat byte buffer so a test can count how often every byte was written.
 
-:func:`logical` reads a rank's KV of one block as ``[K|V, local heads, N, head_dim]`` whatever
-the interior, and :func:`expected_decode` builds what a decode rank must hold after a hand-off
+:func:`logical` reads a rank's K and V of one block as ``[local heads, N, head_dim]`` views
+whatever the interior, and :func:`expected_decode` builds what a decode rank must hold after a
+hand-off
 from the prefill ranks' caches, token by token (the reference the descriptor math is checked
 against). :func:`run` executes descriptor pairs with ``memmove`` (a READ: remote → local).
 
@@ -32,8 +35,9 @@ from kvbridge.transport import Transport
 
 __all__ = ["Rank", "engine", "logical", "expected_decode", "run", "KINDS", "HeteroAgent"]
 
-KINDS = ("cpu", "split", "outer")
-_INTERIOR = {"cpu": (1, 2), "split": (1, 1), "outer": (2, 1)}  # (outer, inner)
+KINDS = ("cpu", "split", "outer", "opaque")
+_INTERIOR = {"cpu": (1, 2, "dt"), "split": (1, 1, "t"), "outer": (2, 1, "tt"),
+             "opaque": (1, 2, "")}  # (outer, inner, order)
 
 
 @dataclass
@@ -54,13 +58,14 @@ class Rank:
 def engine(tp: int, block_size: int, *, total: int = 4, head_dim: int = 8, layers: int = 2,
            num_blocks: int = 24, kind: str = "cpu", seed: int = 0) -> list[Rank]:
     """Every rank of one engine, caches filled with distinct random values."""
-    outer, inner = _INTERIOR[kind]
+    outer, inner, order = _INTERIOR[kind]
     ranks = []
     for r in range(tp):
-        split = HeadSplit.for_rank(total, tp, r, head_dim, outer=outer, inner=inner)
+        split = HeadSplit.for_rank(total, tp, r, head_dim, outer=outer, inner=inner, order=order,
+                                   interior=f"test:{kind}")
         h = split.heads
-        shape = {"cpu": (num_blocks, h, block_size, 2 * head_dim),
-                 "split": (2, num_blocks, h, block_size, head_dim),
+        cpu = (num_blocks, h, block_size, 2 * head_dim)
+        shape = {"cpu": cpu, "opaque": cpu, "split": (2, num_blocks, h, block_size, head_dim),
                  "outer": (num_blocks, 2, h, block_size, head_dim)}[kind]
         per = int(np.prod(shape))
         buf = np.zeros(per * 4 * layers, dtype=np.uint8)
@@ -76,14 +81,18 @@ def engine(tp: int, block_size: int, *, total: int = 4, head_dim: int = 8, layer
     return ranks
 
 
-def logical(rank: Rank, layer: int, block: int) -> np.ndarray[Any, Any]:
-    """``[K|V, local heads, N, head_dim]`` of ``block`` in ``layer`` (a view)."""
+def logical(rank: Rank, layer: int, block: int) -> tuple[np.ndarray[Any, Any],
+                                                         np.ndarray[Any, Any]]:
+    """``(K, V)`` of ``block`` in ``layer``, each ``[local heads, N, head_dim]`` (views)."""
     a = rank.layers[layer]
-    if rank.kind == "cpu":
-        nb, h, n, two_d = a.shape
-        out: np.ndarray[Any, Any] = a[block].reshape(h, 2, n, two_d // 2).transpose(1, 0, 2, 3)
-        return out
-    return a[:, block] if rank.kind == "split" else a[block]
+    if rank.kind in ("cpu", "opaque"):
+        h, n, two_d = a.shape[1:]
+        d = two_d // 2
+        flat = a[block].reshape(h, 2 * n * d)
+        return (flat[:, :n * d].reshape(h, d, n).transpose(0, 2, 1),
+                flat[:, n * d:].reshape(h, n, d))
+    kv = a[:, block] if rank.kind == "split" else a[block]
+    return kv[0], kv[1]
 
 
 def expected_decode(prefill: list[Rank], p_ids: list[int], decode: Rank, d_ids: list[int],
@@ -112,7 +121,8 @@ def expected_decode(prefill: list[Rank], p_ids: list[int], decode: Rank, d_ids: 
                 ps = src_rank.shape.heads
                 assert ps is not None
                 src = logical(src_rank, layer, p_ids[t // pb])
-                dst[:, hl, t % db] = src[:, h - ps.first_head, t % pb]
+                for part in (0, 1):
+                    dst[part][hl, t % db] = src[part][h - ps.first_head, t % pb]
     return out
 
 

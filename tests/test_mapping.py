@@ -24,6 +24,8 @@ from kvbridge.scheduling.mapping import (
     descriptors,
     idle,
     pair,
+    reads,
+    serves,
     side,
     side_bytes,
     side_descriptors,
@@ -174,6 +176,19 @@ def test_who_reads_what_covers_every_head_once() -> None:
         served = {p for p in range(p_tp) if consumers(total, p_tp, d_tp, p)}
         assert sorted(released) == sorted(set(range(p_tp)) - served)  # released exactly once
         assert len(released) == len(set(released))
+
+
+def test_reads_and_serves_agree_and_refuse_strangers() -> None:
+    p = [r.shape for r in engine(4, 32, total=2)]  # prefill replicates each head twice
+    d = [r.shape for r in engine(2, 32, total=2)]
+    assert reads(d[1], p[3]) == Share(3, 1, 1)
+    assert serves(p[3], d[1]) == (Share(1, 1, 1), frozenset({1}))
+    with pytest.raises(LayoutMismatch, match="decode rank 0 of tensor-parallel 2 reads nothing"):
+        reads(d[0], p[2])
+    with pytest.raises(LayoutMismatch, match="reads nothing from prefill rank 1"):
+        serves(p[1], d[0])
+    bare = Shape(1, 0, 32, None)  # an engine without heads: whole blocks, its own rank only
+    assert reads(bare, bare) is None and serves(bare, bare) == (None, frozenset({0}))
 
 
 def test_prefill_replicas_spread_over_decode_ranks() -> None:

@@ -49,7 +49,8 @@ from kvbridge.heads import HeadSplit, check_tp, rank_heads
 from kvbridge.layout import DescriptorArray, KVLayout, KVPlane, descriptor_pair
 
 __all__ = [
-    "Shape", "Share", "Span", "SubTransfer", "sources", "consumers", "idle", "side", "pair",
+    "Shape", "Share", "Span", "SubTransfer", "sources", "consumers", "idle", "reads", "serves",
+    "side", "pair",
     "descriptors", "side_bytes", "side_descriptors", "check_block_sizes",
 ]
 
@@ -140,6 +141,37 @@ def idle(total: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
         return []
     used = {s.rank for d in range(d_tp) for s in sources(total, p_tp, d_tp, d)}
     return [p for p in range(p_tp) if p not in used and p % d_tp == d_rank]
+
+
+def reads(decode: Shape, prefill: Shape) -> Share | None:
+    """The heads decode rank ``decode`` reads from prefill rank ``prefill`` (None: whole
+    blocks, when either does not describe its heads). Raises :class:`LayoutMismatch` when it
+    reads nothing from that rank."""
+    if decode.heads is None or prefill.heads is None:
+        return None
+    share = next((s for s in sources(decode.heads.total_heads, prefill.tp_size,
+                                     decode.tp_size, decode.rank)
+                  if s.rank == prefill.rank), None)
+    if share is None:
+        raise LayoutMismatch(f"decode rank {decode.rank} of tensor-parallel {decode.tp_size} "
+                             f"reads nothing from prefill rank {prefill.rank} of "
+                             f"{prefill.tp_size}")
+    return share
+
+
+def serves(prefill: Shape, decode: Shape) -> tuple[Share | None, frozenset[int]]:
+    """The heads prefill rank ``prefill`` serves decode rank ``decode`` (None: whole blocks),
+    and every decode rank of that TP size it serves. Raises :class:`LayoutMismatch` when it
+    serves ``decode`` nothing."""
+    if prefill.heads is None:
+        return None, frozenset({decode.rank})
+    all_ = consumers(prefill.heads.total_heads, prefill.tp_size, decode.tp_size, prefill.rank)
+    share = next((c for c in all_ if c.rank == decode.rank), None)
+    if share is None:
+        raise LayoutMismatch(f"decode rank {decode.rank} of tensor-parallel {decode.tp_size} "
+                             f"reads nothing from prefill rank {prefill.rank} of "
+                             f"{prefill.tp_size}")
+    return share, frozenset(c.rank for c in all_)
 
 
 def check_block_sizes(mine: int, theirs: int) -> None:

@@ -48,7 +48,7 @@ from kvbridge.transport import HandleState, Op, TransferHandle
 if TYPE_CHECKING:
     from kvbridge.scheduling.loop import TransferLoop
 
-__all__ = ["SendPlan", "Source", "PullSpec", "PullSource", "PullSink"]
+__all__ = ["SendPlan", "Source", "PullSpec", "PullSource", "PullSink", "check_source"]
 
 log = logging.getLogger("kvbridge.pull")
 
@@ -104,6 +104,18 @@ class PullSpec:
 
 
 Half = list[tuple[KVLayout, mapping.Ids]]
+
+
+def check_source(core: TransferLoop, src: Source, peer: Peer) -> mapping.Shape:
+    """The shape of prefill rank ``peer``, after checking it is the rank ``src`` names (the
+    request's ``kvbridge_peers`` order); raises :class:`PeerError` otherwise."""
+    info = peer.info
+    want = (core.rank if src.rank is None else src.rank,
+            core.tp_size if src.tp_size is None else src.tp_size)
+    if (info.rank, info.tp_size) != want and (src.rank is not None or core.heads is not None):
+        raise PeerError(f"it is rank {info.rank} of tensor-parallel {info.tp_size}; the "
+                        f"request names rank {want[0]} of {want[1]}")
+    return mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
 
 
 @dataclass
@@ -221,17 +233,12 @@ class PullSource:
         if part.first_token // bs != msg.skip_blocks or part.first_token % part.block_size:
             raise LayoutError(f"first token {part.first_token} does not start at prefill block "
                               f"{msg.skip_blocks} on a decode block boundary")
-        split, share, expected = core.heads, None, frozenset({core.rank})
+        split = core.heads
         if split is not None:
             mapping.check_block_sizes(bs, part.block_size)
-            serves = mapping.consumers(split.total_heads, core.tp_size, part.tp_size, core.rank)
-            expected = frozenset(c.rank for c in serves)
-            share = next((c for c in serves if c.rank == part.rank), None)
-            if share is None:
-                raise LayoutMismatch(f"decode rank {part.rank} of tensor-parallel "
-                                     f"{part.tp_size} reads nothing from rank {core.rank} here")
             split = split.like(part.tp_size, part.rank)
         reader = mapping.Shape(part.tp_size, part.rank, part.block_size, split)
+        share, expected = mapping.serves(core.shape, reader)
         half = mapping.side(core.layout, core.shape, reader, share, msg.block_ids,
                             msg.skip_blocks, mapping.Span(part.first_token, msg.num_tokens))
         st.decode_tp, st.expected = part.tp_size, expected
@@ -414,20 +421,9 @@ class PullSink:
     def _plan(self, job: _Pull, peer: Peer, remote_skip: int,
               first: int) -> list[mapping.SubTransfer]:
         """The sub-transfers of this part, after checking the peer is the rank expected."""
-        core, s, info, src = self.core, job.spec, peer.info, job.source
-        want = (core.rank if src.rank is None else src.rank,
-                core.tp_size if src.tp_size is None else src.tp_size)
-        if (info.rank, info.tp_size) != want and (src.rank is not None or core.heads is not None):
-            raise PeerError(f"it is rank {info.rank} of tensor-parallel {info.tp_size}; the "
-                            f"request names rank {want[0]} of {want[1]}")
-        share = None
-        if core.heads is not None and info.heads is not None:
-            share = next((x for x in mapping.sources(core.heads.total_heads, info.tp_size,
-                                                     core.tp_size, core.rank)
-                          if x.rank == info.rank), None)
-            if share is None:
-                raise LayoutMismatch(f"this rank reads nothing from its rank {info.rank}")
-        theirs = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
+        core, s = self.core, job.spec
+        theirs = check_source(core, job.source, peer)
+        share = mapping.reads(core.shape, theirs)
         return mapping.pair(core.layout, core.shape, s.local_ids, s.skip_blocks, peer.layout,
                             theirs, s.remote_ids, remote_skip, share,
                             mapping.Span(first, s.num_tokens))

@@ -327,17 +327,9 @@ class PushSource:
         if out.decode_tp not in (None, info.tp_size):
             raise LayoutMismatch(f"decode runs tensor-parallel {info.tp_size}, an earlier rank "
                                  f"registered with {out.decode_tp}")
-        expected = frozenset({info.rank})
-        if core.heads is not None and info.heads is not None:
-            serves = mapping.consumers(core.heads.total_heads, core.tp_size, info.tp_size,
-                                       core.rank)
-            expected = frozenset(c.rank for c in serves)
-            t.share = next((c for c in serves if c.rank == info.rank), None)
-            if t.share is None:
-                raise LayoutMismatch(f"decode rank {info.rank} of tensor-parallel "
-                                     f"{info.tp_size} reads nothing from rank {core.rank} here")
-        t.shape = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
-        out.decode_tp, out.expected = info.tp_size, expected
+        shape = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
+        t.share, expected = mapping.serves(core.shape, shape)
+        t.shape, out.decode_tp, out.expected = shape, info.tp_size, expected
 
     def _confirmed(self, out: _Out, t: _Target, reply: Message | KVBridgeError) -> bool:
         if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
-from kvbridge.errors import KVBridgeError, LayoutMismatch, PeerError
+from kvbridge.errors import KVBridgeError
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -37,7 +37,7 @@ from kvbridge.messages import (
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import Peer
-from kvbridge.scheduling.pull import Half, Source
+from kvbridge.scheduling.pull import Half, Source, check_source
 from kvbridge.scheduling.push import PushSpec
 from kvbridge.scheduling.results import digest_descriptors
 
@@ -142,23 +142,11 @@ class PushSink:
 
     def _half(self, w: _In, peer: Peer) -> Half:
         """This rank's side of the part, after checking the peer is the rank expected."""
-        core, s, info, src = self.core, w.spec, peer.info, w.source
-        want = (core.rank if src.rank is None else src.rank,
-                core.tp_size if src.tp_size is None else src.tp_size)
-        if (info.rank, info.tp_size) != want and (src.rank is not None or core.heads is not None):
-            raise PeerError(f"it is rank {info.rank} of tensor-parallel {info.tp_size}; the "
-                            f"request names rank {want[0]} of {want[1]}")
-        share = None
-        if core.heads is not None and info.heads is not None:
-            share = next((x for x in mapping.sources(core.heads.total_heads, info.tp_size,
-                                                     core.tp_size, core.rank)
-                          if x.rank == info.rank), None)
-            if share is None:
-                raise LayoutMismatch(f"this rank gets nothing from its rank {info.rank}")
-        theirs = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
+        core, s = self.core, w.spec
+        theirs = check_source(core, w.source, peer)
         span = mapping.Span(s.skip_blocks * core.layout.block_size, s.num_tokens)
-        return mapping.side(core.layout, core.shape, theirs, share, s.local_ids, s.skip_blocks,
-                            span)
+        return mapping.side(core.layout, core.shape, theirs, mapping.reads(core.shape, theirs),
+                            s.local_ids, s.skip_blocks, span)
 
     def _answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
         """The registration's answers: first an Ack, finally a PushResult."""

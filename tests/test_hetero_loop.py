@@ -45,6 +45,7 @@ from kvbridge.scheduling.rank import RankSide
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.testing.handoffs import FAST
 from kvbridge.testing.hetero import HeteroAgent, engine, expected_decode
+from kvbridge.transport import HandleState, Op, TransferHandle, Transport
 from kvbridge.transports.memory import MemoryTransport
 
 TOTAL = 2  # KV heads, as the tiny model's
@@ -319,6 +320,70 @@ def test_a_corrupted_part_fails_the_checksum(closing: list[HeteroAgent]) -> None
     rd = d.drain({"d"})
     assert rd["results"]["failed_recving"] == {"d"}
     assert sum(p.loop.snapshot()["stats"].get("checksum_mismatch", 0) for p in prefill) == 1
+
+
+class _FinishesWhilePolled(Transport):
+    """Wraps a transport: a handle's first poll answers PENDING and the handle finishes right
+    after, as when the transport's thread completes it while the loop is polling."""
+
+    name = "memory"
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.agent_name)
+        self.inner = inner
+        self.raced = 0
+        self._inner: dict[int, TransferHandle] = {}
+
+    def register_memory(self, regions: Any) -> bytes:
+        return self.inner.register_memory(regions)
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.inner.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
+
+    def _submit(self, op: Op, peer: str, local: Any, remote: Any,
+                notification: bytes | None) -> TransferHandle:
+        inner = self.inner.submit(op, peer, local, remote, notification)
+        outer = TransferHandle(op, peer, inner.nbytes, inner.count)
+        self._inner[id(outer)] = inner
+        return outer
+
+    def poll(self, handle: TransferHandle) -> HandleState:
+        inner = self._inner.pop(id(handle), None)
+        if inner is None:
+            return handle.state
+        self.inner.wait(inner, 10)
+        handle._finish(inner.state, inner.error)  # finishes just after the poller looked
+        self.raced += 1
+        return HandleState.PENDING
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self.inner.send_notification(peer, message)
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        return self.inner.get_notifications()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.inner.close(timeout)
+
+
+def test_a_transfer_finishing_while_the_loop_polls_is_not_lost(
+        closing: list[HeteroAgent]) -> None:
+    """The loop must not drop a handle that finished during its poll: the READ would then sit
+    unseen until ``transfer_timeout_s`` and fail a transfer that had landed."""
+    prefill = _agents("prefill", 2, 32, 1)
+    racy = _FinishesWhilePolled(MemoryTransport("racy-decode"))
+    d = HeteroAgent("decode", engine(1, 32, total=TOTAL, seed=2)[0], FAST, transport=racy)
+    closing += [*prefill, d]
+    prompt, p_ids, d_ids = _prompt(64), [1, 2], [5, 6]
+    for p in prefill:
+        p.stage(_send("t", p_ids, prompt))
+    d.pull(_pull("d", "t", prefill, d, d_ids, p_ids, prompt))
+    rd = d.drain({"d"}, timeout=10)
+    assert racy.raced == 2
+    assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
 
 
 # -- hostile input ----------------------------------------------------------------------------

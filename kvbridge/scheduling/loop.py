@@ -422,11 +422,14 @@ class TransferLoop(PeerEvents):
             fn, args = self._events.popleft()
             self._guard(fn, *args)
         if self._in_flight:
-            before = len(self._in_flight)
+            # Only handles that were terminal *before* the state machines polled them leave the
+            # set: one finishing during the poll (the transport's thread) is seen next step,
+            # not dropped unseen (its transfer would then wait for its timeout).
+            seen = {h for h in self._in_flight if h.state.terminal}
             self._guard(self.pull_sink.poll)
             self._guard(self.push_source.poll)
-            self._in_flight = {h for h in self._in_flight if not h.state.terminal}
-            if len(self._in_flight) < before:
+            self._in_flight -= seen
+            if seen:
                 self._poll_delay = 5e-5
             else:
                 self._poll_delay = min(self._poll_delay * 2, 2e-3)

@@ -127,7 +127,7 @@ def _snapshot(decode: Sequence[HeteroAgent]) -> list[list[np.ndarray[Any, Any]]]
 # -- bytes and protocol, pull and push --------------------------------------------------------
 
 SHAPES = [(1, 2, 32, 32), (2, 1, 32, 32), (1, 1, 32, 64), (1, 1, 64, 32), (2, 1, 32, 64),
-          (1, 2, 64, 32)]
+          (1, 2, 64, 32), (1, 4, 32, 32)]  # the last: 2 KV heads, each on two decode ranks
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

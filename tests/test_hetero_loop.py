@@ -569,3 +569,15 @@ def test_malformed_claim_part_is_refused(part: dict[str, int]) -> None:
     frame = codec.encode(Ack())[:25] + msgspec.msgpack.encode(claim)
     with pytest.raises(MessageError):
         codec.decode(frame)
+
+
+@pytest.mark.parametrize("rank", [-1, 1 << 20, "0", 1.5])
+def test_malformed_confirming_rank_is_refused(rank: Any) -> None:
+    import msgspec
+
+    codec = Codec()
+    confirm = msgspec.to_builtins(PushConfirm(transfer_id="t", generation="g", block_ids=[1]))
+    confirm["rank"] = rank
+    frame = codec.encode(Ack())[:25] + msgspec.msgpack.encode(confirm)
+    with pytest.raises(MessageError):
+        codec.decode(frame)

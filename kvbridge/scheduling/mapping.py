@@ -274,7 +274,7 @@ def _identical(mine: Shape, other: Shape, share: Share | None) -> bool:
     return whole == other.whole() and (share is None or (share.first_head, share.heads) == whole)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=128)  # a few per peer shape (x layers for layer-wise push)
 def _view(layout: KVLayout, split: HeadSplit, bm: int, bo: int, first_head: int, heads: int,
           offset: int) -> KVLayout:
     """The view of ``layout`` on heads ``[first_head, +heads)``, ``offset`` tokens into each

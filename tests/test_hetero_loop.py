@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -539,8 +540,6 @@ def test_forged_tp_size_in_a_handshake_is_refused() -> None:
     ["not", "a", "struct"],
 ])
 def test_malformed_head_split_on_the_wire_is_refused(heads: Any) -> None:
-    import msgspec
-
     codec = Codec()
     info = msgspec.to_builtins(_info(1, 0, 32))
     info["heads"] = heads
@@ -560,8 +559,6 @@ def test_malformed_head_split_on_the_wire_is_refused(heads: Any) -> None:
     {"tp_size": 2, "rank": 0, "block_size": 32},
 ], ids=["tp0", "tp-huge", "rank-neg", "block0", "token-huge", "missing"])
 def test_malformed_claim_part_is_refused(part: dict[str, int]) -> None:
-    import msgspec
-
     codec = Codec()
     claim = msgspec.to_builtins(PullClaim(transfer_id="t", generation="g", block_ids=[1],
                                           num_tokens=1, prompt_digest="x"))
@@ -573,8 +570,6 @@ def test_malformed_claim_part_is_refused(part: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("rank", [-1, 1 << 20, "0", 1.5])
 def test_malformed_confirming_rank_is_refused(rank: Any) -> None:
-    import msgspec
-
     codec = Codec()
     confirm = msgspec.to_builtins(PushConfirm(transfer_id="t", generation="g", block_ids=[1]))
     confirm["rank"] = rank

@@ -403,10 +403,11 @@ def _claim(p: HeteroAgent, part: ClaimPart | None, ids: list[int], prompt: list[
     (ClaimPart(tp_size=2, rank=0, block_size=48, first_token=0), "divide"),
     (ClaimPart(tp_size=2, rank=0, block_size=32, first_token=16), "first token 16"),
     (ClaimPart(tp_size=1, rank=0, block_size=64, first_token=64), "first token 64"),
-    (None, "reads nothing"),  # a claim without a part says: the same shape as prefill
-], ids=["rank", "tp", "block", "offset", "skip", "absent"])
+    # prefill rank 1 of TP 2 holds head 1: decode rank 0 of TP 2 reads nothing from it
+    (ClaimPart(tp_size=2, rank=0, block_size=32, first_token=0), "reads nothing"),
+], ids=["rank", "tp", "block", "offset", "skip", "unserved"])
 def test_forged_claims_are_refused_naming_the_problem(closing: list[HeteroAgent],
-                                                      part: ClaimPart | None, why: str) -> None:
+                                                      part: ClaimPart, why: str) -> None:
     prefill = _agents("prefill", 2, 32, 1)
     closing += prefill
     p = prefill[1]
@@ -414,14 +415,7 @@ def test_forged_claims_are_refused_naming_the_problem(closing: list[HeteroAgent]
     p.stage(_send("t", [1, 2], prompt))
     client = ControlClient(Codec(), 5.0)
     try:
-        if part is None:  # rank 1 of prefill TP 2: a same-shape claimant is rank 1, fine ...
-            part = None
-            reply = _claim(prefill[0], None, [1, 2], prompt, client, "u")
-            assert isinstance(reply, Ack) and not reply.ok  # ... but rank 0 staged nothing
-            reply = _claim(p, ClaimPart(tp_size=2, rank=0, block_size=32, first_token=0),
-                           [1, 2], prompt, client)
-        else:
-            reply = _claim(p, part, [1, 2], prompt, client)
+        reply = _claim(p, part, [1, 2], prompt, client)
     finally:
         client.close()
     assert isinstance(reply, Ack) and not reply.ok and reply.kind is ErrorKind.MISMATCH

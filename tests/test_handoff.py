@@ -363,7 +363,7 @@ MALFORMED: list[tuple[str, Any]] = [
     ("remote_block_ids", "abc"), ("remote_port", "port"), ("remote_engine_id", 5),
     ("transfer_mode", "sideways"), ("remote_host", "a host"), ("remote_host", "h" * 254),
     ("remote_port", 0), ("remote_port", 70000), ("remote_block_ids", [1, -1]),
-    ("remote_block_ids", [0] * 200_000), ("remote_block_ids", [[1], [2]]),
+    ("remote_block_ids", [0] * 200_000), ("remote_block_ids", [[1], 2]),
     ("remote_block_ids", _deep(100_000)), ("transfer_id", "has spaces"),
     ("transfer_id", "t" * 129), ("tp_size", 0),
     ("kvbridge_peers", [{"address": "bad", "generation": "g"}]),

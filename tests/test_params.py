@@ -28,7 +28,9 @@ from kvbridge.params import (
     to_wire,
 )
 
-KEYS: list[str] = [f.name for f in msgspec.structs.fields(TransferParams)]
+#: wire keys (``remote_block_groups`` holds a per-group ``remote_block_ids``; never a key)
+KEYS: list[str] = [f.name for f in msgspec.structs.fields(TransferParams)
+                   if f.name != "remote_block_groups"]
 BOOL_KEYS = ["do_remote_decode", "do_remote_prefill", "kvbridge_layerwise", "kvbridge_probe"]
 PEER = {"address": "tcp://127.0.0.1:5000", "generation": "gen-0"}
 
@@ -82,7 +84,10 @@ MALFORMED: list[tuple[str, Any]] = [
     ("remote_block_ids", [1.0]),
     ("remote_block_ids", ["1"]),
     ("remote_block_ids", [1, [2]]),
-    ("remote_block_ids", [[1], [2]]),  # two KV-cache groups
+    ("remote_block_ids", [[1], [2, "x"]]),  # two KV-cache groups, one malformed
+    ("remote_block_ids", [[1], 2]),
+    ("remote_block_ids", [[1]] * 65),  # more KV-cache groups than any model has
+    ("remote_block_ids", [[1] * 70_000, [2] * 70_000]),  # too many ids in all
     ("remote_block_ids", [[1, "x"]]),
     ("remote_block_ids", {"0": 1}),
     ("remote_request_id", ""),
@@ -287,12 +292,21 @@ def test_one_kv_cache_group_is_flattened() -> None:
     assert parse({"remote_block_ids": [[]]}).remote_block_ids == []
 
 
-@pytest.mark.parametrize("ids", [[[1], [2]], [[1, 2], [3, 4], [5, 6]], [[1], 2]], ids=repr)
-def test_several_kv_cache_groups_are_refused(ids: Any) -> None:
+@pytest.mark.parametrize("ids", [[[1], 2], [[1], [2, "x"]], [[1]] * 65,
+                                 [[1] * 70_000, [2] * 70_000]], ids=lambda v: repr(v)[:30])
+def test_malformed_per_group_block_ids_are_refused(ids: Any) -> None:
     with pytest.raises(ParamsError) as info:
         parse({"remote_block_ids": ids})
     assert info.value.field == "kv_transfer_params.remote_block_ids"
-    assert "group" in info.value.message
+
+
+def test_per_group_block_ids_round_trip_as_vllm_sends_them() -> None:
+    """A hybrid model's pull answer: P's table per KV-cache group (0: a dropped block)."""
+    groups = [[0, 0, 7, 8], [0, 0, 9, 10], [3, 4, 5, 6]]
+    params = parse({"remote_block_ids": groups, "remote_block_groups": [[1]]})
+    assert params.remote_block_groups == groups and params.remote_block_ids is None
+    assert to_wire(params) == {"remote_block_ids": groups}
+    assert parse(to_wire(params)) == params
 
 
 # -- check_decode_leg -------------------------------------------------------------------------

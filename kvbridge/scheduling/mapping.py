@@ -197,6 +197,11 @@ def side(layout: KVLayout, mine: Shape, other: Shape, share: Share | None,
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     if _identical(mine, other, share):
         return [(layout, arr)] if arr.size else []
+    if layout.groups:
+        raise LayoutMismatch("a hybrid model's KV-cache groups move between engines of one TP "
+                             f"size and block size only (tensor-parallel {mine.tp_size}/block "
+                             f"{mine.block_size} here, {other.tp_size}/{other.block_size} at "
+                             "the peer)")
     split = mine.heads
     if split is None or other.heads is None or share is None:
         raise LayoutMismatch(
@@ -254,8 +259,8 @@ def descriptors(subs: Sequence[SubTransfer]) -> tuple[DescriptorArray, Descripto
 
 
 def side_bytes(half: Sequence[tuple[KVLayout, Ids]]) -> int:
-    """Bytes one side of a part moves."""
-    return sum(view.bytes_per_block * int(ids.size) for view, ids in half)
+    """Bytes one side of a part moves (block refs count their group's planes)."""
+    return sum(view.nbytes(ids) for view, ids in half)
 
 
 def side_descriptors(half: Sequence[tuple[KVLayout, Ids]]) -> DescriptorArray:

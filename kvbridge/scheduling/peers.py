@@ -32,6 +32,7 @@ from kvbridge.errors import (
     PeerUnreachable,
     RemoteError,
 )
+from kvbridge.groups import check_groups
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply, Message
@@ -116,6 +117,7 @@ def _check_heads(mine: HeadSplit, own: KVLayout, theirs: HeadSplit, layout: KVLa
     """Both head-major rank geometries can be mapped onto each other."""
     if own.dtype != layout.dtype:
         raise LayoutMismatch(f"dtype differs: {own.dtype} here, {layout.dtype} at {engine}")
+    check_groups(own.groups, layout.groups)
     if len(own.planes) != len(layout.planes):
         raise LayoutMismatch(f"number of KV planes differs: {len(own.planes)} here, "
                              f"{len(layout.planes)} at {engine} (different model, layer count "

@@ -42,6 +42,7 @@ from kvbridge.messages import (
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.transport import HandleState, Op, TransferHandle
 
@@ -198,13 +199,11 @@ class PullSource:
                        error=f"transfer {tid} is claimed by another connection")
         plan = st.plan
         problem = None
-        end = msg.skip_blocks + len(msg.block_ids)
         if msg.num_tokens != plan.num_tokens:
             problem = f"prefill computed {plan.num_tokens} tokens, the claim says {msg.num_tokens}"
         elif msg.prompt_digest != plan.prompt_digest:
             problem = "the claim's prompt differs from the prompt prefilled here"
-        elif end != len(plan.block_ids) or tuple(msg.block_ids) != plan.block_ids[
-                msg.skip_blocks:end]:
+        elif not self._leased(plan, msg):
             problem = (f"the claim names blocks P did not lease to {tid} (skip "
                        f"{msg.skip_blocks}, {len(msg.block_ids)} ids)")
         else:
@@ -243,6 +242,15 @@ class PullSource:
                             msg.skip_blocks, mapping.Span(part.first_token, msg.num_tokens))
         st.decode_tp, st.expected = part.tp_size, expected
         return half
+
+    def _leased(self, plan: SendPlan, msg: PullClaim) -> bool:
+        """The claim names exactly the blocks of ``plan`` that pair with what D lacks."""
+        try:
+            expected = sources_for(plan.block_ids, msg.block_ids, msg.skip_blocks,
+                                   len(self.core.layout.groups))
+        except KVBridgeError:
+            return False
+        return tuple(msg.block_ids) == expected
 
     def _early_expired(self, tid: str, ctx: RequestContext) -> None:
         waiting = self._early.get(tid, [])

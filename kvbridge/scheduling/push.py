@@ -53,6 +53,7 @@ from kvbridge.messages import (
 from kvbridge.params import MAX_TP
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.pull import SendPlan, Source
 from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.transport import HandleState, Op, TransferHandle
@@ -283,6 +284,13 @@ class PushSource:
             return f"prefill computed {plan.num_tokens} tokens, decode expects {reg.num_tokens}"
         if reg.prompt_digest != plan.prompt_digest:
             return "decode's prompt differs from the prompt prefilled here"
+        if self.core.layout.groups:  # a hybrid model: P's blocks pair with D's per group
+            try:
+                self._src(out, t)
+            except KVBridgeError as exc:
+                return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
+                        f"prompt has {len(plan.block_ids)} here ({exc})")
+            return None
         blocks = (len(plan.block_ids) if t.shape is None
                   else -(-plan.num_tokens // t.shape.block_size))
         if t.shape is not None or self.core.heads is None:
@@ -290,6 +298,17 @@ class PushSource:
                 return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
                         f"prompt has {blocks}")
         return None
+
+    def _src(self, out: _Out, t: _Target) -> tuple[tuple[int, ...], int]:
+        """P's blocks that pair with the ones ``t`` registered, and the prompt block they
+        start at: per KV-cache group for a hybrid model (equal shapes only), else from the
+        first of D's missing tokens (in this rank's block size)."""
+        assert out.plan is not None
+        if self.core.layout.groups:
+            return (sources_for(out.plan.block_ids, t.reg.block_ids, t.reg.skip_blocks,
+                                len(self.core.layout.groups)), t.reg.skip_blocks)
+        _, first = self._span(out, t)
+        return out.plan.block_ids[first:], first
 
     def _dialled(self, out: _Out, t: _Target, result: Peer | KVBridgeError) -> None:
         if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:
@@ -371,8 +390,8 @@ class PushSource:
     def _post(self, out: _Out, t: _Target) -> None:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
-        span, first = self._span(out, t)
-        src = out.plan.block_ids[first:]
+        span, _ = self._span(out, t)
+        src, first = self._src(out, t)
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
@@ -503,9 +522,10 @@ class PushSource:
     def _digest_source(self, out: _Out, t: _Target) -> DescriptorArray:
         """This rank's side of ``t``'s part (every plane), as the checksum covers it."""
         assert out.plan is not None and t.shape is not None
-        span, first = self._span(out, t)
-        half = mapping.side(self.core.layout, self.core.shape, t.shape, t.share,
-                            out.plan.block_ids[first:], first, span)
+        span, _ = self._span(out, t)
+        src, first = self._src(out, t)
+        half = mapping.side(self.core.layout, self.core.shape, t.shape, t.share, src, first,
+                            span)
         return mapping.side_descriptors(half)
 
     def _close(self, out: _Out) -> None:

@@ -99,7 +99,7 @@ class ResultBox:
                 self._results.finished_recving.add(req_id)
                 self._results.failed_recving.add(req_id)
             else:
-                self._results.invalid_blocks.update(local_ids)
+                self._results.invalid_blocks.update(core.layout.block_ids(local_ids))
         core.wake_caller()
 
     def release(self, req_id: str) -> None:

@@ -206,6 +206,21 @@ def test_block_sizes_that_do_not_divide_are_refused(pb: int, db: int) -> None:
              Span(0, 16))
 
 
+def test_hybrid_kv_groups_map_between_identical_shapes_only() -> None:
+    from dataclasses import replace
+
+    from kvbridge.groups import GroupKind, KVGroup
+
+    p, d = engine(1, 32)[0], engine(2, 32)[0]
+    groups = (KVGroup(GroupKind.FULL, 32, None, (0,)),
+              KVGroup(GroupKind.SLIDING, 32, 64, (1,)))
+    grouped = replace(p.layout, groups=groups)
+    refs = [4, 5, 6]  # block refs pass through untouched between identical shapes
+    assert side(grouped, p.shape, p.shape, None, refs, 0, Span(0, 96))[0][0] is grouped
+    with pytest.raises(LayoutMismatch, match="hybrid model's KV-cache groups"):
+        side(grouped, p.shape, d.shape, Share(0, 0, 2), refs, 0, Span(0, 96))
+
+
 def test_unmappable_inputs_are_refused() -> None:
     p, d = engine(1, 32)[0], engine(2, 32)[0]
     share = Share(0, 0, 2)

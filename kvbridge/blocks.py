@@ -65,7 +65,7 @@ from kvbridge.transport import Op, TransferHandle, Transport, as_descriptors, ch
 
 __all__ = [
     "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "prepare_blocks",
-    "submit_blocks", "submit_request", "check_in_regions",
+    "submit_blocks", "submit_request", "submit_parts", "check_in_regions",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -372,3 +372,28 @@ def submit_request(transport: Transport, op: Op, pair: BlockPair, req: BlockRequ
     loc, rem = req.descriptors(pair)
     return transport.submit(op, pair.peer, loc, rem, notification)
 
+
+
+def submit_parts(
+    transport: Transport, op: Op, peer: str,
+    parts: Sequence[tuple[KVLayout, BlockIds, KVLayout, BlockIds]],
+    notification: bytes | None = None,
+) -> TransferHandle:
+    """One transfer made of ``(local layout, local ids, remote layout, remote ids)`` parts (the
+    sub-transfers of a heterogeneous-TP or block-size mapping, each between views), as one
+    handle. One part takes the block path (:func:`prepare_blocks` + :func:`submit_blocks`);
+    several are validated part by part and posted as one descriptor list through ``submit``
+    (the transports have no multi-pair request yet)."""
+    if len(parts) == 1:
+        local, lids, remote, rids = parts[0]
+        pair = prepare_blocks(transport, peer, local, remote)
+        return submit_blocks(transport, op, pair, lids, rids, notification)
+    halves: list[tuple[I64, I64]] = []
+    for local, lids, remote, rids in parts:
+        local.check_compatible(remote)
+        pair = BlockPair(peer, local, remote)
+        halves.append(BlockRequest.build(local, remote, lids, rids).descriptors(pair))
+    empty = np.zeros((0, 3), dtype=np.int64)
+    loc = np.concatenate([h[0] for h in halves]) if halves else empty
+    rem = np.concatenate([h[1] for h in halves]) if halves else empty.copy()
+    return transport.submit(op, peer, loc, rem, notification)

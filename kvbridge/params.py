@@ -113,6 +113,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """Rank 0's generation (a restarted engine has a new one)."""
     kvbridge_peers: Annotated[list[PeerRef], msgspec.Meta(max_length=MAX_TP)] | None = None
     """Every tensor-parallel rank's control address and generation, rank order."""
+    kvbridge_block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    """Prefill's block size, the unit of ``remote_block_ids`` (absent: the decode engine's)."""
     kvbridge_error: Text | None = None
     """P → router: why this prefill could not be handed off (nothing is pinned)."""
 
@@ -135,26 +137,24 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             return PeerRef(f"tcp://{host}:{self.remote_port}", self.kvbridge_generation or "*")
         return None
 
-    def check_decode_leg(self, mode: TransferMode, tp_size: int, prompt_tokens: int,
-                         block_size: int) -> None:
+    def check_decode_leg(self, mode: TransferMode, prompt_tokens: int, block_size: int) -> None:
         """Cross-key rules of a decode leg; raises :class:`ParamsError` naming the key.
 
-        ``tp_size`` is this engine's; ``prompt_tokens`` the request's prompt length.
+        ``block_size`` is this engine's, ``prompt_tokens`` the request's prompt length.
+        Prefill's TP size and block size may differ from this engine's (heterogeneous TP and
+        block size: the worker ranks map heads and blocks, or refuse what they cannot).
         """
         if self.peer(0) is None:
             raise ParamsError("kv_transfer_params.remote_host",
                               "a decode leg needs remote_host and remote_port (or kvbridge_peers)")
-        if self.tp_size != tp_size:
-            raise ParamsError("kv_transfer_params.tp_size",
-                              f"prefill runs tensor-parallel {self.tp_size}, this engine "
-                              f"{tp_size}: heterogeneous TP is not supported yet")
-        if tp_size > 1 and self.kvbridge_peers is None:
+        if self.tp_size > 1 and self.kvbridge_peers is None:
             raise ParamsError("kv_transfer_params.kvbridge_peers",
-                              f"a tensor-parallel ({tp_size}) decode leg needs every rank's "
+                              f"a tensor-parallel ({self.tp_size}) prefill needs every rank's "
                               "address (send P's answer unchanged)")
-        if self.kvbridge_peers is not None and len(self.kvbridge_peers) != tp_size:
+        if self.kvbridge_peers is not None and len(self.kvbridge_peers) != self.tp_size:
             raise ParamsError("kv_transfer_params.kvbridge_peers",
-                              f"names {len(self.kvbridge_peers)} ranks, tp_size is {tp_size}")
+                              f"names {len(self.kvbridge_peers)} ranks, tp_size is "
+                              f"{self.tp_size}")
         if self.remote_num_tokens is not None and self.remote_num_tokens != prompt_tokens:
             raise ParamsError("kv_transfer_params.remote_num_tokens",
                               f"prefill computed {self.remote_num_tokens} tokens, this prompt "
@@ -163,11 +163,12 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             if not self.remote_block_ids:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   "a pull needs remote_block_ids (send P's answer unchanged)")
-            need = -(-prompt_tokens // block_size)
+            size = self.kvbridge_block_size or block_size
+            need = -(-prompt_tokens // size)
             if len(self.remote_block_ids) != need:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   f"names {len(self.remote_block_ids)} blocks, the prompt "
-                                  f"({prompt_tokens} tokens, block size {block_size}) has {need}")
+                                  f"({prompt_tokens} tokens, block size {size}) has {need}")
             if len(set(self.remote_block_ids)) != need:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   "contains duplicate block ids")
@@ -285,6 +286,7 @@ def push_decode_request(prefill: TransferParams, transfer_id: str,
         kvbridge_layerwise=layerwise,
         kvbridge_generation=prefill.kvbridge_generation,
         kvbridge_peers=prefill.kvbridge_peers,
+        kvbridge_block_size=prefill.kvbridge_block_size,
     )
     return to_wire(params)
 

@@ -264,3 +264,26 @@ def test_hybrid_transfer_moves_each_groups_blocks() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_submit_parts_moves_several_views_as_one_transfer(connected: tuple[Any, ...]) -> None:
+    """Sub-transfers between views (as heterogeneous TP maps them): one part takes the block
+    path, several go as one descriptor list; every byte lands where its part says."""
+    a, _, ba, la, bb, lb, _ = connected
+
+    def half(layout: KVLayout, offset: int) -> KVLayout:
+        return KVLayout(tuple(KVPlane(p.layer, p.base + offset, p.block_stride, 128)
+                              for p in layout.planes), layout.num_blocks, 16, layout.dtype)
+
+    before = bb.copy()
+    h = blocks.submit_parts(a, Op.WRITE, "b", [(half(la, 0), [1, 2], half(lb, 128), [3, 4]),
+                                               (half(la, 128), [5], half(lb, 0), [6])])
+    assert a.wait(h, 10) is HandleState.DONE and h.nbytes == 3 * 4 * 128
+    expected = before.copy()
+    expected[:, :, [3, 4], 128:] = ba[:, :, [1, 2], :128]
+    expected[:, :, 6, :128] = ba[:, :, 5, 128:]
+    np.testing.assert_array_equal(bb, expected)
+    one = blocks.submit_parts(a, Op.WRITE, "b", [(la, [0], lb, [9])])
+    assert a.wait(one, 10) is HandleState.DONE
+    np.testing.assert_array_equal(bb[:, :, 9], ba[:, :, 0])
+    assert a.prepare_blocks("b", la, lb).live  # the single part went through a prepared pair

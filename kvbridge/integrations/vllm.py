@@ -36,7 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvbridge
 from kvbridge.config import Config, Preset
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.heads import HeadSplit
 from kvbridge.integrations import names
 from kvbridge.integrations.vllm_groups import (
     NULL_BLOCK,
@@ -542,15 +543,15 @@ class _WorkerSide:
             self.conn.groups, group_layers(self._kv_cache_config), kv_caches)
         mc = self._vllm_config.model_config
         hf = mc.hf_config
-        compat = {
+        compat = {  # block size and TP size are the layout's and head split's to check
             "model_type": str(getattr(hf, "model_type", "?")),
             "num_hidden_layers": str(getattr(hf, "num_hidden_layers", "?")),
             "dtype": str(mc.dtype).removeprefix("torch."),
             "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
-            "block_size": str(self.conn.block_size),
         }
         loop = TransferLoop(self.config, self.conn.engine_id, layout, rank=self.rank,
-                            tp_size=self.conn.tp_size, compat=compat)
+                            tp_size=self.conn.tp_size, compat=compat,
+                            heads=self._head_split(kv_caches, layout))
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
         try:
@@ -563,6 +564,46 @@ class _WorkerSide:
         if offload is not None:
             offload.on_progress(self._poke)
             offload.count_into(loop.add_counters)
+
+    def _head_split(self, kv_caches: dict[str, Any], layout: KVLayout) -> HeadSplit | None:
+        """This rank's KV heads when kvbridge can map them (heterogeneous TP and block size):
+        vLLM's CPU attention backend (``KVCacheLayout.LBHNC``, tensors ``(blocks, heads,
+        block_size, 2*head_dim)``), whose kernel keeps per head K as ``[head_dim, N]`` then V
+        as ``[N, head_dim]`` for its ``vec``/``vec16`` ISAs (``order="dt"``); other ISAs'
+        slabs are kept opaque (TP maps, block sizes must be equal). None for other backends and
+        for hybrid models (KV-cache groups): they exchange KV only with engines of the same TP
+        size and block size."""
+        vc, tp = self._vllm_config, self.conn.tp_size
+        mc = vc.model_config
+        try:
+            from vllm.platforms import current_platform
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            resolved = vc.cache_config.get_resolved_kv_cache_layout().name
+            total, local = mc.get_total_num_kv_heads(), mc.get_num_kv_heads(vc.parallel_config)
+            head_dim, cpu = mc.get_head_size(), current_platform.is_cpu()
+            expected = (layout.num_blocks, local, self.conn.block_size, 2 * head_dim)
+            if not cpu or resolved != "LBHNC" or layout.groups or any(
+                    tuple(t.shape) != expected for t in kv_caches.values()):
+                log.info("KV layout %s on %s: no head split (heterogeneous TP and block size "
+                         "are not mapped for it)", resolved, "CPU" if cpu else "this device")
+                return None
+            cache_dtype = str(vc.cache_config.cache_dtype)
+            isa = _get_attn_isa(mc.dtype, self.conn.block_size, head_dim, cache_dtype)
+            order = "dt" if isa in ("vec", "vec16") and cache_dtype == "auto" else ""
+            split = HeadSplit.for_rank(total, tp, self.rank, head_dim, order=order,
+                                       interior=f"vllm-cpu:{isa}:{cache_dtype}")
+            if split.heads != local:
+                return None
+            split.check(layout, tp, self.rank)
+        except (KVBridgeError, AttributeError, ImportError, ValueError, TypeError) as exc:
+            log.info("no KV head split for this engine (%s): heterogeneous TP and block size "
+                     "are not mapped for it", exc)
+            return None
+        log.info("KV heads [%d, %d) of %d, block format %s: heterogeneous TP%s mapped",
+                 split.first_head, split.first_head + split.heads, total, split.interior,
+                 " and block size" if order else "")
+        return split
 
     def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:
         cfg = self.config.offload_config()

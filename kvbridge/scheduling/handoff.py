@@ -79,6 +79,7 @@ class RecvOrder:
     num_tokens: int
     prompt_digest: str
     error: str | None = None  # planning failed after vLLM committed: report it failed
+    remote_skip: int | None = None  # prefill's first block of remote_ids (its block size)
 
 
 @dataclass
@@ -168,7 +169,7 @@ class HandoffBook:
             remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
             tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
             kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
-            kvbridge_version=_version())
+            kvbridge_block_size=self.block_size, kvbridge_version=_version())
         return to_wire(params)
 
     # -- requests ------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ class HandoffBook:
             if params.do_remote_prefill:
                 if req.mode is TransferMode.PULL:
                     params.check_block_groups(handed, [g.block_size for g in self.groups])
-                params.check_decode_leg(req.mode, self.tp_size, handed, self.block_size)
+                params.check_decode_leg(req.mode, handed, self.block_size)
         except ParamsError as err:
             self._reqs[req_id] = self._refuse(req_id, raw, err)
             return
@@ -227,7 +228,9 @@ class HandoffBook:
         self._reqs[req_id] = req
 
     def _peers(self, params: TransferParams) -> tuple[PeerRef, ...]:
-        refs = [params.peer(r) for r in range(self.tp_size)]
+        """Every prefill rank's address, in rank order (prefill's TP size, not this engine's:
+        each worker rank picks the ranks it exchanges KV with)."""
+        refs = [params.peer(r) for r in range(params.tp_size)]
         return tuple(r for r in refs if r is not None)
 
     def matched_tokens(self, req_id: str, prompt_tokens: int,
@@ -261,7 +264,8 @@ class HandoffBook:
         if not self.groups:
             return plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
                                 external_tokens=external_tokens, allocated=tables[0],
-                                remote_ids=req.params.remote_block_ids if pull else None)
+                                remote_ids=req.params.remote_block_ids if pull else None,
+                                remote_block_size=req.params.kvbridge_block_size)
         remote: list[list[int]] | None = None
         if pull:
             remote = (req.params.remote_block_groups
@@ -298,7 +302,8 @@ class HandoffBook:
         self._plan.recvs.append(RecvOrder(
             req_id, req.transfer_id, req.mode, peers,
             plan.local_ids if plan else (), plan.remote_ids if plan else (),
-            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error))
+            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error,
+            plan.remote_skip if plan else None))
         req.recving = True
         self._busy[req_id] = req.transfer_id
 

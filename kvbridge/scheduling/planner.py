@@ -54,11 +54,13 @@ def prompt_blocks(block_ids: Sequence[int], num_prompt_tokens: int, block_size: 
 @dataclass(frozen=True)
 class ReceivePlan:
     """One decode-side hand-off: fill ``local_ids`` with the prompt's blocks from
-    ``skip_blocks`` on (``remote_ids``: the prefill engine's ids of those blocks, for a pull)."""
+    ``skip_blocks`` on (``remote_ids``: the prefill engine's ids of those tokens, for a pull,
+    from its block ``remote_skip`` on: its blocks may be of another size)."""
 
     skip_blocks: int
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
+    remote_skip: int = 0
 
     @property
     def empty(self) -> bool:
@@ -66,13 +68,15 @@ class ReceivePlan:
 
 
 def plan_receive(*, prompt_tokens: int, block_size: int, external_tokens: int,
-                 allocated: Sequence[int], remote_ids: Sequence[int] | None) -> ReceivePlan:
+                 allocated: Sequence[int], remote_ids: Sequence[int] | None,
+                 remote_block_size: int | None = None) -> ReceivePlan:
     """The blocks a decode request must receive.
 
     ``external_tokens`` is what the connector asked vLLM to load (the prompt minus the local
     prefix hit); the hit is whole blocks. ``allocated`` are the request's blocks in prompt order
     (at least the prompt's); ``remote_ids`` the prefill engine's prompt blocks (pull) or None
-    (push). Raises :class:`LayoutError` if the numbers cannot describe one prompt.
+    (push), in blocks of ``remote_block_size`` tokens (default ``block_size``). Raises
+    :class:`LayoutError` if the numbers cannot describe one prompt.
     """
     if not 0 <= external_tokens <= prompt_tokens:
         raise LayoutError(f"external_tokens {external_tokens} outside [0, {prompt_tokens}]")
@@ -88,12 +92,15 @@ def plan_receive(*, prompt_tokens: int, block_size: int, external_tokens: int,
         raise LayoutError(f"{len(allocated)} blocks allocated for a prompt of {n_blocks}")
     local = tuple(int(b) for b in allocated[skip:n_blocks])
     remote: tuple[int, ...] = ()
+    size = remote_block_size or block_size
+    remote_skip = hit // size
     if remote_ids is not None:
-        if len(remote_ids) != n_blocks:
+        n_remote = blocks_for(prompt_tokens, size)
+        if len(remote_ids) != n_remote:
             raise LayoutError(f"prefill names {len(remote_ids)} blocks for a prompt of "
-                              f"{n_blocks}")
-        remote = tuple(int(b) for b in remote_ids[skip:n_blocks])
-    return ReceivePlan(skip, local, remote)
+                              f"{n_remote}")
+        remote = tuple(int(b) for b in remote_ids[remote_skip:n_remote])
+    return ReceivePlan(skip, local, remote, remote_skip)
 
 
 # -- KV-cache groups ----------------------------------------------------------------------------
@@ -174,7 +181,8 @@ def plan_group_receive(*, prompt_tokens: int, groups: Sequence[KVGroup], externa
                               f"{start + src.index(null_block)} of the prompt, which this "
                               "engine needs (its window dropped it)")
         theirs.extend(to_refs(g, src, n_groups))
-    return ReceivePlan(hit // groups[0].block_size if groups else 0, tuple(local), tuple(theirs))
+    skip = hit // groups[0].block_size if groups else 0
+    return ReceivePlan(skip, tuple(local), tuple(theirs), skip)
 
 
 def sources_for(held: Sequence[int], wanted: Sequence[int], skip_blocks: int,

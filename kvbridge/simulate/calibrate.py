@@ -24,6 +24,7 @@ Everything runs from this process; engines are stopped at the end, also on error
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -39,8 +40,18 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import ConfigError
+from kvbridge.simulate.calibrate_cpu import (
+    CpuMeasurements,
+    ProcSet,
+    Sampler,
+    cpu_record,
+    derive_cpu,
+    fit_cpu,
+    measure_cpu,
+    measure_idle,
+)
 
-__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure"]
+__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure", "nonneg_lstsq"]
 
 _PREFILL_LENS = (32, 128, 256, 512, 896)
 _BATCHES = (1, 2, 4, 8)
@@ -51,6 +62,8 @@ _HANDOFF_PROMPT = 200
 _HANDOFF_TOKENS = 16
 _KV_CACHE_BYTES = 268435456  # kvbridge.testing.engines.BASE_ARGS --kv-cache-memory-bytes
 _MAX_NUM_SEQS = 8  # BASE_ARGS --max-num-seqs
+_SPIN_S = 0.002  # kvbridge.bench_e2e.engine_specs: KVBRIDGE_ENGINE_SPIN_MS 2.0
+_SETTLE_S = 0.2  # after each sequential hand-off request: its tail, before the next
 
 
 @dataclass
@@ -68,6 +81,16 @@ class Measurements:
     ttft: dict[str, list[float]] = field(default_factory=dict)
     max_batched_tokens: int = 0
     loadavg: list[str] = field(default_factory=list)
+    cpu: CpuMeasurements | None = None
+    """CPU seconds of every process under load runs (:mod:`kvbridge.simulate.calibrate_cpu`)"""
+    prefill_cpu: dict[int, list[float]] = field(default_factory=dict)
+    """prompt length → P engine CPU seconds per request (idle burn and one spin removed)"""
+    decode_cpu: list[tuple[int, int, float]] = field(default_factory=list)
+    """(batch, summed context tokens, D engine CPU seconds per step)"""
+    request_cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """mode → engine CPU seconds of one sequential request through the proxy (idle burn
+    removed): ``p`` (P, send → end), ``d_first`` (D, send → first token), ``d_rest`` (D, first
+    token → end)"""
 
 
 def _metric(url: str, name: str) -> tuple[float, float]:
@@ -85,7 +108,13 @@ def _loadavg() -> str:
         return "?"
 
 
-def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], None]) -> None:
+def _engine_cpu(procs: ProcSet | None, role: str) -> tuple[float, float]:
+    """(CPU seconds of ``role`` so far, monotonic now); zeros without ``procs``."""
+    return (procs.read()[role] if procs is not None else 0.0), time.monotonic()
+
+
+def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], None],
+                     procs: ProcSet | None = None, idle: float = 0.0) -> None:
     from kvbridge.testing.engines import complete
     from kvbridge.testing.tiny_model import random_prompts
 
@@ -95,35 +124,49 @@ def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], 
     for j in range(reps + 1):  # lengths interleaved, so drifting host load hits them alike
         for length in _PREFILL_LENS:
             s0, c0 = _metric(url, name)
+            cpu0, w0 = _engine_cpu(procs, "p_engine")
             t0 = time.perf_counter()
             complete(url, prompts[length][j], 1, timeout=120)
             wall = time.perf_counter() - t0
+            cpu1, w1 = _engine_cpu(procs, "p_engine")
             s1, c1 = _metric(url, name)
             if c1 - c0 != 1 or j == 0:  # the first round warms up every shape
                 continue
             m.prefill.setdefault(length, []).append(s1 - s0)
             m.http_rtt.append(wall - (s1 - s0))
+            if procs is not None:  # one spin after each request: the previous one's
+                m.prefill_cpu.setdefault(length, []).append(
+                    cpu1 - cpu0 - idle * (w1 - w0) - _SPIN_S)
     say("prefill (ms, medians): " + ", ".join(
         f"{n} tokens {statistics.median(v) * 1000:.1f}" for n, v in m.prefill.items()))
 
 
-def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], None]) -> None:
+def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], None],
+                    procs: ProcSet | None = None, idle: float = 0.0, d_url: str = "") -> None:
     from kvbridge.testing.engines import stream_complete
     from kvbridge.testing.tiny_model import random_prompts
 
     shapes = [(b, _DECODE_PROMPT) for b in _BATCHES] + [(4, _LONG_PROMPT)]
+    steps = "vllm:iteration_tokens_total"
     seed = 5000
     with ThreadPoolExecutor(max(_BATCHES)) as pool:
         for rep in range(max(2, reps // 2)):  # shapes interleaved, as for prefill
             for batch, plen in shapes:
                 seed += 1
                 prompts = random_prompts(batch, plen, seed=seed)
+                n0 = _metric(d_url, steps)[1] if procs is not None else 0.0
+                cpu0, w0 = _engine_cpu(procs, "d_engine")
                 futs = [pool.submit(stream_complete, url, p, _DECODE_TOKENS,
                                     extra={"ignore_eos": True}, timeout=120) for p in prompts]
                 tpots = [t for t in (f.result().tpot for f in futs) if t is not None]
+                cpu1, w1 = _engine_cpu(procs, "d_engine")
+                context = batch * (plen + _DECODE_TOKENS // 2)
                 if rep > 0 and tpots:  # the first round warms up every shape
-                    m.decode.append((batch, batch * (plen + _DECODE_TOKENS // 2),
-                                     statistics.median(tpots)))
+                    m.decode.append((batch, context, statistics.median(tpots)))
+                    n1 = _metric(d_url, steps)[1] if procs is not None else 0.0
+                    if procs is not None and n1 > n0:
+                        m.decode_cpu.append((batch, context, (
+                            cpu1 - cpu0 - idle * (w1 - w0) - _SPIN_S) / (n1 - n0)))
     by_shape: dict[tuple[int, int], list[float]] = {}
     for b, c, t in m.decode:
         by_shape.setdefault((b, c), []).append(t)
@@ -159,11 +202,13 @@ def _gap(a: Mapping[str, float], ea: str, b: Mapping[str, float], eb: str) -> fl
 
 
 def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
-                     m: Measurements, say: Callable[[str], None]) -> None:
+                     m: Measurements, say: Callable[[str], None], procs: ProcSet | None = None,
+                     idle: Mapping[str, float] | None = None) -> None:
     from kvbridge.testing.engines import stream_complete
     from kvbridge.testing.tiny_model import random_prompts
 
     p_ctl, d_ctl = _control(p_url), _control(d_url)
+    idle = idle or {}
     for k, mode in enumerate(("pull", "push")):
         url = urls[mode]
         prompts = random_prompts(reps + 2, _HANDOFF_PROMPT, seed=9000 + k)
@@ -171,14 +216,26 @@ def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
             stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True}, timeout=120)
         seen = set(_timings(d_ctl))
         sends: list[tuple[float, float]] = []
-        for p in prompts[2:]:
-            t_wall = time.time()
-            res = stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True},
-                                  timeout=120)
-            if res.ttft is not None:
-                sends.append((t_wall, t_wall + res.ttft))
-                m.ttft.setdefault(mode, []).append(res.ttft)
-            time.sleep(0.05)
+        marks: list[tuple[float, float, float]] = []
+        with contextlib.ExitStack() as stack:
+            sampler = stack.enter_context(Sampler(procs)) if procs is not None else None
+            for p in prompts[2:]:
+                t_wall, t_mono = time.time(), time.monotonic()
+                res = stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True},
+                                      timeout=120)
+                if res.ttft is not None:
+                    sends.append((t_wall, t_wall + res.ttft))
+                    m.ttft.setdefault(mode, []).append(res.ttft)
+                    marks.append((t_mono, t_mono + res.ttft, t_mono + res.total))
+                time.sleep(_SETTLE_S)  # the request's tail (frees, DONE, spin) ends here
+        if sampler is not None:
+            cpu = m.request_cpu.setdefault(mode, {})
+            for t0, t1, t2 in marks:
+                t3 = t2 + _SETTLE_S * 0.9
+                for name, role, a, b in (("p", "p_engine", t0, t3), ("d_first", "d_engine", t0, t1),
+                                         ("d_rest", "d_engine", t1, t3)):
+                    used = sampler.at(b, role) - sampler.at(a, role) - idle.get(role, 0.0) * (b - a)
+                    cpu.setdefault(name, []).append(used)
         pt, dt = _timings(p_ctl), _timings(d_ctl)
         # P records no kv_ready for pull transfers (only push producers are tracked):
         # order the new transfers by D's recv_start, which every mode records.
@@ -220,7 +277,8 @@ def _batched_tokens(log_path: Path | None) -> int:
     return int(found[-1]) if found else 0
 
 
-def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None]) -> Measurements:
+def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None],
+            cpu_modes: Sequence[str] = ("pull", "push")) -> Measurements:
     """Start the engines (and proxies), take every measurement, stop everything."""
     from kvbridge.bench_e2e import engine_specs
     from kvbridge.testing.engines import start_servers
@@ -228,16 +286,26 @@ def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None]) 
     from kvbridge.testing.tiny_model import build_tiny_model
 
     m = Measurements(loadavg=[_loadavg()])
-    p, d = engine_specs(f"kvbridge-{backend}", build_tiny_model(), log_dir)
+    model = build_tiny_model()
+    p, d = engine_specs(f"kvbridge-{backend}", model, log_dir)
     proxies: ProxyThread | None = None
     try:
         say(f"starting the engine pair (logs in {log_dir})")
         start_servers([p, d], timeout=600)
         m.max_batched_tokens = _batched_tokens(p.log_path)
-        _measure_prefill(p.url, reps, m, say)
+        assert p.pid is not None and d.pid is not None
+        procs = ProcSet(p.pid, d.pid) if cpu_modes else None
+        idle = measure_idle(procs) if procs is not None else {}
+        if idle:
+            say("idle CPU (s/s): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()))
+        _measure_prefill(p.url, reps, m, say, procs, idle.get("p_engine", 0.0))
         proxies = ProxyThread([p.url], [d.url], modes=("pull", "push")).start()
-        _measure_decode(proxies.urls["push"], reps, m, say)
-        _measure_handoff(p.url, d.url, proxies.urls, reps, m, say)
+        _measure_decode(proxies.urls["push"], reps, m, say, procs, idle.get("d_engine", 0.0),
+                        d.url)
+        _measure_handoff(p.url, d.url, proxies.urls, reps, m, say, procs, idle)
+        if cpu_modes:
+            m.cpu = measure_cpu(ProcSet(p.pid, d.pid), idle, proxies.urls, model,
+                                log_dir / "cpu", say, modes=cpu_modes, d_url=d.url)
     finally:
         if proxies is not None:
             proxies.close()
@@ -247,7 +315,7 @@ def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None]) 
     return m
 
 
-def _lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+def nonneg_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Non-negative least squares by clipping (coefficients the data cannot resolve are 0)."""
     a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
     coef = np.linalg.lstsq(a, b, rcond=None)[0]
@@ -278,7 +346,7 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
         for v in values:
             rows.append([1.0, length, length * length / 2])
             ys.append(v)
-    base_s, per_tok, per_ctx = _lstsq(rows, ys)
+    base_s, per_tok, per_ctx = nonneg_lstsq(rows, ys)
     doc["prefill"].update(step_base_s=base_s, per_token_s=per_tok, per_token_ctx_s=per_ctx)
     for k in ("step_base_s", "per_token_s", "per_token_ctx_s"):
         src[f"prefill.{k}"] = (f"least squares over vLLM's request_prefill_time of sequential "
@@ -287,13 +355,17 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
     if m.max_batched_tokens:
         doc["prefill"]["max_batched_tokens"] = m.max_batched_tokens
         src["prefill.max_batched_tokens"] = "vLLM's start-up log of P (max_num_batched_tokens)"
-    d_base, d_seq, d_ctx = _lstsq([[1.0, b, c] for b, c, _ in m.decode], [t for *_, t in m.decode])
+    d_base, d_seq, d_ctx = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode],
+                                        [t for *_, t in m.decode])
     doc["decode"].update(step_base_s=d_base, per_seq_s=d_seq, per_ctx_token_s=d_ctx,
                          max_num_seqs=_MAX_NUM_SEQS)
     for k in ("step_base_s", "per_seq_s", "per_ctx_token_s"):
         src[f"decode.{k}"] = (f"least squares over the median inter-token time of B concurrent "
                               f"streams through the proxy, push (B = {list(_BATCHES)}, prompt "
                               f"{_DECODE_PROMPT}; B = 4, prompt {_LONG_PROMPT}); " + tag)
+    engines: dict[str, tuple[float, str]] = {}
+    if m.prefill_cpu and m.decode_cpu:
+        engines = _cpu_step_costs(m, doc, tag)
     kv_per_token = 2 * doc["model"]["layers"] * doc["model"]["kv_heads"] * \
         doc["model"]["head_dim"] * doc["model"]["dtype_bytes"]
     for role in ("prefill", "decode"):
@@ -366,8 +438,102 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
                     for mode, g in m.gaps.items()},
         "ttft_ms": {mode: round(_med(v) * 1000, 3) for mode, v in m.ttft.items()},
         "loadavg": m.loadavg,
+        "prefill_cpu_ms": {str(k): round(_med(v) * 1000, 3) for k, v in m.prefill_cpu.items()},
+        "decode_cpu": [[b, c, round(t * 1000, 3)] for b, c, t in m.decode_cpu],
+        "request_cpu_ms": {mode: {k: round(statistics.fmean(v) * 1000, 3) for k, v in g.items()
+                                  if v} for mode, g in m.request_cpu.items()},
     }
+    if m.cpu is not None and m.cpu.runs:
+        derive_cpu(m.cpu, doc, tag, os.cpu_count() or 1, _SPIN_S, engines)
+        doc["calibration"]["cpu"] = cpu_record(m.cpu)
     return doc
+
+
+def _cpu_step_costs(m: Measurements, doc: dict[str, Any], tag: str
+                    ) -> dict[str, tuple[float, str]]:
+    """Step costs from the engines' CPU seconds instead of wall time: what a step costs on a core
+    of its own, which other work on the host inflates far less (the CPU model,
+    :mod:`kvbridge.simulate.cpu`, stretches them by the engine's share of its core). Returns each
+    engine's CPU per request beyond its steps (``cpu.p_engine_request_s`` ... → (value,
+    source)), from the sequential hand-off requests.
+
+    D's extra ``e`` per request is spread over the decode rounds' steps (B streams of
+    ``_DECODE_TOKENS`` + 1 steps), so with ``c1`` the decode round's CPU per step at B = 1 and
+    ``T`` D's CPU for one hand-off request (``_HANDOFF_TOKENS`` steps and one spin):
+    ``c1 = s1 + e / 49`` and ``T = 16 s1 + e + spin`` give the step ``s1`` and ``e``; the part of
+    ``e`` before the first token (``T_first - s1``) is D's admission, the rest its stream."""
+    src: dict[str, str] = doc["sources"]
+    rows = [[1.0, n, n * n / 2] for n, values in m.prefill_cpu.items() for _ in values]
+    ys = [v for values in m.prefill_cpu.values() for v in values]
+    pre = dict(zip(("step_base_s", "per_token_s", "per_token_ctx_s"), nonneg_lstsq(rows, ys),
+                   strict=True))
+    doc["prefill"].update(pre)
+    for k in pre:
+        src[f"prefill.{k}"] = (f"least squares over P's engine-core CPU seconds per sequential "
+                               f"one-token request of {list(m.prefill_cpu)} tokens (idle burn and "
+                               f"one {_SPIN_S * 1000:g} ms spin removed); " + tag)
+    steps = _DECODE_TOKENS + 1
+    raw = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu], [t for *_, t in m.decode_cpu])
+    c1 = raw[0] + raw[1] + raw[2] * (_HANDOFF_PROMPT + _DECODE_TOKENS // 2)
+    d_first = [v for g in m.request_cpu.values() for v in g.get("d_first", [])]
+    d_rest = [v for g in m.request_cpu.values() for v in g.get("d_rest", [])]
+    p_total = [v for g in m.request_cpu.values() for v in g.get("p", [])]
+    n = _HANDOFF_TOKENS
+    load = fit_cpu(m.cpu).get("d_engine", {}) if m.cpu is not None else {}
+    if "step_s" in load:
+        # the load runs count D's steps: its CPU per step and per request separate there,
+        # under vllm bench serve's own sampling; the decode rounds give the slopes in B and
+        # context
+        extra = load["request_s"]
+        runs = m.cpu.runs if m.cpu is not None else []
+        b_mean = sum((r.completed or r.prompts) * r.output_len for r in runs) / max(
+            1, sum(r.d_steps for r in runs))
+        ctx = b_mean * (_HANDOFF_PROMPT + statistics.fmean(r.output_len for r in runs) / 2)
+        slope = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu],
+                             [t - extra * b / steps for b, _, t in m.decode_cpu])
+        coef = [max(0.0, load["step_s"] - slope[1] * b_mean - slope[2] * ctx), slope[1],
+                slope[2]]
+        s1 = coef[0] + coef[1] + coef[2] * (_HANDOFF_PROMPT + n // 2)
+        basis = (f"D's engine-core CPU seconds over the front-end load runs (vllm bench serve, "
+                 f"cpu section), fitted against its steps (vllm:iteration_tokens_total count) "
+                 f"and requests: {load['step_s'] * 1000:.2f} ms per step at a mean batch of "
+                 f"{b_mean:.2f}; the slopes in batch and context from D's CPU per step while B "
+                 f"concurrent streams of {_DECODE_TOKENS} tokens ran (B = {list(_BATCHES)}); ")
+    else:
+        extra = 0.0
+        if d_first and d_rest:
+            total = statistics.fmean(d_first) + statistics.fmean(d_rest)
+            extra = max(0.0, (total - _SPIN_S - n * c1) / (1.0 - n / steps))
+        s1 = c1 - extra / steps
+        coef = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu],
+                            [t - extra * b / steps for b, _, t in m.decode_cpu])
+        basis = (f"least squares over D's engine-core CPU seconds per engine step "
+                 f"(vllm:iteration_tokens_total count) while B concurrent streams of "
+                 f"{_DECODE_TOKENS} tokens ran through the proxy, push (B = {list(_BATCHES)}, "
+                 f"prompt {_DECODE_PROMPT}; B = 4, prompt {_LONG_PROMPT}), less D's CPU per "
+                 "request beyond its steps spread over them; ")
+    doc["decode"].update(zip(("step_base_s", "per_seq_s", "per_ctx_token_s"), coef, strict=True))
+    for k in ("step_base_s", "per_seq_s", "per_ctx_token_s"):
+        src[f"decode.{k}"] = basis + tag
+    admit = min(extra, max(0.0, statistics.fmean(d_first) - s1)) if d_first else 0.0
+    extra_how = ("the load runs' fit against D's steps and requests, see decode.step_base_s"
+                 if "step_s" in load else f"sequential {_HANDOFF_PROMPT}-token requests, {n} "
+                 "steps and one spin removed, the steps' CPU from the decode rounds")
+    prefill = pre["step_base_s"] + pre["per_token_s"] * _HANDOFF_PROMPT + \
+        pre["per_token_ctx_s"] * _HANDOFF_PROMPT ** 2 / 2
+    how = (f"sequential {_HANDOFF_PROMPT}-token, {n}-token requests through the proxy, pull and "
+           "push, engine-core CPU sampled every 5 ms (idle burn removed)")
+    return {
+        "p_engine_request_s": (max(0.0, statistics.fmean(p_total) - prefill - _SPIN_S)
+                               if p_total else 0.0,
+                               f"P's engine CPU per request ({how}) less its prefill step and "
+                               f"one spin; {tag}"),
+        "d_engine_request_s": (admit, f"D's engine CPU from send to first token ({how}) less one "
+                                      f"decode step; {tag}"),
+        "d_engine_stream_s": (extra - admit,
+                              f"D's engine CPU per request beyond its steps ({extra_how}) less "
+                              f"d_engine_request_s; {tag}"),
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -377,6 +543,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="host",
                    help="profile whose unmeasured parameters (model shape, headroom) are kept")
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
+    p.add_argument("--cpu-modes", default="pull,push",
+                   help="modes whose front-end CPU cost is measured with real `vllm bench serve` "
+                        "runs (comma-separated; 'none' skips it)")
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -393,7 +562,12 @@ def cli_main(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[calibrate] {msg}", flush=True)
 
-    m = measure(args.backend, args.reps, log_dir, say)
+    cpu_modes: tuple[str, ...] = ()
+    if args.cpu_modes.strip().lower() != "none":
+        from kvbridge.cli import parse_names
+
+        cpu_modes = parse_names(args.cpu_modes, ("pull", "push"), "--cpu-modes", "mode")
+    m = measure(args.backend, args.reps, log_dir, say, cpu_modes)
     doc = derive(m, base, args.backend, socket.gethostname())
     calibration = doc.pop("calibration")
     parse_profile(doc, str(args.out))  # what we write must load

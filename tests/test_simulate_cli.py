@@ -164,3 +164,22 @@ def test_validate_reads_the_fleet_shape(tmp_path: Path) -> None:
     assert [(r.fleet, r.mode) for r in rows] == [("2P2D", "push")]
     assert rows[0].measured["ttft_p50"] == data["rows"][0]["ttft_p50"]
     assert within(rows[0], "ttft_p50", 10.0) is True
+
+
+def test_published_compares_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "published", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["num_prompts"] == 100 and doc["limits"] == {"pull": 9, "push": 12}
+    roles = [r["role"] for r in doc["rows"]]
+    assert roles.count("held out") == 4 and roles.count("fitted (req/s)") == 2
+    for r in doc["rows"]:
+        assert r["simulated_req_s"] > 0 and r["published_req_s"] > 0
+    code, out, _ = run(capsys, "published")
+    assert code == 0 and "pull 512/128 @ 8" in out and "PR #35264" in out
+
+
+@pytest.mark.parametrize("seeds", ["x", "", "-1", ",".join(["1"] * 101)])
+def test_published_refuses_bad_seeds(capsys: pytest.CaptureFixture[str], seeds: str) -> None:
+    code, _, err = run(capsys, "published", "--seeds", seeds)
+    assert code == 1 and "--seeds" in err

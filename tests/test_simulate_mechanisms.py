@@ -295,6 +295,7 @@ def test_fit_cpu_recovers_known_costs() -> None:
         assert fit[proc]["request_s"] == pytest.approx(a, abs=1e-9)
         assert fit[proc]["token_s"] == pytest.approx(b, abs=1e-9)
     doc = profile_to_dict(load_profile("host"))
+    before = dict(doc["proxy"])
     derive_cpu(m, doc, "test", cores=2, spin_s=0.002,
                engines={"d_engine_stream_s": (0.01, "measured elsewhere")})
     p = parse_profile(doc)
@@ -303,8 +304,11 @@ def test_fit_cpu_recovers_known_costs() -> None:
     assert p.cpu.client_request_s == pytest.approx(0.004)
     assert p.cpu.d_engine_stream_s == 0.01
     assert p.sources["cpu.d_engine_stream_s"] == "measured elsewhere"
-    # every hop's cost is CPU on the shared cores now: no wall-clock delay left on them
-    assert p.proxy.request_s == p.proxy.stream_s == p.proxy.answer_s == 0.0
+    # every hop's cost is CPU on the shared cores now: no wall-clock delay left on them, but
+    # the first token's own way out, less the per-token CPU already counted
+    assert p.proxy.request_s == p.proxy.answer_s == p.proxy.client_s == 0.0
+    assert p.proxy.stream_s == pytest.approx(
+        max(0.0, before["stream_s"] - 0.0007 - 0.0004 - 0.0009))
     assert "vllm bench serve" in p.sources["cpu.client_token_s"]
 
 

@@ -310,12 +310,19 @@ def derive_cpu(m: CpuMeasurements, doc: dict[str, Any], tag: str, cores: int,
                                 "(kvbridge bench serve's default)")
     src["cpu.background"] = ("0: other jobs on the host are not modelled (compare the load "
                              "average recorded with each measurement)")
-    for key in ("client_s", "request_s", "answer_s", "stream_s", "per_prompt_token_s"):
-        doc["proxy"][key] = 0.0
+    px = doc["proxy"]
+    for key in ("client_s", "request_s", "answer_s", "per_prompt_token_s"):
+        px[key] = 0.0
         src[f"proxy.{key}"] = ("0: with the cores modelled, a hop costs the CPU seconds of the "
                                "processes on it (cpu section); the wall-clock gaps calibrate "
                                "measures also hold the contention of the host at that time, "
                                "which the model produces itself")
+    px["stream_s"] = max(0.0, px["stream_s"] - cpu["d_api_token_s"] - cpu["proxy_token_s"]
+                         - cpu["client_token_s"])
+    src["proxy.stream_s"] = (src.get("proxy.stream_s", "") + "; less the per-token CPU of D's "
+                             "API server, the proxy and the client (cpu section): what is left "
+                             "is the first token's own way out (engine → API server IPC, the "
+                             "response's start), a wall-clock delay on every token")
 
 
 def cpu_record(m: CpuMeasurements) -> dict[str, Any]:

@@ -15,7 +15,8 @@ A floating task fills whatever the pinned ones leave. A job of ``work`` CPU seco
 its task has received that much CPU; rates change whenever a task becomes runnable or idle, and
 every job in flight is re-timed then. A task may also *spin* after its queue empties (an engine
 loop polling for ``spin_s`` wall seconds before it sleeps): it stays runnable, taking its share,
-without work. ``background`` adds always-runnable floating tasks (other jobs on the host).
+without work. ``background`` adds that many always-runnable floating tasks, a fraction being one
+task of that weight (other jobs on the host).
 
 Deterministic; single-threaded (driven by one :class:`~kvbridge.simulate.events.EventLoop`).
 """
@@ -129,7 +130,8 @@ class CpuPool:
         """New rates for the runnable set; the next job completion or spin end as an event."""
         runnable = [task for task in self.tasks if task.jobs or task.spin_until > t + _EPS]
         spec: list[tuple[float, int | None]] = [(task.weight, task.core) for task in runnable]
-        spec += [(self.background, None)] if self.background > 0 else []
+        whole, part = divmod(self.background, 1.0)
+        spec += [(1.0, None)] * int(whole) + ([(part, None)] if part > 0 else [])
         key = tuple(spec)
         shares = self._shares.get(key)
         if shares is None:

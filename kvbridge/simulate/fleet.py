@@ -26,6 +26,13 @@ push
 
 A transfer moves the whole prompt's KV (a prefix hit on P saves P's compute, not the hand-off).
 Descriptors per rank: ``layers * kv_planes * runs``, ``runs`` from the profile's fragmentation.
+
+The proxy admits at most ``proxy.<mode>_max_in_flight`` requests of a mode per D engine between
+its admission and the client's last token; later ones wait FIFO. With a ``cpu`` section the
+host's cores are shared (:mod:`kvbridge.simulate.cpu`): engines pinned, every hop (client,
+proxy, API servers) and every streamed token costs CPU on its floating process, each engine's
+per-request work beyond its steps runs next to them, and TTFT/TPOT are taken when the client has
+parsed the token.
 """
 
 from __future__ import annotations

@@ -85,6 +85,8 @@ class StandIn:
     error_answer: str | None = None  # prefill: answer kvbridge_error (nothing handed off)
     bad_params: dict[str, Any] | None = None  # prefill: merged into its answer's params
     fail_first: int = 0  # with fail_status: fail only the first N generation requests
+    error_event: bool = False  # decode stream: 200, then an in-band error event (vLLM's way
+    # of failing a streamed request after its headers, e.g. a KV load); fail_first applies
     seen: list[Seen] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -184,6 +186,16 @@ class StandIn:
         return web.json_response(answer)
 
     async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if (self.error_event and body.get("stream")
+                and (not self.fail_first or len(self.requests()) <= self.fail_first)):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await asyncio.sleep(self.first_delay)
+            err = {"error": {"message": "stand-in KV load failed", "type": "InternalServerError",
+                             "code": 500}}
+            await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            await out.write_eof()
+            return out
         if self.headers_first and body.get("stream") and not self._failing():
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
@@ -1179,6 +1191,68 @@ async def test_fleet_stream_broken_before_its_first_byte_is_retried_after_it_is_
     text = await metrics_text(client, proxy)
     assert prom.value(text, P + "retries_total", mode="pull", reason="decode_failed") == 1
     assert prom.value(text, P + "requests_total", mode="pull", outcome="upstream_error") == 1
+
+
+async def test_fleet_stream_that_starts_with_an_error_event_is_retried(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    """vLLM fails a streamed request whose KV load failed with 200 + an error event before any
+    token: nothing reached the client yet, so it is a D failure like a 500."""
+    ps, ds = await fleet(engines, d={"error_event": True, "first_delay": 0.1})
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=ProxyMode.PULL)
+    received = await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    assert received == b"".join(sse_chunks(3))
+    assert len(ds[0].requests()) == len(ds[1].requests()) == 1
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode="pull", reason="decode_failed") == 1
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="ok") == 1
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_stream_error_event_before_any_token_is_an_explained_502(
+    engines: Any, proxies: Any, client: Any, controls: Any, mode: ProxyMode
+) -> None:
+    d_ctl = controls("failed: READ from P-standin failed: connection refused")
+    p = await engines("prefill", prefill_delay=0.0 if mode is ProxyMode.PULL else 3.0)
+    d = await engines("decode", error_event=True, control_port=d_ctl.port, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    status, answer = await post(client, proxy.url + "/v1/completions",
+                                {**COMPLETION, "stream": True})
+    assert status == 502, answer
+    assert answer["error"]["message"].endswith(": READ from P-standin failed: connection refused")
+    if mode is ProxyMode.PUSH:  # the P leg is closed with the failed D leg
+        await asyncio.wait_for(p.cancelled.wait(), 5.0)
+    d_ctl.default = None  # no engine knows why: D's own message
+    status, answer = await post(client, proxy.url + "/v1/completions",
+                                {**COMPLETION, "stream": True})
+    assert status == 502 and "failed the request: stand-in KV load failed" in (
+        answer["error"]["message"])
+
+
+@pytest.mark.parametrize(
+    ("head", "error"),
+    [
+        (b'data: {"error": {"message": "boom", "code": 500}}\n\ndata: [DONE]\n\n', "boom"),
+        (b'data:{"error": "flat"}\n\n', "flat"),
+        (b'data: {"error": {}}\n\n', "an error event"),
+        (b'data: {"error": {"message": "' + b"x" * 2000 + b'"}}\n\n', "x" * 500),
+        (b'data: {"choices": [{"text": "t"}], "error": null}\n\n', None),  # a token
+        (b'data: {"choices": [{"text": "t"}]}\n\ndata: {"error": "late"}\n\n', None),
+        (b"data: [DONE]\n\n", None),
+        (b"data: {not json\n\n", None),
+        (b"data: [1, 2]\n\n", None),
+        (b'data: "error"\n\n', None),
+        (b"data: \xff\xfe\n\n", None),
+        (b"data: " + b"[" * 5000 + b"\n\n", None),  # too deep for the JSON parser
+        (b": keep-alive\n\n", None),
+        (b"", None),
+    ],
+)
+def test_a_streams_first_event_is_an_error_only_when_it_says_so(head: bytes,
+                                                                 error: str | None) -> None:
+    from kvbridge.proxy.app import _stream_error
+
+    assert _stream_error(head) == error
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3])

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from kvbridge.control import ControlClient
-from kvbridge.messages import Codec, TransferQuery, TransferReply
+from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 from kvbridge.params import push_decode_request
 from kvbridge.testing import prom
 from kvbridge.testing.engines import (
@@ -114,8 +114,6 @@ class Fleet:
         return int(engine_stats(self.address(name)).get(key, 0))
 
     def pending(self, name: str) -> int:
-        from kvbridge.messages import StatsQuery, StatsReply
-
         client = ControlClient(Codec(), 30.0)
         try:
             reply = client.request(self.address(name), StatsQuery())

@@ -227,6 +227,31 @@ def _decode_answered(d: Engine, resp: web.StreamResponse) -> _LegFailed:
     )
 
 
+_FIRST_EVENT_MAX = 64 << 10
+
+
+def _stream_error(head: bytes) -> str | None:
+    """The message of the error event an SSE stream starts with, else None.
+
+    vLLM answers a streamed request that fails after its headers went out (a KV load that
+    failed: ``GenerationError``) with HTTP 200 and ``data: {"error": {...}}`` before any token;
+    the proxy reads that first event before it commits anything to the client. Anything else,
+    malformed data included, is not an error event (it is relayed as it came).
+    """
+    event = head.split(b"\n\n", 1)[0].strip()
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        data = json.loads(event[5:])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(data, dict) or "error" not in data or data.get("choices"):
+        return None
+    err = data["error"]
+    message = err.get("message") if isinstance(err, dict) else err
+    return str(message or "an error event")[:500]
+
+
 def _cause_of(exc: BaseException) -> Cause:
     """How a request to an engine failed, from the exception aiohttp (or a parser) raised."""
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
@@ -916,7 +941,13 @@ class ProxyServer:
                         p_leg.cancel()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return web.Response(body=raw, status=resp.status, headers={"Content-Type": ctype})
-            first = await self._gate(asyncio.ensure_future(self._next_chunk(d, resp)), p_leg)
+            first = await self._gate(asyncio.ensure_future(self._first_event(d, resp)), p_leg)
+            problem = _stream_error(first)
+            if problem is not None:  # D failed the request (e.g. its KV load) before a token
+                if p_leg is not None:
+                    p_leg.cancel()
+                raise _LegFailed(502, f"decode engine {d.url} failed the request: {problem}",
+                                 "decode_error", cause=Cause.SERVER_ERROR)
             out = web.StreamResponse(
                 status=resp.status,
                 headers={
@@ -956,6 +987,15 @@ class ProxyServer:
             if resp is not None:
                 resp.close()  # closing mid-stream aborts the request inside vLLM
             d.release()
+
+    async def _first_event(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
+        """D's stream up to the end of its first SSE event (or its end, or 64 KiB)."""
+        buf = b""
+        while True:
+            chunk = await self._next_chunk(d, resp)
+            buf += chunk
+            if not chunk or b"\n\n" in buf or len(buf) >= _FIRST_EVENT_MAX:
+                return buf
 
     async def _next_chunk(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
         try:

@@ -512,7 +512,7 @@ def read_prefill_answer(raw: Any, transfer_id: str, mode: ProxyMode) -> Transfer
         if not answer.do_remote_prefill:
             raise ParamsError("kv_transfer_params.do_remote_prefill",
                               "a pull answer must set do_remote_prefill")
-        if not answer.remote_block_ids:
+        if not (answer.remote_block_ids or answer.remote_block_groups):
             raise ParamsError("kv_transfer_params.remote_block_ids",
                               "a pull answer must name the prompt's blocks")
         if answer.transfer_id is None:

@@ -32,7 +32,9 @@ SEEDS = {"pull": {"ttft": 1744.0, "tpot": 10.4}, "push": {"ttft": 540.0, "tpot":
 
 @pytest.fixture(scope="module")
 def host() -> Profile:
-    return load_profile("host")
+    """This host's costs on dedicated cores: the fleet mechanics under test do not depend on
+    the shared-core model (tests/test_simulate_mechanisms.py tests that)."""
+    return load_profile("host").replace(cpu=None)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_push_commits_d_early_and_pull_late(host: Profile) -> None:
         assert r.t_d_admit < r.t_kv_ready  # D allocates while P prefills
     for r in pull.requests:
         assert r.t_d_recv is not None and r.t_kv_ready is not None
-        assert r.t_d_recv > r.t_kv_ready  # D is chosen after P answered
+        assert r.t_d_recv >= r.t_kv_ready  # D is chosen once P answered, not before
 
 
 def test_a_prompt_larger_than_the_pool_is_refused(host: Profile) -> None:
@@ -107,7 +109,7 @@ def test_runs_are_deterministic(seeds: Profile) -> None:
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_more_load_means_higher_ttft(host: Profile, mode: str) -> None:
-    rows = sweep(host, _work(1, n=400), Fleetspec(), [10, 40, 70, 90], [mode])
+    rows = sweep(host, _work(1, n=400), Fleetspec(), [10, 40, 90, 150], [mode])
     p90 = [s.ttft["p90"] for s in rows]
     assert p90 == sorted(p90) and p90[-1] > 1.5 * p90[0], p90
 
@@ -152,7 +154,7 @@ def seeds_run(seeds: Profile) -> dict[str, dict[str, float]]:
     sc = seeds.scenario
     assert sc is not None
     w = Workload(rate=sc.rate, requests=sc.requests, prompt=Lengths(sc.prompt_len),
-                 output=Lengths(sc.output_len))
+                 output=Lengths(sc.output_len), arrival=sc.arrival, seed=sc.seed)
     out = {}
     for mode in ("pull", "push"):
         s = run_one(seeds, w, Fleetspec(sc.prefills, sc.decodes, mode, sc.prefix_hit))
@@ -160,24 +162,40 @@ def seeds_run(seeds: Profile) -> dict[str, dict[str, float]]:
     return out
 
 
-@pytest.mark.parametrize("mode, metric", [("push", "ttft"), ("push", "tpot"), ("pull", "tpot")])
+@pytest.mark.parametrize("mode, metric", [("push", "ttft"), ("push", "tpot"), ("pull", "tpot"),
+                                          ("pull", "ttft")])
 def test_seeds_reproduced_within_25_percent(seeds_run: dict[str, dict[str, float]], mode: str,
                                             metric: str) -> None:
-    """Push TTFT (the one calibrated scenario number, prefix_hit) and both TPOTs (from the
-    mechanism: READ posts on D's loop vs P's writer thread) land within 25 %."""
+    """Push TTFT is the one scenario number calibrated (prefix_hit); both TPOTs come from the
+    READ posts on D's loop vs P's writer thread; pull TTFT from the finite, overloaded
+    ``vllm bench serve`` run: 100 prompts and per-mode in-flight limits, both taken from vLLM
+    PR #35264's own rows (same author, hardware and harness), not from the seeds' numbers
+    (profile sources; docs/simulator.md says what that assumes)."""
     got, want = seeds_run[mode][metric], SEEDS[mode][metric]
     assert abs(got / want - 1) <= 0.25, (mode, metric, got, want)
 
 
 def test_seeds_pull_is_slower_than_push(seeds_run: dict[str, dict[str, float]]) -> None:
-    assert seeds_run["pull"]["ttft"] > 1.15 * seeds_run["push"]["ttft"]
-    assert seeds_run["pull"]["tpot"] > 1.3 * seeds_run["push"]["tpot"]
+    assert seeds_run["pull"]["ttft"] > 2 * seeds_run["push"]["ttft"]
+    assert seeds_run["pull"]["tpot"] > 1.15 * seeds_run["push"]["tpot"]
 
 
-@pytest.mark.xfail(strict=True, reason="the published pull TTFT (1744 ms) needs a pull-only "
-                   "queue near saturation that no published cost produces; docs/simulator.md")
-def test_seeds_pull_ttft_within_25_percent(seeds_run: dict[str, dict[str, float]]) -> None:
-    assert abs(seeds_run["pull"]["ttft"] / SEEDS["pull"]["ttft"] - 1) <= 0.25
+def test_seeds_pull_ttft_needs_the_finite_overloaded_run(seeds: Profile) -> None:
+    """Without the in-flight limits pull keeps up and its TTFT is far below the published
+    1744 ms; with them, it falls behind and its mean TTFT is the backlog of the run, which grows
+    with the number of prompts."""
+    sc = seeds.scenario
+    assert sc is not None
+    free = seeds.replace(proxy=replace(seeds.proxy, pull_max_in_flight=0, push_max_in_flight=0))
+    means = {}
+    for name, profile, n in (("free", free, 100), ("100", seeds, 100), ("200", seeds, 200)):
+        w = Workload(rate=sc.rate, requests=n, prompt=Lengths(sc.prompt_len),
+                     output=Lengths(sc.output_len), arrival="vllm", seed=sc.seed)
+        s = run_one(profile, w, Fleetspec(mode="pull", prefix_hit=sc.prefix_hit))
+        means[name] = s.ttft["mean"]
+        if name != "free":
+            assert s.bench_throughput < 0.85 * sc.rate  # it does not keep up
+    assert means["free"] < 0.5 * SEEDS["pull"]["ttft"] < means["100"] < means["200"]
 
 
 # -- sizing ---------------------------------------------------------------------------------------

@@ -4,12 +4,13 @@ they write, and validation against the committed bench serve results. No engines
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvbridge import cli
-from kvbridge.simulate.profile import load_profile
+from kvbridge.simulate.profile import load_profile, profile_to_dict
 from kvbridge.simulate.validate import load_results, validate, within
 
 pytestmark = pytest.mark.timeout(180)
@@ -17,7 +18,17 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "bench_serve-2026-12-03.json"
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL = ["--profile", "host", "--requests", "60"]
+DEDICATED = Path(tempfile.mkdtemp(prefix="kvbridge-sim-cli-")) / "host-dedicated.json"
+SMALL = ["--profile", str(DEDICATED), "--requests", "60"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dedicated_host() -> None:
+    """The host profile's costs on dedicated cores (no cpu section): fast, and the sizing
+    questions below ask about fleets, not about this 2-core box."""
+    doc = profile_to_dict(load_profile("host"))
+    doc.pop("cpu", None)
+    DEDICATED.write_text(json.dumps(doc))
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -48,7 +59,8 @@ def test_run_from_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps([{"arrival_s": i * 0.05, "prompt_len": 100 + i,
                                   "output_len": 8} for i in range(40)]))
-    code, out, _ = run(capsys, "run", "--profile", "host", "--trace", str(trace), "--json")
+    code, out, _ = run(capsys, "run", "--profile", str(DEDICATED), "--trace", str(trace),
+                       "--json")
     assert code == 0 and [r["completed"] for r in json.loads(out)] == [40, 40, 40]
 
 
@@ -61,7 +73,8 @@ def test_sweep_writes_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_size_answers_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "size", "--profile", "host", "--requests", "200", "--mode",
+    code, out, _ = run(capsys, "size", "--profile", str(DEDICATED), "--requests", "200",
+                       "--mode",
                        "push", "--rate", "150", "--prompt-len", "400", "--ttft-slo", "80",
                        "--tpot-slo", "15", "--max-engines", "6")
     assert code == 0
@@ -151,3 +164,22 @@ def test_validate_reads_the_fleet_shape(tmp_path: Path) -> None:
     assert [(r.fleet, r.mode) for r in rows] == [("2P2D", "push")]
     assert rows[0].measured["ttft_p50"] == data["rows"][0]["ttft_p50"]
     assert within(rows[0], "ttft_p50", 10.0) is True
+
+
+def test_published_compares_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "published", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["num_prompts"] == 100 and doc["limits"] == {"pull": 9, "push": 12}
+    roles = [r["role"] for r in doc["rows"]]
+    assert roles.count("held out") == 4 and roles.count("fitted (req/s)") == 2
+    for r in doc["rows"]:
+        assert r["simulated_req_s"] > 0 and r["published_req_s"] > 0
+    code, out, _ = run(capsys, "published")
+    assert code == 0 and "pull 512/128 @ 8" in out and "PR #35264" in out
+
+
+@pytest.mark.parametrize("seeds", ["x", "", "-1", ",".join(["1"] * 101)])
+def test_published_refuses_bad_seeds(capsys: pytest.CaptureFixture[str], seeds: str) -> None:
+    code, _, err = run(capsys, "published", "--seeds", seeds)
+    assert code == 1 and "--seeds" in err

@@ -1,24 +1,19 @@
-"""``kvbridge simulate calibrate``: measure this host's step costs on real engines → a profile.
+"""``kvbridge simulate calibrate``: measure this host's costs on real engines → a profile.
 
-Starts the engine pair of ``kvbridge bench e2e`` (the tiny model, P on core 0, D on core 1,
-``--block-size 32``, KVBridgeConnector over ``--backend``), then measures, one thing at a time:
+:mod:`kvbridge.simulate.calibrate_measure` takes the measurements (engines, proxies, real
+``vllm bench serve`` runs); :func:`derive` turns them into a profile document by least squares:
 
-1. **P's prefill step** against prompt length: sequential one-token requests sent straight to P,
-   each with a fresh prompt; the engine-side time is vLLM's ``vllm:request_prefill_time_seconds``
-   (one step for these lengths), the client-side wall time minus it is the HTTP round trip.
-   Least squares gives ``step_base_s + per_token_s * L + per_token_ctx_s * L^2/2``.
-2. **D's decode step** against batch size and context: B concurrent streams through the kvbridge
-   proxy in push mode, as ``kvbridge bench serve`` sends them (B = 1, 2, 4, 8 at one prompt
-   length, and B = 4 at a longer one); the median of the streams' mean inter-token times is the
-   step time of that batch *as a client sees it*, streaming path included. Least squares gives
-   ``step_base_s + per_seq_s * B + per_ctx_token_s * sum(context)``.
-3. **The hand-off**, through the real kvbridge proxy in pull and in push, sequential requests:
-   the engines' own per-transfer timings (``StatsQuery``: P ``kv_ready``, ``write_posted``,
-   ``write_done``; D ``recv_start``, ``recv_done``, ``first_step``) and the client's send and
-   first-token times give each gap the profile needs (see :func:`derive`).
+- ``prefill``: ``step_base_s + per_token_s * L + per_token_ctx_s * L^2/2`` over the prefill
+  times; ``decode``: ``step_base_s + per_seq_s * B + per_ctx_token_s * sum(context)`` over the
+  decode steps. With CPU measurements (the default) both come from the engines' CPU seconds,
+  which other jobs on the host move far less than wall time (:func:`_cpu_step_costs`); else
+  from wall time.
+- the hand-off gaps (``proxy``, ``link``, ``pull``, ``push``, ``decode.idle_wake_s``) from the
+  sequential requests' medians;
+- the ``cpu`` section (the host's shared cores) from the front ends' load runs
+  (:func:`kvbridge.simulate.calibrate_cpu.derive_cpu`).
 
-Everything runs from this process; engines are stopped at the end, also on error. Run it under
-``nice`` on a shared host and on a quiet one: the load average is recorded in the profile.
+What is not measured stays as in the base profile, and every source says which is which.
 """
 
 from __future__ import annotations
@@ -28,226 +23,32 @@ import datetime
 import json
 import os
 import statistics
-import time
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import ConfigError
+from kvbridge.simulate.calibrate_cpu import cpu_record, derive_cpu, fit_cpu
+from kvbridge.simulate.calibrate_measure import (
+    _BATCHES,
+    _DECODE_PROMPT,
+    _DECODE_TOKENS,
+    _HANDOFF_PROMPT,
+    _HANDOFF_TOKENS,
+    _KV_CACHE_BYTES,
+    _LONG_PROMPT,
+    _MAX_NUM_SEQS,
+    _SPIN_S,
+    Measurements,
+    measure,
+)
 
-__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure"]
-
-_PREFILL_LENS = (32, 128, 256, 512, 896)
-_BATCHES = (1, 2, 4, 8)
-_DECODE_PROMPT = 200
-_LONG_PROMPT = 800
-_DECODE_TOKENS = 48
-_HANDOFF_PROMPT = 200
-_HANDOFF_TOKENS = 16
-_KV_CACHE_BYTES = 268435456  # kvbridge.testing.engines.BASE_ARGS --kv-cache-memory-bytes
-_MAX_NUM_SEQS = 8  # BASE_ARGS --max-num-seqs
-
-
-@dataclass
-class Measurements:
-    """Raw figures of one calibration run (seconds)."""
-
-    prefill: dict[int, list[float]] = field(default_factory=dict)
-    """prompt length → engine-side prefill times"""
-    http_rtt: list[float] = field(default_factory=list)
-    """direct P requests: client wall time minus the engine's prefill time"""
-    decode: list[tuple[int, int, float]] = field(default_factory=list)
-    """(batch, summed context tokens, mean step time) per stream"""
-    gaps: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    """mode → gap name (``kv_ready->recv_done`` ...) → values"""
-    ttft: dict[str, list[float]] = field(default_factory=dict)
-    max_batched_tokens: int = 0
-    loadavg: list[str] = field(default_factory=list)
+__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure", "nonneg_lstsq"]
 
 
-def _metric(url: str, name: str) -> tuple[float, float]:
-    from kvbridge.bench_e2e import prom_sum
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode("utf-8", "replace")
-    return prom_sum(text, name + "_sum"), prom_sum(text, name + "_count")
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
-def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], None]) -> None:
-    from kvbridge.testing.engines import complete
-    from kvbridge.testing.tiny_model import random_prompts
-
-    name = "vllm:request_prefill_time_seconds"
-    prompts = {n: random_prompts(reps + 1, n, seed=1000 + i)
-               for i, n in enumerate(_PREFILL_LENS)}
-    for j in range(reps + 1):  # lengths interleaved, so drifting host load hits them alike
-        for length in _PREFILL_LENS:
-            s0, c0 = _metric(url, name)
-            t0 = time.perf_counter()
-            complete(url, prompts[length][j], 1, timeout=120)
-            wall = time.perf_counter() - t0
-            s1, c1 = _metric(url, name)
-            if c1 - c0 != 1 or j == 0:  # the first round warms up every shape
-                continue
-            m.prefill.setdefault(length, []).append(s1 - s0)
-            m.http_rtt.append(wall - (s1 - s0))
-    say("prefill (ms, medians): " + ", ".join(
-        f"{n} tokens {statistics.median(v) * 1000:.1f}" for n, v in m.prefill.items()))
-
-
-def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], None]) -> None:
-    from kvbridge.testing.engines import stream_complete
-    from kvbridge.testing.tiny_model import random_prompts
-
-    shapes = [(b, _DECODE_PROMPT) for b in _BATCHES] + [(4, _LONG_PROMPT)]
-    seed = 5000
-    with ThreadPoolExecutor(max(_BATCHES)) as pool:
-        for rep in range(max(2, reps // 2)):  # shapes interleaved, as for prefill
-            for batch, plen in shapes:
-                seed += 1
-                prompts = random_prompts(batch, plen, seed=seed)
-                futs = [pool.submit(stream_complete, url, p, _DECODE_TOKENS,
-                                    extra={"ignore_eos": True}, timeout=120) for p in prompts]
-                tpots = [t for t in (f.result().tpot for f in futs) if t is not None]
-                if rep > 0 and tpots:  # the first round warms up every shape
-                    m.decode.append((batch, batch * (plen + _DECODE_TOKENS // 2),
-                                     statistics.median(tpots)))
-    by_shape: dict[tuple[int, int], list[float]] = {}
-    for b, c, t in m.decode:
-        by_shape.setdefault((b, c), []).append(t)
-    say("decode step (ms, medians): " + ", ".join(
-        f"batch {b} context {c} {statistics.median(v) * 1000:.2f}"
-        for (b, c), v in by_shape.items()))
-
-
-def _control(url: str) -> str:
-    from kvbridge.params import probe_request
-    from kvbridge.testing.engines import complete
-
-    params = complete(url, [1], 1, probe_request(), timeout=60)["kv_transfer_params"]
-    return f"tcp://{params['remote_host']}:{params['remote_port']}"
-
-
-def _timings(address: str) -> dict[str, dict[str, float]]:
-    from kvbridge.control import ControlClient
-    from kvbridge.messages import Codec, StatsQuery, StatsReply
-
-    client = ControlClient(Codec(os.environ.get("KVBRIDGE_SECRET")), 10.0)
-    try:
-        reply = client.request(address, StatsQuery())
-    finally:
-        client.close()
-    if not isinstance(reply, StatsReply):
-        raise ConfigError(f"{address} did not answer a stats query")
-    return {k: dict(v) for k, v in reply.timings.items()}
-
-
-def _gap(a: Mapping[str, float], ea: str, b: Mapping[str, float], eb: str) -> float | None:
-    return b[eb] - a[ea] if ea in a and eb in b else None
-
-
-def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
-                     m: Measurements, say: Callable[[str], None]) -> None:
-    from kvbridge.testing.engines import stream_complete
-    from kvbridge.testing.tiny_model import random_prompts
-
-    p_ctl, d_ctl = _control(p_url), _control(d_url)
-    for k, mode in enumerate(("pull", "push")):
-        url = urls[mode]
-        prompts = random_prompts(reps + 2, _HANDOFF_PROMPT, seed=9000 + k)
-        for p in prompts[:2]:  # warm-up: handshakes, first transfers
-            stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True}, timeout=120)
-        seen = set(_timings(d_ctl))
-        sends: list[tuple[float, float]] = []
-        for p in prompts[2:]:
-            t_wall = time.time()
-            res = stream_complete(url, p, _HANDOFF_TOKENS, extra={"ignore_eos": True},
-                                  timeout=120)
-            if res.ttft is not None:
-                sends.append((t_wall, t_wall + res.ttft))
-                m.ttft.setdefault(mode, []).append(res.ttft)
-            time.sleep(0.05)
-        pt, dt = _timings(p_ctl), _timings(d_ctl)
-        # P records no kv_ready for pull transfers (only push producers are tracked):
-        # order the new transfers by D's recv_start, which every mode records.
-        fresh = sorted((t for t in dt if t not in seen and "recv_start" in dt[t]),
-                       key=lambda t: dt[t]["recv_start"])
-        gaps = m.gaps.setdefault(mode, {})
-        for tid, (t_send, t_first) in zip(fresh, sends, strict=False):
-            p_ev, d_ev = pt.get(tid, {}), dt[tid]
-            c = {"send": t_send, "first_token": t_first}
-            for name, value in (
-                    ("send->kv_ready", _gap(c, "send", p_ev, "kv_ready")),
-                    ("send->recv_start", _gap(c, "send", d_ev, "recv_start")),
-                    ("kv_ready->recv_start", _gap(p_ev, "kv_ready", d_ev, "recv_start")),
-                    ("recv_start->recv_done", _gap(d_ev, "recv_start", d_ev, "recv_done")),
-                    ("kv_ready->write_posted", _gap(p_ev, "kv_ready", p_ev, "write_posted")),
-                    ("write_posted->write_done",
-                     _gap(p_ev, "write_posted", p_ev, "write_done")),
-                    ("write_done->recv_done", _gap(p_ev, "write_done", d_ev, "recv_done")),
-                    ("recv_done->first_step", _gap(d_ev, "recv_done", d_ev, "first_step")),
-                    ("first_step->first_token",
-                     _gap(d_ev, "first_step", c, "first_token"))):
-                if value is not None:
-                    gaps.setdefault(name, []).append(value)
-        say(f"{mode}: " + ", ".join(f"{n} {statistics.median(v) * 1000:.1f}"
-                                    for n, v in gaps.items()) + " (ms, medians)")
-
-
-def _batched_tokens(log_path: Path | None) -> int:
-    """vLLM's chunked-prefill budget, from the engine's start-up log (0: not found)."""
-    import re
-
-    if log_path is None:
-        return 0
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return 0
-    found = re.findall(r"max_num_batched_tokens[=: ]+(\d+)", text)
-    return int(found[-1]) if found else 0
-
-
-def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None]) -> Measurements:
-    """Start the engines (and proxies), take every measurement, stop everything."""
-    from kvbridge.bench_e2e import engine_specs
-    from kvbridge.testing.engines import start_servers
-    from kvbridge.testing.proxies import ProxyThread
-    from kvbridge.testing.tiny_model import build_tiny_model
-
-    m = Measurements(loadavg=[_loadavg()])
-    p, d = engine_specs(f"kvbridge-{backend}", build_tiny_model(), log_dir)
-    proxies: ProxyThread | None = None
-    try:
-        say(f"starting the engine pair (logs in {log_dir})")
-        start_servers([p, d], timeout=600)
-        m.max_batched_tokens = _batched_tokens(p.log_path)
-        _measure_prefill(p.url, reps, m, say)
-        proxies = ProxyThread([p.url], [d.url], modes=("pull", "push")).start()
-        _measure_decode(proxies.urls["push"], reps, m, say)
-        _measure_handoff(p.url, d.url, proxies.urls, reps, m, say)
-    finally:
-        if proxies is not None:
-            proxies.close()
-        p.stop()
-        d.stop()
-    m.loadavg.append(_loadavg())
-    return m
-
-
-def _lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+def nonneg_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Non-negative least squares by clipping (coefficients the data cannot resolve are 0)."""
     a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
     coef = np.linalg.lstsq(a, b, rcond=None)[0]
@@ -278,7 +79,7 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
         for v in values:
             rows.append([1.0, length, length * length / 2])
             ys.append(v)
-    base_s, per_tok, per_ctx = _lstsq(rows, ys)
+    base_s, per_tok, per_ctx = nonneg_lstsq(rows, ys)
     doc["prefill"].update(step_base_s=base_s, per_token_s=per_tok, per_token_ctx_s=per_ctx)
     for k in ("step_base_s", "per_token_s", "per_token_ctx_s"):
         src[f"prefill.{k}"] = (f"least squares over vLLM's request_prefill_time of sequential "
@@ -287,13 +88,17 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
     if m.max_batched_tokens:
         doc["prefill"]["max_batched_tokens"] = m.max_batched_tokens
         src["prefill.max_batched_tokens"] = "vLLM's start-up log of P (max_num_batched_tokens)"
-    d_base, d_seq, d_ctx = _lstsq([[1.0, b, c] for b, c, _ in m.decode], [t for *_, t in m.decode])
+    d_base, d_seq, d_ctx = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode],
+                                        [t for *_, t in m.decode])
     doc["decode"].update(step_base_s=d_base, per_seq_s=d_seq, per_ctx_token_s=d_ctx,
                          max_num_seqs=_MAX_NUM_SEQS)
     for k in ("step_base_s", "per_seq_s", "per_ctx_token_s"):
         src[f"decode.{k}"] = (f"least squares over the median inter-token time of B concurrent "
                               f"streams through the proxy, push (B = {list(_BATCHES)}, prompt "
                               f"{_DECODE_PROMPT}; B = 4, prompt {_LONG_PROMPT}); " + tag)
+    engines: dict[str, tuple[float, str]] = {}
+    if m.prefill_cpu and m.decode_cpu:
+        engines = _cpu_step_costs(m, doc, tag)
     kv_per_token = 2 * doc["model"]["layers"] * doc["model"]["kv_heads"] * \
         doc["model"]["head_dim"] * doc["model"]["dtype_bytes"]
     for role in ("prefill", "decode"):
@@ -366,8 +171,102 @@ def derive(m: Measurements, base: Mapping[str, Any], backend: str, host: str) ->
                     for mode, g in m.gaps.items()},
         "ttft_ms": {mode: round(_med(v) * 1000, 3) for mode, v in m.ttft.items()},
         "loadavg": m.loadavg,
+        "prefill_cpu_ms": {str(k): round(_med(v) * 1000, 3) for k, v in m.prefill_cpu.items()},
+        "decode_cpu": [[b, c, round(t * 1000, 3)] for b, c, t in m.decode_cpu],
+        "request_cpu_ms": {mode: {k: round(statistics.fmean(v) * 1000, 3) for k, v in g.items()
+                                  if v} for mode, g in m.request_cpu.items()},
     }
+    if m.cpu is not None and m.cpu.runs:
+        derive_cpu(m.cpu, doc, tag, os.cpu_count() or 1, _SPIN_S, engines)
+        doc["calibration"]["cpu"] = cpu_record(m.cpu)
     return doc
+
+
+def _cpu_step_costs(m: Measurements, doc: dict[str, Any], tag: str
+                    ) -> dict[str, tuple[float, str]]:
+    """Step costs from the engines' CPU seconds instead of wall time: what a step costs on a core
+    of its own, which other work on the host inflates far less (the CPU model,
+    :mod:`kvbridge.simulate.cpu`, stretches them by the engine's share of its core). Returns each
+    engine's CPU per request beyond its steps (``cpu.p_engine_request_s`` ... → (value,
+    source)), from the sequential hand-off requests.
+
+    D's extra ``e`` per request is spread over the decode rounds' steps (B streams of
+    ``_DECODE_TOKENS`` + 1 steps), so with ``c1`` the decode round's CPU per step at B = 1 and
+    ``T`` D's CPU for one hand-off request (``_HANDOFF_TOKENS`` steps and one spin):
+    ``c1 = s1 + e / 49`` and ``T = 16 s1 + e + spin`` give the step ``s1`` and ``e``; the part of
+    ``e`` before the first token (``T_first - s1``) is D's admission, the rest its stream."""
+    src: dict[str, str] = doc["sources"]
+    rows = [[1.0, n, n * n / 2] for n, values in m.prefill_cpu.items() for _ in values]
+    ys = [v for values in m.prefill_cpu.values() for v in values]
+    pre = dict(zip(("step_base_s", "per_token_s", "per_token_ctx_s"), nonneg_lstsq(rows, ys),
+                   strict=True))
+    doc["prefill"].update(pre)
+    for k in pre:
+        src[f"prefill.{k}"] = (f"least squares over P's engine-core CPU seconds per sequential "
+                               f"one-token request of {list(m.prefill_cpu)} tokens (idle burn and "
+                               f"one {_SPIN_S * 1000:g} ms spin removed); " + tag)
+    steps = _DECODE_TOKENS + 1
+    raw = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu], [t for *_, t in m.decode_cpu])
+    c1 = raw[0] + raw[1] + raw[2] * (_HANDOFF_PROMPT + _DECODE_TOKENS // 2)
+    d_first = [v for g in m.request_cpu.values() for v in g.get("d_first", [])]
+    d_rest = [v for g in m.request_cpu.values() for v in g.get("d_rest", [])]
+    p_total = [v for g in m.request_cpu.values() for v in g.get("p", [])]
+    n = _HANDOFF_TOKENS
+    load = fit_cpu(m.cpu).get("d_engine", {}) if m.cpu is not None else {}
+    if "step_s" in load:
+        # the load runs count D's steps: its CPU per step and per request separate there,
+        # under vllm bench serve's own sampling; the decode rounds give the slopes in B and
+        # context
+        extra = load["request_s"]
+        runs = m.cpu.runs if m.cpu is not None else []
+        b_mean = sum((r.completed or r.prompts) * r.output_len for r in runs) / max(
+            1, sum(r.d_steps for r in runs))
+        ctx = b_mean * (_HANDOFF_PROMPT + statistics.fmean(r.output_len for r in runs) / 2)
+        slope = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu],
+                             [t - extra * b / steps for b, _, t in m.decode_cpu])
+        coef = [max(0.0, load["step_s"] - slope[1] * b_mean - slope[2] * ctx), slope[1],
+                slope[2]]
+        s1 = coef[0] + coef[1] + coef[2] * (_HANDOFF_PROMPT + n // 2)
+        basis = (f"D's engine-core CPU seconds over the front-end load runs (vllm bench serve, "
+                 f"cpu section), fitted against its steps (vllm:iteration_tokens_total count) "
+                 f"and requests: {load['step_s'] * 1000:.2f} ms per step at a mean batch of "
+                 f"{b_mean:.2f}; the slopes in batch and context from D's CPU per step while B "
+                 f"concurrent streams of {_DECODE_TOKENS} tokens ran (B = {list(_BATCHES)}); ")
+    else:
+        extra = 0.0
+        if d_first and d_rest:
+            total = statistics.fmean(d_first) + statistics.fmean(d_rest)
+            extra = max(0.0, (total - _SPIN_S - n * c1) / (1.0 - n / steps))
+        s1 = c1 - extra / steps
+        coef = nonneg_lstsq([[1.0, b, c] for b, c, _ in m.decode_cpu],
+                            [t - extra * b / steps for b, _, t in m.decode_cpu])
+        basis = (f"least squares over D's engine-core CPU seconds per engine step "
+                 f"(vllm:iteration_tokens_total count) while B concurrent streams of "
+                 f"{_DECODE_TOKENS} tokens ran through the proxy, push (B = {list(_BATCHES)}, "
+                 f"prompt {_DECODE_PROMPT}; B = 4, prompt {_LONG_PROMPT}), less D's CPU per "
+                 "request beyond its steps spread over them; ")
+    doc["decode"].update(zip(("step_base_s", "per_seq_s", "per_ctx_token_s"), coef, strict=True))
+    for k in ("step_base_s", "per_seq_s", "per_ctx_token_s"):
+        src[f"decode.{k}"] = basis + tag
+    admit = min(extra, max(0.0, statistics.fmean(d_first) - s1)) if d_first else 0.0
+    extra_how = ("the load runs' fit against D's steps and requests, see decode.step_base_s"
+                 if "step_s" in load else f"sequential {_HANDOFF_PROMPT}-token requests, {n} "
+                 "steps and one spin removed, the steps' CPU from the decode rounds")
+    prefill = pre["step_base_s"] + pre["per_token_s"] * _HANDOFF_PROMPT + \
+        pre["per_token_ctx_s"] * _HANDOFF_PROMPT ** 2 / 2
+    how = (f"sequential {_HANDOFF_PROMPT}-token, {n}-token requests through the proxy, pull and "
+           "push, engine-core CPU sampled every 5 ms (idle burn removed)")
+    return {
+        "p_engine_request_s": (max(0.0, statistics.fmean(p_total) - prefill - _SPIN_S)
+                               if p_total else 0.0,
+                               f"P's engine CPU per request ({how}) less its prefill step and "
+                               f"one spin; {tag}"),
+        "d_engine_request_s": (admit, f"D's engine CPU from send to first token ({how}) less one "
+                                      f"decode step; {tag}"),
+        "d_engine_stream_s": (extra - admit,
+                              f"D's engine CPU per request beyond its steps ({extra_how}) less "
+                              f"d_engine_request_s; {tag}"),
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -377,6 +276,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="host",
                    help="profile whose unmeasured parameters (model shape, headroom) are kept")
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
+    p.add_argument("--cpu-modes", default="pull,push",
+                   help="modes whose front-end CPU cost is measured with real `vllm bench serve` "
+                        "runs (comma-separated; 'none' skips it)")
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -393,7 +295,12 @@ def cli_main(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[calibrate] {msg}", flush=True)
 
-    m = measure(args.backend, args.reps, log_dir, say)
+    cpu_modes: tuple[str, ...] = ()
+    if args.cpu_modes.strip().lower() != "none":
+        from kvbridge.cli import parse_names
+
+        cpu_modes = parse_names(args.cpu_modes, ("pull", "push"), "--cpu-modes", "mode")
+    m = measure(args.backend, args.reps, log_dir, say, cpu_modes)
     doc = derive(m, base, args.backend, socket.gethostname())
     calibration = doc.pop("calibration")
     parse_profile(doc, str(args.out))  # what we write must load

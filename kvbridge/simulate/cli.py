@@ -63,7 +63,9 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     g.add_argument("--requests", type=int, default=None, help="requests simulated")
     g.add_argument("--prompt-len", default=None, help="prompt tokens: N or LOW-HIGH (uniform)")
     g.add_argument("--output-len", default=None, help="output tokens: N or LOW-HIGH (uniform)")
-    g.add_argument("--arrival", default="poisson", choices=["poisson", "uniform"])
+    g.add_argument("--arrival", default=None, choices=["poisson", "uniform", "vllm"],
+                   help="arrival process (default: the profile's scenario, else poisson); vllm: "
+                        "vllm bench serve's own for --seed")
     g.add_argument("--trace", type=Path, default=None,
                    help="recorded arrivals (JSON list or CSV of arrival_s, prompt_len, "
                         "output_len) instead of --rate/--requests/lengths")
@@ -75,7 +77,8 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
                    help="auto: push while the least-loaded D has fewer in flight")
     g.add_argument("--warmup", type=float, default=0.0,
                    help="fraction of the first requests left out of the figures")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="random seed (default: the profile's scenario, else 0)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--decodes", type=int, default=None, help="override the file's D count")
     v.add_argument("--plot", type=Path, default=None, help="also draw a PNG here")
     v.set_defaults(func=_validate)
+
+    pb = sub.add_parser("published", help="vLLM PR #35264's published rows against the model "
+                        "(fitted vs held-out rows), optionally refitting the in-flight limits")
+    pb.add_argument("--profile", default="pr35264", help="profile (default pr35264)")
+    pb.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    pb.add_argument("--fit", action="store_true",
+                    help="refit proxy.pull/push_max_in_flight on the 8 QPS rows first")
+    pb.add_argument("--seeds", default="0",
+                    help="vllm bench serve seeds to replay, comma-separated (median; default 0)")
+    pb.add_argument("--json", action="store_true")
+    pb.set_defaults(func=_published)
 
     pr = sub.add_parser("profiles", help="list the shipped profiles, or show one with sources")
     pr.add_argument("name", nargs="?", default=None)
@@ -185,7 +199,9 @@ def _scenario(args: argparse.Namespace, profile: Profile,
               else Lengths(pick(None, "output_len", "--output-len")))
     workload = Workload(rate=float(pick(rate, "rate", "--rate")),
                         requests=int(pick(args.requests, "requests", "--requests")),
-                        prompt=prompt, output=output, arrival=args.arrival, seed=args.seed)
+                        prompt=prompt, output=output,
+                        arrival=args.arrival or (sc.arrival if sc else "poisson"),
+                        seed=args.seed if args.seed is not None else (sc.seed if sc else 0))
     spec = Fleetspec(
         prefills=pick(args.prefills, "prefills", "--prefills") if sc else (args.prefills or 1),
         decodes=pick(args.decodes, "decodes", "--decodes") if sc else (args.decodes or 1),
@@ -204,7 +220,8 @@ def _fmt(d: dict[str, float], key: str, nd: int = 1) -> str:
 
 def _summary_rows(rows: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "fleet", "rate", "done", "TTFT p50", "p90", "p99", "mean",
-               "TPOT p50", "p90", "p99", "mean", "hand-off p50", "req/s", "auto chose"]
+               "TPOT p50", "p90", "p99", "mean", "hand-off p50", "req/s", "bench req/s",
+               "auto chose"]
     out = []
     for s in rows:
         chose = ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items())) if s.mode == "auto" \
@@ -213,7 +230,7 @@ def _summary_rows(rows: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
                     _fmt(s.ttft, "p50"), _fmt(s.ttft, "p90"), _fmt(s.ttft, "p99"),
                     _fmt(s.ttft, "mean"), _fmt(s.tpot, "p50", 2), _fmt(s.tpot, "p90", 2),
                     _fmt(s.tpot, "p99", 2), _fmt(s.tpot, "mean", 2), _fmt(s.handoff, "p50"),
-                    f"{s.throughput:.2f}", chose or "-"])
+                    f"{s.throughput:.2f}", f"{s.bench_throughput:.2f}", chose or "-"])
     return headers, out
 
 
@@ -340,6 +357,62 @@ def _validate(args: argparse.Namespace) -> int:
               f"{args.tolerance:.0%}")
     if args.plot is not None:
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _published(args: argparse.Namespace) -> int:
+    from kvbridge.simulate.published import (
+        PR35264_ROWS,
+        PR35264_SOURCE,
+        fit_in_flight,
+        num_prompts_from,
+        simulate_row,
+    )
+
+    profile = _profile(args)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+    if not seeds or len(seeds) > 100 or any(not 0 <= x < 2 ** 32 for x in seeds):
+        raise ConfigError("--seeds: 1..100 integers in 0..2**32-1")
+    n = profile.scenario.requests if profile.scenario else 100
+    fit_rows = [r for r in PR35264_ROWS if r.qps == 8]
+    fitted: dict[str, int] = {}
+    if args.fit:
+        bare = profile.replace(proxy=replace(profile.proxy, pull_max_in_flight=0,
+                                             push_max_in_flight=0))
+        fitted = fit_in_flight(bare, fit_rows, n, seeds)
+        profile = profile.replace(proxy=replace(profile.proxy,
+                                                pull_max_in_flight=fitted.get("pull", 0),
+                                                push_max_in_flight=fitted.get("push", 0)))
+    keys = ("mean_ttft", "median_ttft", "p99_ttft", "mean_tpot", "req_s")
+    out = []
+    for row in PR35264_ROWS:
+        sim = simulate_row(profile, row, n, seeds)
+        out.append({"row": row.name, "role": "fitted (req/s)" if row in fit_rows else "held out",
+                    "num_prompts_implied": num_prompts_from(row),
+                    **{f"published_{k}": getattr(row, k) for k in keys},
+                    **{f"simulated_{k}": sim[k] for k in keys}})
+    if args.json:
+        print(json.dumps({"source": PR35264_SOURCE, "num_prompts": n, "fitted": fitted,
+                          "limits": {"pull": profile.proxy.pull_max_in_flight,
+                                     "push": profile.proxy.push_max_in_flight},
+                          "rows": out}, indent=2))
+        return 0
+    print(f"{PR35264_SOURCE}\nprofile {profile.name}: {n} prompts per run, vllm bench serve seeds "
+          f"{seeds}; in-flight limits pull {profile.proxy.pull_max_in_flight}, push "
+          f"{profile.proxy.push_max_in_flight}" + (" (refitted)" if fitted else "")
+          + "; published / simulated (x)")
+    rows = []
+    for o in out:
+        cells = [o["row"], o["role"], f"{o['num_prompts_implied']:.0f}"]
+        for k in keys:
+            pub, sim = o[f"published_{k}"], o[f"simulated_{k}"]
+            cells.append(f"{pub:g} / {sim:.1f} ({sim / pub:.2f})")
+        rows.append(cells)
+    _table(["row", "role", "N implied", "mean TTFT", "median TTFT", "p99 TTFT", "mean TPOT",
+            "req/s"], rows)
     return 0
 
 

@@ -21,7 +21,10 @@ idle when KV lands notices it ``idle_wake_s`` later. Every step gives each runni
 token; a request that has its ``output_len`` tokens leaves and frees its blocks.
 
 KV blocks are conserved: ``free + held == capacity`` at every step (checked; a breach is a
-:class:`~kvbridge.simulate.events.SimulationError`). Not thread-safe (one event loop).
+:class:`~kvbridge.simulate.events.SimulationError`). A step's cost is wall time on a dedicated
+core, or CPU work on the engine's pinned :class:`~kvbridge.simulate.cpu.Task` when the engine
+shares the host (``cpu``): then it lasts as long as its share of the core takes. Not
+thread-safe (one event loop).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvbridge.simulate.cpu import Task
 from kvbridge.simulate.events import EventLoop, SimulationError
 from kvbridge.simulate.profile import DecodeCost, ModelShape, PrefillCost
 from kvbridge.simulate.workload import RequestSpec
@@ -68,6 +72,12 @@ class SimRequest:
     t_first: float | None = None
     t_finish: float | None = None
     t_p_free: float | None = None
+    t_admitted: float | None = None
+    """The proxy let the request through its in-flight limit (== arrival at the proxy without)."""
+    t_seen_first: float | None = None
+    """The client parsed the first token (with a CPU model; else t_first + proxy.stream_s)."""
+    t_seen_last: float | None = None
+    seen: int = 0
     finishes: int = 0
 
     @property
@@ -114,6 +124,7 @@ class PrefillEngine:
         self.busy = False
         self.busy_s = 0.0
         self.steps = 0
+        self.cpu: Task | None = None
 
     def submit(self, r: SimRequest, t: float) -> None:
         """A prompt reaches P's scheduler."""
@@ -175,7 +186,10 @@ class PrefillEngine:
         self.busy = True
         self.busy_s += dt
         self.steps += 1
-        self.loop.at(t + dt, self._end, batch)
+        if self.cpu is not None:
+            self.cpu.submit(t, dt, self._end, batch)
+        else:
+            self.loop.at(t + dt, self._end, batch)
 
     def _end(self, t: float, batch: list[tuple[SimRequest, int]]) -> None:
         for r, n in batch:
@@ -195,9 +209,11 @@ class DecodeEngine:
 
     def __init__(self, loop: EventLoop, index: int, cost: DecodeCost, shape: ModelShape,
                  admit: Callable[[float, SimRequest], float], on_loop_done: Hook,
-                 on_finish: Hook) -> None:
+                 on_finish: Hook, on_token: Hook | None = None) -> None:
         self.loop, self.index, self.cost, self.shape = loop, index, cost, shape
         self.admit, self.on_loop_done, self.on_finish = admit, on_loop_done, on_finish
+        self.on_token = on_token
+        self.cpu: Task | None = None
         self.kv = _Pool(f"D{index}", cost.kv_capacity_tokens, shape.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.awaiting: set[SimRequest] = set()
@@ -265,7 +281,10 @@ class DecodeEngine:
         self.busy_s += dt
         self.onloop_s += onloop
         self.steps += 1
-        self.loop.at(t + dt, self._end)
+        if self.cpu is not None:
+            self.cpu.submit(t, dt, self._end)
+        else:
+            self.loop.at(t + dt, self._end)
 
     def _end(self, t: float) -> None:
         still: list[SimRequest] = []
@@ -274,6 +293,8 @@ class DecodeEngine:
             self.context += 1
             if r.generated == 1:
                 r.t_first = t
+            if self.on_token is not None:
+                self.on_token(t, r)
             if r.generated >= r.spec.output_len:
                 self.context -= r.spec.prompt_len + r.generated
                 self.kv.give(r.d_blocks)

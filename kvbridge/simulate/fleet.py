@@ -26,17 +26,26 @@ push
 
 A transfer moves the whole prompt's KV (a prefix hit on P saves P's compute, not the hand-off).
 Descriptors per rank: ``layers * kv_planes * runs``, ``runs`` from the profile's fragmentation.
+
+The proxy admits at most ``proxy.<mode>_max_in_flight`` requests of a mode per D engine between
+its admission and the client's last token; later ones wait FIFO. With a ``cpu`` section the
+host's cores are shared (:mod:`kvbridge.simulate.cpu`): engines pinned, every hop (client,
+proxy, API servers) and every streamed token costs CPU on its floating process, each engine's
+per-request work beyond its steps runs next to them, and TTFT/TPOT are taken when the client has
+parsed the token.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvbridge.config import TransferMode
 from kvbridge.proxy.routing import Engine, Pool, Role, decide
-from kvbridge.simulate.engines import DecodeEngine, PrefillEngine, SimRequest
+from kvbridge.simulate.cpu import CpuPool, Task
+from kvbridge.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
 from kvbridge.simulate.events import EventLoop, Nic, Server, SimulationError, reserve
-from kvbridge.simulate.profile import Profile
+from kvbridge.simulate.profile import CpuCost, Profile
 from kvbridge.simulate.workload import RequestSpec
 
 __all__ = ["MODES", "Fleet", "simulate"]
@@ -73,6 +82,47 @@ class Fleet:
         self.p_nics = [Nic() for _ in range(prefills)]
         self.d_nics = [Nic() for _ in range(decodes)]
         self.requests: list[SimRequest] = []
+        px = profile.proxy
+        # per D engine: a fleet of n D engines admits n times as many (see ProxyCost)
+        self.limits = {"pull": px.pull_max_in_flight * decodes,
+                       "push": px.push_max_in_flight * decodes}
+        self.in_flight = {"pull": 0, "push": 0}
+        self.gate_queue: dict[str, deque[SimRequest]] = {"pull": deque(), "push": deque()}
+        self.cpu: CpuPool | None = None
+        self.tasks: dict[str, Task] = {}
+        if profile.cpu is not None:
+            self._share_cores(profile.cpu)
+
+    def _share_cores(self, c: CpuCost) -> None:
+        """Engine k of P0..Px-1, D0..Dy-1 pinned to core k mod cores, as
+        ``kvbridge.bench_e2e.fleet_specs`` pins them (1P1D: P on core 0, D on core 1); the
+        front ends float."""
+        self.cpu = CpuPool(self.loop, c.cores, c.background)
+        order: list[PrefillEngine | DecodeEngine] = [*self.prefills, *self.decodes]
+        for k, e in enumerate(order):
+            role = "P" if isinstance(e, PrefillEngine) else "D"
+            e.cpu = self.cpu.task(f"{role}{e.index} engine", core=k % c.cores,
+                                  spin_s=c.engine_spin_s)
+            self.tasks[f"{role}{e.index} connector"] = self.cpu.task(
+                f"{role}{e.index} connector", core=k % c.cores)
+        self.tasks |= {"client": self.cpu.task("client"), "proxy": self.cpu.task("proxy")}
+        for e in self.prefills:
+            self.tasks[f"P{e.index}"] = self.cpu.task(f"P{e.index} API server")
+        for d in self.decodes:
+            self.tasks[f"D{d.index}"] = self.cpu.task(f"D{d.index} API server")
+            d.on_token = self._token
+
+    def _hop(self, t: float, task: str, work: float, delay: float, fn: Hook,
+             r: SimRequest) -> None:
+        """``fn(r)`` after process ``task`` did ``work`` CPU seconds for ``r`` (when the host's
+        cores are modelled) and ``delay`` more seconds passed."""
+        if self.cpu is None:
+            self.loop.at(t + delay, fn, r)
+        else:
+            self.tasks[task].submit(t, work, self._later, delay, fn, r)
+
+    def _later(self, t: float, delay: float, fn: Hook, r: SimRequest) -> None:
+        self.loop.at(t + delay, fn, r)
 
     # -- proxy ------------------------------------------------------------------------------
 
@@ -91,18 +141,46 @@ class Fleet:
         return px.request_s + px.per_prompt_token_s * r.spec.prompt_len
 
     def _arrive(self, t: float, r: SimRequest) -> None:
+        """The client sends ``r``; it reaches the proxy ``client_s`` later."""
+        cpu = self.profile.cpu
+        self._hop(t, "client", cpu.client_request_s if cpu else 0.0,
+                  self.profile.proxy.client_s, self._at_proxy, r)
+
+    def _at_proxy(self, t: float, r: SimRequest) -> None:
         decision = decide(self.mode, self.dpool, self.headroom)
         r.mode, r.reason = decision.mode.value, decision.reason
-        t_proxy = t + self.profile.proxy.client_s
-        if decision.mode is TransferMode.PUSH:
+        limit = self.limits[r.mode]
+        if limit and self.in_flight[r.mode] >= limit:
+            self.gate_queue[r.mode].append(r)
+            return
+        self._admit(t, r)
+
+    def _admit(self, t: float, r: SimRequest) -> None:
+        """Past the in-flight limit: the proxy places the request and sends its legs."""
+        self.in_flight[r.mode] += 1
+        r.t_admitted = t
+        cpu = self.profile.cpu
+        work = cpu.proxy_request_s if cpu else 0.0
+        if r.mode == "push":
             d = self.dpool.pick(t)
             d.acquire()
             r.d = self._index(self.dpool, d)
-            self.loop.at(t_proxy + self._leg_s(r), self._to_d, r)
+            self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
+        else:
+            work /= 2  # the other half goes with the D leg, once P answered
         p = self.ppool.pick(t)
         p.acquire()
         r.p = self._index(self.ppool, p)
-        self.loop.at(t_proxy + self._leg_s(r), self._to_p, r)
+        self._hop(t, "proxy", 0.0 if r.mode == "push" else work, self._leg_s(r), self._p_api,
+                  r)
+
+    def _p_api(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        self._hop(t, f"P{r.p}", cpu.p_api_request_s if cpu else 0.0, 0.0, self._to_p, r)
+
+    def _d_api(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        self._hop(t, f"D{r.d}", cpu.d_api_request_s if cpu else 0.0, 0.0, self._to_d, r)
 
     @staticmethod
     def _index(pool: Pool, e: Engine) -> int:
@@ -117,6 +195,9 @@ class Fleet:
     def _kv_ready(self, t: float, r: SimRequest) -> None:
         """P's prompt is computed (P's answer goes back to the proxy)."""
         self.loop.at(t + self.profile.proxy.answer_s, self._p_answered, r)
+        if self.profile.cpu is not None:
+            self.tasks[f"P{r.p} connector"].submit(t, self.profile.cpu.p_engine_request_s,
+                                                   _nothing, r)
         if r.mode == "push" and r.registered is not None:
             self._post_write(t, r)
 
@@ -126,12 +207,17 @@ class Fleet:
             d = self.dpool.pick(t)  # late placement: the least-loaded D now that P is done
             d.acquire()
             r.d = self._index(self.dpool, d)
-            self.loop.at(t + self._leg_s(r), self._to_d, r)
+            cpu = self.profile.cpu
+            self._hop(t, "proxy", cpu.proxy_request_s / 2 if cpu else 0.0, self._leg_s(r),
+                      self._d_api, r)
 
     # -- D side ------------------------------------------------------------------------------
 
     def _d_admit(self, t: float, r: SimRequest) -> float:
         """D admitted ``r``: the seconds of connector work this puts on D's loop."""
+        if self.profile.cpu is not None:
+            self.tasks[f"D{r.d} connector"].submit(t, self.profile.cpu.d_engine_request_s,
+                                                   _nothing, r)
         shape = self.profile.model
         r.ndesc = shape.descriptors(r.spec.prompt_len, self.fragmentation)
         if r.mode == "push":
@@ -193,10 +279,46 @@ class Fleet:
     def _finished(self, t: float, r: SimRequest) -> None:
         if r.finishes != 1:
             raise SimulationError(f"request {r.id} finished {r.finishes} times")
-        self.loop.at(t + self.profile.proxy.stream_s, self._stream_closed, r)
+        if self.cpu is None:  # else the stream closes when the client has the last token
+            self.loop.at(t + self.profile.proxy.stream_s, self._stream_closed, r)
+
+    def _token(self, t: float, r: SimRequest) -> None:
+        """D produced a token for ``r``: D's API server, the proxy and the client handle it."""
+        cpu = self.profile.cpu
+        assert cpu is not None
+        if r.generated == 1:
+            self.tasks[f"D{r.d} connector"].submit(t, cpu.d_engine_stream_s, _nothing, r)
+        self.tasks[f"D{r.d}"].submit(t, cpu.d_api_token_s, self._relay, r)
+
+    def _relay(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        assert cpu is not None
+        self._hop(t, "proxy", cpu.proxy_token_s, self.profile.proxy.stream_s, self._to_client,
+                  r)
+
+    def _to_client(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        assert cpu is not None
+        self.tasks["client"].submit(t, cpu.client_token_s, self._seen, r)
+
+    def _seen(self, t: float, r: SimRequest) -> None:
+        r.seen += 1
+        if r.t_seen_first is None:
+            r.t_seen_first = t
+        r.t_seen_last = t
+        if r.seen == r.spec.output_len:
+            self._stream_closed(t, r)
 
     def _stream_closed(self, t: float, r: SimRequest) -> None:
         self.dpool.engines[r.d].release()
+        self.in_flight[r.mode] -= 1
+        waiting = self.gate_queue[r.mode]
+        if waiting:
+            self._admit(t, waiting.popleft())
+
+
+def _nothing(t: float, r: SimRequest) -> None:
+    """A CPU job that only takes its share of a core (nothing waits for it)."""
 
 
 def simulate(profile: Profile, specs: Sequence[RequestSpec], mode: str, prefills: int = 1,

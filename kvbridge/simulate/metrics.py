@@ -1,11 +1,14 @@
 """What a simulated run measured, the way ``vllm bench serve`` reports it.
 
 Per request: TTFT = client send → first token at the client (D's first token + the stream's
-way back); TPOT = (last token − first token) / (output tokens − 1); hand-off = P's KV ready →
+way back, or the client's own parse of it when the host's cores are modelled); TPOT = (last
+token − first token) / (output tokens − 1), at the client likewise; hand-off = P's KV ready →
 D's first step with the request (the same cut as ``kvbridge bench e2e``). :func:`summarize`
 gives p50/p90/p99 and means in milliseconds, the completion rate (completions per second between
 the first and the last completion: the offered rate when the fleet keeps up, its capacity when it
-does not), how auto chose, and the engines' utilisation. :func:`check_invariants` is what the
+does not), ``vllm bench serve``'s request throughput (completed requests / time from the start
+to the last token at the client, the "req/s" it prints), how auto chose, and the engines' and
+processes' utilisation. :func:`check_invariants` is what the
 tests assert after every run.
 """
 
@@ -44,13 +47,15 @@ class Summary:
     """The arrival rate the run actually drew (arrivals per second, first to last)."""
     chosen: dict[str, int] = field(default_factory=dict)
     utilisation: dict[str, float] = field(default_factory=dict)
+    bench_throughput: float = 0.0
+    """``vllm bench serve``'s req/s: completed / (start → last token at the client)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "prefills": self.prefills, "decodes": self.decodes,
                 "rate": self.rate, "completed": self.completed, "ttft_ms": self.ttft,
                 "tpot_ms": self.tpot, "handoff_ms": self.handoff,
                 "throughput": self.throughput, "offered": self.offered,
-                "chosen": self.chosen,
+                "bench_throughput": self.bench_throughput, "chosen": self.chosen,
                 "utilisation": self.utilisation}
 
 
@@ -63,14 +68,31 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return out
 
 
-def ttft_s(fleet: Fleet, r: SimRequest) -> float:
+def seen_first(fleet: Fleet, r: SimRequest) -> float:
+    """When the client has the first token."""
+    if r.t_seen_first is not None:
+        return r.t_seen_first
     assert r.t_first is not None
-    return r.t_first + fleet.profile.proxy.stream_s - r.spec.arrival
+    return r.t_first + fleet.profile.proxy.stream_s
+
+
+def seen_last(fleet: Fleet, r: SimRequest) -> float:
+    """When the client has the last token."""
+    if r.t_seen_last is not None:
+        return r.t_seen_last
+    assert r.t_finish is not None
+    return r.t_finish + fleet.profile.proxy.stream_s
+
+
+def ttft_s(fleet: Fleet, r: SimRequest) -> float:
+    return seen_first(fleet, r) - r.spec.arrival
 
 
 def tpot_s(r: SimRequest) -> float | None:
     if r.spec.output_len < 2 or r.t_first is None or r.t_finish is None:
         return None
+    if r.t_seen_first is not None and r.t_seen_last is not None:
+        return (r.t_seen_last - r.t_seen_first) / (r.spec.output_len - 1)
     return (r.t_finish - r.t_first) / (r.spec.output_len - 1)
 
 
@@ -92,6 +114,9 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
     util |= {f"D{e.index} connector": e.onloop_s / end for e in fleet.decodes
              if e.onloop_s > 0}
     util |= {f"link P{i}": n.busy_s / end for i, n in enumerate(fleet.p_nics)}
+    if fleet.cpu is not None:
+        util |= {f"CPU {task.name}": task.cpu_s / end for task in fleet.cpu.tasks}
+    last_seen = max((seen_last(fleet, r) for r in reqs), default=0.0)
     return Summary(
         mode=fleet.mode.value, prefills=len(fleet.prefills), decodes=len(fleet.decodes),
         rate=rate, completed=len(reqs),
@@ -99,7 +124,8 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
         handoff=_stats(handoffs),
         throughput=(len(finishes) - 1) / span if span > 0 else 0.0,
         offered=(len(arrivals) - 1) / window if window > 0 else rate,
-        chosen=dict(Counter(r.mode for r in measured)), utilisation=util)
+        chosen=dict(Counter(r.mode for r in measured)), utilisation=util,
+        bench_throughput=len(reqs) / last_seen if last_seen > 0 else 0.0)
 
 
 def check_invariants(fleet: Fleet) -> None:
@@ -124,3 +150,11 @@ def check_invariants(fleet: Fleet) -> None:
     for pool in (fleet.ppool, fleet.dpool):
         if any(e.in_flight for e in pool.engines):
             raise SimulationError("the proxy still counts requests in flight at the end")
+    if any(fleet.in_flight.values()) or any(fleet.gate_queue.values()):
+        raise SimulationError("requests still held by the proxy's in-flight limit at the end")
+    if fleet.cpu is not None:
+        if any(task.jobs for task in fleet.cpu.tasks):
+            raise SimulationError("CPU work still queued at the end")
+        for r in fleet.requests:
+            if r.seen != r.spec.output_len or seen_first(fleet, r) < (r.t_first or 0) - 1e-9:
+                raise SimulationError(f"request {r.id}: the client saw {r.seen} tokens")

@@ -36,6 +36,7 @@ __all__ = [
     "PullCost",
     "PushCost",
     "ProxyCost",
+    "CpuCost",
     "Scenario",
     "Profile",
     "builtin_profiles",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 PROFILE_KIND = "kvbridge-simulate-profile"
+ARRIVALS: tuple[str, ...] = ("poisson", "uniform", "vllm")
 PROFILES_DIR = Path(__file__).with_name("profiles")
 _MAX_BYTES = 1 << 20
 
@@ -198,6 +200,51 @@ class ProxyCost:
     """D's token → the client (API server + proxy relay)."""
     push_headroom: int = 4
     """auto: push while the least-loaded D has fewer requests in flight (kvbridge proxy)."""
+    pull_max_in_flight: int = 0
+    """At most this many pull requests per D engine of the fleet between the proxy's admission
+    and the client's last token; later ones wait FIFO at the proxy (0: no limit). A limit
+    observed in published 1P1D runs whose seat is not identified (see the profile's sources);
+    that it scales with the D engines is an assumption."""
+    push_max_in_flight: int = 0
+    """As ``pull_max_in_flight``, for push requests."""
+
+
+@dataclass(frozen=True)
+class CpuCost:
+    """The host's cores shared by the engines and the HTTP front ends (:mod:`kvbridge.simulate.
+    cpu`): engine k of P0..Px-1, D0..Dy-1 pinned to core k mod ``cores``, as ``kvbridge bench
+    serve`` pins them, every front-end process floating. Per-request and per-token costs are
+    CPU seconds of one process."""
+
+    cores: int = _pos()
+    client_request_s: float = 0.0
+    """The load generator (``vllm bench serve``): building and sending one request."""
+    client_token_s: float = 0.0
+    """The load generator: receiving and parsing one streamed token."""
+    proxy_request_s: float = 0.0
+    """The proxy: one request's dispatch (pull: half on the P leg, half on the D leg)."""
+    proxy_token_s: float = 0.0
+    """The proxy: relaying one streamed token."""
+    p_api_request_s: float = 0.0
+    """P's API server: one request (parse, tokenize, hand to the engine, answer)."""
+    d_api_request_s: float = 0.0
+    """D's API server: one request."""
+    d_api_token_s: float = 0.0
+    """D's API server: one streamed token (detokenize, SSE)."""
+    p_engine_request_s: float = 0.0
+    """P's engine process beyond its steps, per request (connector threads, scheduling, output
+    handling), on P's core next to its steps: it slows them, it is not on the request's path."""
+    d_engine_request_s: float = 0.0
+    """As ``p_engine_request_s``, for D before the request's first token (admitting, receiving
+    the KV), from its admission."""
+    d_engine_stream_s: float = 0.0
+    """As ``d_engine_request_s``, after the first token (while the request decodes, and its
+    end), from the first token: it slows D's decode steps."""
+    engine_spin_s: float = 0.0
+    """An engine loop keeps polling this long (wall seconds) after its last step before it
+    sleeps (``KVBRIDGE_ENGINE_SPIN_MS``), taking its share of its core meanwhile."""
+    background: float = 0.0
+    """Other always-runnable processes on the host (floating), e.g. other jobs."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +259,9 @@ class Scenario:
     decodes: int = _pos(default=1)
     prefix_hit: float = 0.0
     fragmentation: float | None = None
+    arrival: str = "poisson"
+    """poisson, uniform, or vllm (``vllm bench serve``'s arrivals for ``seed``)."""
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,6 +282,8 @@ class Profile:
     allocator leaves a request's blocks, hence how many descriptors a transfer posts."""
     scenario: Scenario | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    cpu: CpuCost | None = None
+    """The host's cores as a shared resource; None: dedicated hosts, front ends are delays."""
 
     def replace(self, **changes: Any) -> Profile:
         return dataclasses.replace(self, **changes)
@@ -291,6 +343,11 @@ def _build(cls: type[_T], data: Any, where: str) -> _T:
     for name in ("fragmentation", "prefix_hit"):
         if values.get(name) is not None and values[name] > 1:
             raise ConfigError(f"{where}.{name}: must be between 0 and 1, got {values[name]!r}")
+    if values.get("arrival", "poisson") not in ARRIVALS:
+        raise ConfigError(f"{where}.arrival: one of {', '.join(ARRIVALS)}, got "
+                          f"{values['arrival']!r}")
+    if values.get("cores", 1) > 1024:
+        raise ConfigError(f"{where}.cores: at most 1024")
     return cls(**values)
 
 
@@ -300,7 +357,7 @@ def parse_profile(data: Any, origin: str = "profile") -> Profile:
         raise ConfigError(f"{origin}: not a kvbridge simulate profile (kind must be "
                           f"{PROFILE_KIND!r})")
     known = {"kind", "version", "name", "description", "fragmentation", "scenario", "sources",
-             "calibration", *_SECTIONS}
+             "calibration", "cpu", *_SECTIONS}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{origin}: {unknown[0]}: unknown key")
@@ -312,6 +369,7 @@ def parse_profile(data: Any, origin: str = "profile") -> Profile:
     if frag > 1:
         raise ConfigError(f"{origin}: fragmentation: must be between 0 and 1")
     scenario = data.get("scenario")
+    cpu = data.get("cpu")
     sources = data.get("sources", {})
     if not isinstance(sources, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
@@ -322,6 +380,7 @@ def parse_profile(data: Any, origin: str = "profile") -> Profile:
     return Profile(
         name=name, description=description, fragmentation=float(frag),
         scenario=None if scenario is None else _build(Scenario, scenario, f"{origin}: scenario"),
+        cpu=None if cpu is None else _build(CpuCost, cpu, f"{origin}: cpu"),
         sources=dict(sources), **sections)
 
 
@@ -357,6 +416,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         out[name] = dataclasses.asdict(getattr(profile, name))
     if profile.scenario is not None:
         out["scenario"] = dataclasses.asdict(profile.scenario)
+    if profile.cpu is not None:
+        out["cpu"] = dataclasses.asdict(profile.cpu)
     out["sources"] = dict(profile.sources)
     return out
 
@@ -369,9 +430,9 @@ def override(profile: Profile, assignments: Sequence[str]) -> Profile:
     for text in assignments:
         name, sep, raw = text.partition("=")
         section, dot, key = name.strip().partition(".")
-        if not sep or not dot or section not in (*_SECTIONS, "scenario") or not key:
+        if not sep or not dot or section not in (*_SECTIONS, "scenario", "cpu") or not key:
             raise ConfigError(f"--set: expected SECTION.KEY=VALUE with SECTION one of "
-                              f"{', '.join((*_SECTIONS, 'scenario'))}, got {text!r}")
+                              f"{', '.join((*_SECTIONS, 'scenario', 'cpu'))}, got {text!r}")
         try:
             value = json.loads(raw)
         except ValueError:

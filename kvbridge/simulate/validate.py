@@ -1,13 +1,15 @@
 """Simulated vs measured: replay a ``kvbridge bench serve`` results file through the model.
 
 For every row of the results (one setup at one rate) whose setup the profile models (by default
-the ``kvbridge-pull|push|auto`` setups), the same workload is simulated: ``num_prompts`` Poisson
-arrivals at the row's rate, ``input_len``-token prompts, ``output_len`` output tokens, the fleet
-shape the file records (``settings.prefill_engines`` / ``decode_engines``, 1P1D when absent) and
-the proxy's ``push_headroom``. A run of a few dozen prompts is noisy, so the model is run
-``repeats`` times with different seeds and each percentile is the median over those runs (the
-typical run of that length). Each row then carries measured and simulated TTFT p50/p99 and
-TPOT p50/p99 and their ratio (simulated / measured).
+the ``kvbridge-pull|push|auto`` setups), the same workload is simulated: ``num_prompts`` arrivals
+at the row's rate, ``input_len``-token prompts, ``output_len`` output tokens, the fleet shape the
+file records (``settings.prefill_engines`` / ``decode_engines``, 1P1D when absent) and the
+proxy's ``push_headroom``. A row that records its ``vllm bench serve --seed`` (every row
+``kvbridge bench serve`` writes) is replayed once with the very arrival times that run had
+(:func:`~kvbridge.simulate.workload.vllm_arrivals`): the model is deterministic, so one run is
+the comparison. A row without a seed is simulated ``repeats`` times with Poisson arrivals of
+different seeds, and each percentile is the median over those runs. Each row then carries
+measured and simulated TTFT p50/p99 and TPOT p50/p99 and their ratio (simulated / measured).
 """
 
 from __future__ import annotations
@@ -124,12 +126,20 @@ def validate(profile: Profile, results: Mapping[str, Any], setup_prefix: str = "
                 or isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0
                 or not row.get("completed")):
             continue
-        runs = []
-        for k in range(repeats):
-            w = Workload(rate=float(rate), requests=settings["num_prompts"],
-                         prompt=Lengths(settings["input_len"]),
-                         output=Lengths(settings["output_len"]), seed=seed + 7919 * k)
-            runs.append(run_one(profile, w, Fleetspec(n_p, n_d, mode, push_headroom=headroom)))
+        run_seed = row.get("seed")
+        exact = run_seed is not None
+        if exact and (isinstance(run_seed, bool) or not isinstance(run_seed, int)
+                      or not 0 <= run_seed < 2 ** 32):
+            raise ConfigError(f"--results: row {setup} @ {rate}: seed must be an integer "
+                              f"0..2**32-1, got {run_seed!r}")
+        workloads = [Workload(rate=float(rate), requests=settings["num_prompts"],
+                              prompt=Lengths(settings["input_len"]),
+                              output=Lengths(settings["output_len"]),
+                              arrival="vllm" if exact else "poisson",
+                              seed=run_seed if isinstance(run_seed, int) else seed + 7919 * k)
+                     for k in range(1 if exact else repeats)]
+        runs = [run_one(profile, w, Fleetspec(n_p, n_d, mode, push_headroom=headroom))
+                for w in workloads]
         simulated = {f"{metric}_{key}": statistics.median(
             getattr(s, metric)[key] for s in runs) for metric, key in METRICS}
         measured = {f"{metric}_{key}": _num(row.get(f"{metric}_{key}"))

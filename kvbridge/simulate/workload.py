@@ -21,7 +21,8 @@ import numpy as np
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["RequestSpec", "Workload", "Lengths", "generate", "load_trace", "MAX_REQUESTS"]
+__all__ = ["RequestSpec", "Workload", "Lengths", "generate", "vllm_arrivals", "load_trace",
+           "MAX_REQUESTS"]
 
 MAX_REQUESTS = 1_000_000
 _MAX_TRACE_BYTES = 64 << 20
@@ -72,7 +73,8 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Workload:
-    """Arrivals at ``rate`` req/s for ``requests`` requests (``arrival``: poisson | uniform)."""
+    """Arrivals at ``rate`` req/s for ``requests`` requests (``arrival``: poisson | uniform |
+    vllm, see :func:`vllm_arrivals`)."""
 
     rate: float
     requests: int
@@ -86,13 +88,30 @@ class Workload:
             raise ConfigError(f"--rate: must be a positive number, got {self.rate!r}")
         if not 0 < self.requests <= MAX_REQUESTS:
             raise ConfigError(f"--requests: must be 1..{MAX_REQUESTS}, got {self.requests}")
-        if self.arrival not in ("poisson", "uniform"):
-            raise ConfigError(f"--arrival: poisson or uniform, got {self.arrival!r}")
+        if self.arrival not in ("poisson", "uniform", "vllm"):
+            raise ConfigError(f"--arrival: poisson, uniform or vllm, got {self.arrival!r}")
+
+
+def vllm_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """The send times of ``vllm bench serve --request-rate rate --num-prompts n --seed seed``
+    (vLLM 0.32, ``vllm/benchmarks/serve.py``): ``np.random.seed(seed)``, one gamma(1, 1/rate)
+    gap per request (burstiness 1: exponential), cumulated, then rescaled so that the last
+    request leaves at ``n / rate``. The first leaves after its own gap, not at 0. Exact when
+    the dataset draws from its own generator (``random``, ``sonnet``; not ``sharegpt``)."""
+    gaps = np.random.RandomState(seed).gamma(1.0, 1.0 / rate, size=n)
+    times = np.cumsum(gaps)
+    return times * ((n / rate) / times[-1]) if times[-1] > 0 else times
 
 
 def generate(w: Workload) -> list[RequestSpec]:
     """The requests of ``w``; the same ``w`` always gives the same list."""
     rng = np.random.default_rng(w.seed)
+    if w.arrival == "vllm":
+        times = vllm_arrivals(w.requests, w.rate, w.seed)
+        prompts = w.prompt.draw(rng, w.requests)
+        outputs = w.output.draw(rng, w.requests)
+        return [RequestSpec(float(t), int(p), int(o))
+                for t, p, o in zip(times, prompts, outputs, strict=True)]
     if w.arrival == "poisson":
         gaps = rng.exponential(1.0 / w.rate, size=w.requests)
         gaps[0] = 0.0

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -44,6 +45,7 @@ log = logging.getLogger("kvbridge.offload")
 CHUNK_TOKENS = 16
 _ids = itertools.count()
 _build_lock = threading.Lock()
+_DRAIN_S = 30.0  # the longest close() waits for LMCache's disk writes
 
 
 def _import() -> tuple[Any, Any, Any, Any, Any]:
@@ -190,10 +192,31 @@ class LMCacheTier(Tier):
     def describe(self) -> str:
         return f"{self.name} (LMCache engine {self._id}, CPU {self.capacity_bytes} bytes)"
 
+    def _pending_disk_writes(self) -> int:
+        """Chunks LMCache's disk backend accepted but has not written yet (0 without disk)."""
+        manager = getattr(self._engine, "storage_manager", None)
+        backends = getattr(manager, "storage_backends", None) or {}
+        return sum(len(getattr(b.disk_worker, "put_tasks", ()))
+                   for b in list(backends.values()) if hasattr(b, "disk_worker"))
+
     def close(self) -> None:
+        """Destroy the LMCache engine once its disk backend has written what it accepted.
+
+        LMCache 0.5.6 closes its CPU allocator before its disk backend, so a disk write still
+        in flight at ``destroy`` reads freed memory and the process dies (SIGSEGV, seen in CI).
+        Blocks until those writes are done (bounded by ``_DRAIN_S``); if they are not, the
+        engine is left alive (a leak, logged) rather than destroyed under its writer."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + _DRAIN_S
+        while (pending := self._pending_disk_writes()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if pending:
+            log.warning("offload tier %s: LMCache still writes %d chunk(s) to disk after %.0f s;"
+                        " its engine is left open (destroying it now would crash the process)",
+                        self.name, pending, _DRAIN_S)
+            return
         try:
             self._builder.destroy(self._id)
         except Exception as exc:  # noqa: BLE001

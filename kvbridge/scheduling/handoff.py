@@ -71,8 +71,9 @@ class StepPlan:
     cancel_sends: list[str] = field(default_factory=list)
     #: transfer ids whose prompt KV is complete after this step's forward (timing only)
     prefill_done: list[str] = field(default_factory=list)
-    #: (transfer_id, wall time) of a received request's first step on D (timing only)
-    first_steps: list[tuple[str, float]] = field(default_factory=list)
+    #: (transfer_id, event, wall time) the scheduler side observed (timing only): on D
+    #: ``recv_seen`` (vLLM's scheduler learned the receive finished) and ``first_step``
+    marks: list[tuple[str, str, float]] = field(default_factory=list)
     #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
     counters: dict[str, int] = field(default_factory=dict)
     #: tier lookups, loads, releases and stores (kvbridge.offload)

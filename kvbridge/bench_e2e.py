@@ -83,6 +83,7 @@ __all__ = [
     "percentile",
     "parse_configs",
     "handoff_times",
+    "beyond_wire",
     "handoff_breakdown",
     "request_steps",
     "prom_sum",
@@ -191,6 +192,7 @@ class PhaseResult:
     cpu_bench: float | None = None
     cpu_other: float | None = None
     handoffs: list[float] = field(default_factory=list)
+    beyond_wire: list[float] = field(default_factory=list)
     breakdown: dict[str, float] = field(default_factory=dict)
     xfer_avg_ms: float | None = None
     xfer_count: int = 0
@@ -252,9 +254,30 @@ def handoff_times(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence
 #: Consecutive steps of a request, in the order they happen, with who records each (C: the
 #: benchmark's client: dispatch, and the first token's arrival).
 _STEPS: tuple[tuple[str, str], ...] = (
-    ("C", "dispatch"), ("P", "kv_ready"), ("P", "write_posted"), ("P", "write_done"),
-    ("D", "recv_done"), ("D", "first_step"), ("C", "first_token"),
+    ("C", "dispatch"), ("P", "kv_ready"), ("P", "ready_seen"), ("P", "write_posted"),
+    ("P", "write_done"), ("D", "recv_done"), ("D", "recv_seen"), ("D", "first_step"),
+    ("C", "first_token"),
 )
+"""P: ``kv_ready`` the forward wrote the KV, ``ready_seen`` the transfer loop took it,
+``write_posted`` / ``write_done`` the WRITE (push); D: ``recv_done`` the transfer loop has the
+KV, ``recv_seen`` vLLM's scheduler learned it, ``first_step`` the request was scheduled."""
+
+HANDOFF_BAR_MS = 2.0
+"""The hand-off issue's bar: push hand-off minus wire time, p50, sequential."""
+
+
+def beyond_wire(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence[str]) -> list[
+        float]:
+    """Push hand-off minus its wire time, per transfer: ``(D.first_step - P.kv_ready) -
+    (P.write_done - P.write_posted)`` (seconds), for transfers that recorded all four: the
+    part of the hand-off that is waiting and bookkeeping, not moving bytes."""
+    out: list[float] = []
+    for tid in transfer_ids:
+        p = p_timings.get(tid) or {}
+        d = d_timings.get(tid) or {}
+        if all(k in p for k in ("kv_ready", "write_posted", "write_done")) and "first_step" in d:
+            out.append((d["first_step"] - p["kv_ready"]) - (p["write_done"] - p["write_posted"]))
+    return out
 
 
 def handoff_breakdown(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence[str],
@@ -379,6 +402,7 @@ def summarize(res: PhaseResult) -> dict[str, Any]:
         "handoff_p50_ms": _ms(percentile(res.handoffs, 50)),
         "handoff_p90_ms": _ms(percentile(res.handoffs, 90)),
         "handoff_n": len(res.handoffs),
+        "beyond_wire_p50_ms": _ms(percentile(res.beyond_wire, 50)),
         "nixl_xfer_avg_ms": res.xfer_avg_ms, "nixl_xfer_n": res.xfer_count,
         "cpu_p_s": res.cpu_p, "cpu_d_s": res.cpu_d, "cpu_bench_s": res.cpu_bench,
         "cpu_other_s": res.cpu_other, "wall_s": res.wall_s,
@@ -415,8 +439,8 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 TABLE_HEADERS = ("config", "mode", "phase", "ok/fail", "TTFT p50 s", "TTFT p90 s",
-                 "TPOT p50 ms", "hand-off p50/p90 ms", "nixl xfer ms", "CPU-s P", "CPU-s D",
-                 "CPU-s other", "wall s", "match", "TTFT x", "TPOT x")
+                 "TPOT p50 ms", "hand-off p50/p90 ms", "-wire p50 ms", "nixl xfer ms", "CPU-s P",
+                 "CPU-s D", "CPU-s other", "wall s", "match", "TTFT x", "TPOT x")
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -435,7 +459,8 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         out.append([
             r["config"], mode, r["phase"], f"{r['ok']}/{r['failed']}",
             _fmt(r["ttft_p50_s"]), _fmt(r["ttft_p90_s"]), _fmt(r["tpot_p50_ms"], 1), handoff,
-            xfer, _fmt(r["cpu_p_s"], 1), _fmt(r["cpu_d_s"], 1), _fmt(r.get("cpu_other_s"), 1),
+            _fmt(r.get("beyond_wire_p50_ms"), 2), xfer, _fmt(r["cpu_p_s"], 1),
+            _fmt(r["cpu_d_s"], 1), _fmt(r.get("cpu_other_s"), 1),
             _fmt(r.get("wall_s"), 1), r["match"],
             _fmt(r.get("ttft_ratio"), 2), _fmt(r.get("tpot_ratio"), 2),
         ])
@@ -466,6 +491,19 @@ def format_breakdown(rows: Sequence[Mapping[str, Any]]) -> str:
             steps = ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_ms"].items())
             lines.append(f"  {r['config']} {r['mode']} {r['phase']}: {steps}")
     return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
+
+
+def format_bars(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The hand-off issue's first bar, per kvbridge configuration: push hand-off minus wire
+    time, p50, sequential (``seq``), against :data:`HANDOFF_BAR_MS`."""
+    lines = []
+    for r in rows:
+        if r["mode"] == "push" and r["phase"] == "seq" and r.get("beyond_wire_p50_ms") is not None:
+            v = r["beyond_wire_p50_ms"]
+            verdict = "met" if v <= HANDOFF_BAR_MS else "NOT met"
+            lines.append(f"  {r['config']}: push seq hand-off p50 {_fmt(r['handoff_p50_ms'], 2)} "
+                         f"ms, minus wire {v:.2f} ms (bar <= {HANDOFF_BAR_MS:g} ms: {verdict})")
+    return "\n".join(["hand-off minus wire time:"] + lines) if lines else ""
 
 
 def workload_prompts(settings: BenchSettings, mode: str, phase: str, n: int) -> list[list[int]]:
@@ -793,6 +831,7 @@ def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], conc
         if not tids:  # through the proxy: its transfer ids are the ones new on D
             tids = sorted(set(d_t) - d_keys0)
         res.handoffs = handoff_times(p_t, d_t, tids)
+        res.beyond_wire = beyond_wire(p_t, d_t, tids)
         client = {r.transfer_id: {"dispatch": r.t0_wall, "first_token": r.t0_wall + r.ttft}
                   for r in res.records
                   if r.transfer_id and r.t0_wall is not None and r.ttft is not None}
@@ -1002,9 +1041,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     parts = [f"kvbridge bench e2e, {report['date']}, {report['host']['cpus']} CPUs, load "
              f"{report['host']['loadavg_start']} -> {report['host']['loadavg_end']}", "",
              format_table(report["rows"])]
-    steps = format_breakdown(report["rows"])
-    if steps:
-        parts += ["", steps]
+    for extra in (format_breakdown(report["rows"]), format_bars(report["rows"])):
+        if extra:
+            parts += ["", extra]
     parts += ["", "engines (ready after, whole configuration, load at start -> end):"]
     for name, info in report["configs"].items():
         parts.append(f"  {name}: waited {info.get('quiet_wait_s', 0)} s for quiet, ready "
@@ -1014,7 +1053,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     parts += ["", f"engine logs: {report['log_dir']}",
               "TTFT x / TPOT x: ratio to vllm-nixl-pull's same phase (proxy-seq vs its seq); "
               "CPU-s: CPU seconds of each engine's process group during the phase (other: the "
-              "rest of the host, this benchmark excluded); nixl xfer: mean "
+              "rest of the host, this benchmark excluded); -wire: push hand-off minus the WRITE "
+              "(P.write_posted -> P.write_done), p50 over transfers; nixl xfer: mean "
               "vllm:nixl_xfer_time_seconds (vLLM only)"]
     return "\n".join(parts)
 

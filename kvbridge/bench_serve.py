@@ -81,6 +81,9 @@ __all__ = [
     "result_metrics",
     "engines_idle",
     "format_table",
+    "sustained",
+    "push_pull",
+    "format_push_pull",
     "write_plots",
     "load_results",
     "run_serve_bench",
@@ -306,6 +309,62 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
               if r.get("error")]
     if errors:
         lines += ["", "errors:"] + errors
+    return "\n".join(lines)
+
+
+SUSTAINED_FRACTION = 0.9
+"""A run *sustains* its offered rate when every request completed and the measured request
+throughput is at least this fraction of the rate (Poisson arrivals: a finite run's tail makes
+it a little below the rate even when nothing queues)."""
+PUSH_PULL_BAR = 1.0 / 3.0
+"""The hand-off issue's bar: push TTFT p50 <= 1/3 of pull's at the highest rate D sustains."""
+
+
+def sustained(row: Mapping[str, Any]) -> bool:
+    """Whether one (setup, rate) run kept up with its rate (see :data:`SUSTAINED_FRACTION`)."""
+    thr, rate = _num(row.get("request_throughput")), _num(row.get("rate"))
+    return (not row.get("error") and not row.get("failed") and thr is not None
+            and rate is not None and thr >= SUSTAINED_FRACTION * rate)
+
+
+def push_pull(rows: Sequence[Mapping[str, Any]], prefix: str = "kvbridge") -> dict[str, Any]:
+    """Push against pull TTFT p50 of one connector family (``<prefix>-push`` / ``-pull``): the
+    ratio at every rate both ran, and at the highest rate both sustained, with the verdict
+    against :data:`PUSH_PULL_BAR`. Empty when the run had not both setups."""
+    by = {(str(r["setup"]), float(r["rate"])): r for r in rows}
+    rates = sorted({rate for (setup, rate) in by if setup == f"{prefix}-push"}
+                   & {rate for (setup, rate) in by if setup == f"{prefix}-pull"})
+    ratios: dict[str, float | None] = {}
+    best: float | None = None
+    for rate in rates:
+        push, pull = by[(f"{prefix}-push", rate)], by[(f"{prefix}-pull", rate)]
+        a, b = _num(push.get("ttft_p50")), _num(pull.get("ttft_p50"))
+        ratios[f"{rate:g}"] = a / b if a is not None and b else None
+        if sustained(push) and sustained(pull) and ratios[f"{rate:g}"] is not None:
+            best = rate
+    if not rates:
+        return {}
+    out: dict[str, Any] = {"prefix": prefix, "ratios": ratios, "sustained_rate": best}
+    if best is not None:
+        ratio = ratios[f"{best:g}"]
+        out.update(ratio=ratio, met=ratio is not None and ratio <= PUSH_PULL_BAR)
+    return out
+
+
+def format_push_pull(summary: Mapping[str, Any]) -> str:
+    """The :func:`push_pull` summary as text (empty for an empty summary)."""
+    if not summary:
+        return ""
+    prefix = summary["prefix"]
+    ratios = ", ".join(f"{rate} req/s {_f(v, 2)}" for rate, v in summary["ratios"].items())
+    lines = [f"{prefix} push/pull TTFT p50: {ratios}"]
+    if summary.get("sustained_rate") is None:
+        lines.append(f"  no rate was sustained by both {prefix}-push and {prefix}-pull "
+                     f"(every request completed, throughput >= {SUSTAINED_FRACTION:g} x rate)")
+    else:
+        verdict = "met" if summary.get("met") else "NOT met"
+        lines.append(f"  at the highest rate both sustain, {summary['sustained_rate']:g} req/s: "
+                     f"push/pull = {_f(summary.get('ratio'), 2)} (bar <= 1/3: {verdict})")
     return "\n".join(lines)
 
 
@@ -758,7 +817,8 @@ def _signals_unwind() -> Iterator[None]:
 def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: bool,
                   results: Path | None = None) -> None:
     if as_json:
-        json.dump({**report, "plots": [str(p) for p in plots]}, sys.stdout, indent=2)
+        json.dump({**report, "plots": [str(p) for p in plots],
+                   "push_pull": push_pull(report.get("rows") or [])}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
     s = report.get("settings") or {}
@@ -769,6 +829,10 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
           f"{report.get('host', {}).get('loadavg_end')}")
     print()
     print(format_table(report.get("rows") or []))
+    verdict = format_push_pull(push_pull(report.get("rows") or []))
+    if verdict:
+        print()
+        print(verdict)
     print()
     print(f"results: {results or Path(str(report.get('out', '.'))) / RESULTS_FILE}")
     for path in plots:

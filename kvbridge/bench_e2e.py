@@ -98,6 +98,12 @@ __all__ = [
     "side_channel_port",
     "vllm_pull_params",
     "vllm_push_params",
+    "Pair",
+    "connect",
+    "dispatch",
+    "control_stats",
+    "loadavg",
+    "CpuMeter",
     "run_benchmark",
     "add_arguments",
     "cli_main",
@@ -575,7 +581,8 @@ def _scrape(url: str, name: str, timeout: float = 5.0) -> tuple[float, float]:
     return prom_sum(text, name + "_sum"), prom_sum(text, name + "_count")
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
+    """The host's 1, 5 and 15 minute load averages, as text."""
     try:
         with open("/proc/loadavg") as f:
             return " ".join(f.read().split()[:3])
@@ -615,7 +622,7 @@ class _DecodeLoad:
 
 
 @dataclass
-class _Pair:
+class Pair:
     """A started engine pair and what the dispatchers need to know about it."""
 
     config: str
@@ -633,7 +640,7 @@ class _Pair:
         return self.config.startswith("kvbridge")
 
 
-def _stream_d(pair: _Pair, url: str, prompt: list[int], params: Mapping[str, Any] | None,
+def _stream_d(pair: Pair, url: str, prompt: list[int], params: Mapping[str, Any] | None,
               t0: float, rec: RequestRecord, headers: Mapping[str, str] | None = None) -> None:
     t_send = time.perf_counter()
     if rec.t0_wall is None:
@@ -652,7 +659,7 @@ def _stream_d(pair: _Pair, url: str, prompt: list[int], params: Mapping[str, Any
     rec.ok = True
 
 
-def _p_leg(pair: _Pair, prompt: list[int], params: Mapping[str, Any],
+def _p_leg(pair: Pair, prompt: list[int], params: Mapping[str, Any],
            headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     return complete(pair.p.url, prompt, 1, params, timeout=pair.settings.request_timeout,
                     headers=headers)
@@ -686,7 +693,7 @@ def _kvb_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
     return params
 
 
-def _pull(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
+def _pull(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
           rec: RequestRecord) -> None:
     t0 = time.perf_counter()
     resp = _p_leg(pair, prompt, p_params)
@@ -697,7 +704,7 @@ def _pull(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
         _stream_d(pair, pair.d.url, prompt, d_params, t0, rec)
 
 
-def _concurrent_legs(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
+def _concurrent_legs(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
                      d_params: Mapping[str, Any], rec: RequestRecord,
                      headers: Mapping[str, str] | None = None) -> None:
     t0 = time.perf_counter()
@@ -709,7 +716,7 @@ def _concurrent_legs(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any]
         p_fut.result(timeout=pair.settings.request_timeout + 10)
 
 
-def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRecord:
+def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRecord:
     """Run one request of *mode* on *pair* and return its record (never raises)."""
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
@@ -739,7 +746,7 @@ def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRe
     return rec
 
 
-def via_proxy(pair: _Pair, url: str, mode: str, prompt: list[int], index: int) -> RequestRecord:
+def via_proxy(pair: Pair, url: str, mode: str, prompt: list[int], index: int) -> RequestRecord:
     """One streamed request through a kvbridge proxy at *url* (never raises)."""
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
@@ -753,7 +760,8 @@ def via_proxy(pair: _Pair, url: str, mode: str, prompt: list[int], index: int) -
 # -- phases --------------------------------------------------------------------------------------
 
 
-def _stats(address: str) -> Any:
+def control_stats(address: str) -> Any:
+    """One engine rank's :class:`~kvbridge.messages.StatsReply` (counters and timings)."""
     from kvbridge.control import ControlClient
     from kvbridge.messages import Codec, StatsQuery, StatsReply
 
@@ -765,6 +773,19 @@ def _stats(address: str) -> Any:
     if not isinstance(reply, StatsReply):
         raise EngineError(f"{address} answered StatsQuery with {type(reply).__name__}")
     return reply
+
+
+def connect(pair: Pair) -> None:
+    """A started kvbridge pair: learn P's probe answer (for push dispatch) and both control
+    addresses (for the engines' timings). Raises EngineError when an engine does not answer."""
+    from kvbridge.proxy.routing import parse_probe
+
+    timeout = pair.settings.request_timeout
+    p_probe = _control_probe(pair.p.url, timeout)
+    d_probe = _control_probe(pair.d.url, timeout)
+    pair.probe = parse_probe(p_probe)
+    pair.p_ctl = f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}"
+    pair.d_ctl = f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}"
 
 
 def _control_probe(url: str, timeout: float) -> dict[str, Any]:
@@ -807,14 +828,14 @@ def _run_requests(send: Callable[[list[int], int], RequestRecord], prompts: list
     return records
 
 
-def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], concurrency: int,
+def run_phase(pair: Pair, mode: str, phase: str, prompts: list[list[int]], concurrency: int,
               send: Callable[[list[int], int], RequestRecord]) -> PhaseResult:
     """Measure one phase: CPU, (vLLM) NIXL metrics and (kvbridge) timings around the requests."""
     res = PhaseResult(pair.config, mode, phase)
     xfer0 = _xfer_totals(pair)
     d_keys0: set[str] = set()
     if pair.kvbridge and pair.d_ctl:
-        d_keys0 = set(_stats(pair.d_ctl).timings)
+        d_keys0 = set(control_stats(pair.d_ctl).timings)
     meter = CpuMeter(pair.p.pid or -1, pair.d.pid or -1)
     t0 = time.perf_counter()
     res.records = _run_requests(send, prompts, concurrency, pair.settings.max_failures)
@@ -826,7 +847,7 @@ def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], conc
         res.xfer_avg_ms = (xfer1[0] - xfer0[0]) / (xfer1[1] - xfer0[1]) * 1000.0
     if pair.kvbridge and pair.p_ctl and pair.d_ctl:
         time.sleep(0.2)  # the last first_step reaches D's agent with its next engine step
-        p_t, d_t = _stats(pair.p_ctl).timings, _stats(pair.d_ctl).timings
+        p_t, d_t = control_stats(pair.p_ctl).timings, control_stats(pair.d_ctl).timings
         tids = [r.transfer_id for r in res.records if r.transfer_id]
         if not tids:  # through the proxy: its transfer ids are the ones new on D
             tids = sorted(set(d_t) - d_keys0)
@@ -839,14 +860,14 @@ def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], conc
         for r in res.records:
             if r.transfer_id and r.t0_wall is not None:
                 r.steps = request_steps(p_t, d_t, r.transfer_id, r.t0_wall)
-    res.loadavg = _loadavg()
+    res.loadavg = loadavg()
     failed = [r for r in res.records if not r.ok]
     if failed:
         res.error = f"{len(failed)} failed, first: {failed[0].error}"
     return res
 
 
-def _xfer_totals(pair: _Pair) -> tuple[float, float] | None:
+def _xfer_totals(pair: Pair) -> tuple[float, float] | None:
     """vLLM NIXL: summed (sum, count) of the transfer-time histogram over both engines."""
     if pair.kvbridge:
         return None
@@ -859,18 +880,18 @@ def _xfer_totals(pair: _Pair) -> tuple[float, float] | None:
     return a[0] + b[0], a[1] + b[1]
 
 
-def _idle_phase(pair: _Pair) -> PhaseResult:
+def _idle_phase(pair: Pair) -> PhaseResult:
     res = PhaseResult(pair.config, "-", "idle")
     meter = CpuMeter(pair.p.pid or -1, pair.d.pid or -1)
     t0 = time.perf_counter()
     time.sleep(pair.settings.idle_s)
     res.wall_s = time.perf_counter() - t0
     res.cpu_p, res.cpu_d, res.cpu_bench, res.cpu_other = meter.read()
-    res.loadavg = _loadavg()
+    res.loadavg = loadavg()
     return res
 
 
-def _check(pair: _Pair, results: Sequence[PhaseResult]) -> None:
+def _check(pair: Pair, results: Sequence[PhaseResult]) -> None:
     """Re-run the first ``check`` requests of every phase as plain greedy on P; count matches."""
     for res in results:
         for rec in [r for r in res.records if r.ok][:pair.settings.check]:
@@ -902,7 +923,7 @@ def _modes(config: str) -> list[str]:
 def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
                progress: Progress) -> tuple[list[PhaseResult], dict[str, Any]]:
     """Start *config*'s engines, run every mode and phase, check outputs, stop the engines."""
-    info: dict[str, Any] = {"loadavg_start": _loadavg(), "logs": str(log_dir)}
+    info: dict[str, Any] = {"loadavg_start": loadavg(), "logs": str(log_dir)}
     results: list[PhaseResult] = []
     p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms)
     legs = cf.ThreadPoolExecutor(2 * settings.wave, thread_name_prefix="bench-leg")
@@ -914,17 +935,12 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
                       progress=lambda s, r: progress(f"{config}: waiting for engines {s:.0f} s "
                                                      f"ready={r}"), progress_every=30.0)
         info["ready_s"] = round(time.monotonic() - t_start, 1)
-        pair = _Pair(config, p, d, settings, legs)
+        pair = Pair(config, p, d, settings, legs)
         results.append(_idle_phase(pair))
         if pair.kvbridge:
-            from kvbridge.proxy.routing import parse_probe
             from kvbridge.testing.proxies import ProxyThread
 
-            p_probe = _control_probe(p.url, settings.request_timeout)
-            d_probe = _control_probe(d.url, settings.request_timeout)
-            pair.probe = parse_probe(p_probe)
-            pair.p_ctl = f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}"
-            pair.d_ctl = f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}"
+            connect(pair)
             proxies = ProxyThread([p.url], [d.url],
                                   push_headroom=settings.push_headroom).start()
         for mode in _modes(config):
@@ -940,12 +956,12 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
         legs.shutdown(wait=False, cancel_futures=True)
         p.stop()
         d.stop()
-        info["loadavg_end"] = _loadavg()
+        info["loadavg_end"] = loadavg()
         info["elapsed_s"] = round(time.monotonic() - t_start, 1)
     return results, info
 
 
-def _run_mode(pair: _Pair, mode: str, proxies: Any, progress: Progress) -> list[PhaseResult]:
+def _run_mode(pair: Pair, mode: str, proxies: Any, progress: Progress) -> list[PhaseResult]:
     s = pair.settings
     out: list[PhaseResult] = []
     warm = RequestRecord(index=0, mode=mode)
@@ -994,7 +1010,7 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "loadavg_start": _loadavg()},
+        "host": {"cpus": os.cpu_count(), "loadavg_start": loadavg()},
         "settings": {k: (str(v) if isinstance(v, Path) else v)
                      for k, v in vars(settings).items()},
         "log_dir": str(log_dir), "configs": {}, "rows": [],
@@ -1012,13 +1028,13 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     report["rows"] = rows
     report["records"] = [{"config": r.config, "mode": r.mode, "phase": r.phase,
                           "requests": [x.to_dict() for x in r.records]} for r in results]
-    report["host"]["loadavg_end"] = _loadavg()
+    report["host"]["loadavg_end"] = loadavg()
     return report
 
 
 def _load1() -> float:
     try:
-        return float(_loadavg().split()[0])
+        return float(loadavg().split()[0])
     except (ValueError, IndexError):
         return 0.0
 
@@ -1030,7 +1046,7 @@ def _wait_quiet(settings: BenchSettings, say: Progress) -> float:
     t0 = time.monotonic()
     if _load1() >= settings.quiet_load:
         say(f"waiting up to {settings.quiet_wait_s:.0f} s for load < {settings.quiet_load} "
-            f"(now {_loadavg()})")
+            f"(now {loadavg()})")
     while _load1() >= settings.quiet_load and time.monotonic() - t0 < settings.quiet_wait_s:
         time.sleep(5.0)
     return time.monotonic() - t0

@@ -97,6 +97,7 @@ class _Request:
     send: bool = False  # a prefill leg we will hand off
     planned: bool = False
     handed: bool = False  # P: blocks handed to the worker (finished_sending will come)
+    kv_done: bool = False  # P: the forward that completes the prompt's KV is scheduled
     recving: bool = False  # D: a transfer into its blocks is in progress
     digest: str = ""
 
@@ -241,8 +242,9 @@ class HandoffBook:
                          prompt_tokens: int) -> None:
         """P: this step's forward writes the last of the prompt's KV (push: WRITE after it)."""
         req = self._reqs.get(req_id)
-        if req is None or not req.send or req.handed:
+        if req is None or not req.send or req.kv_done:
             return
+        req.kv_done = True
         self._plan.prefill_done.append(req.transfer_id)
         if req.mode is TransferMode.PUSH:
             self._plan.push_ready.append(self._send_plan(req_id, req, block_ids, prompt_tokens))
@@ -258,9 +260,9 @@ class HandoffBook:
         return SendPlan(req_id, req.transfer_id, blocks, prompt_tokens, req.digest, layerwise)
 
     def producers(self) -> list[str]:
-        """P requests whose KV is not handed over yet (the adapter checks their progress)."""
-        return [r for r, q in self._reqs.items() if q.send and not q.handed
-                and q.mode is TransferMode.PUSH]
+        """P requests whose prompt KV is not complete yet (the adapter checks their progress:
+        a push is handed over then, a pull only marks ``kv_ready`` for the timings)."""
+        return [r for r, q in self._reqs.items() if q.send and not q.kv_done]
 
     def finished(self, req_id: str, ok: bool, block_ids: Sequence[int],
                  prompt_tokens: int) -> tuple[bool, dict[str, Any] | None]:

@@ -151,6 +151,9 @@ def test_close_stops_the_listener_and_is_idempotent(wake: EngineWake,
 def test_sender_before_connect_and_reconnect() -> None:
     s = WakeSender()
     s.poke()  # not connected yet: a no-op
+    for bad in ("tcp://127.0.0.1:1", "unix:/tmp/x", "unix:@" + "x" * 200):
+        with pytest.raises(ValueError, match="wake address"):
+            s.connect(bad)
     a, b = EngineWake(20.0), EngineWake(20.0)
     try:
         s.connect(a.address)

@@ -6,7 +6,9 @@ transfer loop finishes something: that is when the request can take its first de
 its blocks can be freed. Two halves, across processes:
 
 - :class:`WakeSender` (each worker rank): :meth:`~WakeSender.poke` from the transfer loop's
-  progress callback, one tiny ZeroMQ message to the scheduler's :class:`EngineWake`.
+  progress callback, one empty datagram on a Unix socket (abstract namespace) to the
+  scheduler's :class:`EngineWake`: one system call, no broker or I/O thread between the two
+  processes, so under load the wake-up costs as few thread wake-ups as possible.
 - :class:`EngineWake` (the scheduler side, one per engine): receives the pokes and decides how
   the engine loop waits when a step had nothing to compute:
 
@@ -20,6 +22,10 @@ its blocks can be freed. Two halves, across processes:
   * **fallback** (no hook): :meth:`EngineWake.poll_wait`, called where the connector builds the
     step's metadata, polls the poke socket for the same back-off (the behaviour before the hook).
 
+A poke carries no data: a forged one (any local process of the same network namespace can send
+to the socket) only costs an early engine step. Linux only (abstract Unix sockets); the engine
+and its worker ranks share a host, as vLLM's own step queues require.
+
 Nothing here imports vLLM. :class:`EngineWake` methods other than :meth:`~EngineWake.close` are
 called from the engine thread; the listener thread only sets an event and calls ``nudge``.
 """
@@ -27,14 +33,15 @@ called from the engine thread; the listener thread only sets an event and calls 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import select
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
-
-import zmq
 
 __all__ = ["EngineWake", "WakeSender", "DUE_STEPS"]
 
@@ -53,16 +60,17 @@ class EngineWake:
         self.delay = 0.001
         self.nudges = 0  # pokes turned into a nudge of the engine loop (listener thread)
         self.counts: Counter[str] = Counter()  # engine thread: see take_counters
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(f"\0kvbridge-wake-{os.getpid()}-{os.urandom(8).hex()}")
+        self._sock.setblocking(False)
+        name = self._sock.getsockname()
+        self.address = "unix:@" + (name[1:] if isinstance(name, str) else name[1:].decode())
         self._poked = threading.Event()
         self._nudges_seen = 0
         self._due = 0
         self._thread: threading.Thread | None = None
-        self._stop: zmq.Socket[bytes] | None = None
+        self._stop_r, self._stop_w = -1, -1
+        self._closed = False
 
     # -- hooked ------------------------------------------------------------------------------
 
@@ -72,37 +80,26 @@ class EngineWake:
 
     def attach(self, nudge: Callable[[], bool]) -> None:
         """Hand the poke socket to a listener thread that calls ``nudge()`` on every poke."""
-        if self._thread is not None:
+        if self._thread is not None or self._closed:
             return
-        stop_addr = f"inproc://kvbridge-wake-{id(self)}"
-        stop_rx = self._ctx.socket(zmq.PAIR)
-        stop_rx.bind(stop_addr)
-        self._stop = self._ctx.socket(zmq.PAIR)
-        self._stop.setsockopt(zmq.LINGER, 0)
-        self._stop.connect(stop_addr)
-        self._thread = threading.Thread(target=self._listen, args=(nudge, stop_rx),
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._listen, args=(nudge,),
                                         name="kvbridge-wake", daemon=True)
         self._thread.start()
 
-    def _listen(self, nudge: Callable[[], bool], stop_rx: zmq.Socket[bytes]) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(stop_rx, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if stop_rx in ready:
-                    return
-                if not self._drain():
-                    continue
-                self._poked.set()
-                self.nudges += 1
-                nudge()
-        except zmq.ZMQError as exc:  # the context was terminated under us
-            log.debug("wake listener stopped: %s", exc)
-        finally:
-            stop_rx.close()
-            self._sock.close()
+    def _listen(self, nudge: Callable[[], bool]) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            fds = {fd for fd, _ in poller.poll()}
+            if self._stop_r in fds:
+                return
+            if not self._drain():
+                continue
+            self._poked.set()
+            self.nudges += 1
+            nudge()
 
     def idle(self, inputs: queue.Queue[Any], seconds: float, busy: bool) -> None:
         """Replaces vLLM's idle ``sleep(seconds)``; ``busy``: hand-offs are in progress."""
@@ -156,8 +153,8 @@ class EngineWake:
             woke = self._poked.wait(self.delay)
             self._poked.clear()
         else:
-            woke = bool(self._sock.poll(int(self.delay * 1000) or 1))
-            self._drain()
+            ready, _, _ = select.select([self._sock], [], [], self.delay)
+            woke = bool(ready) and self._drain()
         self._waited(woke)
 
     def step_busy(self) -> None:
@@ -168,25 +165,24 @@ class EngineWake:
         got = False
         while True:
             try:
-                self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                self._sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return got
+            except OSError:
                 return got
             got = True
 
     def close(self) -> None:
         """Stop the listener (if any) and close the socket. Idempotent; any thread."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread is not None:
-            if self._stop is not None:
-                try:
-                    self._stop.send(b"", zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+            os.write(self._stop_w, b"x")
             self._thread.join(5.0)
-            if self._stop is not None:
-                self._stop.close()
-                self._stop = None
-        elif not self._sock.closed:
-            self._sock.close()
+            for fd in (self._stop_r, self._stop_w):
+                os.close(fd)
+        self._sock.close()
 
 
 class WakeSender:
@@ -194,29 +190,31 @@ class WakeSender:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sock: zmq.Socket[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._target: str | None = None
         self.address: str | None = None
 
     def connect(self, address: str) -> None:
-        """Point the pokes at ``address`` (once; later calls with the same address are no-ops)."""
+        """Point the pokes at ``address`` (an :attr:`EngineWake.address`); ValueError for
+        anything else. Later calls with the same address are no-ops."""
+        if not address.startswith("unix:@") or len(address) > 100:
+            raise ValueError(f"not a kvbridge wake address: {address[:100]!r}")
         with self._lock:
             if self.address == address:
                 return
-            if self._sock is not None:
-                self._sock.close()
-            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 16)
-            sock.connect(address)
-            self._sock, self.address = sock, address
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._sock.setblocking(False)
+            self._target = "\0" + address[len("unix:@"):]
+            self.address = address
 
     def poke(self) -> None:
-        """Never blocks; a poke that cannot be queued is dropped (the wait is bounded)."""
+        """Never blocks; a poke that cannot be sent is dropped (the wait is bounded)."""
         with self._lock:
-            if self._sock is not None:
+            if self._sock is not None and self._target is not None:
                 try:
-                    self._sock.send(b"", zmq.NOBLOCK)
-                except zmq.ZMQError:
+                    self._sock.sendto(b"", self._target)
+                except OSError:  # nobody listens, or its queue is full: it is awake anyway
                     pass
 
     def close(self) -> None:

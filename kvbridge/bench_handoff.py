@@ -225,6 +225,13 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
                 cells[n].p_timings = dict(e2e.control_stats(pair.p_ctl).timings)
                 cells[n].d_timings = dict(e2e.control_stats(pair.d_ctl).timings)
                 report["rows"].append(summarize_pair(cells[n]))
+                report.setdefault("requests", []).extend(
+                    {"pair": n, "mode": mode, "round": r.index, "ok": r.ok, "error": r.error,
+                     "ttft_ms": None if r.ttft is None else r.ttft * 1000.0,
+                     "steps_ms": {k: round(v * 1000.0, 3) for k, v in e2e.request_steps(
+                         cells[n].p_timings, cells[n].d_timings, r.transfer_id or "",
+                         r.t0_wall or 0.0).items()}}
+                    for r in cells[n].records)
             report["paired"][mode] = paired_deltas(cells[names[0]], cells[names[1]])
     finally:
         legs.shutdown(wait=False, cancel_futures=True)

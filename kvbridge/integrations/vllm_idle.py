@@ -56,6 +56,7 @@ _installed = False
 _status = "not installed"
 _original_step: Any = None
 _original_time: types.ModuleType | None = None
+_WAKEUP: Any = None  # vLLM's EngineCoreRequestType.WAKEUP, once installed
 
 
 def status() -> str:
@@ -76,16 +77,10 @@ def nudge() -> bool:
     if not _installed or engine is None:
         return False
     try:
-        engine.input_queue.put_nowait((_wakeup(), None))
+        engine.input_queue.put_nowait((_WAKEUP, None))
     except Exception:  # noqa: BLE001 - a nudge is best effort; the wait is bounded anyway
         return False
     return True
-
-
-def _wakeup() -> Any:
-    from vllm.v1.engine import EngineCoreRequestType
-
-    return EngineCoreRequestType.WAKEUP
 
 
 def _check(core: types.ModuleType) -> str | None:
@@ -115,7 +110,7 @@ def install(waiter: Waiter) -> bool:
     """Route vLLM's idle sleep in this process to *waiter* (idempotent: a later call only
     replaces the waiter). False, after one WARNING, when this vLLM does not have the structure
     the hook needs; nothing is changed then."""
-    global _waiter, _installed, _status, _original_step, _original_time
+    global _waiter, _installed, _status, _original_step, _original_time, _WAKEUP
     with _lock:
         if _installed:
             _waiter = waiter
@@ -149,6 +144,9 @@ def install(waiter: Waiter) -> bool:
         clock = types.ModuleType("time", time.__doc__)
         clock.__dict__.update({k: v for k, v in vars(time).items() if not k.startswith("__")})
         clock.sleep = _sleep  # type: ignore[attr-defined]
+        from vllm.v1.engine import EngineCoreRequestType
+
+        _WAKEUP = EngineCoreRequestType.WAKEUP
         _original_step, _original_time = original, time
         proc._process_engine_step = _process_engine_step
         core.time = clock  # type: ignore[attr-defined]

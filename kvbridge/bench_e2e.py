@@ -100,6 +100,7 @@ __all__ = [
     "vllm_push_params",
     "Pair",
     "connect",
+    "control_addresses",
     "dispatch",
     "control_stats",
     "loadavg",
@@ -775,17 +776,22 @@ def control_stats(address: str) -> Any:
     return reply
 
 
+def control_addresses(p_url: str, d_url: str, timeout: float) -> tuple[str, str, Any]:
+    """Two started kvbridge engines: (P's control address, D's, P's parsed probe answer).
+    Raises EngineError when an engine does not answer."""
+    from kvbridge.proxy.routing import parse_probe
+
+    p_probe = _control_probe(p_url, timeout)
+    d_probe = _control_probe(d_url, timeout)
+    return (f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}",
+            f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}", parse_probe(p_probe))
+
+
 def connect(pair: Pair) -> None:
     """A started kvbridge pair: learn P's probe answer (for push dispatch) and both control
     addresses (for the engines' timings). Raises EngineError when an engine does not answer."""
-    from kvbridge.proxy.routing import parse_probe
-
-    timeout = pair.settings.request_timeout
-    p_probe = _control_probe(pair.p.url, timeout)
-    d_probe = _control_probe(pair.d.url, timeout)
-    pair.probe = parse_probe(p_probe)
-    pair.p_ctl = f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}"
-    pair.d_ctl = f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}"
+    pair.p_ctl, pair.d_ctl, pair.probe = control_addresses(pair.p.url, pair.d.url,
+                                                           pair.settings.request_timeout)
 
 
 def _control_probe(url: str, timeout: float) -> dict[str, Any]:

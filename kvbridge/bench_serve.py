@@ -84,6 +84,8 @@ __all__ = [
     "sustained",
     "push_pull",
     "format_push_pull",
+    "handoff_summary",
+    "format_steps",
     "write_plots",
     "load_results",
     "run_serve_bench",
@@ -285,15 +287,25 @@ def _f(v: Any, nd: int = 1) -> str:
 
 
 TABLE_HEADERS = ("setup", "rate", "ok/fail", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "E2E p99 ms", "req/s")
+                 "TPOT p99 ms", "E2E p99 ms", "req/s", "hand-off p50 ms", "-wire p50 ms")
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """The cells of the table, one list per (setup, rate)."""
+    """The cells of the table, one list per (setup, rate). The hand-off columns (kvbridge only)
+    come from the engines' own timings of the run's transfers (:func:`handoff_summary`)."""
     return [[str(r["setup"]), f"{r['rate']:g}", f"{_f(r.get('completed'))}/{_f(r.get('failed'))}",
              _f(r.get("ttft_p50")), _f(r.get("ttft_p99")), _f(r.get("tpot_p50")),
-             _f(r.get("tpot_p99")), _f(r.get("e2e_p99")), _f(r.get("request_throughput"), 2)]
+             _f(r.get("tpot_p99")), _f(r.get("e2e_p99")), _f(r.get("request_throughput"), 2),
+             _f(r.get("handoff_p50"), 2), _f(r.get("beyond_wire_p50"), 2)]
             for r in rows]
+
+
+def format_steps(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Median of each hand-off step (ms) per kvbridge (setup, rate)."""
+    lines = [f"  {r['setup']} @ {r['rate']:g}: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in r["handoff_steps"].items())
+        for r in rows if r.get("handoff_steps")]
+    return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -610,9 +622,15 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
                       progress=lambda s, r: rec.say(f"{group}: waiting for engines {s:.0f} s, "
                                                     f"ready={r}"))
         info["ready_s"] = round(time.monotonic() - t_start, 1)
+        controls = None
+        if group == KVBRIDGE_GROUP:
+            from kvbridge.bench_e2e import control_addresses
+
+            controls = control_addresses(p.url, d.url, settings.request_timeout)[:2]
         with _endpoints(group, setups, p, d, settings) as urls:
             for setup in setups:
-                _run_setup(setup, urls[setup], settings, model, out, rec, [p, d], done)
+                _run_setup(setup, urls[setup], settings, model, out, rec, [p, d], done,
+                           controls)
     except Exception as exc:  # noqa: BLE001 - report the group failed, go on with the next
         info["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         rec.say(f"{group}: FAILED: {info['error'][:300]}")
@@ -626,8 +644,27 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
         rec.say(f"{group}: engines stopped")
 
 
+def handoff_summary(p_timings: Mapping[str, Mapping[str, float]],
+                    d_timings: Mapping[str, Mapping[str, float]],
+                    transfer_ids: Sequence[str]) -> dict[str, Any]:
+    """What the engines recorded for one run's transfers: hand-off p50 (``D.first_step -
+    P.kv_ready``), push hand-off minus wire p50, and the median of every step (ms)."""
+    from kvbridge.bench_e2e import beyond_wire, handoff_breakdown, handoff_times, percentile
+
+    def ms(values: Sequence[float]) -> float | None:
+        v = percentile(values, 50)
+        return None if v is None else v * 1000.0
+
+    return {"handoff_n": len(handoff_times(p_timings, d_timings, transfer_ids)),
+            "handoff_p50": ms(handoff_times(p_timings, d_timings, transfer_ids)),
+            "beyond_wire_p50": ms(beyond_wire(p_timings, d_timings, transfer_ids)),
+            "handoff_steps": {k: v * 1000.0 for k, v in
+                              handoff_breakdown(p_timings, d_timings, transfer_ids).items()}}
+
+
 def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: Path,
-               rec: _Recorder, engines: Sequence[Any], done: set[tuple[str, float]]) -> None:
+               rec: _Recorder, engines: Sequence[Any], done: set[tuple[str, float]],
+               controls: tuple[str, str] | None = None) -> None:
     engine_urls = [e.url for e in engines]
     rec.say(f"{setup}: {settings.warmups} warm-up request(s) through {url}")
     warm_error = _warm_up(url, settings, setup)
@@ -657,7 +694,17 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
         rec.say(f"{setup}: vllm bench serve at {rate:g} req/s ({settings.num_prompts} prompts, "
                 f"seed {seed}) -> {url}")
         row["wall_start"] = time.time()
+        from kvbridge.bench_e2e import control_stats
+
+        seen = set(control_stats(controls[1]).timings) if controls else set()
         rc = run_bench_process(cmd, out / f"{name}.bench.log", settings.bench_timeout)
+        if controls is not None:
+            try:
+                time.sleep(0.3)  # the last first_step reaches D's rank with its next step
+                p_t, d_t = (control_stats(c).timings for c in controls)
+                row.update(handoff_summary(p_t, d_t, sorted(set(d_t) - seen)))
+            except Exception as exc:  # noqa: BLE001 - timings are extra; the run stands
+                rec.say(f"{setup}: no hand-off timings: {exc}")
         path = out / f"{name}.json"
         row.update(rc=rc, result_file=path.name, log_file=f"{name}.bench.log")
         if rc == 0 and path.is_file():
@@ -829,10 +876,11 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
           f"{report.get('host', {}).get('loadavg_end')}")
     print()
     print(format_table(report.get("rows") or []))
-    verdict = format_push_pull(push_pull(report.get("rows") or []))
-    if verdict:
-        print()
-        print(verdict)
+    for extra in (format_steps(report.get("rows") or []),
+                  format_push_pull(push_pull(report.get("rows") or []))):
+        if extra:
+            print()
+            print(extra)
     print()
     print(f"results: {results or Path(str(report.get('out', '.'))) / RESULTS_FILE}")
     for path in plots:

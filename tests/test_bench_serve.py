@@ -221,6 +221,22 @@ def test_push_pull_without_both_setups_or_sustained_rates() -> None:
     assert not bs.sustained({"rate": 4, "request_throughput": 4.0, "error": "boom"})
 
 
+def test_handoff_summary_and_steps_from_the_engines_timings() -> None:
+    p_t = {"a": {"kv_ready": 1.0, "write_posted": 1.0005, "write_done": 1.0015},
+           "b": {"kv_ready": 2.0, "write_posted": 2.0005, "write_done": 2.0025},
+           "old": {"kv_ready": 0.0}}
+    d_t = {"a": {"recv_done": 1.002, "first_step": 1.003},
+           "b": {"recv_done": 2.003, "first_step": 2.005}}
+    got = bs.handoff_summary(p_t, d_t, ["a", "b"])
+    assert got["handoff_n"] == 2 and got["handoff_p50"] == pytest.approx(4.0)
+    assert got["beyond_wire_p50"] == pytest.approx(2.5)  # (3 - 1) and (5 - 2)
+    assert got["handoff_steps"]["recv_done->first_step"] == pytest.approx(1.5)
+    row = {"setup": "kvbridge-push", "rate": 8.0, **got}
+    assert "kvbridge-push @ 8: kv_ready->write_posted 0.5" in bs.format_steps([row])
+    assert " 4.00 " in bs.format_table([row]) and " 2.50" in bs.format_table([row])
+    assert bs.format_steps([{"setup": "vllm-nixl-pull", "rate": 8.0}]) == ""
+
+
 def _assert_png(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"

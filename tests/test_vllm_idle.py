@@ -114,7 +114,9 @@ def test_install_refuses_a_vllm_without_the_expected_idle_sleep(
     def no_sleep(self: Any) -> bool:
         return False
 
+    assert vllm_idle.installable() is None  # this vLLM has what the hook needs
     monkeypatch.setattr(core.EngineCoreProc, "_process_engine_step", no_sleep)
+    assert "time.sleep" in (vllm_idle.installable() or "")
     with caplog.at_level(logging.WARNING, logger="kvbridge.connector"):
         assert not vllm_idle.install(lambda inputs, seconds: None)
     assert "not installed" in caplog.text and "time.sleep" in caplog.text

@@ -39,7 +39,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Waiter", "install", "active", "nudge", "uninstall", "status"]
+__all__ = ["Waiter", "install", "installable", "active", "nudge", "uninstall", "status"]
 
 log = logging.getLogger("kvbridge.connector")
 
@@ -106,6 +106,20 @@ def _check(core: types.ModuleType) -> str | None:
     return None
 
 
+def installable() -> str | None:
+    """Why the hook cannot be installed in this process's vLLM, or None when it can (nothing is
+    changed; ``kvbridge doctor`` asks this)."""
+    if _installed:
+        return None
+    try:
+        import importlib
+
+        core = importlib.import_module(_MODULE)
+    except Exception as exc:  # noqa: BLE001 - any import problem: no hook
+        return f"cannot import {_MODULE}: {exc}"
+    return _check(core)
+
+
 def install(waiter: Waiter) -> bool:
     """Route vLLM's idle sleep in this process to *waiter* (idempotent: a later call only
     replaces the waiter). False, after one WARNING, when this vLLM does not have the structure
@@ -115,19 +129,13 @@ def install(waiter: Waiter) -> bool:
         if _installed:
             _waiter = waiter
             return True
-        try:
-            import importlib
-
-            core = importlib.import_module(_MODULE)
-        except Exception as exc:  # noqa: BLE001 - any import problem: no hook
-            why: str | None = f"cannot import {_MODULE}: {exc}"
-        else:
-            why = _check(core)
+        why = installable()
         if why is not None:
             _status = f"not installed: {why}"
-            log.warning("kvbridge wake-on-arrival hook not installed (%s); idle engines keep "
-                        "polling every %s", why, "1-20 ms (idle_wait_ms)")
+            log.warning("kvbridge wake-on-arrival hook not installed (%s): an engine waiting "
+                        "for a hand-off polls every 1 ms .. idle_wait_ms instead", why)
             return False
+        core = sys.modules[_MODULE]
         proc = core.EngineCoreProc
         original = proc._process_engine_step
 

@@ -120,8 +120,9 @@ def format_handoff_report(report: dict[str, Any]) -> str:
         cells.append([r["pair"], r["mode"], f"{r['ok']}/{r['failed']}", _f(r["ttft_p50_ms"], 1),
                       _f(r["handoff_p50_ms"]), _f(r["wire_p50_ms"]), _f(r["beyond_wire_p50_ms"]),
                       _f(r["cpu_p_s"], 1), _f(r["cpu_d_s"], 1)])
-    for name, idle in report["idle"].items():
-        cells.append([name, "idle", "-", "-", "-", "-", "-", _f(idle[0], 2), _f(idle[1], 2)])
+    for what in ("idle", "waiting"):
+        for name, (p_cpu, d_cpu) in report.get(what, {}).items():
+            cells.append([name, what, "-", "-", "-", "-", "-", _f(p_cpu, 3), _f(d_cpu, 3)])
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     lines = [f"kvbridge bench handoff, {report['date']}, backend {s['backend']}, "
              f"{s['requests']} sequential rounds per mode (ABBA), load {report['load_start']} -> "
@@ -144,8 +145,9 @@ def format_handoff_report(report: dict[str, Any]) -> str:
             verdict = "met" if v <= e2e.HANDOFF_BAR_MS else "NOT met"
             lines += ["", f"push hand-off minus wire p50 (wake): {v:.2f} ms (bar <= "
                       f"{e2e.HANDOFF_BAR_MS:g} ms: {verdict})"]
-    lines += ["", "idle rows: CPU-s per second of each engine's process group with nothing to do; "
-              "CPU-s P/D: during the mode's rounds (both pairs' rounds interleaved)",
+    lines += ["", "idle / waiting rows: CPU-s per second of each engine's process group with "
+              "nothing to do / while D holds a push whose KV never comes; CPU-s P/D: during the "
+              "mode's rounds (both pairs' rounds interleaved)",
               f"engine logs: {report['log_dir']}"]
     return "\n".join(lines)
 
@@ -175,6 +177,44 @@ def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str,
     return servers
 
 
+def _idle_cpu(pairs: dict[str, e2e.Pair], seconds: float) -> dict[str, tuple[float, float]]:
+    """CPU-s per second of each pair's P and D over *seconds* (all pairs measured at once)."""
+    meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
+    time.sleep(seconds)
+    out = {}
+    for n, meter in meters.items():
+        p_cpu, d_cpu, _, _ = meter.read()
+        out[n] = (p_cpu / seconds, d_cpu / seconds)
+    return out
+
+
+def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
+                 ) -> dict[str, tuple[float, float]]:
+    """Like :func:`_idle_cpu`, while each D holds one push request whose P leg never comes
+    (the case where vLLM keeps stepping and kvbridge's idle wait decides what that costs); the
+    client then gives up, which aborts the request."""
+    from kvbridge.params import push_decode_request
+    from kvbridge.proxy.routing import new_transfer_id
+    from kvbridge.testing.engines import EngineError, complete
+    from kvbridge.testing.tiny_model import random_prompts
+
+    prompt = random_prompts(1, settings.prompt_len, seed=settings.seed - 2)[0]
+    timeout = settings.idle_s + 3.0
+    with cf.ThreadPoolExecutor(len(pairs)) as ex:
+        futs = [ex.submit(complete, pp.d.url, prompt, 4,
+                          push_decode_request(pp.probe, new_transfer_id()), timeout=timeout)
+                for pp in pairs.values()]
+        time.sleep(1.5)  # registered, waiting
+        out = _idle_cpu(pairs, settings.idle_s)
+        for fut in futs:
+            try:
+                fut.result(timeout=timeout + 30)
+            except (EngineError, OSError):
+                pass  # the expected end: the client stopped waiting
+    time.sleep(1.0)
+    return out
+
+
 def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
     """Run the interleaved comparison; the JSON-able report."""
     from kvbridge.testing.tiny_model import random_prompts
@@ -184,7 +224,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "load_start": e2e.loadavg(), "log_dir": str(log_dir),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(settings).items()},
-        "rows": [], "idle": {}, "paired": {},
+        "rows": [], "idle": {}, "waiting": {}, "paired": {},
     }
     e2e_settings = e2e.BenchSettings(prompt_len=settings.prompt_len,
                                      max_tokens=settings.max_tokens,
@@ -202,11 +242,8 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
                 e2e.dispatch(pair, mode, random_prompts(1, settings.prompt_len,
                                                         seed=settings.seed - 1)[0], -1)
         time.sleep(1.0)
-        meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
-        time.sleep(settings.idle_s)
-        for n, meter in meters.items():
-            p_cpu, d_cpu, _, _ = meter.read()
-            report["idle"][n] = (p_cpu / settings.idle_s, d_cpu / settings.idle_s)
+        report["idle"] = _idle_cpu(pairs, settings.idle_s)
+        report["waiting"] = _waiting_cpu(pairs, settings)
         names = list(pairs)
         for mode in settings.modes:
             say(f"{mode}: {settings.requests} rounds")

@@ -102,6 +102,7 @@ __all__ = [
     "connect",
     "control_addresses",
     "dispatch",
+    "kvbridge_prefill_params",
     "control_stats",
     "loadavg",
     "CpuMeter",
@@ -686,7 +687,8 @@ def vllm_push_params(rid: str, p_side_channel_port: int) -> tuple[dict[str, Any]
     return p_params, d_params
 
 
-def _kvb_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
+def kvbridge_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
+    """The P leg's ``kv_transfer_params`` the kvbridge proxy would send in *mode*."""
     from kvbridge.proxy.routing import ProxyMode, prefill_body
 
     params: dict[str, Any] = prefill_body({"prompt": []}, transfer_id,
@@ -736,10 +738,10 @@ def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRec
             chosen = ("push" if reserved else "pull") if mode == "auto" else mode
             rec.mode = chosen
             if chosen == "pull":
-                _pull(pair, prompt, _kvb_prefill_params(rec.transfer_id, "pull"), rec)
+                _pull(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "pull"), rec)
             else:
                 with pair.load.hold(reserved):
-                    _concurrent_legs(pair, prompt, _kvb_prefill_params(rec.transfer_id, "push"),
+                    _concurrent_legs(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "push"),
                                      push_decode_params(pair.probe, rec.transfer_id), rec)
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         rec.ok = False

@@ -37,7 +37,10 @@ __all__ = ["PAIRS", "HandoffSettings", "run_handoff_bench", "format_handoff_repo
 
 PAIRS: dict[str, dict[str, str]] = {"wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
 """Pair name → extra environment of both its engines."""
-MODES = ("push", "pull")
+MODES = ("push", "pull", "push-behind")
+"""``push-behind``: a push sent while D already holds another push request that waits for its
+KV (its P leg comes :data:`BEHIND_S` later): what D's idle wait does to a new arrival."""
+BEHIND_S = 0.8
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,34 @@ def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
     return out
 
 
+def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
+          settings: HandoffSettings) -> e2e.RequestRecord:
+    """One measured request (never raises). ``push-behind``: a push while D waits for another
+    push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured."""
+    if mode != "push-behind":
+        return e2e.dispatch(pair, mode, prompt, index)
+    from kvbridge.params import push_decode_request
+    from kvbridge.proxy.routing import new_transfer_id
+    from kvbridge.testing.engines import complete
+    from kvbridge.testing.tiny_model import random_prompts
+
+    other = random_prompts(1, settings.prompt_len, seed=settings.seed * 7 + index)[0]
+    tid = new_transfer_id()
+    waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_request(pair.probe, tid),
+                               timeout=settings.request_timeout)
+    time.sleep(BEHIND_S / 2)  # D holds it, idle, waiting for its KV
+    rec = e2e.dispatch(pair, "push", prompt, index)
+    rec.mode = mode
+    time.sleep(max(0.0, BEHIND_S / 2 - (rec.total or 0.0)))
+    try:
+        complete(pair.p.url, other, 1, e2e.kvbridge_prefill_params(tid, "push"),
+                 timeout=settings.request_timeout)
+        waiting.result(timeout=settings.request_timeout)
+    except Exception as exc:  # noqa: BLE001 - the measured request is what counts
+        rec.error = rec.error or f"the waiting push failed: {exc}"[:300]
+    return rec
+
+
 def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
     """Run the interleaved comparison; the JSON-able report."""
     from kvbridge.testing.tiny_model import random_prompts
@@ -238,7 +269,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             pairs[name] = e2e.Pair(f"kvbridge-{settings.backend}", p, d, e2e_settings, legs)
             e2e.connect(pairs[name])
         for pair in pairs.values():  # warm-up: the first transfer pays the handshakes
-            for mode in settings.modes:
+            for mode in ("push", "pull"):
                 e2e.dispatch(pair, mode, random_prompts(1, settings.prompt_len,
                                                         seed=settings.seed - 1)[0], -1)
         time.sleep(1.0)
@@ -254,7 +285,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             for i, prompt in enumerate(prompts):
                 order = names if i % 4 in (0, 3) else names[::-1]
                 for n in order:
-                    cells[n].records.append(e2e.dispatch(pairs[n], mode, prompt, i))
+                    cells[n].records.append(_send(pairs[n], mode, prompt, i, settings))
             time.sleep(0.3)  # the last first_step reaches D's rank with its next step
             for n, pair in pairs.items():
                 cells[n].cpu_p, cells[n].cpu_d, _, _ = meters[n].read()

@@ -21,7 +21,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_flags() -> None:
     s = bh.settings_from_args(_args())
-    assert (s.backend, s.requests, s.modes) == ("shm", 20, ("push", "pull"))
+    assert (s.backend, s.requests, s.modes) == ("shm", 20, ("push", "pull", "push-behind"))
     s = bh.settings_from_args(_args("--backend", "nixl", "--modes", "push", "--requests", "4"))
     assert (s.backend, s.requests, s.modes) == ("nixl", 4, ("push",))
     with pytest.raises(ConfigError, match="--modes"):

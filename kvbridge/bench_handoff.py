@@ -196,8 +196,7 @@ def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
     """Like :func:`_idle_cpu`, while each D holds one push request whose P leg never comes
     (the case where vLLM keeps stepping and kvbridge's idle wait decides what that costs); the
     client then gives up, which aborts the request."""
-    from kvbridge.params import push_decode_request
-    from kvbridge.proxy.routing import new_transfer_id
+    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
     from kvbridge.testing.engines import EngineError, complete
     from kvbridge.testing.tiny_model import random_prompts
 
@@ -205,7 +204,7 @@ def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
     timeout = settings.idle_s + 3.0
     with cf.ThreadPoolExecutor(len(pairs)) as ex:
         futs = [ex.submit(complete, pp.d.url, prompt, 4,
-                          push_decode_request(pp.probe, new_transfer_id()), timeout=timeout)
+                          push_decode_params(pp.probe, new_transfer_id()), timeout=timeout)
                 for pp in pairs.values()]
         time.sleep(1.5)  # registered, waiting
         out = _idle_cpu(pairs, settings.idle_s)
@@ -224,14 +223,13 @@ def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
     push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured."""
     if mode != "push-behind":
         return e2e.dispatch(pair, mode, prompt, index)
-    from kvbridge.params import push_decode_request
-    from kvbridge.proxy.routing import new_transfer_id
+    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
     from kvbridge.testing.engines import complete
     from kvbridge.testing.tiny_model import random_prompts
 
     other = random_prompts(1, settings.prompt_len, seed=settings.seed * 7 + index)[0]
     tid = new_transfer_id()
-    waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_request(pair.probe, tid),
+    waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_params(pair.probe, tid),
                                timeout=settings.request_timeout)
     time.sleep(BEHIND_S / 2)  # D holds it, idle, waiting for its KV
     rec = e2e.dispatch(pair, "push", prompt, index)

@@ -152,6 +152,8 @@ class BenchSettings:
     quiet_wait_s: float = 120.0
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
+    #: pin each engine's whole process tree to its core (VllmServer.pin_cpus)
+    pin_engines: bool = False
     log_dir: Path | None = None
     model_dir: Path | None = None
 
@@ -270,6 +272,9 @@ _STEPS: tuple[tuple[str, str], ...] = (
 ``write_posted`` / ``write_done`` the WRITE (push); D: ``recv_done`` the transfer loop has the
 KV, ``recv_seen`` vLLM's scheduler learned it, ``first_step`` the request was scheduled."""
 
+PIN_HELP = ("restrict every process and thread of each engine to its core (P 0, D 1), not only "
+            "vLLM's OpenMP threads, so one engine's API server and threads do not run on the "
+            "other's core")
 HANDOFF_BAR_MS = 2.0
 """The hand-off issue's bar: push hand-off minus wire time, p50, sequential."""
 
@@ -530,9 +535,10 @@ def _kvbridge_connector(role: str, engine_id: str, backend: str) -> dict[str, An
             "kv_connector_extra_config": {"backend": backend}}
 
 
-def engine_specs(config: str, model: Path, log_dir: Path,
-                 engine_spin_ms: float = 2.0) -> tuple[VllmServer, VllmServer]:
-    """The (P, D) engines of *config*, not started: P on core 0, D on core 1.
+def engine_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float = 2.0,
+                 pin: bool = False) -> tuple[VllmServer, VllmServer]:
+    """The (P, D) engines of *config*, not started: P on core 0, D on core 1 (vLLM's OpenMP
+    threads; with *pin* every process and thread of each engine).
 
     kvbridge's engines get ``KVBRIDGE_ENGINE_SPIN_MS`` (its recommended setting on small hosts)
     unless *engine_spin_ms* is negative; vLLM's own connectors run as shipped.
@@ -565,9 +571,9 @@ def engine_specs(config: str, model: Path, log_dir: Path,
         raise ConfigError(f"unknown configuration {config!r}")
     args = ["--block-size", "32"]
     p = VllmServer(model, name=f"{config}-P", kv_transfer_config=kv_p, cpu_bind="0", env=env_p,
-                   extra_args=args, log_path=log_dir / f"{config}-prefill.log")
+                   extra_args=args, log_path=log_dir / f"{config}-prefill.log", pin_cpus=pin)
     d = VllmServer(model, name=f"{config}-D", kv_transfer_config=kv_d, cpu_bind="1", env=env_d,
-                   extra_args=args, log_path=log_dir / f"{config}-decode.log")
+                   extra_args=args, log_path=log_dir / f"{config}-decode.log", pin_cpus=pin)
     return p, d
 
 
@@ -933,7 +939,7 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
     """Start *config*'s engines, run every mode and phase, check outputs, stop the engines."""
     info: dict[str, Any] = {"loadavg_start": loadavg(), "logs": str(log_dir)}
     results: list[PhaseResult] = []
-    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms)
+    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms, settings.pin_engines)
     legs = cf.ThreadPoolExecutor(2 * settings.wave, thread_name_prefix="bench-leg")
     proxies: Any = None
     t_start = time.monotonic()
@@ -1119,6 +1125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... for at most this many seconds")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a temp dir)")
     p.add_argument("--model-dir", type=Path, default=None, help="tiny model directory")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
@@ -1142,7 +1149,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         seed=args.seed, request_timeout=args.request_timeout, start_timeout=args.start_timeout,
         idle_s=args.idle_s, max_failures=args.max_failures, warmup_tries=args.warmup_tries,
         quiet_load=args.quiet_load, quiet_wait_s=args.quiet_wait,
-        engine_spin_ms=args.engine_spin_ms, log_dir=args.log_dir,
+        engine_spin_ms=args.engine_spin_ms, pin_engines=args.pin_engines, log_dir=args.log_dir,
         model_dir=args.model_dir,
     )
 

@@ -52,6 +52,7 @@ class HandoffSettings:
     max_tokens: int = 8
     idle_s: float = 5.0
     engine_spin_ms: float = 2.0
+    pin_engines: bool = False
     seed: int = 4321
     request_timeout: float = 120.0
     start_timeout: float = 900.0
@@ -167,7 +168,8 @@ def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str,
     config = f"kvbridge-{settings.backend}"
     servers: dict[str, tuple[Any, Any]] = {}
     for name, env in PAIRS.items():
-        p, d = e2e.engine_specs(config, model, log_dir / name, settings.engine_spin_ms)
+        p, d = e2e.engine_specs(config, model, log_dir / name, settings.engine_spin_ms,
+                                settings.pin_engines)
         for server in (p, d):
             server.env.update(env)
             assert server.kv_transfer_config is not None
@@ -319,6 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of the idle measurement (both pairs up, nothing to do)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS of every engine (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
@@ -339,6 +342,7 @@ def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
                            modes=parse_names(args.modes, MODES, "--modes", "mode"),
                            prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                            idle_s=args.idle_s, engine_spin_ms=args.engine_spin_ms,
+                           pin_engines=args.pin_engines,
                            seed=args.seed, log_dir=args.log_dir)
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvbridge.bench_e2e import PIN_HELP
 from kvbridge.errors import ConfigError
 
 __all__ = [
@@ -127,6 +128,7 @@ class ServeSettings:
     push_headroom: int = 4
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
+    pin_engines: bool = False
     request_timeout: float = 120.0
     bench_timeout: float = 600.0
     start_timeout: float = 600.0
@@ -611,7 +613,7 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
 
     config = f"kvbridge-{settings.backend}" if group == KVBRIDGE_GROUP else group
     log_dir = out / "logs"
-    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms)
+    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms, settings.pin_engines)
     info: dict[str, Any] = {"setups": list(setups), "engines": config, "logs": str(log_dir)}
     rec.report["groups"][group] = info
     done: set[tuple[str, float]] = set()
@@ -798,6 +800,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvbridge-auto: push while fewer than N requests are in flight at D")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds for one warm-up request")
     p.add_argument("--bench-timeout", type=float, default=d.bench_timeout,
@@ -835,6 +838,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, backend=args.backend, warmups=args.warmups,
         push_headroom=args.push_headroom, engine_spin_ms=args.engine_spin_ms,
+        pin_engines=args.pin_engines,
         request_timeout=args.request_timeout, bench_timeout=args.bench_timeout,
         start_timeout=args.start_timeout, idle_timeout=args.idle_timeout,
         plots=not args.no_plots, out=args.out, model_dir=args.model_dir,

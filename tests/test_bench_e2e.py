@@ -274,6 +274,10 @@ def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
     assert p.kv_transfer_config["kv_connector_extra_config"] == {"backend": "nixl"}
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in p.env
     assert p.proc is None and d.proc is None  # nothing started
+    assert not p.pin_cpus
+    p, d = b.engine_specs("kvbridge-shm", model, tmp_path, pin=True)
+    assert p.pin_cpus and d.pin_cpus and (p.cpus(), d.cpus()) == ({0}, {1})
+    assert b.settings_from_args(_args("--pin-engines")).pin_engines
 
 
 def test_bars_line_judges_push_seq_hand_off_minus_wire() -> None:

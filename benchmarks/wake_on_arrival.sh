@@ -12,6 +12,9 @@
 #    off: bar 2, push TTFT p50 <= 1/3 of pull's at the highest rate both sustain (last lines of
 #    each table), and where the time goes at each rate ("hand-off steps").
 #
+# Every engine's whole process tree is pinned to its core (--pin-engines): on a 2-core host the
+# other engine's API server and threads otherwise run on P's core during its prefill, which is
+# host contention, not hand-off latency (docs/benchmarks.md, "Wake on arrival").
 # About 45 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
 set -uo pipefail  # a failed run is reported in its table; the others still run
 cd "$(dirname "$0")/.."
@@ -20,15 +23,17 @@ KVB=${KVB:-.venv/bin/kvbridge}
 mkdir -p "$OUT"
 echo "results in $OUT; load $(cut -d' ' -f1-3 /proc/loadavg)"
 for backend in nixl shm; do
-  "$KVB" bench handoff --backend "$backend" --requests 40 --output "$OUT/handoff-$backend.json" \
+  "$KVB" bench handoff --backend "$backend" --requests 40 --pin-engines \
+    --output "$OUT/handoff-$backend.json" \
     --log-dir "$OUT/handoff-$backend-logs" | tee "$OUT/handoff-$backend.txt"
 done
-"$KVB" bench e2e --configs kvbridge-nixl,kvbridge-shm --output "$OUT/e2e.json" \
+"$KVB" bench e2e --configs kvbridge-nixl,kvbridge-shm --pin-engines --output "$OUT/e2e.json" \
   --log-dir "$OUT/e2e-logs" | tee "$OUT/e2e.txt"
 RATES=4,8,16,24,32
 "$KVB" bench serve --setups kvbridge-pull,kvbridge-push --rates "$RATES" --num-prompts 64 \
-  --no-progress --no-plots --out "$OUT/serve-wake" | tee "$OUT/serve-wake.txt"
+  --pin-engines --no-progress --no-plots --out "$OUT/serve-wake" | tee "$OUT/serve-wake.txt"
 KVBRIDGE_WAKE_ON_ARRIVAL=0 "$KVB" bench serve --setups kvbridge-pull,kvbridge-push \
-  --rates "$RATES" --num-prompts 64 --no-progress --no-plots --out "$OUT/serve-nowake" \
+  --rates "$RATES" --num-prompts 64 --pin-engines --no-progress --no-plots \
+  --out "$OUT/serve-nowake" \
   | tee "$OUT/serve-nowake.txt"
 echo "done: $OUT; load $(cut -d' ' -f1-3 /proc/loadavg)"

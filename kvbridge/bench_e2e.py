@@ -95,6 +95,8 @@ __all__ = [
     "format_table",
     "workload_prompts",
     "engine_specs",
+    "fleet_specs",
+    "MAX_FLEET",
     "side_channel_port",
     "vllm_pull_params",
     "vllm_push_params",
@@ -575,6 +577,46 @@ def engine_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float 
     d = VllmServer(model, name=f"{config}-D", kv_transfer_config=kv_d, cpu_bind="1", env=env_d,
                    extra_args=args, log_path=log_dir / f"{config}-decode.log", pin_cpus=pin)
     return p, d
+
+
+MAX_FLEET = 8
+"""Most engines of one role :func:`fleet_specs` builds."""
+
+
+def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float = 2.0,
+                prefill: int = 1, decode: int = 1, pin: bool = False
+                ) -> tuple[list[VllmServer], list[VllmServer]]:
+    """The ``prefill`` P and ``decode`` D engines of a kvbridge *config*, not started.
+
+    1P1D is :func:`engine_specs` unchanged (any config). A larger fleet (xPyD) is kvbridge's
+    only, since vLLM's connectors are benchmarked behind a one-P-one-D stock proxy: engine k of
+    P0..Px-1, D0..Dy-1 is pinned to the k-th CPU this process may use, round-robin (on two
+    cores: P0 and D0 on the first, P1 and D1 on the second), with engine ids and logs numbered
+    per role. *pin*: each engine's whole process tree too (:func:`engine_specs`).
+    """
+    if not (1 <= prefill <= MAX_FLEET and 1 <= decode <= MAX_FLEET):
+        raise ConfigError(f"a fleet has 1..{MAX_FLEET} engines per role, not {prefill}P{decode}D")
+    if (prefill, decode) == (1, 1):
+        p, d = engine_specs(config, model, log_dir, engine_spin_ms, pin)
+        return [p], [d]
+    if config not in ("kvbridge-shm", "kvbridge-nixl"):
+        raise ConfigError(f"{config} runs 1P1D only (its stock proxy has one P and one D); "
+                          f"{prefill}P{decode}D needs a kvbridge configuration")
+    backend = config.split("-", 1)[1]
+    env = {"VLLM_TARGET_DEVICE": "cpu"}
+    if engine_spin_ms >= 0:
+        env["KVBRIDGE_ENGINE_SPIN_MS"] = str(engine_spin_ms)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    out: dict[str, list[VllmServer]] = {"P": [], "D": []}
+    roles = [("P", "kv_producer", "prefill", i) for i in range(prefill)]
+    roles += [("D", "kv_consumer", "decode", i) for i in range(decode)]
+    for k, (tag, kv_role, word, i) in enumerate(roles):
+        kv = _kvbridge_connector(kv_role, f"bench-{backend}-{tag}{i}", backend)
+        out[tag].append(VllmServer(
+            model, name=f"{config}-{tag}{i}", kv_transfer_config=kv,
+            cpu_bind=str(cpus[k % len(cpus)]), env=dict(env), extra_args=["--block-size", "32"],
+            log_path=log_dir / f"{config}-{word}{i}.log", pin_cpus=pin))  # fmt: skip
+    return out["P"], out["D"]
 
 
 def side_channel_port(server: VllmServer) -> int:

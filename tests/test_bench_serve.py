@@ -104,6 +104,53 @@ def test_unknown_backend_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid choice: 'tcp'" in capsys.readouterr().err
 
 
+def test_fleet_shape_is_parsed_and_recorded(tmp_path: Path) -> None:
+    assert bs.parse_fleet("2P2D") == (2, 2) and bs.parse_fleet(" 1p3d ") == (1, 3)
+    s = bs.settings_from_args(_args("--fleet", "2P1D", "--setups", "kvbridge-pull,kvbridge-auto"))
+    assert (s.prefill_engines, s.decode_engines) == (2, 1)
+    report = bs.new_report(s, tmp_path)
+    assert report["fleet"] == "2P1D"
+    assert (report["settings"]["prefill_engines"], report["settings"]["decode_engines"]) == (2, 1)
+    assert bs.new_report(bs.settings_from_args(_args()), tmp_path)["fleet"] == "1P1D"
+
+
+@pytest.mark.parametrize("text", ["", "2P", "P2D", "2D2P", "0P1D", "1P9D", "2P2D2", "xPyD",
+                                  "-1P1D", "100P1D"])
+def test_bad_fleet_shapes_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="--fleet"):
+        bs.parse_fleet(text)
+
+
+def test_a_fleet_refuses_the_one_pair_vllm_setups() -> None:
+    with pytest.raises(ConfigError, match="vllm-nixl-pull, vllm-nixl-push run 1P1D only"):
+        bs.settings_from_args(_args("--fleet", "2P2D"))  # the default setups include them
+    assert bs.settings_from_args(_args("--fleet", "1P1D")).setups == bs.SETUP_NAMES
+
+
+def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> None:
+    from kvbridge.bench_e2e import engine_specs, fleet_specs
+
+    ps, ds = fleet_specs("kvbridge-shm", tmp_path, tmp_path, 2.0, prefill=2, decode=2)
+    engines = [*ps, *ds]
+    assert all(e.proc is None for e in engines)  # built, not started
+    ids = [e.kv_transfer_config["engine_id"] for e in engines if e.kv_transfer_config]
+    assert ids == ["bench-shm-P0", "bench-shm-P1", "bench-shm-D0", "bench-shm-D1"]
+    assert [e.kv_transfer_config["kv_role"] for e in engines if e.kv_transfer_config] == (
+        ["kv_producer"] * 2 + ["kv_consumer"] * 2)
+    assert len({e.log_path for e in engines}) == 4
+    cpus = sorted(os.sched_getaffinity(0))
+    assert [e.cpu_bind for e in engines] == [str(cpus[k % len(cpus)]) for k in range(4)]
+    # 1P1D is exactly the pair bench e2e and bench serve always ran
+    [p], [d] = fleet_specs("vllm-nixl-push", tmp_path, tmp_path)
+    p1, d1 = engine_specs("vllm-nixl-push", tmp_path, tmp_path)
+    assert (p.name, p.cpu_bind, d.name, d.cpu_bind) == (p1.name, p1.cpu_bind, d1.name,
+                                                        d1.cpu_bind)
+    with pytest.raises(ConfigError, match="runs 1P1D only"):
+        fleet_specs("vllm-nixl-pull", tmp_path, tmp_path, prefill=2)
+    with pytest.raises(ConfigError, match="engines per role"):
+        fleet_specs("kvbridge-shm", tmp_path, tmp_path, decode=0)
+
+
 # -- grouping and seeds --------------------------------------------------------------------------
 
 

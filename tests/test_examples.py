@@ -21,5 +21,6 @@ def test_transfer_example_moves_every_byte(backend: str) -> None:
         assert "through member shm" in out.stdout
 
 
-def test_pd_example_script_is_valid_bash() -> None:
-    assert subprocess.run(["bash", "-n", str(ROOT / "examples/pd_on_one_host.sh")]).returncode == 0
+@pytest.mark.parametrize("script", ["pd_on_one_host.sh", "fleet_on_one_host.sh"])
+def test_engine_example_scripts_are_valid_bash(script: str) -> None:
+    assert subprocess.run(["bash", "-n", str(ROOT / "examples" / script)]).returncode == 0

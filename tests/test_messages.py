@@ -12,9 +12,11 @@ from kvbridge.messages import (
     Ack,
     Cancel,
     CancelReply,
+    ClaimPart,
     Codec,
     EngineInfo,
     ErrorKind,
+    HeadSplit,
     Heartbeat,
     HeartbeatReply,
     Hello,
@@ -42,6 +44,14 @@ INFO = EngineInfo(
     control_address="tcp://127.0.0.1:5555", compat={"model": "tiny", "dtype": "bfloat16"},
 )
 
+INFO_HEADS = EngineInfo(
+    engine_id="engine-p", generation="gen-1", rank=1, tp_size=2, backend="shm",
+    transport_metadata=b"", layout=LAYOUT, layout_fingerprint="0123456789abcdef",
+    control_address="tcp://127.0.0.1:5555",
+    heads=HeadSplit(total_heads=8, first_head=4, heads=4, head_dim=128, order="dt",
+                    interior="vllm-cpu:vec:auto"),
+)
+
 ALL_MESSAGES: list[Message] = [
     Hello(info=INFO),
     HelloReply(info=INFO),
@@ -49,12 +59,17 @@ ALL_MESSAGES: list[Message] = [
     HeartbeatReply(generation="gen-1", unknown=["t-2"]),
     PullClaim(transfer_id="t-1", generation="gen-1", skip_blocks=1, block_ids=[4, 5],
               num_tokens=48, prompt_digest="ab"),
+    PullClaim(transfer_id="t-1", generation="gen-1", skip_blocks=2, block_ids=[6],
+              num_tokens=48, prompt_digest="ab",
+              part=ClaimPart(tp_size=2, rank=1, block_size=32, first_token=32)),
+    Hello(info=INFO_HEADS),
     PullDone(transfer_id="t-1", nbytes=1 << 20, checksum="abcd"),
     PushRegister(transfer_id="t-1", generation="*", engine_id="engine-d",
                  sender_generation="gen-2", control_address="tcp://127.0.0.1:6000",
                  block_ids=[5, 6, 7], skip_blocks=2, num_tokens=80, prompt_digest="ab",
                  layout_fingerprint="0123456789abcdef"),
     PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7]),
+    PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7], rank=3),
     PushResult(transfer_id="t-1", ok=True, nbytes=3 << 20),
     PushResult(transfer_id="t-2", ok=False, error="prefill aborted"),
     Cancel(transfer_id="t-1", reason="peer went away"),

@@ -28,7 +28,9 @@ from kvbridge.params import (
     to_wire,
 )
 
-KEYS: list[str] = [f.name for f in msgspec.structs.fields(TransferParams)]
+#: wire keys (``remote_block_groups`` holds a per-group ``remote_block_ids``; never a key)
+KEYS: list[str] = [f.name for f in msgspec.structs.fields(TransferParams)
+                   if f.name != "remote_block_groups"]
 BOOL_KEYS = ["do_remote_decode", "do_remote_prefill", "kvbridge_layerwise", "kvbridge_probe"]
 PEER = {"address": "tcp://127.0.0.1:5000", "generation": "gen-0"}
 
@@ -82,7 +84,10 @@ MALFORMED: list[tuple[str, Any]] = [
     ("remote_block_ids", [1.0]),
     ("remote_block_ids", ["1"]),
     ("remote_block_ids", [1, [2]]),
-    ("remote_block_ids", [[1], [2]]),  # two KV-cache groups
+    ("remote_block_ids", [[1], [2, "x"]]),  # two KV-cache groups, one malformed
+    ("remote_block_ids", [[1], 2]),
+    ("remote_block_ids", [[1]] * 65),  # more KV-cache groups than any model has
+    ("remote_block_ids", [[1] * 70_000, [2] * 70_000]),  # too many ids in all
     ("remote_block_ids", [[1, "x"]]),
     ("remote_block_ids", {"0": 1}),
     ("remote_request_id", ""),
@@ -287,12 +292,21 @@ def test_one_kv_cache_group_is_flattened() -> None:
     assert parse({"remote_block_ids": [[]]}).remote_block_ids == []
 
 
-@pytest.mark.parametrize("ids", [[[1], [2]], [[1, 2], [3, 4], [5, 6]], [[1], 2]], ids=repr)
-def test_several_kv_cache_groups_are_refused(ids: Any) -> None:
+@pytest.mark.parametrize("ids", [[[1], 2], [[1], [2, "x"]], [[1]] * 65,
+                                 [[1] * 70_000, [2] * 70_000]], ids=lambda v: repr(v)[:30])
+def test_malformed_per_group_block_ids_are_refused(ids: Any) -> None:
     with pytest.raises(ParamsError) as info:
         parse({"remote_block_ids": ids})
     assert info.value.field == "kv_transfer_params.remote_block_ids"
-    assert "group" in info.value.message
+
+
+def test_per_group_block_ids_round_trip_as_vllm_sends_them() -> None:
+    """A hybrid model's pull answer: P's table per KV-cache group (0: a dropped block)."""
+    groups = [[0, 0, 7, 8], [0, 0, 9, 10], [3, 4, 5, 6]]
+    params = parse({"remote_block_ids": groups, "remote_block_groups": [[1]]})
+    assert params.remote_block_groups == groups and params.remote_block_ids is None
+    assert to_wire(params) == {"remote_block_ids": groups}
+    assert parse(to_wire(params)) == params
 
 
 # -- check_decode_leg -------------------------------------------------------------------------
@@ -304,10 +318,10 @@ def _decode_leg(**kw: Any) -> TransferParams:
     return parse({"do_remote_prefill": True, **kw})
 
 
-def _leg_error(params: TransferParams, mode: TransferMode = TransferMode.PULL, tp: int = 1,
+def _leg_error(params: TransferParams, mode: TransferMode = TransferMode.PULL,
                prompt: int = 48, block: int = 16) -> ParamsError:
     with pytest.raises(ParamsError) as info:
-        params.check_decode_leg(mode, tp, prompt, block)
+        params.check_decode_leg(mode, prompt, block)
     return info.value
 
 
@@ -319,33 +333,39 @@ def test_decode_leg_needs_an_address(mode: TransferMode) -> None:
 
 
 def test_decode_leg_address_from_peers_alone_is_enough() -> None:
-    _decode_leg(kvbridge_peers=[PEER]).check_decode_leg(TransferMode.PUSH, 1, 48, 16)
+    _decode_leg(kvbridge_peers=[PEER]).check_decode_leg(TransferMode.PUSH, 48, 16)
     _decode_leg(kvbridge_peers=[PEER], remote_block_ids=[1, 2, 3]).check_decode_leg(
-        TransferMode.PULL, 1, 48, 16)
+        TransferMode.PULL, 48, 16)
 
 
-def test_decode_leg_tp_mismatch() -> None:
-    assert _leg_error(_decode_leg(**ADDR, tp_size=2), TransferMode.PUSH, tp=1).field \
-        == "kv_transfer_params.tp_size"
-    err = _leg_error(_decode_leg(**ADDR), TransferMode.PUSH, tp=4)
-    assert err.field == "kv_transfer_params.tp_size" and "4" in err.message
+def test_decode_leg_of_another_tp_size_needs_every_prefill_rank() -> None:
+    # heterogeneous TP is the worker ranks' to map; the leg must name every prefill rank
+    err = _leg_error(_decode_leg(**ADDR, tp_size=2), TransferMode.PUSH)
+    assert err.field == "kv_transfer_params.kvbridge_peers" and "(2)" in err.message
+    _decode_leg(**ADDR).check_decode_leg(TransferMode.PUSH, 48, 16)  # P TP 1, any D TP
+
+
+def test_decode_leg_counts_remote_blocks_in_prefills_block_size() -> None:
+    leg = _decode_leg(**ADDR, kvbridge_block_size=32, remote_block_ids=[1, 2])
+    leg.check_decode_leg(TransferMode.PULL, 48, 16)  # 48 tokens are 2 blocks of 32
+    err = _leg_error(_decode_leg(**ADDR, kvbridge_block_size=8, remote_block_ids=[1, 2, 3]))
+    assert err.field == "kv_transfer_params.remote_block_ids" and "block size 8" in err.message
 
 
 def test_decode_leg_peers_must_name_every_rank() -> None:
     short = _decode_leg(tp_size=2, kvbridge_peers=[PEER])
-    assert _leg_error(short, TransferMode.PUSH, tp=2).field == "kv_transfer_params.kvbridge_peers"
+    assert _leg_error(short, TransferMode.PUSH).field == "kv_transfer_params.kvbridge_peers"
     long = _decode_leg(tp_size=2, kvbridge_peers=[PEER] * 3)
-    assert _leg_error(long, TransferMode.PUSH, tp=2).field == "kv_transfer_params.kvbridge_peers"
-    _decode_leg(tp_size=2, kvbridge_peers=[PEER] * 2).check_decode_leg(TransferMode.PUSH, 2, 48,
-                                                                       16)
+    assert _leg_error(long, TransferMode.PUSH).field == "kv_transfer_params.kvbridge_peers"
+    _decode_leg(tp_size=2, kvbridge_peers=[PEER] * 2).check_decode_leg(TransferMode.PUSH, 48, 16)
 
 
 def test_decode_leg_token_count_must_match_the_prompt() -> None:
     for n in (47, 49, 0):
         err = _leg_error(_decode_leg(**ADDR, remote_num_tokens=n), TransferMode.PUSH, prompt=48)
         assert err.field == "kv_transfer_params.remote_num_tokens"
-    _decode_leg(**ADDR, remote_num_tokens=48).check_decode_leg(TransferMode.PUSH, 1, 48, 16)
-    _decode_leg(**ADDR).check_decode_leg(TransferMode.PUSH, 1, 48, 16)  # absent: not checked
+    _decode_leg(**ADDR, remote_num_tokens=48).check_decode_leg(TransferMode.PUSH, 48, 16)
+    _decode_leg(**ADDR).check_decode_leg(TransferMode.PUSH, 48, 16)  # absent: not checked
 
 
 @pytest.mark.parametrize(("ids", "prompt", "what"), [
@@ -367,11 +387,11 @@ def test_decode_leg_pull_block_ids(ids: Any, prompt: int, what: str) -> None:
 
 
 def test_decode_leg_pull_with_the_right_blocks_passes() -> None:
-    _decode_leg(**ADDR, remote_block_ids=[9, 3, 7]).check_decode_leg(TransferMode.PULL, 1, 48, 16)
-    _decode_leg(**ADDR, remote_block_ids=[9, 3, 7, 1]).check_decode_leg(TransferMode.PULL, 1, 49,
+    _decode_leg(**ADDR, remote_block_ids=[9, 3, 7]).check_decode_leg(TransferMode.PULL, 48, 16)
+    _decode_leg(**ADDR, remote_block_ids=[9, 3, 7, 1]).check_decode_leg(TransferMode.PULL, 49,
                                                                         16)
     # a push needs no block ids of the prefill engine
-    _decode_leg(**ADDR).check_decode_leg(TransferMode.PUSH, 1, 48, 16)
+    _decode_leg(**ADDR).check_decode_leg(TransferMode.PUSH, 48, 16)
 
 
 # -- peer(), mode(), address_of() --------------------------------------------------------------
@@ -466,7 +486,7 @@ def test_push_decode_request_round_trips_from_a_probe_answer() -> None:
     assert params.kvbridge_peers == answer.kvbridge_peers
     assert params.kvbridge_generation == "gen-a"
     assert params.peer(1) == PeerRef("tcp://[::1]:7002", "gen-b")
-    params.check_decode_leg(TransferMode.PUSH, 2, 100, 16)
+    params.check_decode_leg(TransferMode.PUSH, 100, 16)
     assert to_wire(params) == wire
 
 
@@ -526,7 +546,7 @@ def test_random_values_only_ever_raise_params_error() -> None:
         assert parse(to_wire(params)) == params  # what parses re-parses from its wire form
         for mode in (TransferMode.PULL, TransferMode.PUSH):
             try:
-                params.check_decode_leg(mode, rng.randint(1, 3), rng.randint(0, 100), 16)
+                params.check_decode_leg(mode, rng.randint(0, 100), 16)
             except ParamsError:
                 pass
         for rank in range(3):

@@ -66,9 +66,9 @@ def test_no_local_hit_receives_every_prompt_block() -> None:
 
 def test_partial_hit_skips_whole_blocks() -> None:
     plan = _plan(64, 32)
-    assert plan == ReceivePlan(2, (102, 103), (9, 1))
-    assert _plan(64, 48) == ReceivePlan(1, (101, 102, 103), (3, 9, 1))
-    assert _plan(64, 16) == ReceivePlan(3, (103,), (1,))
+    assert plan == ReceivePlan(2, (102, 103), (9, 1), 2)
+    assert _plan(64, 48) == ReceivePlan(1, (101, 102, 103), (3, 9, 1), 1)
+    assert _plan(64, 16) == ReceivePlan(3, (103,), (1,), 3)
 
 
 def test_full_hit_is_an_empty_plan() -> None:
@@ -105,16 +105,31 @@ def test_remote_id_count_mismatch(remote: list[int]) -> None:
 def test_last_partial_block() -> None:
     # 40 tokens: two full blocks and one of 8 tokens
     assert _plan(40, 40, remote=[7, 3, 9]) == ReceivePlan(0, (100, 101, 102), (7, 3, 9))
-    assert _plan(40, 24, remote=[7, 3, 9]) == ReceivePlan(1, (101, 102), (3, 9))
-    assert _plan(40, 8, remote=[7, 3, 9]) == ReceivePlan(2, (102,), (9,))
+    assert _plan(40, 24, remote=[7, 3, 9]) == ReceivePlan(1, (101, 102), (3, 9), 1)
+    assert _plan(40, 8, remote=[7, 3, 9]) == ReceivePlan(2, (102,), (9,), 2)
     assert _plan(1, 1, remote=[5]) == ReceivePlan(0, (100,), (5,))
     with pytest.raises(LayoutError):  # a hit of 24 tokens is not whole blocks
         _plan(40, 16, remote=[7, 3, 9])
 
 
 def test_push_has_no_remote_ids() -> None:
-    assert _plan(64, 32, remote=None) == ReceivePlan(2, (102, 103), ())
+    assert _plan(64, 32, remote=None) == ReceivePlan(2, (102, 103), (), 2)
     assert _plan(64, 64, remote=None) == ReceivePlan(0, (100, 101, 102, 103), ())
+
+
+def test_remote_ids_in_prefills_block_size() -> None:
+    # D blocks of 16, P blocks of 32 (heterogeneous block size): 64 tokens are 2 P blocks; a
+    # local hit of 2 D blocks (32 tokens) is P's block 1 on
+    plan = plan_receive(prompt_tokens=64, block_size=B, external_tokens=32,
+                        allocated=[100, 101, 102, 103], remote_ids=[7, 3], remote_block_size=32)
+    assert plan == ReceivePlan(2, (102, 103), (3,), 1)
+    # P blocks of 8: a hit of 1 D block is 2 P blocks
+    plan = plan_receive(prompt_tokens=40, block_size=B, external_tokens=24,
+                        allocated=[100, 101, 102], remote_ids=[1, 2, 3, 4, 5], remote_block_size=8)
+    assert plan == ReceivePlan(1, (101, 102), (3, 4, 5), 2)
+    with pytest.raises(LayoutError, match="prefill names 3 blocks for a prompt of 2"):
+        plan_receive(prompt_tokens=64, block_size=B, external_tokens=64,
+                     allocated=[100, 101, 102, 103], remote_ids=[7, 3, 1], remote_block_size=32)
 
 
 @pytest.mark.parametrize("external", [-1, 65, 1000])

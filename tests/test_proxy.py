@@ -34,6 +34,7 @@ import zmq
 from aiohttp import web
 
 from kvbridge.control import ControlServer
+from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, Codec, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
@@ -84,6 +85,8 @@ class StandIn:
     error_answer: str | None = None  # prefill: answer kvbridge_error (nothing handed off)
     bad_params: dict[str, Any] | None = None  # prefill: merged into its answer's params
     fail_first: int = 0  # with fail_status: fail only the first N generation requests
+    error_event: bool = False  # decode stream: 200, then an in-band error event (vLLM's way
+    # of failing a streamed request after its headers, e.g. a KV load); fail_first applies
     seen: list[Seen] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -109,7 +112,7 @@ class StandIn:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # 0: a free port
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         return self
@@ -183,6 +186,16 @@ class StandIn:
         return web.json_response(answer)
 
     async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if (self.error_event and body.get("stream")
+                and (not self.fail_first or len(self.requests()) <= self.fail_first)):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await asyncio.sleep(self.first_delay)
+            err = {"error": {"message": "stand-in KV load failed", "type": "InternalServerError",
+                             "code": 500}}
+            await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            await out.write_eof()
+            return out
         if self.headers_first and body.get("stream") and not self._failing():
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
@@ -819,7 +832,7 @@ async def test_push_failing_after_a_prefill_restart_is_retried_once_as_pull(
     if not p_answers_first:
         assert len(p.requests(probe=True)) == 2 and p.requests()[0].cancelled
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert prom.value(text, P + "retries_total", reason="prefill_restarted") == 1
+    assert prom.value(text, P + "retries_total", mode="push", reason="prefill_restarted") == 1
     assert any(name == P + "mode_decisions_total" and ("chosen", "pull") in labels
                and ("reason", "prefill_restarted") in labels for name, labels in prom.samples(text))
     assert prom.value(text, P + "requests_total", mode="pull", outcome="ok") == 1
@@ -1049,6 +1062,315 @@ async def test_both_modes_against_the_same_engines(engines: Any, proxies: Any, c
     assert modes == ["pull"] * 3 + ["push"] * 5
     ids = {s.body["kv_transfer_params"]["transfer_id"] for s in p.requests()}
     assert len(ids) == 8
+
+
+# ------------------------------------------------------------------------------ fleets (xPyD)
+
+
+def tid_of(seen: Seen) -> str:
+    return str(seen.body["kv_transfer_params"]["transfer_id"])
+
+
+async def metrics_text(client: aiohttp.ClientSession, proxy: ProxyServer) -> str:
+    async with client.get(proxy.url + "/metrics") as r:
+        return await r.text()
+
+
+async def fleet(engines: Any, n_p: int = 2, n_d: int = 2, p: dict[str, Any] | None = None,
+                d: dict[str, Any] | None = None) -> tuple[list[StandIn], list[StandIn]]:
+    """``n_p`` prefill and ``n_d`` decode stand-ins; ``p`` / ``d`` knobs go to the first one."""
+    ps = [await engines("prefill", engine_id=f"P{i}", **((p or {}) if i == 0 else {}))
+          for i in range(n_p)]
+    ds = [await engines("decode", **((d or {}) if i == 0 else {})) for i in range(n_d)]
+    return ps, ds
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH, ProxyMode.AUTO])
+async def test_fleet_spreads_requests_over_every_engine(
+    engines: Any, proxies: Any, client: Any, mode: ProxyMode
+) -> None:
+    ps, ds = await fleet(engines)
+    for e in (*ps, *ds):
+        e.prefill_delay, e.chunk_delay = 0.05, 0.05
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=mode)
+    bodies = [{**COMPLETION, "stream": bool(i % 2)} for i in range(8)]
+    results = await asyncio.gather(*(post_stream(client, proxy.url, b) for b in bodies))
+    assert all(results)
+    text = await metrics_text(client, proxy)
+    for e in (*ps, *ds):
+        assert e.requests(), e.url  # every engine served some
+        assert prom.value(text, P + "engine_requests_total", engine=e.url,
+                          role=e.role) == len(e.requests())
+    assert sum(len(e.requests()) for e in ps) == sum(len(e.requests()) for e in ds) == 8
+    assert "kvbridge_proxy_retries_total{" not in text
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_fleet_failed_prefill_is_retried_on_the_other_with_a_fresh_transfer_id(
+    engines: Any, proxies: Any, client: Any, mode: ProxyMode
+) -> None:
+    ps, ds = await fleet(engines, p={"fail_status": 500, "prefill_delay": 0.2},
+                         d={"first_delay": 0.5, "headers_first": True})
+    ds[1].first_delay, ds[1].headers_first = 0.5, True
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=mode)
+    await proxy.discover()
+    for _ in range(3):  # P1 is busier (other clients): only the retry's choice sends it there
+        proxy.prefills.engines[1].acquire()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200 and answer["choices"][0]["text"] == "t0t1t2", answer
+    [first], [second] = ps[0].requests(), ps[1].requests()
+    assert tid_of(first) != tid_of(second)
+    d_legs = [s for e in ds for s in e.requests()]
+    if mode is ProxyMode.PUSH:  # the first D leg was aborted with its P leg
+        assert sorted(tid_of(s) for s in d_legs) == sorted([tid_of(first), tid_of(second)])
+        assert [s.cancelled for s in d_legs if tid_of(s) == tid_of(first)] == [True]
+    else:  # pull never got as far as D
+        assert [tid_of(s) for s in d_legs] == [tid_of(second)]
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode=mode.value, reason="prefill_failed") == 1
+    assert prom.value(text, P + "errors_total", kind="prefill_error") == 1
+    assert prom.value(text, P + "requests_total", mode=mode.value, outcome="ok") == 1
+
+
+async def test_fleet_unreachable_decode_gets_the_same_prefill_answer_on_another(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    p = await engines("prefill")
+    good = await engines("decode")
+    proxy = await proxies([p.url], [dead_url(), good.url], mode=ProxyMode.PULL,
+                          health_interval_s=0)  # the dead D is found by the request
+    status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200
+    [ps], [ds] = p.requests(), good.requests()  # one prefill only
+    assert tid_of(ds) == tid_of(ps)  # the same hand-off: the dead D never claimed it
+    assert not proxy.decodes.engines[0].is_up()
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode="pull", reason="decode_unreachable") == 1
+    assert prom.value(text, P + "engine_up", engine=proxy.decodes.engines[0].url,
+                      role="decode") == 0
+    # the dead D stays out of rotation: the next request goes straight to the good one
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert len(good.requests()) == 2
+    assert prom.value(await metrics_text(client, proxy), P + "retries_total", mode="pull",
+                      reason="decode_unreachable") == 1
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_fleet_failed_decode_is_a_fresh_dispatch_on_untried_engines(
+    engines: Any, proxies: Any, client: Any, mode: ProxyMode
+) -> None:
+    ps, ds = await fleet(engines, d={"fail_status": 500})
+    if mode is ProxyMode.PUSH:
+        ps[0].prefill_delay = 5.0  # P0 is still prefilling when D0 fails: its leg is aborted
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=mode)
+    await proxy.discover()
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200, answer
+    [p0], [p1], [d0], [d1] = (e.requests() for e in (*ps, *ds))  # both engines changed
+    assert tid_of(d0) == tid_of(p0) != tid_of(p1) == tid_of(d1)
+    if mode is ProxyMode.PUSH:
+        await asyncio.wait_for(ps[0].cancelled.wait(), 5.0)
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode=mode.value, reason="decode_failed") == 1
+    assert proxy.decodes.engines[0].is_up()  # a 5xx is no reason to take an engine out
+
+
+async def test_fleet_stream_broken_before_its_first_byte_is_retried_after_it_is_not(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    ps, ds = await fleet(engines, n_p=1, d={"break_after": 0})
+    proxy = await proxies([ps[0].url], [e.url for e in ds], mode=ProxyMode.PULL)
+    received = await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    assert received == b"".join(sse_chunks(3))
+    assert len(ds[0].requests()) == len(ds[1].requests()) == 1
+    # once bytes reached the client nothing can be re-routed: an in-band error ends the stream
+    ds[0].break_after = ds[1].break_after = 2
+    received = await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    last = json.loads(received.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+    assert last["error"]["type"] == "decode_error"
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode="pull", reason="decode_failed") == 1
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="upstream_error") == 1
+
+
+async def test_fleet_stream_that_starts_with_an_error_event_is_retried(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    """vLLM fails a streamed request whose KV load failed with 200 + an error event before any
+    token: nothing reached the client yet, so it is a D failure like a 500."""
+    ps, ds = await fleet(engines, d={"error_event": True, "first_delay": 0.1})
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=ProxyMode.PULL)
+    received = await post_stream(client, proxy.url, {**COMPLETION, "stream": True})
+    assert received == b"".join(sse_chunks(3))
+    assert len(ds[0].requests()) == len(ds[1].requests()) == 1
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode="pull", reason="decode_failed") == 1
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="ok") == 1
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_stream_error_event_before_any_token_is_an_explained_502(
+    engines: Any, proxies: Any, client: Any, controls: Any, mode: ProxyMode
+) -> None:
+    d_ctl = controls("failed: READ from P-standin failed: connection refused")
+    p = await engines("prefill", prefill_delay=0.0 if mode is ProxyMode.PULL else 3.0)
+    d = await engines("decode", error_event=True, control_port=d_ctl.port, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    status, answer = await post(client, proxy.url + "/v1/completions",
+                                {**COMPLETION, "stream": True})
+    assert status == 502, answer
+    assert answer["error"]["message"].endswith(": READ from P-standin failed: connection refused")
+    if mode is ProxyMode.PUSH:  # the P leg is closed with the failed D leg
+        await asyncio.wait_for(p.cancelled.wait(), 5.0)
+    d_ctl.default = None  # no engine knows why: D's own message
+    status, answer = await post(client, proxy.url + "/v1/completions",
+                                {**COMPLETION, "stream": True})
+    assert status == 502 and "failed the request: stand-in KV load failed" in (
+        answer["error"]["message"])
+
+
+@pytest.mark.parametrize(
+    ("head", "error"),
+    [
+        (b'data: {"error": {"message": "boom", "code": 500}}\n\ndata: [DONE]\n\n', "boom"),
+        (b'data:{"error": "flat"}\n\n', "flat"),
+        (b'data: {"error": {}}\n\n', "an error event"),
+        (b'data: {"error": {"message": "' + b"x" * 2000 + b'"}}\n\n', "x" * 500),
+        (b'data: {"choices": [{"text": "t"}], "error": null}\n\n', None),  # a token
+        (b'data: {"choices": [{"text": "t"}]}\n\ndata: {"error": "late"}\n\n', None),
+        (b"data: [DONE]\n\n", None),
+        (b"data: {not json\n\n", None),
+        (b"data: [1, 2]\n\n", None),
+        (b'data: "error"\n\n', None),
+        (b"data: \xff\xfe\n\n", None),
+        (b"data: " + b"[" * 5000 + b"\n\n", None),  # too deep for the JSON parser
+        (b": keep-alive\n\n", None),
+        (b"", None),
+    ],
+)
+def test_a_streams_first_event_is_an_error_only_when_it_says_so(head: bytes,
+                                                                 error: str | None) -> None:
+    from kvbridge.proxy.app import _stream_error
+
+    assert _stream_error(head) == error
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 3])
+async def test_fleet_retries_are_bounded(
+    engines: Any, proxies: Any, client: Any, max_retries: int
+) -> None:
+    ps = [await engines("prefill", fail_status=503) for _ in range(2)]
+    d = await engines("decode")
+    proxy = await proxies([e.url for e in ps], [d.url], max_retries=max_retries)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 502 and "stand-in prefill failure" in answer["error"]["message"]
+    # one retry per other engine at most: a request never goes back to an engine it tried
+    assert [len(e.requests()) for e in ps] == ([1, 0] if max_retries == 0 else [1, 1])
+    assert d.requests() == []
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "retries_total", mode="pull",
+                      reason="prefill_failed") == (None if max_retries == 0 else 1)
+    assert prom.value(text, P + "requests_total", mode="pull", outcome="upstream_error") == 1
+
+
+@pytest.mark.parametrize(
+    ("knobs", "mode", "status", "needle"),
+    [
+        ({"fail_status": 400}, ProxyMode.PULL, 400, "stand-in prefill failure"),
+        ({"error_answer": "prompt: too long to hand off"}, ProxyMode.PULL, 400, "too long"),
+        ({"error_answer": "no room to stage"}, ProxyMode.PUSH, 502, "no room"),
+        ({"bad_params": {"remote_block_ids": "forged"}}, ProxyMode.PULL, 502,
+         "kv_transfer_params.remote_block_ids"),
+        ({"bad_params": {"transfer_id": "xfer-someone-elses"}}, ProxyMode.PULL, 502,
+         "kv_transfer_params.transfer_id"),
+        ({"bad_params": {"remote_port": "5600"}}, ProxyMode.PUSH, 502,
+         "kv_transfer_params.remote_port"),  # the probe answer is malformed too
+        ({"no_params": True}, ProxyMode.PULL, 502, "KVBridgeConnector"),
+    ],
+)
+async def test_fleet_never_retries_bad_requests_refusals_or_forged_answers(
+    engines: Any, proxies: Any, client: Any, knobs: dict[str, Any], mode: ProxyMode,
+    status: int, needle: str
+) -> None:
+    """The request or the engine's answer is at fault, not the engine's health: retrying on
+    another P would hide a misconfigured or hostile engine. The error names the field."""
+    ps, ds = await fleet(engines, p=knobs)
+    proxy = await proxies([e.url for e in ps], [e.url for e in ds], mode=mode)
+    got, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert got == status and needle in answer["error"]["message"], answer
+    assert ps[1].requests() == [] and all(not s.cancelled for s in ps[0].requests())
+    text = await metrics_text(client, proxy)
+    assert "kvbridge_proxy_retries_total{" not in text
+    assert proxy.prefills.engines[0].is_up()  # it answered: its health is not in question
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_fleet_health_checks_take_an_engine_out_and_put_it_back(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    ps, ds = await fleet(engines, n_p=1)
+    proxy = await proxies([ps[0].url], [e.url for e in ds], health_interval_s=0.05,
+                          health_failures=2)
+    sick = proxy.decodes.engines[0]
+    ds[0].health_status = 503  # alive, but vLLM says its engine core is not
+    await wait_for(lambda: not sick.is_up())
+    async with client.get(proxy.url + "/health") as r:
+        health = await r.json()
+    assert r.status == 200 and health["decode"][0]["in_rotation"] is False
+    assert "503" in health["decode"][0]["out_because"] and health["decode"][1]["in_rotation"]
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "engine_up", engine=sick.url, role="decode") == 0
+    for _ in range(4):
+        assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert ds[0].requests() == [] and len(ds[1].requests()) == 4
+    ds[0].health_status = 200  # it recovers: back in rotation at the next check
+    await wait_for(sick.is_up)
+    for _ in range(4):
+        assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert ds[0].requests()
+    assert prom.value(await metrics_text(client, proxy), P + "engine_up", engine=sick.url,
+                      role="decode") == 1
+
+
+async def test_fleet_dead_prefill_leaves_at_once_and_comes_back_restarted(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    ps, ds = await fleet(engines, n_d=1, p={"generation": "gen-1"})
+    proxy = await proxies([e.url for e in ps], [ds[0].url], mode=ProxyMode.PUSH,
+                          health_interval_s=0.05)
+    await proxy.discover()
+    p0 = proxy.prefills.engines[0]
+    port = ps[0].port
+    await ps[0].stop()  # the process is gone: connections are refused
+    await wait_for(lambda: not p0.is_up())
+    assert p0.probe is None  # dropped: what comes back may be another process
+    for _ in range(3):
+        assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert len(ps[1].requests()) == 3
+    restarted = await engines("prefill", engine_id="P0", generation="gen-2", port=port)
+    await wait_for(p0.is_up)
+    for _ in range(4):
+        assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert restarted.requests()  # back in rotation, re-probed: D is told the new generation
+    gens = {s.body["kv_transfer_params"].get("kvbridge_generation") for s in ds[0].requests()
+            if tid_of(s) in {tid_of(r) for r in restarted.requests()}}
+    assert gens == {"gen-2"}
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "probes_dropped_total", reason="engine_down") == 1
+    assert "kvbridge_proxy_retries_total{" not in text  # the checker found it first
+
+
+def test_fleet_settings_are_checked() -> None:
+    for bad in ({"max_retries": -1}, {"health_interval_s": -1.0},
+                {"health_interval_s": float("nan")}, {"health_failures": 0}):
+        with pytest.raises(ConfigError):
+            ProxyServer(ProxySettings(["h:1"], ["h:2"], **bad))
 
 
 # ------------------------------------------------------------------------------ CLI

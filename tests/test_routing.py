@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -12,12 +13,15 @@ from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.params import PeerRef, TransferParams
 from kvbridge.proxy.reasons import pick_reason
 from kvbridge.proxy.routing import (
+    RETRYABLE,
+    Cause,
     Decision,
     Pool,
     PrefillRefused,
     ProbeInfo,
     ProxyMode,
     RequestProblem,
+    Retry,
     Role,
     control_addresses,
     decide,
@@ -25,6 +29,7 @@ from kvbridge.proxy.routing import (
     new_transfer_id,
     normalize_url,
     parse_probe,
+    plan_retry,
     prefill_body,
     probe_body,
     pull_decode_params,
@@ -105,6 +110,94 @@ def test_least_in_flight_ignores_down_engines() -> None:
     p.engines[0].mark_down("x", 10.0, now=0.0)
     assert p.least_in_flight(now=1.0) == 5
     assert p.least_in_flight(now=20.0) == 0
+
+
+def test_pool_refuses_an_engine_listed_twice() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        Pool(Role.PREFILL, ["127.0.0.1:9000", "http://127.0.0.1:9000/"])
+
+
+def test_pick_avoids_tried_engines_while_another_is_in_rotation() -> None:
+    p = pool(3)
+    tried = {p.engines[0].url, p.engines[1].url}
+    assert all(p.pick(avoid=tried) is p.engines[2] for _ in range(3))
+    assert p.has_untried(tried) and not p.has_untried({e.url for e in p.engines})
+    # the untried engine is out of rotation: a tried one that is up beats it
+    p.engines[2].mark_down("refused", math.inf, now=0.0)
+    assert not p.has_untried(tried, now=1.0)
+    assert p.pick(now=1.0, avoid=tried) in p.engines[:2]
+    # everything tried and out: still one engine (the caller fails fast)
+    for e in p.engines:
+        e.mark_down("refused", math.inf, now=0.0)
+    assert p.pick(now=1.0, avoid=tried) in p.engines
+
+
+def test_health_checks_take_engines_out_and_back() -> None:
+    e = pool(1).engines[0]
+    # timeouts / non-200: out after `threshold` failures in a row; a pass resets the count
+    assert not e.check_failed("timeout", refused=False, threshold=2, now=1.0)
+    assert e.check_passed(started=1.5, now=2.0) is False and e.failed_checks == 0
+    assert not e.check_failed("timeout", refused=False, threshold=2, now=3.0)
+    assert e.check_failed("timeout", refused=False, threshold=2, now=4.0)
+    assert not e.is_up(now=1e9) and e.last_error == "timeout"  # out until a check passes
+    assert not e.check_failed("timeout", refused=False, threshold=2, now=5.0)  # already out
+    assert e.check_passed(started=6.0, now=6.1) and e.is_up(now=6.1)
+    # a refused connection takes it out at once
+    assert e.check_failed("refused", refused=True, threshold=5, now=7.0)
+    assert e.down_since == 7.0 and not e.is_up(now=8.0)
+    # a check that began before the engine was taken out does not put it back
+    e.check_passed(started=10.0, now=10.5)
+    e.mark_down("connection reset", math.inf, now=11.0)
+    assert not e.check_passed(started=10.8, now=11.2) and not e.is_up(now=11.2)
+    assert e.check_passed(started=11.5, now=12.0) and e.is_up(now=12.0)
+
+
+_RETRY_CASES = [
+    # (mode, role, cause, other P, other D) -> plan
+    ("pull", "prefill", Cause.UNREACHABLE, True, True, Retry("prefill_failed")),
+    ("pull", "prefill", Cause.BROKEN, True, False, Retry("prefill_failed")),
+    ("push", "prefill", Cause.SERVER_ERROR, True, False, Retry("prefill_failed")),
+    ("pull", "prefill", Cause.SERVER_ERROR, False, True, None),  # no other P
+    ("pull", "decode", Cause.UNREACHABLE, False, True,
+     Retry("decode_unreachable", reuse_prefill=True)),
+    ("pull", "decode", Cause.UNREACHABLE, True, False, None),  # P's answer needs another D
+    ("pull", "decode", Cause.BROKEN, True, False, Retry("decode_failed")),
+    ("pull", "decode", Cause.SERVER_ERROR, False, True, Retry("decode_failed")),
+    ("push", "decode", Cause.UNREACHABLE, False, True, Retry("decode_failed")),
+    ("push", "decode", Cause.BROKEN, True, False, Retry("decode_failed")),
+    ("push", "decode", Cause.SERVER_ERROR, False, False, None),  # nowhere else to go
+]
+
+
+@pytest.mark.parametrize(("mode", "role", "cause", "other_p", "other_d", "plan"), _RETRY_CASES)
+def test_plan_retry(mode: str, role: str, cause: Cause, other_p: bool, other_d: bool,
+                    plan: Retry | None) -> None:
+    got = plan_retry(ProxyMode(mode), Role(role), cause, retries=0, max_retries=1,
+                     other_prefill=other_p, other_decode=other_d)
+    assert got == plan
+
+
+@pytest.mark.parametrize("cause", sorted(set(Cause) - RETRYABLE))
+@pytest.mark.parametrize("role", list(Role))
+def test_plan_retry_never_retries_what_the_request_or_a_bad_answer_caused(
+    cause: Cause, role: Role
+) -> None:
+    """A 4xx, a refusal, a malformed (forged) answer or a spent timeout is final."""
+    for mode in (ProxyMode.PULL, ProxyMode.PUSH):
+        assert plan_retry(mode, role, cause, retries=0, max_retries=5, other_prefill=True,
+                          other_decode=True) is None
+
+
+def test_plan_retry_budget_and_modes() -> None:
+    args = {"other_prefill": True, "other_decode": True}
+    assert plan_retry(ProxyMode.PULL, Role.PREFILL, Cause.BROKEN, retries=1, max_retries=1,
+                      **args) is None
+    assert plan_retry(ProxyMode.PULL, Role.PREFILL, Cause.BROKEN, retries=1, max_retries=2,
+                      **args) == Retry("prefill_failed")
+    assert plan_retry(ProxyMode.PULL, Role.PREFILL, Cause.BROKEN, retries=0, max_retries=0,
+                      **args) is None
+    with pytest.raises(ValueError, match="concrete"):
+        plan_retry(ProxyMode.AUTO, Role.PREFILL, Cause.BROKEN, retries=0, max_retries=1, **args)
 
 
 def test_decide_fixed_modes_ignore_load() -> None:

@@ -31,12 +31,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 import kvbridge
 from kvbridge.config import Config, Preset
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.heads import HeadSplit
 from kvbridge.integrations import names, vllm_idle
+from kvbridge.integrations.vllm_groups import (
+    NULL_BLOCK,
+    group_layers,
+    kv_groups,
+    shorten_prompt,
+    with_groups,
+)
 from kvbridge.integrations.vllm_spin import apply_engine_spin
 from kvbridge.integrations.vllm_stats import KVBridgePromMetrics, KVBridgeStats, delta
 from kvbridge.layout import KVLayout
@@ -150,8 +159,10 @@ def _parallel(vllm_config: VllmConfig) -> tuple[int, int]:
                                                                     1))
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. ``SupportsHMA``: hybrid models (sliding-window and
+    full-attention KV-cache groups, :mod:`kvbridge.integrations.vllm_groups`) hand off every
+    group's blocks; other group kinds are refused at start-up."""
 
     #: What a backend-specific subclass (``KVBridgeNixlConnector`` …) preselects.
     preset: ClassVar[Preset | None] = None
@@ -174,9 +185,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if pp_size != 1:
             raise ConfigError(f"KVBridgeConnector does not support pipeline parallelism yet "
                               f"(pipeline_parallel_size={pp_size})")
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            raise ConfigError("KVBridgeConnector supports one KV-cache group; start vLLM with "
-                              "--disable-hybrid-kv-cache-manager")
+        self.groups = kv_groups(kv_cache_config)
+        if self.groups and self.config.offload_config().enabled:
+            raise ConfigError("offload tiers do not support hybrid KV-cache groups yet "
+                              f"({len(self.groups)} groups): remove 'offload' from the config, "
+                              "or start vLLM with --disable-hybrid-kv-cache-manager")
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -244,12 +257,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert self._sched is not None
         sched = self._sched
         req_id = request.request_id
-        ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        tables = [list(t) for t in blocks.get_block_ids()] if num_external_tokens else []
+        ids = tables[0] if tables else []
         tier = sched.offload.tier_tokens(req_id) if num_external_tokens else 0
         if sched.book.receives(req_id):
             tier = min(tier, num_external_tokens)
-            sched.book.after_alloc(req_id, ids, num_external_tokens, request.num_prompt_tokens,
-                                   tier_tokens=tier)
+            sched.book.after_alloc(req_id, tables if self.groups else ids, num_external_tokens,
+                                   request.num_prompt_tokens, tier_tokens=tier)
             sched.offload.committed(req_id, ids, tier)
         else:
             sched.offload.committed(req_id, ids, num_external_tokens)
@@ -270,7 +284,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.finished(request, block_ids)
+        return self._sched.finished(request, [list(block_ids)])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM with its hybrid KV-cache manager on: one block table per group."""
+        assert self._sched is not None
+        return self._sched.finished(request, [list(t) for t in block_ids])
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and (self._sched.book.has_pending()
@@ -383,7 +404,9 @@ class _SchedulerSide:
 
     def __init__(self, conn: KVBridgeConnector) -> None:
         self.book = HandoffBook(conn.config, conn.engine_id, block_size=conn.block_size,
-                                tp_size=conn.tp_size)
+                                tp_size=conn.tp_size, groups=conn.groups,
+                                null_block=NULL_BLOCK if conn.groups else None)
+        self.groups = conn.groups
         self.offload = OffloadBook(conn.config.offload_config(),
                                    seed_key(model_identity(conn._vllm_config)),
                                    block_size=conn.block_size, tp_size=conn.tp_size)
@@ -406,9 +429,11 @@ class _SchedulerSide:
         if raw is not None:
             self._live[request.request_id] = request
         self.book.on_new_request(request.request_id, raw, request.prompt_token_ids)
+        shorten_prompt(request, self.book.prefill_cut(request.request_id))
 
-    def _blocks(self, request: Request) -> list[int]:
-        return list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+    def _blocks(self, request: Request) -> list[int] | list[list[int]]:
+        tables = [list(t) for t in self.kv_cache_manager.get_block_ids(request.request_id)]
+        return tables if self.groups else tables[0]
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -446,14 +471,17 @@ class _SchedulerSide:
         self.wake.idle(inputs, seconds, self._busy())
 
     def finished(self, request: Request,
-                 block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+                 tables: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """``tables``: the request's block ids per KV-cache group (one list without groups)."""
         req_id = request.request_id
         self._seen.discard(req_id)
         self._live.pop(req_id, None)
         self._first_step_due.pop(req_id, None)
         ok = _ok_status(request)
-        hold, params = self.book.finished(req_id, ok, list(block_ids), request.num_prompt_tokens)
-        store = self.offload.finished(req_id, ok, request.prompt_token_ids, list(block_ids))
+        hold, params = self.book.finished(req_id, ok, tables if self.groups else tables[0],
+                                          request.num_prompt_tokens)
+        # offload is refused with groups, so its book sees the one table there is
+        store = self.offload.finished(req_id, ok, request.prompt_token_ids, tables[0])
         return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:
@@ -533,19 +561,21 @@ class _WorkerSide:
             self.rank = 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layout = KVLayout.from_tensors(kv_caches, self._kv_cache_config.num_blocks,
-                                       self.conn.block_size)
+        layout = with_groups(
+            KVLayout.from_tensors(kv_caches, self._kv_cache_config.num_blocks,
+                                  self.conn.block_size),
+            self.conn.groups, group_layers(self._kv_cache_config), kv_caches)
         mc = self._vllm_config.model_config
         hf = mc.hf_config
-        compat = {
+        compat = {  # block size and TP size are the layout's and head split's to check
             "model_type": str(getattr(hf, "model_type", "?")),
             "num_hidden_layers": str(getattr(hf, "num_hidden_layers", "?")),
             "dtype": str(mc.dtype).removeprefix("torch."),
             "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
-            "block_size": str(self.conn.block_size),
         }
         loop = TransferLoop(self.config, self.conn.engine_id, layout, rank=self.rank,
-                            tp_size=self.conn.tp_size, compat=compat)
+                            tp_size=self.conn.tp_size, compat=compat,
+                            heads=self._head_split(kv_caches, layout))
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
         try:
@@ -560,6 +590,46 @@ class _WorkerSide:
         if offload is not None:
             offload.on_progress(self._wake.poke)
             offload.count_into(loop.add_counters)
+
+    def _head_split(self, kv_caches: dict[str, Any], layout: KVLayout) -> HeadSplit | None:
+        """This rank's KV heads when kvbridge can map them (heterogeneous TP and block size):
+        vLLM's CPU attention backend (``KVCacheLayout.LBHNC``, tensors ``(blocks, heads,
+        block_size, 2*head_dim)``), whose kernel keeps per head K as ``[head_dim, N]`` then V
+        as ``[N, head_dim]`` for its ``vec``/``vec16`` ISAs (``order="dt"``); other ISAs'
+        slabs are kept opaque (TP maps, block sizes must be equal). None for other backends and
+        for hybrid models (KV-cache groups): they exchange KV only with engines of the same TP
+        size and block size."""
+        vc, tp = self._vllm_config, self.conn.tp_size
+        mc = vc.model_config
+        try:
+            from vllm.platforms import current_platform
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            resolved = vc.cache_config.get_resolved_kv_cache_layout().name
+            total, local = mc.get_total_num_kv_heads(), mc.get_num_kv_heads(vc.parallel_config)
+            head_dim, cpu = mc.get_head_size(), current_platform.is_cpu()
+            expected = (layout.num_blocks, local, self.conn.block_size, 2 * head_dim)
+            if not cpu or resolved != "LBHNC" or layout.groups or any(
+                    tuple(t.shape) != expected for t in kv_caches.values()):
+                log.info("KV layout %s on %s: no head split (heterogeneous TP and block size "
+                         "are not mapped for it)", resolved, "CPU" if cpu else "this device")
+                return None
+            cache_dtype = str(vc.cache_config.cache_dtype)
+            isa = _get_attn_isa(mc.dtype, self.conn.block_size, head_dim, cache_dtype)
+            order = "dt" if isa in ("vec", "vec16") and cache_dtype == "auto" else ""
+            split = HeadSplit.for_rank(total, tp, self.rank, head_dim, order=order,
+                                       interior=f"vllm-cpu:{isa}:{cache_dtype}")
+            if split.heads != local:
+                return None
+            split.check(layout, tp, self.rank)
+        except (KVBridgeError, AttributeError, ImportError, ValueError, TypeError) as exc:
+            log.info("no KV head split for this engine (%s): heterogeneous TP and block size "
+                     "are not mapped for it", exc)
+            return None
+        log.info("KV heads [%d, %d) of %d, block format %s: heterogeneous TP%s mapped",
+                 split.first_head, split.first_head + split.heads, total, split.interior,
+                 " and block size" if order else "")
+        return split
 
     def _offload(self, layout: KVLayout, on_gpu: bool) -> OffloadManager | None:
         cfg = self.config.offload_config()

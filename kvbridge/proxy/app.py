@@ -21,6 +21,15 @@ Contract:
 - A P answer whose ``kvbridge_generation`` differs from the cached probe's drops that probe (P
   restarted; the next push re-probes). A push whose D leg fails before any byte reached the
   client, when P's answer or a re-probe shows a new generation, is retried once as a pull.
+- Fleets (xPyD): a dispatch that fails before any byte reached the client, because of an
+  engine (unreachable, broken connection, 5xx), is retried up to ``max_retries`` times on
+  engines the request has not tried (:func:`routing.plan_retry`), with a fresh ``transfer_id``
+  (except a pull whose D was unreachable: P's answer goes to another D). A stream that broke
+  after its first byte cannot be retried: the client gets an in-band error event.
+- Health: an engine that refuses a connection is taken out of rotation at once; a background
+  check of every engine's ``/health`` every ``health_interval_s`` takes out engines that fail
+  it and puts them back when it answers 200 again (a P's cached probe is dropped, so a
+  restarted P is re-probed).
 - A leg that fails with a 5xx, a broken answer or a timeout is explained by asking the engines'
   control channels (:mod:`kvbridge.proxy.reasons`, bounded by ``control_timeout_s``): the client
   gets ``"<leg> failed: transfer <id>: <reason>"`` (502, 504 for a timeout), or the generic error
@@ -34,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -50,18 +60,21 @@ from kvbridge.params import TransferParams
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.reasons import QueryOutcome, ReasonFinder, pick_reason
 from kvbridge.proxy.routing import (
+    Cause,
     Decision,
     Engine,
     Pool,
     PrefillRefused,
     ProbeInfo,
     ProxyMode,
+    Retry,
     Role,
     control_addresses,
     decide,
     decode_body,
     new_transfer_id,
     parse_probe,
+    plan_retry,
     prefill_body,
     probe_body,
     pull_decode_params,
@@ -96,6 +109,15 @@ class ProxySettings:
     to explain a failed leg."""
     control_secret: str | None = None
     """The fleet's control-channel secret (``KVBRIDGE_SECRET``), to query engines that use one."""
+    max_retries: int = 1
+    """How many times one client request may be dispatched again after an engine failed it
+    before any byte reached the client (``--retries``; 0: never)."""
+    health_interval_s: float = 2.0
+    """Period of the background ``/health`` check of every engine (``--health-interval``; 0:
+    none, and an engine that refused a connection is avoided for ``cooldown_s`` only)."""
+    health_failures: int = 2
+    """Failed checks in a row (timeouts, non-200) that take an engine out of rotation; a refused
+    connection takes it out at once."""
 
 
 #: Leg failures that no control channel can explain (nothing reached an engine, or the engine
@@ -105,14 +127,51 @@ _UNEXPLAINED_KINDS = ("prefill_unreachable", "decode_unreachable", "probe_failed
 
 
 class _LegFailed(Exception):
-    """An upstream leg failed; becomes a JSON error at the HTTP boundary, never escapes it."""
+    """An upstream leg failed; becomes a JSON error at the HTTP boundary, never escapes it.
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+    ``cause`` is what the retry policy reads. :meth:`within` records the dispatch the leg
+    belonged to (its transfer id and the engines to ask why); ``response`` is D's own unsent
+    error answer, passed on when no engine can say more.
+    """
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 cause: Cause = Cause.SERVER_ERROR,
+                 response: web.StreamResponse | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.param = param
+        self.cause = cause
+        self.response = response
+        self.tid: str | None = None
+        self.legs: Sequence[tuple[Engine, TransferParams | None]] = ()
+
+    @property
+    def role(self) -> Role:
+        """The role of the leg that failed (a probe is P's)."""
+        return Role.DECODE if self.kind.startswith("decode") else Role.PREFILL
+
+    def within(self, tid: str, legs: Sequence[tuple[Engine, TransferParams | None]]
+               ) -> _LegFailed:
+        self.tid = tid
+        self.legs = legs
+        return self
+
+
+@dataclass
+class _Attempt:
+    """One dispatch of a client request (the first, or a retry): what a retry needs to know."""
+
+    mode: ProxyMode = ProxyMode.PULL
+    tid: str = ""
+    p: Engine | None = None
+    d: Engine | None = None
+    probe: ProbeInfo | None = None
+    answer: TransferParams | None = None
+    """pull: P's checked answer, once P's leg finished."""
+    p_leg: asyncio.Future[TransferParams] | None = None
+    """push: P's leg."""
 
 
 @dataclass
@@ -125,7 +184,17 @@ class _Call:
     headers: dict[str, str]
     mode: str = "none"
     outcome: str = "ok"
-    background: list[asyncio.Task[Any]] = field(default_factory=list)
+    background: list[asyncio.Future[Any]] = field(default_factory=list)
+    attempt: _Attempt = field(default_factory=_Attempt)
+    tried: dict[Role, set[str]] = field(
+        default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()})
+    retries: int = 0
+
+    def abandon(self) -> None:
+        """Cancel the P legs of a failed dispatch (vLLM aborts them and frees their blocks)."""
+        for task in self.background:
+            task.cancel()
+        self.background.clear()
 
 
 def _log_leg_failure(task: asyncio.Future[Any]) -> None:
@@ -146,12 +215,69 @@ def _unsent_failure(resp: web.StreamResponse) -> bool:
     return resp.status >= 500 and not resp.prepared
 
 
+def _decode_answered(d: Engine, resp: web.StreamResponse) -> _LegFailed:
+    """D's unsent 5xx answer as a failure (passed on as it is when nobody knows more)."""
+    body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, bytes) else b""
+    return _LegFailed(
+        502,
+        f"decode engine {d.url} answered {resp.status}: " + body[:300].decode("utf-8", "replace"),
+        "decode_error",
+        cause=Cause.SERVER_ERROR,
+        response=resp,
+    )
+
+
+_FIRST_EVENT_MAX = 64 << 10
+
+
+def _stream_error(head: bytes) -> str | None:
+    """The message of the error event an SSE stream starts with, else None.
+
+    vLLM answers a streamed request that fails after its headers went out (a KV load that
+    failed: ``GenerationError``) with HTTP 200 and ``data: {"error": {...}}`` before any token;
+    the proxy reads that first event before it commits anything to the client. Anything else,
+    malformed data included, is not an error event (it is relayed as it came).
+    """
+    event = head.split(b"\n\n", 1)[0].strip()
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        data = json.loads(event[5:])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(data, dict) or "error" not in data or data.get("choices"):
+        return None
+    err = data["error"]
+    message = err.get("message") if isinstance(err, dict) else err
+    return str(message or "an error event")[:500]
+
+
+def _cause_of(exc: BaseException) -> Cause:
+    """How a request to an engine failed, from the exception aiohttp (or a parser) raised."""
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return Cause.UNREACHABLE  # no connection: nothing was sent
+    if isinstance(exc, TimeoutError):
+        return Cause.TIMEOUT
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return Cause.SERVER_ERROR if exc.status >= 500 else Cause.REFUSED
+    if isinstance(exc, aiohttp.ClientError):
+        return Cause.BROKEN
+    return Cause.MALFORMED
+
+
 class ProxyServer:
     """The proxy as an object: ``await start()`` binds (port 0 → see :attr:`port`), ``stop()``."""
 
     def __init__(self, settings: ProxySettings) -> None:
         if settings.push_headroom < 0:
             raise ConfigError(f"--push-headroom must be >= 0, got {settings.push_headroom}")
+        if settings.max_retries < 0:
+            raise ConfigError(f"--retries must be >= 0, got {settings.max_retries}")
+        if settings.health_interval_s < 0 or not math.isfinite(settings.health_interval_s):
+            raise ConfigError("--health-interval must be >= 0 (0: no health checks), got "
+                              f"{settings.health_interval_s}")
+        if settings.health_failures < 1:
+            raise ConfigError(f"--health-failures must be >= 1, got {settings.health_failures}")
         for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(settings, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(settings, name)}")
@@ -164,7 +290,7 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._probe_locks: dict[str, asyncio.Lock] = {}
-        self._probe_backoff: dict[str, tuple[float, str]] = {}
+        self._probe_backoff: dict[str, tuple[float, str, Cause]] = {}
         self._reasons = ReasonFinder(settings.control_secret, settings.control_timeout_s)
 
     # ---------------------------------------------------------------- lifecycle
@@ -204,6 +330,8 @@ class ProxyServer:
         )
         if s.mode is not ProxyMode.PULL:
             self._spawn(self.discover())
+        if s.health_interval_s > 0:
+            self._spawn(self._health_loop())
 
     async def stop(self) -> None:
         """Stop serving, cancel background work and close every upstream connection."""
@@ -261,9 +389,9 @@ class ProxyServer:
         async with lock:
             if e.probe is not None:
                 return e.probe
-            until, why = self._probe_backoff.get(e.url, (0.0, ""))
+            until, why, cause = self._probe_backoff.get(e.url, (0.0, "", Cause.UNREACHABLE))
             if time.monotonic() < until:  # failed a moment ago: don't re-probe per request
-                raise _LegFailed(502, why, "probe_failed")
+                raise _LegFailed(502, why, "probe_failed", cause=cause)
             timeout = aiohttp.ClientTimeout(
                 total=timeout_s or self.settings.probe_timeout_s,
                 sock_connect=self.settings.connect_timeout_s,
@@ -293,8 +421,12 @@ class ProxyServer:
                     f"cannot learn the control address of {e.role.value} engine {e.url}: "
                     f"{exc or type(exc).__name__}"
                 )
-                self._probe_backoff[e.url] = (time.monotonic() + self.settings.cooldown_s, why)
-                raise _LegFailed(502, why, "probe_failed") from exc
+                cause = _cause_of(exc)
+                if cause is Cause.UNREACHABLE:
+                    self._take_out(e, str(exc) or type(exc).__name__)
+                self._probe_backoff[e.url] = (time.monotonic() + self.settings.cooldown_s, why,
+                                              cause)
+                raise _LegFailed(502, why, "probe_failed", cause=cause) from exc
             self._probe_backoff.pop(e.url, None)
             e.probe = info
             log.info(
@@ -309,6 +441,17 @@ class ProxyServer:
                 info.version,
             )
             return info
+
+    def _take_out(self, e: Engine, reason: str) -> None:
+        """Take ``e`` out of rotation after a connection-level failure: until a health check
+        passes (or for ``cooldown_s`` without health checks). Its probe is dropped: an engine
+        that comes back may be a restarted one."""
+        was_up = e.is_up()
+        cooldown = math.inf if self.settings.health_interval_s > 0 else self.settings.cooldown_s
+        e.mark_down(reason, cooldown)
+        if was_up:
+            log.warning("%s engine %s taken out of rotation: %s", e.role.value, e.url, reason)
+            self._drop_probe(e, "engine_down")
 
     def _drop_probe(self, e: Engine, reason: str) -> None:
         """Forget ``e``'s cached probe (the next push re-probes)."""
@@ -356,24 +499,20 @@ class ProxyServer:
         rid = request.headers.get("X-Request-Id") or "kvb-" + uuid.uuid4().hex
         headers["X-Request-Id"] = rid
         call = _Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers)
-        decision = decide(self.settings.mode, self.decodes, self.settings.push_headroom)
         try:
-            if decision.mode is ProxyMode.PUSH:
-                resp = await self._push(request, path, body, call, decision)
-            else:
-                self._record(decision, call)
-                resp = await self._pull(request, path, body, call)
+            resp = await self._route(request, path, body, call)
             if call.outcome == "ok" and resp.status >= 400:
                 call.outcome = "client_error" if resp.status < 500 else "upstream_error"
             return resp
         except _LegFailed as exc:
             log.warning("%s %s failed (%s): %s", call.rid, call.mode, exc.kind, exc.message)
-            self.metrics.error(exc.kind)
             call.outcome = (
                 "timeout"
                 if exc.status == 504
                 else ("client_error" if exc.status < 500 else "upstream_error")
             )
+            if exc.response is not None:  # D's own answer, unless an engine says why
+                return exc.response
             return _error(exc.status, exc.message, exc.kind, exc.param)
         except asyncio.CancelledError:
             call.outcome = "cancelled"
@@ -389,23 +528,113 @@ class ProxyServer:
             self.metrics.request_done(call.mode, call.outcome)
             self.metrics.observe_duration(call.mode, time.monotonic() - t0)
 
+    async def _route(
+        self, request: web.Request, path: str, body: dict[str, Any], call: _Call
+    ) -> web.StreamResponse:
+        """Dispatch until one attempt answers or the failure is final; raises _LegFailed with
+        the engines' reason for the last attempt's failure (``response``: D's own answer)."""
+        forced: Decision | None = None
+        reuse: _Attempt | None = None
+        while True:
+            call.attempt = _Attempt()
+            try:
+                if reuse is not None:
+                    resp = await self._pull(request, path, body, call, reuse)
+                else:
+                    decision = forced or decide(
+                        self.settings.mode, self.decodes, self.settings.push_headroom
+                    )
+                    if decision.mode is ProxyMode.PUSH:
+                        resp = await self._push(request, path, body, call, decision)
+                    else:
+                        self._record(decision, call)
+                        resp = await self._pull(request, path, body, call)
+            except _LegFailed as exc:
+                self.metrics.error(exc.kind)
+                call.abandon()
+                plan = await self._plan_retry(exc, call)
+                if plan is None:
+                    raise await self._explained(exc) from None
+                failed = call.attempt
+                log.warning(
+                    "%s %s %s failed (%s: %s); retrying (%s, %d/%d)",
+                    call.rid, failed.mode.value, exc.role.value, exc.kind, exc.message,
+                    plan.reason, call.retries + 1, self.settings.max_retries,
+                )  # fmt: skip
+                self.metrics.retry(failed.mode.value, plan.reason)
+                call.retries += 1
+                reuse = failed if plan.reuse_prefill else None
+                forced = (
+                    Decision(ProxyMode.PULL, "prefill_restarted")
+                    if plan.reason == "prefill_restarted"
+                    else None
+                )
+                continue
+            return resp
+
+    async def _plan_retry(self, exc: _LegFailed, call: _Call) -> Retry | None:
+        """How to retry the failed attempt (see :func:`routing.plan_retry`), or None."""
+        att = call.attempt
+        s = self.settings
+        tried = call.tried
+        for e in (att.p, att.d) if exc.role is Role.DECODE else (att.p,):
+            if e is not None:  # a D failure may be P's fault: avoid both on the retry
+                tried[e.role].add(e.url)
+        plan = plan_retry(
+            att.mode, exc.role, exc.cause, retries=call.retries, max_retries=s.max_retries,
+            other_prefill=self.prefills.has_untried(tried[Role.PREFILL]),
+            other_decode=self.decodes.has_untried(tried[Role.DECODE]),
+        )  # fmt: skip
+        if plan is not None:
+            return plan
+        # no other engine to go to: a push whose P restarted under it is retried once as a pull
+        # on the same engines (the restarted P is a new process)
+        if (
+            att.mode is ProxyMode.PUSH
+            and exc.role is Role.DECODE
+            and exc.cause not in (Cause.REFUSED, Cause.MALFORMED)
+            and call.retries < s.max_retries
+            and att.p is not None
+            and att.probe is not None
+            and att.p_leg is not None
+            and await self._prefill_restarted(att.p, att.probe, att.p_leg)
+        ):
+            return Retry("prefill_restarted")
+        return None
+
     def _record(self, decision: Decision, call: _Call) -> None:
         call.mode = decision.mode.value
         self.metrics.decision(self.settings.mode.value, decision.mode.value, decision.reason)
         log.debug("%s mode=%s (%s)", call.rid, decision.mode.value, decision.reason)
 
     async def _pull(
-        self, request: web.Request, path: str, body: dict[str, Any], call: _Call
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        call: _Call,
+        reuse: _Attempt | None = None,
     ) -> web.StreamResponse:
-        p = self.prefills.pick()
-        tid = new_transfer_id()
-        try:
-            answer = await self._prefill_leg(
-                p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
-            )
-        except _LegFailed as exc:
-            raise await self._explained(exc, tid, Role.PREFILL, [(p, None)]) from None
-        d = self.decodes.pick()  # late placement: the least-loaded D now that prefill is done
+        """One pull dispatch; ``reuse``: a failed pull whose D never got P's answer (the same
+        P, answer and transfer_id go to another D)."""
+        att = call.attempt
+        att.mode = ProxyMode.PULL
+        call.mode = ProxyMode.PULL.value
+        if reuse is not None and reuse.p is not None and reuse.answer is not None:
+            p, answer, tid = reuse.p, reuse.answer, reuse.tid
+        else:
+            p = self.prefills.pick(avoid=call.tried[Role.PREFILL])
+            tid = new_transfer_id()
+            att.p, att.tid = p, tid
+            try:
+                answer = await self._prefill_leg(
+                    p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
+                )
+            except _LegFailed as exc:
+                raise exc.within(tid, [(p, None)]) from None
+        att.p, att.tid, att.answer = p, tid, answer
+        # late placement: the least-loaded D now that prefill is done
+        d = att.d = self.decodes.pick(avoid=call.tried[Role.DECODE])
         d.acquire()
         d_body = decode_body(body, pull_decode_params(answer))
         d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
@@ -413,9 +642,9 @@ class ProxyServer:
         try:
             resp = await self._relay(request, d, d_open, None, call)
         except _LegFailed as exc:
-            raise await self._explained(exc, tid, Role.DECODE, legs) from None
+            raise exc.within(tid, legs) from None
         if _unsent_failure(resp):
-            return await self._explained_response(resp, tid, legs)
+            raise _decode_answered(d, resp).within(tid, legs)
         return resp
 
     async def _push(
@@ -426,24 +655,29 @@ class ProxyServer:
         call: _Call,
         decision: Decision,
     ) -> web.StreamResponse:
+        att = call.attempt
+        att.mode = ProxyMode.PUSH
         call.mode = ProxyMode.PUSH.value
-        d = self.decodes.pick()  # early placement: D is committed before prefill starts
+        # early placement: D is committed before prefill starts
+        d = att.d = self.decodes.pick(avoid=call.tried[Role.DECODE])
         d.acquire()
-        p = self.prefills.pick()
+        p = att.p = self.prefills.pick(avoid=call.tried[Role.PREFILL])
         try:
             info = await self.probe(p)
-        except _LegFailed:
+        except _LegFailed as exc:
             d.release()
             if self.settings.mode is not ProxyMode.AUTO:
-                raise
+                raise exc.within("", []) from None
+            call.tried[Role.PREFILL].add(p.url)  # the fallback pull goes to another P if any
             self._record(Decision(ProxyMode.PULL, "no_probe"), call)
             return await self._pull(request, path, body, call)
         except BaseException:
             d.release()
             raise
         self._record(decision, call)
-        tid = new_transfer_id()
-        p_leg = asyncio.ensure_future(
+        tid = att.tid = new_transfer_id()
+        att.probe = info
+        p_leg = att.p_leg = asyncio.ensure_future(
             self._prefill_leg(
                 p, path, prefill_body(body, tid, ProxyMode.PUSH), call, tid, ProxyMode.PUSH
             )
@@ -451,27 +685,20 @@ class ProxyServer:
         call.background.append(p_leg)
         d_body = decode_body(body, push_decode_params(info, tid))
         d_open = asyncio.ensure_future(self._open(d, path, d_body, call))
-        legs: list[tuple[Engine, TransferParams | None]]
         try:
             resp = await self._relay(request, d, d_open, p_leg, call)
         except _LegFailed as exc:
-            if exc.kind.startswith("prefill"):
+            if exc.role is Role.PREFILL:
                 if exc.kind != "prefill_refused":  # P may have restarted: re-discover
                     self._drop_probe(p, "prefill_failed")
-                legs = [(p, info.params), (d, None)]  # ask P where D was told it listens
-                raise await self._explained(exc, tid, Role.PREFILL, legs) from None
+                # ask P where D was told it listens
+                raise exc.within(tid, [(p, info.params), (d, None)]) from None
             # D failed and nothing reached the client: _relay only raises before the first byte
-            if await self._prefill_restarted(p, info, p_leg):
-                return await self._retry_as_pull(request, path, body, call, p, d, exc.message)
-            legs = [(d, None), (p, _answer_of(p_leg) or info.params)]
-            raise await self._explained(exc, tid, Role.DECODE, legs) from None
+            raise exc.within(tid, [(d, None), (p, _answer_of(p_leg) or info.params)]) from None
         if _unsent_failure(resp):
             self._drop_probe(p, "decode_failed")  # D may have failed to reach P at that address
-            if await self._prefill_restarted(p, info, p_leg):
-                why = f"answered {resp.status}"
-                return await self._retry_as_pull(request, path, body, call, p, d, why)
             legs = [(d, None), (p, _answer_of(p_leg) or info.params)]
-            return await self._explained_response(resp, tid, legs)
+            raise _decode_answered(d, resp).within(tid, legs)
         return resp
 
     async def _prefill_restarted(
@@ -491,30 +718,6 @@ class ProxyServer:
         except _LegFailed:
             return False
         return fresh.generation is not None and fresh.generation != used.generation
-
-    async def _retry_as_pull(
-        self,
-        request: web.Request,
-        path: str,
-        body: dict[str, Any],
-        call: _Call,
-        p: Engine,
-        d: Engine,
-        why: str,
-    ) -> web.StreamResponse:
-        """The one retry: a push failed on D because P restarted; no byte reached the client."""
-        for task in call.background:
-            task.cancel()  # the push's P leg, if still running
-        log.warning(
-            "%s push: decode %s failed (%s) after prefill %s restarted; retrying once as pull",
-            call.rid,
-            d.url,
-            why,
-            p.url,
-        )
-        self.metrics.retry("prefill_restarted")
-        self._record(Decision(ProxyMode.PULL, "prefill_restarted"), call)
-        return await self._pull(request, path, body, call)
 
     # ---------------------------------------------------------------- failure reasons
 
@@ -555,35 +758,18 @@ class ProxyServer:
                 found += task.result()
         return pick_reason(found)
 
-    async def _explained(
-        self,
-        exc: _LegFailed,
-        tid: str,
-        role: Role,
-        legs: Sequence[tuple[Engine, TransferParams | None]],
-    ) -> _LegFailed:
-        """``exc`` with the engines' reason for ``tid`` as its message, when they know one."""
-        if exc.status < 500 or exc.kind in _UNEXPLAINED_KINDS:
+    async def _explained(self, exc: _LegFailed) -> _LegFailed:
+        """``exc`` with the engines' reason for its transfer as its message, when they know
+        one (D's own answer is then dropped)."""
+        if exc.status < 500 or exc.kind in _UNEXPLAINED_KINDS or not exc.tid:
             return exc
-        reason = await self._reason(tid, legs)
+        reason = await self._reason(exc.tid, exc.legs)
         if reason is None:
             return exc
-        log.info("transfer %s: %s (%s)", tid, reason, exc.message)
+        log.info("transfer %s: %s (%s)", exc.tid, reason, exc.message)
         status = 504 if exc.status == 504 else 502
-        return _LegFailed(status, f"{role.value} failed: transfer {tid}: {reason}", exc.kind)
-
-    async def _explained_response(
-        self,
-        resp: web.StreamResponse,
-        tid: str,
-        legs: Sequence[tuple[Engine, TransferParams | None]],
-    ) -> web.StreamResponse:
-        """D's unsent 5xx answer, replaced by the engines' reason for ``tid`` when known."""
-        reason = await self._reason(tid, legs)
-        if reason is None:
-            return resp
-        log.info("transfer %s: %s (decode answered %d)", tid, reason, resp.status)
-        return _error(502, f"decode failed: transfer {tid}: {reason}", "decode_error")
+        return _LegFailed(status, f"{exc.role.value} failed: transfer {exc.tid}: {reason}",
+                          exc.kind, cause=exc.cause)
 
     # ---------------------------------------------------------------- legs
 
@@ -596,27 +782,35 @@ class ProxyServer:
         try:
             resp = await self.session.post(e.url + path, json=body, headers=call.headers)
         except aiohttp.ConnectionTimeoutError as exc:
-            e.mark_down("connect timeout", self.settings.cooldown_s)
+            self._take_out(e, "connect timeout")
             raise _LegFailed(
                 502,
                 f"{role} engine {e.url} did not accept a connection within "
                 f"{self.settings.connect_timeout_s:.1f}s",
                 role + "_unreachable",
+                cause=Cause.UNREACHABLE,
             ) from exc
         except aiohttp.ClientConnectionError as exc:
-            e.mark_down(str(exc), self.settings.cooldown_s)
-            raise _LegFailed(
-                502, f"{role} engine {e.url} unreachable: {exc}", role + "_unreachable"
-            ) from exc
+            # refused: the engine is gone; reset or closed: it died with our request
+            self._take_out(e, str(exc) or type(exc).__name__)
+            cause = _cause_of(exc)
+            kind = role + ("_unreachable" if cause is Cause.UNREACHABLE else "_error")
+            what = "unreachable" if cause is Cause.UNREACHABLE else "dropped the connection"
+            raise _LegFailed(502, f"{role} engine {e.url} {what}: {exc}", kind,
+                             cause=cause) from exc
         except TimeoutError as exc:
             raise _LegFailed(
                 504,
                 f"{role} engine {e.url} did not answer within {self.settings.timeout_s:.0f}s",
                 role + "_timeout",
+                cause=Cause.TIMEOUT,
             ) from exc
         except aiohttp.ClientError as exc:
-            raise _LegFailed(502, f"{role} engine {e.url}: {exc}", role + "_error") from exc
-        e.mark_up()
+            raise _LegFailed(
+                502, f"{role} engine {e.url}: {exc}", role + "_error", cause=Cause.BROKEN
+            ) from exc
+        if self.settings.health_interval_s <= 0:
+            e.mark_up()  # without health checks, an answer is what puts an engine back
         self.metrics.observe_upstream(role, time.monotonic() - t0)
         return resp
 
@@ -645,6 +839,7 @@ class ProxyServer:
                     f"prefill engine {p.url} answered {resp.status}: "
                     + raw[:500].decode("utf-8", "replace"),
                     "prefill_error",
+                    cause=Cause.REFUSED if resp.status < 500 else Cause.SERVER_ERROR,
                 )
             try:
                 data = json.loads(raw)
@@ -659,9 +854,12 @@ class ProxyServer:
                     f"prefill engine {p.url} did not hand off: {exc.message}",
                     "prefill_refused",
                     exc.param,
+                    cause=Cause.REFUSED,
                 ) from None
             except ParamsError as exc:
-                raise _LegFailed(502, f"prefill engine {p.url}: {exc}", "prefill_error") from None
+                raise _LegFailed(
+                    502, f"prefill engine {p.url}: {exc}", "prefill_error", cause=Cause.MALFORMED
+                ) from None
             self._note_generation(p, answer)
             self.metrics.observe_prefill_leg(mode.value, time.monotonic() - t0)
             return answer
@@ -677,12 +875,14 @@ class ProxyServer:
                 f"{e.role.value} engine {e.url} did not finish within "
                 f"{self.settings.timeout_s:.0f}s",
                 e.role.value + "_timeout",
+                cause=Cause.TIMEOUT,
             ) from exc
         except aiohttp.ClientError as exc:
             raise _LegFailed(
                 502,
                 f"{e.role.value} engine {e.url} broke off its answer: {exc}",
                 e.role.value + "_error",
+                cause=Cause.BROKEN,
             ) from exc
 
     async def _gate(self, task: asyncio.Future[T], p_leg: asyncio.Future[Any] | None) -> T:
@@ -702,6 +902,7 @@ class ProxyServer:
                             "prefill leg failed, decode leg aborted: " + exc.message,
                             exc.kind,
                             exc.param,
+                            cause=exc.cause,
                         )
                     raise exc
             return await task
@@ -734,12 +935,19 @@ class ProxyServer:
                 raw = await self._gate(asyncio.ensure_future(self._read(d, resp)), p_leg)
                 if resp.status >= 400:
                     log.warning("%s decode %s answered %d", call.rid, d.url, resp.status)
-                    self.metrics.error("decode_error")
+                    if resp.status < 500:  # a 5xx is raised and counted by the caller
+                        self.metrics.error("decode_error")
                     if p_leg is not None:
                         p_leg.cancel()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return web.Response(body=raw, status=resp.status, headers={"Content-Type": ctype})
-            first = await self._gate(asyncio.ensure_future(self._next_chunk(d, resp)), p_leg)
+            first = await self._gate(asyncio.ensure_future(self._first_event(d, resp)), p_leg)
+            problem = _stream_error(first)
+            if problem is not None:  # D failed the request (e.g. its KV load) before a token
+                if p_leg is not None:
+                    p_leg.cancel()
+                raise _LegFailed(502, f"decode engine {d.url} failed the request: {problem}",
+                                 "decode_error", cause=Cause.SERVER_ERROR)
             out = web.StreamResponse(
                 status=resp.status,
                 headers={
@@ -780,6 +988,15 @@ class ProxyServer:
                 resp.close()  # closing mid-stream aborts the request inside vLLM
             d.release()
 
+    async def _first_event(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
+        """D's stream up to the end of its first SSE event (or its end, or 64 KiB)."""
+        buf = b""
+        while True:
+            chunk = await self._next_chunk(d, resp)
+            buf += chunk
+            if not chunk or b"\n\n" in buf or len(buf) >= _FIRST_EVENT_MAX:
+                return buf
+
     async def _next_chunk(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.content.readany()
@@ -788,10 +1005,14 @@ class ProxyServer:
                 504,
                 f"decode engine {d.url} stalled past {self.settings.timeout_s:.0f}s",
                 "decode_timeout",
+                cause=Cause.TIMEOUT,
             ) from exc
         except aiohttp.ClientError as exc:
             raise _LegFailed(
-                502, f"decode engine {d.url} broke off its stream: {exc}", "decode_error"
+                502,
+                f"decode engine {d.url} broke off its stream: {exc}",
+                "decode_error",
+                cause=Cause.BROKEN,
             ) from exc
 
     # ---------------------------------------------------------------- other endpoints
@@ -810,16 +1031,20 @@ class ProxyServer:
                     ctype = r.headers.get("Content-Type", "application/json")
                     return web.Response(body=raw, status=r.status, headers={"Content-Type": ctype})
             except (aiohttp.ClientError, TimeoutError) as exc:
-                d.mark_down(str(exc), self.settings.cooldown_s)
+                if isinstance(exc, aiohttp.ClientConnectionError):
+                    self._take_out(d, str(exc) or type(exc).__name__)
                 last = f"{d.url}: {exc or type(exc).__name__}"
         return _error(502, f"no decode engine answered /v1/models ({last})", "decode_unreachable")
 
-    async def _check(self, e: Engine) -> dict[str, Any]:
+    async def _check(self, e: Engine) -> tuple[dict[str, Any], bool]:
+        """One ``GET /health`` of ``e``: (what ``/health`` shows of it, whether the connection
+        was refused). Bounded by ``max(2, connect_timeout_s)``."""
         timeout = aiohttp.ClientTimeout(
             total=max(2.0, self.settings.connect_timeout_s),
             sock_connect=self.settings.connect_timeout_s,
         )
         info: dict[str, Any] = {"url": e.url, "in_flight": e.in_flight}
+        refused = False
         try:
             async with self.session.get(e.url + "/health", timeout=timeout) as r:
                 info["ok"] = r.status == 200
@@ -827,17 +1052,43 @@ class ProxyServer:
         except (aiohttp.ClientError, TimeoutError) as exc:
             info["ok"] = False
             info["error"] = str(exc) or type(exc).__name__
+            refused = isinstance(exc, aiohttp.ClientConnectorError)  # nothing listens
+        info["in_rotation"] = e.is_up()
+        if not e.is_up() and e.last_error:
+            info["out_because"] = e.last_error
         if e.probe is not None:
             info["engine_id"] = e.probe.engine_id
             info["control"] = f"{e.probe.host}:{e.probe.port}"
             if e.probe.generation is not None:
                 info["generation"] = e.probe.generation
-        return info
+        return info, refused
+
+    async def _health_loop(self) -> None:
+        """Every ``health_interval_s``, check every engine at once and move it in or out of
+        rotation (:meth:`Engine.check_passed`, :meth:`Engine.check_failed`). Runs until
+        cancelled by :meth:`stop`."""
+        engines = (*self.prefills.engines, *self.decodes.engines)
+        while True:
+            started = time.monotonic()
+            results = await asyncio.gather(*(self._check(e) for e in engines))
+            for e, (info, refused) in zip(engines, results, strict=True):
+                if info["ok"]:
+                    if e.check_passed(started):
+                        log.warning("%s engine %s is back in rotation", e.role.value, e.url)
+                        self._drop_probe(e, "engine_down")  # it may be a restarted process
+                    continue
+                why = info.get("error") or f"/health answered {info.get('status')}"
+                if e.check_failed(f"health check: {why}", refused, self.settings.health_failures):
+                    log.warning("%s engine %s taken out of rotation: health check: %s",
+                                e.role.value, e.url, why)
+                    self._drop_probe(e, "engine_down")
+            await asyncio.sleep(max(0.0, self.settings.health_interval_s
+                                    - (time.monotonic() - started)))
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        checks = await asyncio.gather(
+        checks = [info for info, _ in await asyncio.gather(
             *(self._check(e) for e in (*self.prefills.engines, *self.decodes.engines))
-        )
+        )]
         n = len(self.prefills.engines)
         prefill, decode = checks[:n], checks[n:]
         ok = any(c["ok"] for c in prefill) and any(c["ok"] for c in decode)
@@ -936,6 +1187,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 1)",
     )
     parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        metavar="N",
+        help="dispatch a request again, on engines it has not tried, at most N times when an "
+        "engine failed it before any byte reached the client (default 1; 0: never)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="check every engine's /health every S seconds; failing engines leave the "
+        "rotation until they pass again (default 2; 0: no checks)",
+    )
+    parser.add_argument(
+        "--health-failures",
+        type=int,
+        default=2,
+        metavar="N",
+        help="failed health checks in a row that take an engine out (a refused connection: "
+        "at once; default 2)",
+    )
+    parser.add_argument(
         "--control-secret",
         default=os.environ.get("KVBRIDGE_SECRET") or None,
         metavar="SECRET",
@@ -955,6 +1230,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         connect_timeout_s=args.connect_timeout,
         control_timeout_s=args.control_timeout,
         control_secret=args.control_secret,
+        max_retries=args.retries,
+        health_interval_s=args.health_interval,
+        health_failures=args.health_failures,
     )
 
 

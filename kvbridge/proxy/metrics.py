@@ -8,10 +8,12 @@ proxies in one process (tests, one per mode) never collide. Used from the proxy'
   (push | pull | none when rejected before routing), ``outcome`` one of :data:`OUTCOMES`.
 - ``mode_decisions_total{configured,chosen,reason}`` — every routing decision (auto's choice).
 - ``in_flight{engine,role}`` — the proxy's open requests per engine (gauge, read at scrape).
+- ``engine_up{engine,role}`` — 1 while the engine is in rotation, 0 while it is out (gauge).
 - ``engine_requests_total{engine,role}``, ``engine_errors_total{engine,role}`` — per engine.
 - ``errors_total{kind}`` — failures by kind (prefill, decode, probe, timeout, bad_request, …).
-- ``retries_total{reason}`` — requests dispatched a second time (``prefill_restarted``: a push
-  whose D leg failed because P restarted, retried once as a pull).
+- ``retries_total{mode,reason}`` — dispatches made again after an engine failed one before any
+  byte reached the client; ``mode`` is the failed dispatch's, ``reason`` one of
+  :data:`RETRY_REASONS` (docs/proxy.md, "Fleets").
 - ``probes_dropped_total{reason}`` — cached probe answers forgotten (``generation_changed``: P
   answered with a new generation; ``prefill_failed`` / ``decode_failed``: a push leg failed).
 - ``reason_queries_total{outcome}`` — control-channel ``TransferQuery`` calls made to explain a
@@ -38,9 +40,12 @@ from prometheus_client.registry import Collector
 
 from kvbridge.proxy.routing import Engine
 
-__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS"]
+__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS"]
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
+#: ``retries_total`` reasons: another P after a P leg failed; another D with P's answer (pull, D
+#: unreachable); a fresh dispatch after D failed; a push retried as a pull after P restarted.
+RETRY_REASONS = ("prefill_failed", "decode_unreachable", "decode_failed", "prefill_restarted")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _P = "kvbridge_proxy_"
 
@@ -60,6 +65,8 @@ class _Engines(Collector):
                                  labels=["engine", "role"]), lambda e: e.total),
             (CounterMetricFamily(_P + "engine_errors", "Connection-level failures per engine.",
                                  labels=["engine", "role"]), lambda e: e.errors),
+            (GaugeMetricFamily(_P + "engine_up", "1 while the engine is in rotation, else 0.",
+                               labels=["engine", "role"]), lambda e: int(e.is_up())),
         ]
         for family, get in series:
             for e in engines:
@@ -85,8 +92,8 @@ class ProxyMetrics:
         self._decisions = counter("mode_decisions", "Routing decisions (auto: push or pull).",
                                   ("configured", "chosen", "reason"))
         self._errors = counter("errors", "Failures by kind.", ("kind",))
-        self._retries = counter("retries", "Requests dispatched a second time, by reason.",
-                                ("reason",))
+        self._retries = counter("retries", "Dispatches made again after an engine failed one, "
+                                "by the failed dispatch's mode and reason.", ("mode", "reason"))
         self._probes_dropped = counter("probes_dropped", "Cached probe answers forgotten, by "
                                        "reason.", ("reason",))
         self._reason_queries = counter("reason_queries", "Control-channel queries explaining a "
@@ -111,8 +118,8 @@ class ProxyMetrics:
     def error(self, kind: str) -> None:
         self._errors.labels(kind).inc()
 
-    def retry(self, reason: str) -> None:
-        self._retries.labels(reason).inc()
+    def retry(self, mode: str, reason: str) -> None:
+        self._retries.labels(mode, reason).inc()
 
     def probe_dropped(self, reason: str) -> None:
         self._probes_dropped.labels(reason).inc()

@@ -14,6 +14,9 @@ answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.m
 - push: D is picked *first*; P and D are dispatched concurrently with one ``transfer_id``; D's
   params name P's control address, learnt beforehand by a probe (:func:`probe_body`).
 - auto: push when some D has headroom (in-flight below ``push_headroom``), else pull.
+- fleets (xPyD): every role is a :class:`Pool`; picks skip engines out of rotation
+  (:meth:`Engine.mark_down`, health checks) and, for a retry, engines the request already
+  tried. :func:`plan_retry` says whether and how a failed dispatch is retried.
 
 One client request is one hand-off: a batched ``prompt`` or ``n > 1`` would make vLLM run several
 requests under one ``transfer_id``, so :func:`validate_request` refuses them (HTTP 400 naming the
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +49,13 @@ __all__ = [
     "Engine",
     "Pool",
     "Decision",
+    "Cause",
+    "Retry",
     "RequestProblem",
     "PrefillRefused",
     "decide",
+    "plan_retry",
+    "RETRYABLE",
     "new_transfer_id",
     "prefill_body",
     "decode_body",
@@ -125,9 +133,11 @@ def control_addresses(answer: TransferParams) -> list[str]:
 class Engine:
     """One upstream vLLM engine and its live load as the proxy sees it.
 
-    ``in_flight`` counts the proxy's open requests to it (the routing signal). After a connection
-    failure the engine is *suspect* for ``cooldown_s`` and only used when every engine of its role
-    is suspect, so one dead backend does not slow every request down.
+    ``in_flight`` counts the proxy's open requests to it (the routing signal). An engine is *in
+    rotation* unless it was taken out: by a connection-level failure (:meth:`mark_down`, for
+    ``cooldown_s``, or until a health check passes when ``cooldown_s`` is infinite) or by failed
+    health checks (:meth:`check_failed`). An engine out of rotation is only used when every
+    engine of its role is out, so one dead backend does not slow every request down.
     """
 
     url: str
@@ -136,7 +146,9 @@ class Engine:
     total: int = 0
     errors: int = 0
     down_until: float = 0.0
+    down_since: float = 0.0
     last_error: str = ""
+    failed_checks: int = 0
     probe: ProbeInfo | None = None
 
     def acquire(self) -> None:
@@ -149,16 +161,46 @@ class Engine:
         self.in_flight = max(0, self.in_flight - 1)
 
     def mark_down(self, reason: str, cooldown_s: float, now: float | None = None) -> None:
-        """Record a connection-level failure; routing avoids the engine for ``cooldown_s``."""
+        """Record a connection-level failure; routing avoids the engine for ``cooldown_s``
+        (``math.inf``: until :meth:`check_passed` puts it back)."""
+        now = time.monotonic() if now is None else now
         self.errors += 1
         self.last_error = reason
-        self.down_until = (time.monotonic() if now is None else now) + cooldown_s
+        if self.is_up(now):
+            self.down_since = now
+        self.down_until = now + cooldown_s
 
     def mark_up(self) -> None:
         self.down_until = 0.0
 
     def is_up(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.down_until
+
+    def check_passed(self, started: float, now: float | None = None) -> bool:
+        """A health check begun at ``started`` answered 200. Puts the engine back in rotation
+        unless it was taken out after the check began (a death the check did not see); True
+        when it came back."""
+        self.failed_checks = 0
+        if self.is_up(now) or self.down_since > started:
+            return False
+        self.mark_up()
+        return True
+
+    def check_failed(self, reason: str, refused: bool, threshold: int,
+                     now: float | None = None) -> bool:
+        """A health check failed. A refused connection (nothing listens: the process is gone)
+        takes the engine out at once, other failures (timeouts, non-200) after ``threshold`` in
+        a row; it stays out until a check passes. True when this check took it out."""
+        self.failed_checks += 1
+        if not (refused or self.failed_checks >= threshold):
+            return False
+        was_up = self.is_up(now)
+        now = time.monotonic() if now is None else now
+        self.last_error = reason
+        if was_up:
+            self.down_since = now
+        self.down_until = math.inf
+        return was_up
 
 
 class Pool:
@@ -169,21 +211,30 @@ class Pool:
             raise ConfigError(f"at least one {role.value} engine URL is required")
         self.role = role
         self.engines = [Engine(normalize_url(u), role) for u in urls]
+        if len({e.url for e in self.engines}) != len(self.engines):
+            raise ConfigError(f"a {role.value} engine URL is listed twice")
         self._next = 0
 
-    def pick(self, now: float | None = None) -> Engine:
-        """The up engine with the fewest in-flight requests; ties go round-robin.
+    def pick(self, now: float | None = None, avoid: Collection[str] = ()) -> Engine:
+        """The in-rotation engine with the fewest in-flight requests; ties go round-robin.
 
-        When every engine is suspect the least-loaded suspect one is returned anyway: the caller
-        then fails fast with a clear error instead of refusing without trying.
+        Engines whose URL is in ``avoid`` (those a retried request already tried) are passed
+        over while another in-rotation engine is left. When every engine is out of rotation
+        the least-loaded one is returned anyway: the caller then fails fast with a clear error
+        instead of refusing without trying.
         """
         up = [e for e in self.engines if e.is_up(now)]
-        candidates = up or self.engines
+        fresh = [e for e in up if e.url not in avoid]
+        candidates = fresh or up or self.engines
         n = len(self.engines)
         order = {id(e): (i - self._next) % n for i, e in enumerate(self.engines)}
         best = min(candidates, key=lambda e: (e.in_flight, order[id(e)]))
         self._next = (self.engines.index(best) + 1) % n
         return best
+
+    def has_untried(self, tried: Collection[str], now: float | None = None) -> bool:
+        """Whether an in-rotation engine whose URL is not in ``tried`` is left."""
+        return any(e.is_up(now) and e.url not in tried for e in self.engines)
 
     def least_in_flight(self, now: float | None = None) -> int:
         """The smallest in-flight count among up engines (all engines when none is up)."""
@@ -226,6 +277,65 @@ def decide(mode: ProxyMode, decodes: Pool, push_headroom: int) -> Decision:
     if decodes.least_in_flight() < push_headroom:
         return Decision(ProxyMode.PUSH, "headroom")
     return Decision(ProxyMode.PULL, "busy")
+
+
+class Cause(enum.StrEnum):
+    """How one leg of a dispatch failed, as the retry policy sees it."""
+
+    UNREACHABLE = "unreachable"
+    """No connection was made: the engine never saw the request."""
+    BROKEN = "broken"
+    """The connection broke (reset, closed) before the answer was complete: the engine may
+    have died, and may have acted on the request."""
+    SERVER_ERROR = "server_error"
+    """The engine answered 5xx."""
+    TIMEOUT = "timeout"
+    """No answer within the proxy's bound (``--timeout``): the bound is spent."""
+    REFUSED = "refused"
+    """The engine refused the request itself (4xx, ``kvbridge_error``)."""
+    MALFORMED = "malformed"
+    """The engine answered something that does not parse (a bug or a forged answer)."""
+
+
+#: Causes a retry can cure: the engine, not the request, was the problem.
+RETRYABLE: frozenset[Cause] = frozenset({Cause.UNREACHABLE, Cause.BROKEN, Cause.SERVER_ERROR})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How a failed dispatch is tried again; ``reason`` is the ``retries_total`` label."""
+
+    reason: str
+    reuse_prefill: bool = False
+    """pull: send P's answer to another D, with the same transfer_id (the failed D never saw
+    it, so P's lease is unclaimed); otherwise a fresh dispatch with a fresh transfer_id."""
+
+
+def plan_retry(mode: ProxyMode, role: Role, cause: Cause, *, retries: int, max_retries: int,
+               other_prefill: bool, other_decode: bool) -> Retry | None:
+    """Whether a dispatch in ``mode`` whose ``role`` leg failed with ``cause`` before any byte
+    reached the client is retried, and how (None: the client gets the error).
+
+    ``retries`` were made already, at most ``max_retries``. ``other_prefill`` /
+    ``other_decode``: whether an in-rotation engine of that role is left that this request has
+    not tried. A retry is made only for a cause the engine is to blame for
+    (:data:`RETRYABLE`) and only where another engine can take it:
+
+    - a P leg failed (push: the D leg was aborted with it): a fresh dispatch on another P;
+    - pull, D unreachable: P's answer goes to another D (no second prefill, same transfer_id);
+    - D failed after it got the request (a 5xx, a broken answer; D may have claimed P's
+      lease, or P may have died under D's READ): a fresh dispatch on engines not tried yet,
+      either role (P may be the one to blame).
+    """
+    if mode is ProxyMode.AUTO:
+        raise ValueError("plan_retry needs the concrete mode of the failed dispatch")
+    if retries >= max_retries or cause not in RETRYABLE:
+        return None
+    if role is Role.PREFILL:
+        return Retry("prefill_failed") if other_prefill else None
+    if mode is ProxyMode.PULL and cause is Cause.UNREACHABLE:
+        return Retry("decode_unreachable", reuse_prefill=True) if other_decode else None
+    return Retry("decode_failed") if other_decode or other_prefill else None
 
 
 def new_transfer_id() -> str:
@@ -402,7 +512,7 @@ def read_prefill_answer(raw: Any, transfer_id: str, mode: ProxyMode) -> Transfer
         if not answer.do_remote_prefill:
             raise ParamsError("kv_transfer_params.do_remote_prefill",
                               "a pull answer must set do_remote_prefill")
-        if not answer.remote_block_ids:
+        if not (answer.remote_block_ids or answer.remote_block_groups):
             raise ParamsError("kv_transfer_params.remote_block_ids",
                               "a pull answer must name the prompt's blocks")
         if answer.transfer_id is None:

@@ -8,6 +8,20 @@ one :class:`StepPlan` for the worker ranks. Everything from the client is parsed
 served without a hand-off (the prompt is computed locally) with a WARNING naming the key, and a
 prefill leg answers ``kvbridge_error`` so the router can tell its client.
 
+A hybrid model's engine (several KV-cache groups, :mod:`kvbridge.groups`) gives the book one
+block table per group wherever a non-hybrid one gives a list of block ids; plans then carry
+block refs (every group's blocks in one list) and a pull answer names P's table per group.
+
+**The last prompt token with a sliding window.** When vLLM loads a whole prompt of ``T`` tokens
+from a connector it recomputes the last one, but it sized the sliding-window groups for ``T``
+computed tokens: when ``T - window + 1`` is a multiple of the block size, the block holding
+position ``T - window`` — which that recomputation attends — is already the null block, on D
+and (freed by vLLM before ``request_finished``) on P. So an engine with a sliding-window group
+hands off all but the last prompt token (:attr:`HandoffBook.backoff`): P prefills ``T - 1``
+tokens (the connector shortens P's request, :meth:`HandoffBook.prefill_cut`; P's one sampled
+token is not the answer, the decode engine's is) and D receives those and computes the last
+token itself, with every block of its window present.
+
 Single-threaded: vLLM drives it from the engine-core thread.
 """
 
@@ -20,13 +34,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.config import Config, TransferMode
-from kvbridge.errors import LayoutError, ParamsError
+from kvbridge.errors import KVBridgeError, LayoutError, ParamsError
+from kvbridge.groups import GroupKind, KVGroup
 from kvbridge.offload.orders import OffloadPlan
 from kvbridge.params import PeerRef, TransferParams, parse, to_wire
-from kvbridge.scheduling.planner import plan_receive, prompt_blocks, prompt_digest
+from kvbridge.scheduling.planner import (
+    ReceivePlan,
+    held_refs,
+    plan_group_receive,
+    plan_receive,
+    prompt_blocks,
+    prompt_digest,
+)
 from kvbridge.scheduling.pull import SendPlan
 
-__all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress"]
+__all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress", "Blocks"]
+
+#: A request's blocks as vLLM gives them: a list of block ids, or (an engine with KV-cache
+#: groups) one list per group.
+Blocks = Sequence[int] | Sequence[Sequence[int]]
 
 log = logging.getLogger("kvbridge.connector")
 
@@ -53,6 +79,7 @@ class RecvOrder:
     num_tokens: int
     prompt_digest: str
     error: str | None = None  # planning failed after vLLM committed: report it failed
+    remote_skip: int | None = None  # prefill's first block of remote_ids (its block size)
 
 
 @dataclass
@@ -90,7 +117,7 @@ class _Request:
     """What the book knows about one request with ``kv_transfer_params``."""
 
     params: TransferParams | None
-    error: ParamsError | None = None
+    error: KVBridgeError | None = None
     transfer_id: str = ""
     mode: TransferMode = TransferMode.PULL
     recv: bool = False  # a decode leg we will serve
@@ -100,17 +127,27 @@ class _Request:
     kv_done: bool = False  # P: the forward that completes the prompt's KV is scheduled
     recving: bool = False  # D: a transfer into its blocks is in progress
     digest: str = ""
+    #: prompt tokens at the end that are not handed off (D computes them; P does not prefill)
+    backoff: int = 0
+    tokens: int = 0  # prompt tokens handed off
 
 
 class HandoffBook:
-    """See the module docstring. ``tp_size`` and ``block_size`` are this engine's."""
+    """See the module docstring. ``tp_size`` and ``block_size`` are this engine's; ``groups``
+    its KV-cache groups (``()``: one block table) and ``null_block`` the id vLLM puts where a
+    sliding window dropped a block."""
 
     def __init__(self, config: Config, engine_id: str, *, block_size: int,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, groups: Sequence[KVGroup] = (),
+                 null_block: int | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
+        self.groups = tuple(groups)
+        self.null_block = null_block
+        #: see the module docstring: 1 with a sliding-window group, else 0
+        self.backoff = int(any(g.kind is GroupKind.SLIDING for g in self.groups))
         self.ranks: list[RankAddress] = []
         self.stats: Counter[str] = Counter()
         self._reqs: dict[str, _Request] = {}
@@ -134,7 +171,7 @@ class HandoffBook:
             remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
             tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
             kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
-            kvbridge_version=_version())
+            kvbridge_block_size=self.block_size, kvbridge_version=_version())
         return to_wire(params)
 
     # -- requests ------------------------------------------------------------------------------
@@ -163,6 +200,8 @@ class HandoffBook:
         req.transfer_id = params.transfer_id or f"{self.engine_id}-{req_id}"
         req.mode = params.mode(self.config.mode)
         n_prompt = len(prompt or ())
+        req.backoff = self.backoff if n_prompt > self.backoff else 0
+        handed = req.tokens = n_prompt - req.backoff
         try:
             if prompt is None:
                 raise ParamsError("prompt", "a hand-off needs token-id prompts")
@@ -172,11 +211,14 @@ class HandoffBook:
                                   f"{req.transfer_id} is already used by request {owner} "
                                   "(n > 1 or a batched prompt shares one hand-off)")
             if params.do_remote_prefill:
-                params.check_decode_leg(req.mode, self.tp_size, n_prompt, self.block_size)
+                if req.mode is TransferMode.PULL:
+                    params.check_block_groups(handed, [g.block_size for g in self.groups])
+                params.check_decode_leg(req.mode, handed, self.block_size)
         except ParamsError as err:
             self._reqs[req_id] = self._refuse(req_id, raw, err)
             return
-        req.digest = prompt_digest(prompt)
+        assert prompt is not None
+        req.digest = prompt_digest(prompt[:handed])
         self._active_tids[req.transfer_id] = req_id
         if params.do_remote_prefill:
             req.recv = True
@@ -188,7 +230,9 @@ class HandoffBook:
         self._reqs[req_id] = req
 
     def _peers(self, params: TransferParams) -> tuple[PeerRef, ...]:
-        refs = [params.peer(r) for r in range(self.tp_size)]
+        """Every prefill rank's address, in rank order (prefill's TP size, not this engine's:
+        each worker rank picks the ranks it exchanges KV with)."""
+        refs = [params.peer(r) for r in range(params.tp_size)]
         return tuple(r for r in refs if r is not None)
 
     def matched_tokens(self, req_id: str, prompt_tokens: int,
@@ -197,7 +241,7 @@ class HandoffBook:
         req = self._reqs.get(req_id)
         if req is None or not req.recv or req.planned:
             return 0, False
-        count = prompt_tokens - num_computed
+        count = req.tokens - num_computed
         return (count, True) if count > 0 else (0, False)
 
     def receives(self, req_id: str) -> bool:
@@ -205,7 +249,34 @@ class HandoffBook:
         req = self._reqs.get(req_id)
         return req is not None and req.recv and not req.planned
 
-    def after_alloc(self, req_id: str, block_ids: Sequence[int], external_tokens: int,
+    def _tables(self, block_ids: Blocks) -> list[list[int]]:
+        """``block_ids`` as one table per KV-cache group (LayoutError if they are not)."""
+        if not self.groups:
+            return [[int(b) for b in block_ids]]  # type: ignore[arg-type]
+        tables = [[int(b) for b in t] for t in block_ids]  # type: ignore[union-attr]
+        if len(tables) != len(self.groups):
+            raise LayoutError(f"{len(tables)} block tables for {len(self.groups)} KV-cache "
+                              "groups")
+        return tables
+
+    def _plan_receive(self, req: _Request, tables: list[list[int]], external_tokens: int,
+                      prompt_tokens: int) -> ReceivePlan:
+        assert req.params is not None
+        pull = req.mode is TransferMode.PULL
+        if not self.groups:
+            return plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
+                                external_tokens=external_tokens, allocated=tables[0],
+                                remote_ids=req.params.remote_block_ids if pull else None,
+                                remote_block_size=req.params.kvbridge_block_size)
+        remote: list[list[int]] | None = None
+        if pull:
+            remote = (req.params.remote_block_groups
+                      or [list(req.params.remote_block_ids or ())])
+        return plan_group_receive(prompt_tokens=prompt_tokens, groups=self.groups,
+                                  external_tokens=external_tokens, allocated=tables,
+                                  remote=remote, null_block=self.null_block)
+
+    def after_alloc(self, req_id: str, block_ids: Blocks, external_tokens: int,
                     prompt_tokens: int, tier_tokens: int = 0) -> None:
         """``update_state_after_alloc``: plan the receive (once). ``tier_tokens`` of the
         ``external_tokens`` come from this engine's offload tiers (loaded before the receive):
@@ -213,16 +284,15 @@ class HandoffBook:
         req = self._reqs.get(req_id)
         if req is None or not req.recv or req.planned:
             return
+        prompt_tokens = req.tokens  # the prompt less its backoff
         req.planned = True
         assert req.params is not None
         peers = self._peers(req.params)
         self._plan.unwatches.append((req.transfer_id, peers))
-        remote = req.params.remote_block_ids if req.mode is TransferMode.PULL else None
         error = None
         try:
-            plan = plan_receive(prompt_tokens=prompt_tokens, block_size=self.block_size,
-                                external_tokens=external_tokens - tier_tokens,
-                                allocated=block_ids, remote_ids=remote)
+            plan = self._plan_receive(req, self._tables(block_ids), external_tokens - tier_tokens,
+                                      prompt_tokens)
         except LayoutError as exc:
             if not external_tokens:
                 raise
@@ -234,37 +304,69 @@ class HandoffBook:
         self._plan.recvs.append(RecvOrder(
             req_id, req.transfer_id, req.mode, peers,
             plan.local_ids if plan else (), plan.remote_ids if plan else (),
-            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error))
+            plan.skip_blocks if plan else 0, prompt_tokens, req.digest, error,
+            plan.remote_skip if plan else None))
         req.recving = True
         self._busy[req_id] = req.transfer_id
 
-    def prefill_complete(self, req_id: str, block_ids: Sequence[int],
-                         prompt_tokens: int) -> None:
+    def prefill_complete(self, req_id: str, block_ids: Blocks, prompt_tokens: int) -> None:
         """P: this step's forward writes the last of the prompt's KV (push: WRITE after it)."""
         req = self._reqs.get(req_id)
-        if req is None or not req.send or req.kv_done:
+        if req is None or not req.send or req.kv_done or req.error is not None:
             return
         req.kv_done = True
         self._plan.prefill_done.append(req.transfer_id)
         if req.mode is TransferMode.PUSH:
-            self._plan.push_ready.append(self._send_plan(req_id, req, block_ids, prompt_tokens))
+            try:
+                plan = self._send_plan(req_id, req, block_ids, prompt_tokens)
+            except LayoutError as exc:  # never raise into vLLM; finished() answers why
+                log.error("request %s: cannot hand off: %s", req_id, exc)
+                req.error = exc
+                self._plan.cancel_sends.append(req.transfer_id)
+                return
+            self._plan.push_ready.append(plan)
             req.handed = True
             self._busy[req_id] = req.transfer_id
 
-    def _send_plan(self, req_id: str, req: _Request, block_ids: Sequence[int],
+    def _send_plan(self, req_id: str, req: _Request, block_ids: Blocks,
                    prompt_tokens: int) -> SendPlan:
+        """Raises :class:`LayoutError` only for block tables that do not fit this engine.
+        ``prompt_tokens`` is P's prompt (after :meth:`prefill_cut`); the hand-off covers
+        ``req.tokens`` of them."""
+        prompt_tokens = min(prompt_tokens, req.tokens)
         layerwise = self.config.layerwise
         if req.params is not None and req.params.kvbridge_layerwise is not None:
             layerwise = req.params.kvbridge_layerwise
-        blocks = tuple(prompt_blocks(block_ids, prompt_tokens, self.block_size))
+        tables = self._tables(block_ids)
+        if self.groups:
+            blocks = held_refs(tables, self.groups, prompt_tokens, self.null_block)
+        else:
+            blocks = tuple(prompt_blocks(tables[0], prompt_tokens, self.block_size))
         return SendPlan(req_id, req.transfer_id, blocks, prompt_tokens, req.digest, layerwise)
+
+    def _remote_ids(self, block_ids: Blocks, prompt_tokens: int) -> dict[str, Any]:
+        """A pull answer's ``remote_block_ids``: the prompt's blocks, one list per group (with
+        the null block where a window dropped one) on an engine with groups."""
+        tables = self._tables(block_ids)
+        if not self.groups:
+            return {"remote_block_ids": prompt_blocks(tables[0], prompt_tokens,
+                                                      self.block_size)}
+        return {"remote_block_ids": [prompt_blocks(t, prompt_tokens, g.block_size)
+                                     for t, g in zip(tables, self.groups, strict=True)]}
+
+    def prefill_cut(self, req_id: str) -> int:
+        """P: how many trailing prompt tokens the connector must drop from ``req_id`` before it
+        is scheduled (see the module docstring); 0 for anything but a hand-off's prefill leg."""
+        req = self._reqs.get(req_id)
+        return req.backoff if req is not None and req.send and req.error is None else 0
 
     def producers(self) -> list[str]:
         """P requests whose prompt KV is not complete yet (the adapter checks their progress:
         a push is handed over then, a pull only marks ``kv_ready`` for the timings)."""
-        return [r for r, q in self._reqs.items() if q.send and not q.kv_done]
+        return [r for r, q in self._reqs.items() if q.send and not q.kv_done
+                and q.error is None]
 
-    def finished(self, req_id: str, ok: bool, block_ids: Sequence[int],
+    def finished(self, req_id: str, ok: bool, block_ids: Blocks,
                  prompt_tokens: int) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: (keep the blocks, params for the response)."""
         req = self._reqs.pop(req_id, None)
@@ -295,7 +397,13 @@ class HandoffBook:
             if req.mode is TransferMode.PUSH:
                 self._plan.cancel_sends.append(req.transfer_id)
             return False, None
-        plan = self._send_plan(req_id, req, block_ids, prompt_tokens)
+        try:
+            plan = self._send_plan(req_id, req, block_ids, prompt_tokens)
+        except LayoutError as exc:  # never raise into vLLM: answer why, pin nothing
+            log.error("request %s: cannot hand off: %s", req_id, exc)
+            if req.mode is TransferMode.PUSH:
+                self._plan.cancel_sends.append(req.transfer_id)
+            return False, {"kvbridge_error": f"cannot hand off: {exc}"[:2000]}
         req.handed = True
         self._busy[req_id] = req.transfer_id
         if req.mode is TransferMode.PUSH:
@@ -304,8 +412,8 @@ class HandoffBook:
         self._plan.stages.append(plan)
         self.stats["pull_staged"] += 1
         return True, {**answer, "do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_block_ids": list(plan.block_ids), "remote_request_id": req_id,
-                      "remote_num_tokens": prompt_tokens}
+                      **self._remote_ids(block_ids, plan.num_tokens), "remote_request_id": req_id,
+                      "remote_num_tokens": plan.num_tokens}
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

@@ -37,11 +37,13 @@ from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.control import ControlServer, RpcClient
 from kvbridge.errors import KVBridgeError
+from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
 from kvbridge.scheduling.fences import FenceWaiter
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
+from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
@@ -60,12 +62,17 @@ class TransferLoop(PeerEvents):
 
     def __init__(self, config: Config, engine_id: str, layout: KVLayout, *, rank: int = 0,
                  tp_size: int = 1, compat: dict[str, str] | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, heads: HeadSplit | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
         self.layout = layout
+        if heads is not None:
+            heads.check(layout, tp_size, rank)
+        self.heads = heads
+        #: this rank's geometry for the heterogeneous mapping (kvbridge.scheduling.mapping)
+        self.shape = Shape(tp_size, rank, layout.block_size, heads)
         self.generation = uuid.uuid4().hex[:12]
         self.codec = Codec(config.secret, config.max_message_bytes,
                            window_s=config.replay_window_s)
@@ -89,7 +96,7 @@ class TransferLoop(PeerEvents):
             engine_id=engine_id, generation=self.generation, rank=rank, tp_size=tp_size,
             backend=self.transport.name, transport_metadata=metadata, layout=layout,
             control_address=self.server.address, compat=dict(compat or {}),
-            checksum=config.checksum)
+            checksum=config.checksum, heads=heads)
         self.stats: Counter[str] = Counter()
         self.observe = Observations(self.transport.name)
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
@@ -444,11 +451,14 @@ class TransferLoop(PeerEvents):
             fn, args = self._events.popleft()
             self._guard(fn, *args)
         if self._in_flight:
-            before = len(self._in_flight)
+            # Only handles that were terminal *before* the state machines polled them leave the
+            # set: one finishing during the poll (the transport's thread) is seen next step,
+            # not dropped unseen (its transfer would then wait for its timeout).
+            seen = {h for h in self._in_flight if h.state.terminal}
             self._guard(self.pull_sink.poll)
             self._guard(self.push_source.poll)
-            self._in_flight = {h for h in self._in_flight if not h.state.terminal}
-            if len(self._in_flight) < before:
+            self._in_flight -= seen
+            if seen:
                 self._poll_delay = 5e-5
             else:
                 self._poll_delay = min(self._poll_delay * 2, 2e-3)
@@ -462,15 +472,18 @@ class TransferLoop(PeerEvents):
 
     def _fail_everything(self) -> None:
         why = self.dead or "transfer loop stopped"
-        for job in list(self.pull_sink.jobs.values()):
-            self.results.fail(job.spec.req_id, job.spec.local_ids, why,
-                              safe=job.handle is None, transfer_id=job.spec.transfer_id)
-        for w in list(self.push_sink.waits.values()):
-            self.results.fail(w.spec.req_id, w.spec.local_ids, why, safe=False,
-                              transfer_id=w.spec.transfer_id)
+        for parts in list(self.pull_sink.jobs.values()):
+            spec = parts[0].spec
+            self.results.fail(spec.req_id, spec.local_ids, why,
+                              safe=all(job.handle is None for job in parts),
+                              transfer_id=spec.transfer_id)
+        for waits in list(self.push_sink.waits.values()):
+            expected = waits[0].spec
+            self.results.fail(expected.req_id, expected.local_ids, why, safe=False,
+                              transfer_id=expected.transfer_id)
         for st in list(self.pull_source.staged.values()):
             self.results.sent(st.plan.req_id)
         for out in list(self.push_source.outs.values()):
-            if out.plan is not None and out.final and not out.handles:
+            if out.plan is not None and out.final and not any(t.handles for t in out.targets):
                 self.results.sent(out.plan.req_id)
 

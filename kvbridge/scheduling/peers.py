@@ -32,9 +32,12 @@ from kvbridge.errors import (
     PeerUnreachable,
     RemoteError,
 )
+from kvbridge.groups import check_groups
+from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply, Message
 from kvbridge.scheduling.leases import Prober
+from kvbridge.scheduling.mapping import check_block_sizes
 from kvbridge.transport import Transport
 
 __all__ = ["Peer", "PeerTable", "check_compatible", "ANY_GENERATION"]
@@ -56,21 +59,26 @@ class Peer:
         return (self.info.engine_id, self.info.generation, self.info.rank)
 
 
+#: compat keys the layout itself now checks (older engines still send them)
+_LAYOUT_KEYS = frozenset({"block_size"})
+
+
 def check_compatible(mine: EngineInfo, theirs: EngineInfo) -> KVLayout:
-    """Raise :class:`LayoutMismatch` naming the first incompatible field; return their layout."""
+    """Raise :class:`LayoutMismatch` naming the first incompatible field; return their layout.
+
+    Engines of equal TP size and block size exchange whole blocks, rank r with rank r, as
+    always. Other shapes (heterogeneous TP, block sizes dividing one another) need both
+    engines to describe their KV heads (:class:`~kvbridge.heads.HeadSplit`, checked against
+    the peer's TP size, rank and layout, so a forged head offset is refused here); what cannot
+    be mapped is refused with both values named.
+    """
     if theirs.protocol != mine.protocol:
         raise LayoutMismatch(f"kvbridge protocol version differs: {mine.protocol} here, "
                              f"{theirs.protocol} at {theirs.engine_id}")
     if theirs.backend != mine.backend:
         raise LayoutMismatch(f"backend differs: {mine.backend!r} here, {theirs.backend!r} at "
                              f"{theirs.engine_id}")
-    if theirs.tp_size != mine.tp_size:
-        raise LayoutMismatch(f"tensor-parallel size differs: {mine.tp_size} here, "
-                             f"{theirs.tp_size} at {theirs.engine_id}")
-    if theirs.rank != mine.rank:
-        raise LayoutMismatch(f"rank {mine.rank} here reached rank {theirs.rank} of "
-                             f"{theirs.engine_id}: each rank must talk to the matching rank")
-    for key in sorted(set(mine.compat) | set(theirs.compat)):
+    for key in sorted((set(mine.compat) | set(theirs.compat)) - _LAYOUT_KEYS):
         a, b = mine.compat.get(key), theirs.compat.get(key)
         if a != b:
             raise LayoutMismatch(f"{key} differs: {a!r} here, {b!r} at {theirs.engine_id}")
@@ -80,8 +88,52 @@ def check_compatible(mine: EngineInfo, theirs: EngineInfo) -> KVLayout:
         raise LayoutMismatch(f"unusable layout from {theirs.engine_id}: {exc}") from None
     if layout.fingerprint() != theirs.layout_fingerprint:
         raise LayoutMismatch(f"layout fingerprint of {theirs.engine_id} does not match its layout")
-    KVLayout.from_wire(mine.layout).check_compatible(layout)
+    if theirs.rank >= theirs.tp_size:
+        raise LayoutMismatch(f"{theirs.engine_id} says it is rank {theirs.rank} of "
+                             f"tensor-parallel {theirs.tp_size}")
+    own = KVLayout.from_wire(mine.layout)
+    if theirs.heads is not None:
+        theirs.heads.check(layout, theirs.tp_size, theirs.rank, theirs.engine_id)
+    same = theirs.tp_size == mine.tp_size and layout.block_size == own.block_size
+    if same and (mine.heads is None or theirs.heads is None):
+        if theirs.rank != mine.rank:
+            raise LayoutMismatch(f"rank {mine.rank} here reached rank {theirs.rank} of "
+                                 f"{theirs.engine_id}: each rank must talk to the matching rank")
+        own.check_compatible(layout)
+        return layout
+    if mine.heads is None or theirs.heads is None:
+        who = "this engine" if mine.heads is None else theirs.engine_id
+        raise LayoutMismatch(
+            f"tensor-parallel {mine.tp_size} and block_size {own.block_size} here, "
+            f"{theirs.tp_size} and {layout.block_size} at {theirs.engine_id}: mapping KV heads "
+            f"and blocks between them needs a head-major KV layout on both, and {who} does not "
+            "describe its KV heads (heterogeneous TP and block size: docs/concepts.md)")
+    _check_heads(mine.heads, own, theirs.heads, layout, theirs.engine_id)
     return layout
+
+
+def _check_heads(mine: HeadSplit, own: KVLayout, theirs: HeadSplit, layout: KVLayout,
+                 engine: str) -> None:
+    """Both head-major rank geometries can be mapped onto each other."""
+    if own.dtype != layout.dtype:
+        raise LayoutMismatch(f"dtype differs: {own.dtype} here, {layout.dtype} at {engine}")
+    check_groups(own.groups, layout.groups)
+    if len(own.planes) != len(layout.planes):
+        raise LayoutMismatch(f"number of KV planes differs: {len(own.planes)} here, "
+                             f"{len(layout.planes)} at {engine} (different model, layer count "
+                             "or K/V split)")
+    for name in ("total_heads", "head_dim", "outer", "inner", "order", "interior"):
+        a, b = getattr(mine, name), getattr(theirs, name)
+        if a != b:
+            raise LayoutMismatch(f"KV {name} differs: {a!r} here, {b!r} at {engine}")
+    if mine.itemsize(own) != theirs.itemsize(layout):
+        raise LayoutMismatch(f"bytes per KV element differ: {mine.itemsize(own)} here, "
+                             f"{theirs.itemsize(layout)} at {engine}")
+    check_block_sizes(own.block_size, layout.block_size)
+    if own.block_size != layout.block_size and not mine.order:
+        raise LayoutMismatch(f"block_size {own.block_size} here and {layout.block_size} at "
+                             f"{engine}: blocks of {mine.interior or 'this'} format are opaque "
+                             "inside a head, so only equal block sizes can be exchanged")
 
 
 PeerCallback = Callable[[Peer | KVBridgeError], None]
@@ -232,11 +284,12 @@ def _host_of(address: str) -> str:
 
 def make_info(*, engine_id: str, generation: str, rank: int, tp_size: int, backend: str,
               transport_metadata: bytes, layout: KVLayout, control_address: str,
-              compat: dict[str, str], checksum: bool) -> EngineInfo:
+              compat: dict[str, str], checksum: bool,
+              heads: HeadSplit | None = None) -> EngineInfo:
     """Build this rank's :class:`EngineInfo`."""
     return EngineInfo(
         engine_id=engine_id, generation=generation, rank=rank, tp_size=tp_size,
         protocol=PROTOCOL_VERSION, backend=backend, transport_metadata=transport_metadata,
         layout=layout.to_wire(), layout_fingerprint=layout.fingerprint(),
-        control_address=control_address, compat=compat, checksum=checksum,
+        control_address=control_address, compat=compat, checksum=checksum, heads=heads,
     )

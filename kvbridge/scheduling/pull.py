@@ -1,36 +1,55 @@
 """Pull: D reads the KV P holds under a lease. Both halves run on the transfer loop's thread.
 
 P side (:class:`PullSource`), per transfer: *staged* (blocks pinned under a lease, renewed by
-D's heartbeats) → *claimed* by one control connection whose claim matched every staged fact
-(block ids, token count, prompt digest) → released on that connection's DONE (answered ok only
-if the lease still held), its Cancel, or lease expiry. A DONE, Cancel or renewal from any other
-connection is refused and counted: only the claimant can end a claimed transfer.
+D's heartbeats) → *claimed* by the decode ranks that read from this rank, each on its own
+control connection, whose claim matched every staged fact (block ids, token count, prompt
+digest, and a decode rank this rank serves: :func:`~kvbridge.scheduling.mapping.consumers`) →
+released when every one of them sent DONE (each answered ok only if the lease still held), on a
+claimant's Cancel, or on lease expiry. A DONE, Cancel or renewal from any other connection is
+refused and counted once every consumer has claimed: only claimants can end a claimed transfer.
+With equal TP on both sides the one consumer is the decode rank of the same rank.
 
-D side (:class:`PullSink`), per transfer: handshake (cached) → claim → READ (bounded by
-``transfer_timeout_s``) → DONE → received. Every failure before the READ is posted is *safe*
-(nothing can land in D's blocks) and is reported at once, with a Cancel to P so nothing waits
-out a lease. After the READ is posted, a failure is reported at once but D's blocks are only
-given back once the READ handle has stopped.
+D side (:class:`PullSink`), per transfer and prefill rank read from (one part; several with
+heterogeneous TP, joined by a :class:`~kvbridge.scheduling.fanin.FanIn`): handshake (cached) →
+claim → READ (bounded by ``transfer_timeout_s``) → DONE → received. Every failure before the
+READ is posted is *safe* (nothing can land in D's blocks) and is reported at once, with a Cancel
+to P so nothing waits out a lease. After the READ is posted, a failure is reported at once but
+D's blocks are only given back once the READ handle has stopped. The failure of any part gives
+up every other part of the transfer.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
-from kvbridge.errors import KVBridgeError
-from kvbridge.layout import DescriptorArray, descriptor_pair
-from kvbridge.messages import Ack, Cancel, CancelReply, ErrorKind, Message, PullClaim, PullDone
+from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch, PeerError
+from kvbridge.layout import DescriptorArray, KVLayout
+from kvbridge.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    ClaimPart,
+    ErrorKind,
+    Message,
+    PullClaim,
+    PullDone,
+)
+from kvbridge.scheduling import mapping
+from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
+from kvbridge.scheduling.planner import sources_for
+from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.transport import HandleState, Op, TransferHandle
 
 if TYPE_CHECKING:
     from kvbridge.scheduling.loop import TransferLoop
 
-__all__ = ["SendPlan", "PullSpec", "PullSource", "PullSink"]
+__all__ = ["SendPlan", "Source", "PullSpec", "PullSource", "PullSink", "check_source"]
 
 log = logging.getLogger("kvbridge.pull")
 
@@ -50,9 +69,24 @@ class SendPlan:
 
 
 @dataclass(frozen=True)
+class Source:
+    """A prefill rank a decode rank receives from: where it listens, which generation, and
+    which rank of which TP size the request says it is (None: the rank of this rank)."""
+
+    address: str
+    generation: str = ANY_GENERATION
+    rank: int | None = None
+    tp_size: int | None = None
+
+
+@dataclass(frozen=True)
 class PullSpec:
     """D: read the prompt's blocks from ``skip_blocks`` on (``remote_ids`` at the engine at
-    ``peer_address``, generation ``peer_generation``) into ``local_ids``."""
+    ``peer_address``, generation ``peer_generation``) into ``local_ids``.
+
+    Heterogeneous TP / block size: ``sources`` are every prefill rank this rank reads from
+    (default: ``peer_address`` alone) and ``remote_ids`` start at prefill's block
+    ``remote_skip`` (default ``skip_blocks``; it differs when the block sizes do)."""
 
     req_id: str
     transfer_id: str
@@ -63,13 +97,48 @@ class PullSpec:
     num_tokens: int = 0
     prompt_digest: str = ""
     peer_generation: str = ANY_GENERATION
+    remote_skip: int | None = None
+    sources: tuple[Source, ...] = ()
+
+    def parts(self) -> tuple[Source, ...]:
+        return self.sources or (Source(self.peer_address, self.peer_generation),)
+
+
+Half = list[tuple[KVLayout, mapping.Ids]]
+
+
+def check_source(core: TransferLoop, src: Source, peer: Peer) -> mapping.Shape:
+    """The shape of prefill rank ``peer``, after checking it is the rank ``src`` names (the
+    request's ``kvbridge_peers`` order); raises :class:`PeerError` otherwise."""
+    info = peer.info
+    want = (core.rank if src.rank is None else src.rank,
+            core.tp_size if src.tp_size is None else src.tp_size)
+    if (info.rank, info.tp_size) != want and (src.rank is not None or core.heads is not None):
+        raise PeerError(f"it is rank {info.rank} of tensor-parallel {info.tp_size}; the "
+                        f"request names rank {want[0]} of {want[1]}")
+    return mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
+
+
+@dataclass
+class _Claim:
+    conn: bytes
+    half: Half  # this rank's side of the claimant's part
+    done: bool = False
 
 
 @dataclass
 class _Staged:
     plan: SendPlan
-    claimant: bytes | None = None
-    claimed: tuple[int, ...] = ()
+    claims: dict[int, _Claim] = field(default_factory=dict)  # decode rank -> its claim
+    expected: frozenset[int] | None = None  # decode ranks that read from this rank
+    decode_tp: int | None = None
+
+    def claimant(self, conn: bytes) -> int | None:
+        return next((r for r, c in self.claims.items() if c.conn == conn), None)
+
+    def open(self) -> bool:
+        """Some consumer has not claimed yet (a stranger may be it)."""
+        return self.expected is None or not self.expected <= self.claims.keys()
 
 
 class PullSource:
@@ -120,30 +189,68 @@ class PullSource:
             core.timers.set(("early", tid, ctx), min(core.config.control_timeout_s, 5.0),
                             lambda: self._early_expired(tid, ctx))
             return None
-        if st.claimant is not None and st.claimant != ctx.conn:
+        part = msg.part or ClaimPart(tp_size=core.tp_size, rank=core.rank,
+                                     block_size=core.layout.block_size,
+                                     first_token=msg.skip_blocks * core.layout.block_size)
+        was, own = st.claimant(ctx.conn), st.claims.get(part.rank)
+        if (was is not None and was != part.rank) or (own is not None and own.conn != ctx.conn):
             core.stats["forged_claim"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
                        error=f"transfer {tid} is claimed by another connection")
         plan = st.plan
         problem = None
-        end = msg.skip_blocks + len(msg.block_ids)
         if msg.num_tokens != plan.num_tokens:
             problem = f"prefill computed {plan.num_tokens} tokens, the claim says {msg.num_tokens}"
         elif msg.prompt_digest != plan.prompt_digest:
             problem = "the claim's prompt differs from the prompt prefilled here"
-        elif end != len(plan.block_ids) or tuple(msg.block_ids) != plan.block_ids[
-                msg.skip_blocks:end]:
+        elif not self._leased(plan, msg):
             problem = (f"the claim names blocks P did not lease to {tid} (skip "
                        f"{msg.skip_blocks}, {len(msg.block_ids)} ids)")
+        else:
+            try:
+                half = self._half(st, part, msg)
+            except (LayoutError, LayoutMismatch) as exc:
+                problem = f"cannot serve decode rank {part.rank}: {exc}"
         if problem is not None:
             core.stats["claim_refused"] += 1
             log.warning("refusing claim of %s: %s", tid, problem)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
-        st.claimant, st.claimed = ctx.conn, tuple(msg.block_ids)
+        st.claims[part.rank] = _Claim(ctx.conn, half)
         lease = core.config.lease_s + core.config.transfer_timeout_s
         core.timers.set(("lease", tid), lease, lambda: self._expire(tid))
         core.stats["pull_claimed"] += 1
         return Ack()
+
+    def _half(self, st: _Staged, part: ClaimPart, msg: PullClaim) -> Half:
+        """This rank's side of the claiming decode rank's part; fixes who consumes ``st``."""
+        core, bs = self.core, self.core.layout.block_size
+        if st.decode_tp not in (None, part.tp_size):
+            raise LayoutMismatch(f"the claim says tensor-parallel {part.tp_size}, an earlier "
+                                 f"claim {st.decode_tp}")
+        if part.rank >= part.tp_size:
+            raise LayoutMismatch(f"rank {part.rank} outside tensor-parallel {part.tp_size}")
+        if part.first_token // bs != msg.skip_blocks or part.first_token % part.block_size:
+            raise LayoutError(f"first token {part.first_token} does not start at prefill block "
+                              f"{msg.skip_blocks} on a decode block boundary")
+        split = core.heads
+        if split is not None:
+            mapping.check_block_sizes(bs, part.block_size)
+            split = split.like(part.tp_size, part.rank)
+        reader = mapping.Shape(part.tp_size, part.rank, part.block_size, split)
+        share, expected = mapping.serves(core.shape, reader)
+        half = mapping.side(core.layout, core.shape, reader, share, msg.block_ids,
+                            msg.skip_blocks, mapping.Span(part.first_token, msg.num_tokens))
+        st.decode_tp, st.expected = part.tp_size, expected
+        return half
+
+    def _leased(self, plan: SendPlan, msg: PullClaim) -> bool:
+        """The claim names exactly the blocks of ``plan`` that pair with what D lacks."""
+        try:
+            expected = sources_for(plan.block_ids, msg.block_ids, msg.skip_blocks,
+                                   len(self.core.layout.groups))
+        except KVBridgeError:
+            return False
+        return tuple(msg.block_ids) == expected
 
     def _early_expired(self, tid: str, ctx: RequestContext) -> None:
         waiting = self._early.get(tid, [])
@@ -161,11 +268,13 @@ class PullSource:
             why = core.ended.get(tid) or "never staged here"
             return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
                        error=f"lease of {tid} ended before DONE ({why}); blocks may be reused")
-        if st.claimant is None or st.claimant != ctx.conn:
+        rank = st.claimant(ctx.conn)
+        if rank is None:
             core.stats["forged_done"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
                        error=f"DONE for {tid} from a connection that did not claim it")
-        expected = core.layout.bytes_per_block * len(st.claimed)
+        claim = st.claims[rank]
+        expected = mapping.side_bytes(claim.half)
         reply = Ack()
         if msg.nbytes != expected:
             reply = Ack(ok=False, kind=ErrorKind.MISMATCH,
@@ -173,13 +282,19 @@ class PullSource:
         elif core.config.checksum and msg.checksum is None:
             reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
                         error="this prefill engine verifies checksums; the DONE carries none")
-        elif msg.checksum is not None and msg.checksum != core.digest(st.claimed):
+        elif msg.checksum is not None and msg.checksum != digest_descriptors(
+                mapping.side_descriptors(claim.half)):
             core.count("checksum_mismatch", "pull")
             reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
                         error="checksum mismatch: bytes changed in transit")
-        if reply.ok:
+        if not reply.ok:
+            self._release(tid, f"failed: {reply.error}")
+            return reply
+        claim.done = True
+        if st.expected is not None and all(r in st.claims and st.claims[r].done
+                                           for r in st.expected):
             core.stats["pull_served"] += 1
-        self._release(tid, "done" if reply.ok else f"failed: {reply.error}")
+            self._release(tid, "done")
         return reply
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
@@ -187,7 +302,7 @@ class PullSource:
         st = self.staged.get(msg.transfer_id)
         if st is None:
             return None
-        if st.claimant is not None and st.claimant != ctx.conn:
+        if st.claimant(ctx.conn) is None and not st.open():
             self.core.stats["forged_cancel"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
                        error=f"transfer {msg.transfer_id} is claimed by another connection")
@@ -197,10 +312,10 @@ class PullSource:
 
     def renew(self, ctx: RequestContext, tid: str) -> bool:
         st = self.staged.get(tid)
-        if st is None or (st.claimant is not None and st.claimant != ctx.conn):
+        if st is None or (st.claimant(ctx.conn) is None and not st.open()):
             return False
         lease = self.core.config.lease_s
-        if st.claimant is not None:
+        if st.claims:
             lease += self.core.config.transfer_timeout_s
         self.core.timers.set(("lease", tid), lease, lambda: self._expire(tid))
         return True
@@ -210,9 +325,10 @@ class PullSource:
         if st is None:
             return
         self.core.count("lease_expired", "pull")
+        waiting = sorted(set(st.expected or ()) - {r for r, c in st.claims.items() if c.done})
         log.warning("lease of %s (%s) expired before decode %s; %d blocks released", tid,
-                    st.plan.req_id, "finished reading" if st.claimant else "claimed it",
-                    len(st.plan.block_ids))
+                    st.plan.req_id, f"rank(s) {waiting} finished reading" if st.claims
+                    else "claimed it", len(st.plan.block_ids))
         self._release(tid, "lease expired")
 
     def _release(self, tid: str, why: str) -> None:
@@ -228,23 +344,39 @@ class PullSource:
 
 @dataclass
 class _Pull:
+    """One part of a pull: what this rank reads from one prefill rank."""
+
     spec: PullSpec
+    source: Source
+    box: Box  # where the part reports: the loop's results, or the transfer's FanIn
     peer: Peer | None = None
+    subs: list[mapping.SubTransfer] = field(default_factory=list)
     handle: TransferHandle | None = None
     local: DescriptorArray | None = None
     failure: str | None = None  # reported already; blocks held until the handle stops
     started: float = field(default_factory=time.perf_counter)
 
+    @property
+    def address(self) -> str:
+        return self.source.address
+
+    @property
+    def tid(self) -> str:
+        return self.spec.transfer_id
+
 
 class PullSink:
-    """D side of pulls (see the module docstring)."""
+    """D side of pulls (see the module docstring). ``jobs``: transfer id → its parts."""
 
     def __init__(self, core: TransferLoop) -> None:
         self.core = core
-        self.jobs: dict[str, _Pull] = {}
+        self.jobs: dict[str, list[_Pull]] = {}
 
     def __len__(self) -> int:
         return len(self.jobs)
+
+    def parts(self) -> list[_Pull]:
+        return [job for parts in self.jobs.values() for job in parts]
 
     def start(self, spec: PullSpec) -> None:
         core, tid = self.core, spec.transfer_id
@@ -252,30 +384,57 @@ class PullSink:
             core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is already running",
                               safe=True)
             return
-        job = self.jobs[tid] = _Pull(spec)
-        core.heartbeats.watch(tid, spec.peer_address, spec.peer_generation)
+        sources = spec.parts()
+        box: Box = core.results
+        if len(sources) > 1:
+            box = FanIn(core.results, spec.req_id, tid, spec.local_ids, len(sources),
+                        lambda why: self.cancel(tid, why))
+        parts = self.jobs[tid] = [_Pull(spec, src, box) for src in sources]
         core.mark(tid, "recv_start")
         # Handshake and claim are bounded by their calls; this bounds the whole hand-off.
-        core.timers.set(("pull", tid), core.config.push_timeout_s, lambda: self._stalled(job))
-        core.peers.ensure(spec.peer_address, spec.peer_generation,
-                          lambda result: self._handshaken(job, result))
+        core.timers.set(("pull", tid), core.config.push_timeout_s, lambda: self._stalled(tid))
+        for job in parts:
+            core.heartbeats.watch(tid, job.address, job.source.generation)
+        for job in parts:
+            if self._live(job):  # an earlier part's failure may have given it up already
+                core.peers.ensure(job.address, job.source.generation,
+                                  functools.partial(self._handshaken, job))
 
     def _live(self, job: _Pull) -> bool:
-        return self.jobs.get(job.spec.transfer_id) is job and job.failure is None
+        return job in self.jobs.get(job.tid, ()) and job.failure is None
 
     def _handshaken(self, job: _Pull, result: Peer | KVBridgeError) -> None:
         if not self._live(job):
             return
         if isinstance(result, KVBridgeError):
-            self._fail(job, f"cannot reach prefill {job.spec.peer_address}: {result}")
+            self._fail(job, f"cannot reach prefill {job.address}: {result}")
             return
         job.peer = result
-        s = job.spec
+        s, core = job.spec, self.core
+        remote_skip = s.skip_blocks if s.remote_skip is None else s.remote_skip
+        first = s.skip_blocks * core.layout.block_size
+        try:
+            job.subs = self._plan(job, result, remote_skip, first)
+        except KVBridgeError as exc:
+            self._fail(job, f"cannot map the KV of prefill {job.address}: {exc}")
+            return
         claim = PullClaim(transfer_id=s.transfer_id, generation=result.info.generation,
-                          skip_blocks=s.skip_blocks, block_ids=list(s.remote_ids),
-                          num_tokens=s.num_tokens, prompt_digest=s.prompt_digest)
-        self.core.rpc.call(s.peer_address, claim, self.core.config.control_timeout_s,
-                           lambda reply: self._claimed(job, reply))
+                          skip_blocks=remote_skip, block_ids=list(s.remote_ids),
+                          num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
+                          part=ClaimPart(tp_size=core.tp_size, rank=core.rank,
+                                         block_size=core.layout.block_size, first_token=first))
+        core.rpc.call(job.address, claim, core.config.control_timeout_s,
+                      lambda reply: self._claimed(job, reply))
+
+    def _plan(self, job: _Pull, peer: Peer, remote_skip: int,
+              first: int) -> list[mapping.SubTransfer]:
+        """The sub-transfers of this part, after checking the peer is the rank expected."""
+        core, s = self.core, job.spec
+        theirs = check_source(core, job.source, peer)
+        share = mapping.reads(core.shape, theirs)
+        return mapping.pair(core.layout, core.shape, s.local_ids, s.skip_blocks, peer.layout,
+                            theirs, s.remote_ids, remote_skip, share,
+                            mapping.Span(first, s.num_tokens))
 
     def _claimed(self, job: _Pull, reply: Message | KVBridgeError) -> bool:
         if not self._live(job):
@@ -288,22 +447,22 @@ class PullSink:
         assert job.peer is not None
         core, s = self.core, job.spec
         try:
-            local, remote = descriptor_pair(core.layout, s.local_ids, job.peer.layout,
-                                            s.remote_ids)
+            local, remote = mapping.descriptors(job.subs)
             job.handle = core.transport.submit(Op.READ, job.peer.name, local, remote)
         except KVBridgeError as exc:
             self._fail(job, f"cannot post the READ: {exc}")
             return False
         job.local = local
-        core.timers.cancel(("pull", s.transfer_id))
+        if all(j.handle is not None for j in self.jobs.get(s.transfer_id, ())):
+            core.timers.cancel(("pull", s.transfer_id))
         core.watch_handle(job.handle)
-        core.timers.set(("read", s.transfer_id), core.config.transfer_timeout_s,
+        core.timers.set(("read", s.transfer_id, job.address), core.config.transfer_timeout_s,
                         lambda: self._timed_out(job))
         return False
 
     def poll(self) -> None:
         """Complete the READs that stopped (called by the loop while any is in flight)."""
-        for job in list(self.jobs.values()):
+        for job in self.parts():
             handle = job.handle
             if handle is None or job.local is None:
                 continue
@@ -311,18 +470,18 @@ class PullSink:
             if state is HandleState.PENDING:
                 continue
             job.local = None
-            self.core.timers.cancel(("read", job.spec.transfer_id))
+            self.core.timers.cancel(("read", job.tid, job.address))
             self._observe(job, handle, state)
             if job.failure is not None:  # already failed (timeout, abort): blocks now safe
                 self._forget(job)
-                self.core.results.release(job.spec.req_id)
+                job.box.release(job.spec.req_id)
             elif state is HandleState.FAILED:
                 self._fail(job, f"READ failed: {handle.error or 'transport error'}")
             else:
                 self._read_done(job)
 
     def in_flight(self) -> bool:
-        return any(j.local is not None for j in self.jobs.values())
+        return any(j.local is not None for j in self.parts())
 
     def _observe(self, job: _Pull, handle: TransferHandle, state: HandleState) -> None:
         if job.peer is None:
@@ -334,13 +493,14 @@ class PullSink:
 
     def _read_done(self, job: _Pull) -> None:
         core, s = self.core, job.spec
-        nbytes = core.layout.bytes_per_block * len(s.local_ids)
+        half = [(x.local, x.local_ids) for x in job.subs]
+        nbytes = mapping.side_bytes(half)
         assert job.peer is not None
         checksum = None
         if core.config.checksum or job.peer.info.checksum:
-            checksum = core.digest(s.local_ids)
+            checksum = digest_descriptors(mapping.side_descriptors(half))
         done = PullDone(transfer_id=s.transfer_id, nbytes=nbytes, checksum=checksum)
-        core.rpc.call(s.peer_address, done, core.config.control_timeout_s,
+        core.rpc.call(job.address, done, core.config.control_timeout_s,
                       lambda reply: self._confirmed(job, reply, nbytes))
 
     def _confirmed(self, job: _Pull, reply: Message | KVBridgeError, nbytes: int) -> bool:
@@ -353,7 +513,7 @@ class PullSink:
                 self.core.observe.handoff("pull", job.peer.info.engine_id,
                                           time.perf_counter() - job.started,
                                           self.core.backend_of(job.peer.name))
-            self.core.results.received(job.spec.req_id, job.spec.transfer_id)
+            job.box.received(job.spec.req_id, job.tid)
             return False
         why = reply.error if isinstance(reply, Ack) else f"no confirmation: {reply}"
         if isinstance(reply, Ack) and reply.kind is ErrorKind.CHECKSUM:
@@ -361,9 +521,10 @@ class PullSink:
         self._fail(job, f"prefill did not confirm the read: {why}", cancel=False)
         return False
 
-    def _stalled(self, job: _Pull) -> None:
-        if self._live(job) and job.handle is None:
-            self._fail(job, f"no READ posted within {self.core.config.push_timeout_s} s")
+    def _stalled(self, tid: str) -> None:
+        for job in list(self.jobs.get(tid, ())):
+            if self._live(job) and job.handle is None:
+                self._fail(job, f"no READ posted within {self.core.config.push_timeout_s} s")
 
     def _timed_out(self, job: _Pull) -> None:
         if self._live(job):
@@ -371,42 +532,46 @@ class PullSink:
             self._fail(job, f"READ did not finish within {self.core.config.transfer_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
-        """The request ended on D; False if no pull of that id runs here."""
-        job = self.jobs.get(tid)
-        if job is None:
+        """The request ended on D (or a part failed): give up every part still running;
+        False if no pull of that id runs here."""
+        parts = self.jobs.get(tid)
+        if parts is None:
             return False
-        if job.failure is None:
-            self._fail(job, reason)
+        for job in list(parts):
+            if self._live(job):
+                self._fail(job, reason)
         return True
 
     def peer_gone(self, address: str, why: str) -> None:
-        for job in list(self.jobs.values()):
-            if job.spec.peer_address == address and job.failure is None:
+        for job in self.parts():
+            if job.address == address and self._live(job):
                 self._fail(job, f"prefill {address} is gone: {why}", cancel=False)
 
     def transfers_unknown(self, address: str, tids: list[str]) -> None:
         for tid in tids:
-            job = self.jobs.get(tid)
-            if job is not None and job.failure is None and job.handle is not None:
-                self._fail(job, "prefill no longer holds this transfer (lease expired?)",
-                           cancel=False)
+            for job in list(self.jobs.get(tid, ())):
+                if job.address == address and self._live(job) and job.handle is not None:
+                    self._fail(job, "prefill no longer holds this transfer (lease expired?)",
+                               cancel=False)
 
     def _fail(self, job: _Pull, why: str, *, cancel: bool = True) -> None:
         core, s = self.core, job.spec
         if cancel:
-            core.cancel_remote(s.peer_address, s.transfer_id, why)
+            core.cancel_remote(job.address, s.transfer_id, why)
         reading = job.local is not None
         job.failure = why
         core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it
-        core.results.fail(s.req_id, s.local_ids, why, safe=not reading,
-                          transfer_id=s.transfer_id)
         if not reading:
             self._forget(job)
+        job.box.fail(s.req_id, s.local_ids, why, safe=not reading, transfer_id=s.transfer_id)
 
     def _forget(self, job: _Pull) -> None:
-        s = job.spec
-        if self.jobs.get(s.transfer_id) is job:
-            del self.jobs[s.transfer_id]
-        self.core.timers.cancel(("read", s.transfer_id))
-        self.core.timers.cancel(("pull", s.transfer_id))
-        self.core.heartbeats.unwatch(s.transfer_id, s.peer_address)
+        tid = job.tid
+        parts = self.jobs.get(tid)
+        if parts is not None and job in parts:
+            parts.remove(job)
+            if not parts:
+                del self.jobs[tid]
+                self.core.timers.cancel(("pull", tid))
+        self.core.timers.cancel(("read", tid, job.address))
+        self.core.heartbeats.unwatch(tid, job.address)

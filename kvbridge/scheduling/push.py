@@ -20,18 +20,26 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. Registrations are bounded per connection and in
 total; one that P cannot serve (prefill aborted, never ready, mismatch) is failed at once.
+
+Heterogeneous TP: every decode rank that reads heads from this rank
+(:func:`~kvbridge.scheduling.mapping.consumers`, known from the first registering rank's
+handshake) registers on its own connection, and is confirmed and written separately; P keeps
+its blocks until each of them ended, and the failure of any (a Cancel, a failed WRITE, a rank
+that never registers within the lease) fails the push for all. Equal TP: one registration, from
+the decode rank of the same rank.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
-from kvbridge.errors import KVBridgeError
-from kvbridge.layout import descriptor_pair
+from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
+from kvbridge.layout import DescriptorArray
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -42,9 +50,13 @@ from kvbridge.messages import (
     PushRegister,
     PushResult,
 )
+from kvbridge.params import MAX_TP
+from kvbridge.scheduling import mapping
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
-from kvbridge.scheduling.pull import SendPlan
+from kvbridge.scheduling.planner import sources_for
+from kvbridge.scheduling.pull import SendPlan, Source
+from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.transport import HandleState, Op, TransferHandle
 
 if TYPE_CHECKING:
@@ -58,7 +70,8 @@ log = logging.getLogger("kvbridge.push")
 @dataclass(frozen=True)
 class PushSpec:
     """D: ask the engine at ``peer_address`` to write the prompt's blocks from ``skip_blocks``
-    on into ``local_ids``."""
+    on into ``local_ids`` (``sources``: every prefill rank that writes heads of this rank, with
+    heterogeneous TP; default ``peer_address`` alone)."""
 
     req_id: str
     transfer_id: str
@@ -68,13 +81,31 @@ class PushSpec:
     num_tokens: int = 0
     prompt_digest: str = ""
     peer_generation: str = ANY_GENERATION
+    sources: tuple[Source, ...] = ()
+
+    def parts(self) -> tuple[Source, ...]:
+        return self.sources or (Source(self.peer_address, self.peer_generation),)
 
 
 class _Stage(enum.Enum):
-    WAITING = "waiting"  # for the registration, the KV, or D's confirmation
-    CONFIRMING = "confirming"
+    CONFIRMING = "confirming"  # dialling the registering decode rank, asking it to confirm
     CONFIRMED = "confirmed"
-    ENDED = "ended"
+
+
+@dataclass
+class _Target:
+    """One decode rank's registration of a push."""
+
+    reg: PushRegister
+    ctx: RequestContext
+    stage: _Stage = _Stage.CONFIRMING
+    peer: Peer | None = None
+    shape: mapping.Shape | None = None  # the decode rank's, from its handshake
+    share: mapping.Share | None = None  # the heads this rank writes it
+    posted: set[int] = field(default_factory=set)
+    handles: list[TransferHandle] = field(default_factory=list)
+    nbytes: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -82,15 +113,20 @@ class _Out:
     tid: str
     plan: SendPlan | None = None
     final: bool = False  # the whole prompt's KV is written
-    fences: list[tuple[list[int], Fence | None]] = field(default_factory=list)
-    reg: PushRegister | None = None
-    ctx: RequestContext | None = None
-    peer: Peer | None = None
-    stage: _Stage = _Stage.WAITING
-    posted: set[int] = field(default_factory=set)
-    handles: list[TransferHandle] = field(default_factory=list)
-    nbytes: int = 0
-    error: str | None = None
+    fences: list[tuple[list[int], Fence | None]] = field(default_factory=list)  # not passed yet
+    ready: list[list[int]] = field(default_factory=list)  # plane groups whose fence passed
+    targets: list[_Target] = field(default_factory=list)
+    expected: frozenset[int] | None = None  # decode ranks this rank writes to
+    decode_tp: int | None = None
+    served: set[int] = field(default_factory=set)  # decode ranks whose push ended
+    error: str | None = None  # the push failed for every decode rank
+
+    def registered(self) -> set[int]:
+        return {t.shape.rank for t in self.targets if t.shape is not None} | self.served
+
+    def complete(self) -> bool:
+        """Every decode rank this rank writes to has registered."""
+        return self.expected is not None and self.expected <= self.registered()
 
 
 class PushSource:
@@ -132,18 +168,18 @@ class PushSource:
             out.final = True
         if out.plan is None:
             out.plan = plan
-            problem = self._mismatch(out)
-            if problem is not None:
-                self._finish(out, problem)
-                return
+            for t in list(out.targets):
+                problem = self._mismatch(out, t)
+                if problem is not None:
+                    self._fail(out, problem)
+                    return
         planes = (list(range(len(core.layout.planes))) if layer is None
                   else core.layout.plane_indices(layer))
         out.fences.append((planes, fence))
         if fence is not None:
             core.fence_pending(fence)
-        if layer is None:
-            if out.reg is None:
-                core.timers.set(("ready", tid), core.config.lease_s, lambda: self._unclaimed(tid))
+        if layer is None and not out.complete():
+            core.timers.set(("ready", tid), core.config.lease_s, lambda: self._unclaimed(tid))
         self._advance(out)
 
     def announce(self, tid: str) -> None:
@@ -152,7 +188,7 @@ class PushSource:
         while len(self._announced) > self.core.config.max_pending * 4:
             self._announced.pop(next(iter(self._announced)))
         out = self.outs.get(tid)
-        if out is not None and out.reg is not None and not out.final:
+        if out is not None and out.targets and not out.final:
             self.core.timers.set(("register", tid), self.core.config.push_timeout_s,
                                  lambda: self._never_ready(tid))
 
@@ -160,8 +196,8 @@ class PushSource:
         """P's request ended before its KV was handed over."""
         self.core.ended.record(tid, reason)
         out = self.outs.get(tid)
-        if out is not None and not out.handles:
-            self._finish(out, reason)
+        if out is not None and not any(t.handles for t in out.targets):
+            self._fail(out, reason)
 
     # -- control messages ------------------------------------------------------------------
 
@@ -176,13 +212,14 @@ class PushSource:
             return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
                        error=f"transfer {tid} already ended: {why}")
         out = self.outs.get(tid)
-        if out is not None and out.reg is not None:
+        if out is not None and (any(t.ctx.conn == ctx.conn for t in out.targets)
+                                or out.complete() or len(out.targets) >= MAX_TP):
             core.stats["forged_register"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN, error=f"{tid} is already registered")
         if tid in core.pull_source.staged:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error=f"this prefill engine holds {tid} for a pull, not a push")
-        if msg.layout_fingerprint != core.info.layout_fingerprint:
+        if core.heads is None and msg.layout_fingerprint != core.info.layout_fingerprint:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error="decode's KV layout differs from this engine's")
         if self._regs_by_conn.get(ctx.conn, 0) >= cfg.max_pending_per_peer or \
@@ -191,39 +228,37 @@ class PushSource:
             return Ack(ok=False, kind=ErrorKind.BUSY, error="too many pending registrations")
         if out is None:
             out = self.outs[tid] = _Out(tid)
-        out.reg, out.ctx = msg, ctx
+        t = _Target(msg, ctx)
+        out.targets.append(t)
         self._regs_by_conn[ctx.conn] = self._regs_by_conn.get(ctx.conn, 0) + 1
-        core.timers.cancel(("ready", tid))
         wait = cfg.push_timeout_s if tid in self._announced else min(cfg.push_timeout_s,
                                                                      cfg.prefill_wait_s)
         core.timers.set(("register", tid), wait, lambda: self._never_ready(tid))
         core.stats["push_registrations"] += 1
-        problem = self._mismatch(out)
+        problem = self._mismatch(out, t)
         if problem is not None:
-            self._finish(out, problem, answer=False)
+            self._fail(out, problem, silent=t)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
         core.server.reply(ctx, Ack())
-        out.stage = _Stage.CONFIRMING
         core.peers.ensure(msg.control_address, msg.sender_generation,
-                          lambda result: self._dialled(out, result))
+                          functools.partial(self._dialled, out, t))
         return None
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
         out = self.outs.get(msg.transfer_id)
         if out is None:
             return None
-        if out.ctx is not None and out.ctx.conn != ctx.conn:
+        mine = next((t for t in out.targets if t.ctx.conn == ctx.conn), None)
+        if mine is None and out.targets and out.complete():
             self.core.stats["forged_cancel"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN,
                        error=f"{msg.transfer_id} was registered by another connection")
         self.core.stats["push_cancelled"] += 1
         reason = f"cancelled by decode: {msg.reason}"
         self.core.ended.record(msg.transfer_id, reason)
-        if out.handles:
-            out.error = out.error or reason
-            return CancelReply(safe=False)
-        self._finish(out, reason, answer=False)
-        return CancelReply(safe=True)
+        safe = mine is None or not mine.handles
+        self._fail(out, reason, silent=mine if safe else None)
+        return CancelReply(safe=safe)
 
     def renew(self, tid: str) -> bool:
         out = self.outs.get(tid)
@@ -236,170 +271,277 @@ class PushSource:
 
     # -- the state machine -------------------------------------------------------------------
 
-    def _mismatch(self, out: _Out) -> str | None:
-        plan, reg = out.plan, out.reg
-        if plan is None or reg is None:
+    def _live(self, out: _Out, t: _Target) -> bool:
+        return self.outs.get(out.tid) is out and t in out.targets
+
+    def _mismatch(self, out: _Out, t: _Target) -> str | None:
+        plan, reg = out.plan, t.reg
+        if plan is None:
             return None
         if reg.num_tokens != plan.num_tokens:
             return f"prefill computed {plan.num_tokens} tokens, decode expects {reg.num_tokens}"
         if reg.prompt_digest != plan.prompt_digest:
             return "decode's prompt differs from the prompt prefilled here"
-        if reg.skip_blocks + len(reg.block_ids) != len(plan.block_ids):
-            return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
-                    f"prompt has {len(plan.block_ids)}")
+        if self.core.layout.groups:  # a hybrid model: P's blocks pair with D's per group
+            try:
+                self._src(out, t)
+            except KVBridgeError as exc:
+                return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
+                        f"prompt has {len(plan.block_ids)} here ({exc})")
+            return None
+        blocks = (len(plan.block_ids) if t.shape is None
+                  else -(-plan.num_tokens // t.shape.block_size))
+        if t.shape is not None or self.core.heads is None:
+            if reg.skip_blocks + len(reg.block_ids) != blocks:
+                return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
+                        f"prompt has {blocks}")
         return None
 
-    def _dialled(self, out: _Out, result: Peer | KVBridgeError) -> None:
-        if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:
-            return
-        assert out.reg is not None
-        if isinstance(result, KVBridgeError):
-            self._finish(out, f"cannot reach the registering decode engine: {result}")
-            return
-        if result.info.engine_id != out.reg.engine_id:
-            self.core.stats["forged_register"] += 1
-            self._finish(out, f"{out.reg.control_address} is engine {result.info.engine_id}, "
-                              f"not {out.reg.engine_id}")
-            return
-        out.peer = result
-        confirm = PushConfirm(transfer_id=out.tid, generation=out.reg.sender_generation,
-                              block_ids=list(out.reg.block_ids))
-        self.core.rpc.call(result.address, confirm, self.core.config.control_timeout_s,
-                           lambda reply: self._confirmed(out, reply))
+    def _src(self, out: _Out, t: _Target) -> tuple[tuple[int, ...], int]:
+        """P's blocks that pair with the ones ``t`` registered, and the prompt block they
+        start at: per KV-cache group for a hybrid model (equal shapes only), else from the
+        first of D's missing tokens (in this rank's block size)."""
+        assert out.plan is not None
+        if self.core.layout.groups:
+            return (sources_for(out.plan.block_ids, t.reg.block_ids, t.reg.skip_blocks,
+                                len(self.core.layout.groups)), t.reg.skip_blocks)
+        _, first = self._span(out, t)
+        return out.plan.block_ids[first:], first
 
-    def _confirmed(self, out: _Out, reply: Message | KVBridgeError) -> bool:
-        if self.outs.get(out.tid) is not out or out.stage is not _Stage.CONFIRMING:
+    def _dialled(self, out: _Out, t: _Target, result: Peer | KVBridgeError) -> None:
+        if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:
+            return
+        if isinstance(result, KVBridgeError):
+            self._fail(out, f"cannot reach the registering decode engine: {result}")
+            return
+        if result.info.engine_id != t.reg.engine_id:
+            self.core.stats["forged_register"] += 1
+            self._fail(out, f"{t.reg.control_address} is engine {result.info.engine_id}, "
+                            f"not {t.reg.engine_id}")
+            return
+        t.peer = result
+        try:
+            self._map(out, t, result)
+        except (LayoutError, LayoutMismatch) as exc:
+            self._fail(out, f"cannot write decode rank {result.info.rank}: {exc}")
+            return
+        problem = self._mismatch(out, t)
+        if problem is not None:
+            self._fail(out, problem)
+            return
+        confirm = PushConfirm(transfer_id=out.tid, generation=t.reg.sender_generation,
+                              block_ids=list(t.reg.block_ids), rank=self.core.rank)
+        self.core.rpc.call(result.address, confirm, self.core.config.control_timeout_s,
+                           lambda reply: self._confirmed(out, t, reply))
+
+    def _map(self, out: _Out, t: _Target, peer: Peer) -> None:
+        """Which decode rank registered, and which of this rank's heads it gets."""
+        core, info = self.core, peer.info
+        if t.reg.layout_fingerprint != info.layout_fingerprint:
+            raise LayoutMismatch("the registration's layout is not the registering engine's")
+        if info.rank in out.registered():
+            raise LayoutMismatch(f"decode rank {info.rank} already registered {out.tid}")
+        if out.decode_tp not in (None, info.tp_size):
+            raise LayoutMismatch(f"decode runs tensor-parallel {info.tp_size}, an earlier rank "
+                                 f"registered with {out.decode_tp}")
+        shape = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
+        t.share, expected = mapping.serves(core.shape, shape)
+        t.shape, out.decode_tp, out.expected = shape, info.tp_size, expected
+
+    def _confirmed(self, out: _Out, t: _Target, reply: Message | KVBridgeError) -> bool:
+        if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:
             return False
         if not (isinstance(reply, Ack) and reply.ok):
             why = reply.error if isinstance(reply, Ack) else str(reply)
             self.core.stats["confirm_refused"] += 1
-            self._finish(out, f"decode did not confirm the registration: {why}")
+            self._fail(out, f"decode did not confirm the registration: {why}")
             return False
-        out.stage = _Stage.CONFIRMED
+        t.stage = _Stage.CONFIRMED
+        if out.complete():
+            self.core.timers.cancel(("ready", out.tid))
         self._advance(out)
         return False
 
+    def _span(self, out: _Out, t: _Target) -> tuple[mapping.Span, int]:
+        """The tokens ``t`` receives and this rank's first prompt block of them."""
+        assert out.plan is not None and t.shape is not None
+        first = t.reg.skip_blocks * t.shape.block_size
+        return mapping.Span(first, out.plan.num_tokens), first // self.core.layout.block_size
+
     def _advance(self, out: _Out) -> None:
-        """Post every WRITE whose KV is ready and fence passed, once D confirmed."""
-        if out.stage is not _Stage.CONFIRMED or out.error is not None or out.plan is None:
+        """Post every WRITE whose KV is ready and fence passed, to each decode rank that
+        confirmed."""
+        if out.plan is None:
             return
-        assert out.reg is not None and out.peer is not None
-        core = self.core
         still: list[tuple[list[int], Fence | None]] = []
         for planes, fence in out.fences:
             if fence is not None and not fence.ready():
                 still.append((planes, fence))
-                continue
-            todo = [i for i in planes if i not in out.posted]
-            if not todo or not out.reg.block_ids:
-                continue
-            out.posted.update(todo)
-            src = out.plan.block_ids[out.reg.skip_blocks:]
-            try:
-                local, remote = descriptor_pair(core.layout.select(todo), src,
-                                                out.peer.layout.select(todo), out.reg.block_ids)
-                handle = core.transport.submit(Op.WRITE, out.peer.name, local, remote)
-            except KVBridgeError as exc:
-                out.error = f"cannot post the WRITE: {exc}"
-                break
-            core.watch_handle(handle)
-            out.handles.append(handle)
-            out.nbytes += int(local[:, 1].sum())
-            core.mark(out.tid, "write_posted")
-            if len(out.handles) == 1:
-                core.timers.set(("write", out.tid), core.config.transfer_timeout_s,
-                                lambda: self._write_timeout(out))
+            else:
+                out.ready.append(planes)
         out.fences = still
-        self.poll_one(out)
+        for t in list(out.targets):
+            if t.stage is _Stage.CONFIRMED and out.error is None and t.error is None:
+                self._post(out, t)
+            self.poll_one(out, t)
+
+    def _post(self, out: _Out, t: _Target) -> None:
+        core = self.core
+        assert out.plan is not None and t.peer is not None and t.shape is not None
+        span, _ = self._span(out, t)
+        src, first = self._src(out, t)
+        for group in out.ready:
+            todo = [i for i in group if i not in t.posted]
+            if not todo or not t.reg.block_ids:
+                continue
+            t.posted.update(todo)
+            try:
+                subs = mapping.pair(core.layout.select(todo), core.shape, src, first,
+                                    t.peer.layout.select(todo), t.shape, t.reg.block_ids,
+                                    t.reg.skip_blocks, t.share, span)
+                local, remote = mapping.descriptors(subs)
+                handle = core.transport.submit(Op.WRITE, t.peer.name, local, remote)
+            except KVBridgeError as exc:
+                t.error = f"cannot post the WRITE: {exc}"
+                return
+            core.watch_handle(handle)
+            t.handles.append(handle)
+            t.nbytes += int(local[:, 1].sum())
+            core.mark(out.tid, "write_posted")
+            if len(t.handles) == 1:
+                core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,
+                                lambda: self._write_timeout(out, t))
 
     def poll(self) -> None:
         for out in list(self.outs.values()):
-            if out.fences and out.stage is _Stage.CONFIRMED:
+            if out.fences:
                 self._advance(out)
-            elif out.handles:
-                self.poll_one(out)
+            else:
+                for t in list(out.targets):
+                    if t.handles:
+                        self.poll_one(out, t)
 
-    def poll_one(self, out: _Out) -> None:
-        if self.outs.get(out.tid) is not out:
+    def poll_one(self, out: _Out, t: _Target) -> None:
+        if not self._live(out, t):
             return
-        for handle in out.handles:
+        for handle in t.handles:
             if self.core.transport.poll(handle) is HandleState.PENDING:
                 return
-        for handle in out.handles:
-            if handle.state is HandleState.FAILED and out.error is None:
-                out.error = f"WRITE failed: {handle.error or 'transport error'}"
-        if out.error is None and not (out.final and not out.fences):
+        for handle in t.handles:
+            if handle.state is HandleState.FAILED and t.error is None:
+                t.error = f"WRITE failed: {handle.error or 'transport error'}"
+        error = t.error or out.error
+        if error is None and not (out.final and not out.fences):
             return  # more layers to come
-        if out.error is None and out.stage is not _Stage.CONFIRMED:
+        if error is None and t.stage is not _Stage.CONFIRMED:
             return
-        self._finish(out, out.error)
+        self._end(out, t, error)
+        if error is not None:
+            self._fail(out, error)
 
-    def _write_timeout(self, out: _Out) -> None:
-        if self.outs.get(out.tid) is out and out.handles:
-            out.error = out.error or (f"WRITE did not finish within "
-                                      f"{self.core.config.transfer_timeout_s} s")
-            self.core.count("transfer_timeout", "push", out.peer)
+    def _write_timeout(self, out: _Out, t: _Target) -> None:
+        if self._live(out, t) and t.handles:
+            t.error = t.error or (f"WRITE did not finish within "
+                                  f"{self.core.config.transfer_timeout_s} s")
+            self.core.count("transfer_timeout", "push", t.peer)
             log.warning("push %s: %s (waiting for it to stop before answering)", out.tid,
-                        out.error)
+                        t.error)
 
     def _unclaimed(self, tid: str) -> None:
         out = self.outs.get(tid)
-        if out is not None and out.reg is None:
-            self.core.count("lease_expired", "push", out.peer)
+        if out is None or out.complete():
+            return
+        missing = sorted(set(out.expected or ()) - out.registered())
+        self.core.count("lease_expired", "push", out.targets[0].peer if out.targets else None)
+        if not out.targets:
             log.warning("push %s: no decode registered within the lease; blocks released", tid)
-            self._finish(out, "lease expired (decode never registered)")
+        self._fail(out, "lease expired (decode never registered)" if not out.targets and
+                   not out.served else f"lease expired (decode rank(s) {missing} never "
+                   "registered)")
 
     def _never_ready(self, tid: str) -> None:
         out = self.outs.get(tid)
-        if out is not None and not out.final and not out.handles:
+        if out is not None and not out.final and not any(t.handles for t in out.targets):
             self.core.stats["registration_expired"] += 1
-            self._finish(out, "prefill never became ready" if tid in self._announced
-                         else "this prefill engine never received the request's prefill leg")
+            self._fail(out, "prefill never became ready" if tid in self._announced
+                       else "this prefill engine never received the request's prefill leg")
 
-    def _finish(self, out: _Out, error: str | None, *, answer: bool = True) -> None:
-        """End ``out``: every handle has stopped (or none was posted)."""
-        core = self.core
+    def _fail(self, out: _Out, error: str, *, silent: _Target | None = None) -> None:
+        """The push of ``out`` failed for every decode rank: each registration is answered
+        once its WRITEs stopped (``silent``: one that needs no answer)."""
         if self.outs.get(out.tid) is not out:
             return
-        del self.outs[out.tid]
-        self._announced.pop(out.tid, None)
-        for key in ("ready", "register", "write"):
-            core.timers.cancel((key, out.tid))
-        if out.ctx is not None:
-            n = self._regs_by_conn.get(out.ctx.conn, 1) - 1
-            if n > 0:
-                self._regs_by_conn[out.ctx.conn] = n
-            else:
-                self._regs_by_conn.pop(out.ctx.conn, None)
-        if out.handles and out.peer is not None:
-            wire = (max(h.finished or h.started for h in out.handles)
-                    - min(h.started for h in out.handles))
-            core.observe.transfer("push", out.peer.info.engine_id, error is None, wire,
-                                  out.nbytes, sum(h.count for h in out.handles),
-                                  core.backend_of(out.peer.name))
+        out.error = out.error or error
+        for t in list(out.targets):
+            if not t.handles or all(h.state.terminal for h in t.handles):
+                self._end(out, t, out.error, answer=t is not silent)
+        self._close(out)
+
+    def _end(self, out: _Out, t: _Target, error: str | None, *, answer: bool = True) -> None:
+        """End one decode rank's push: every handle of it has stopped (or none was posted)."""
+        core = self.core
+        if t not in out.targets:
+            return
+        out.targets.remove(t)
+        core.timers.cancel(("write", out.tid, id(t)))
+        n = self._regs_by_conn.get(t.ctx.conn, 1) - 1
+        if n > 0:
+            self._regs_by_conn[t.ctx.conn] = n
+        else:
+            self._regs_by_conn.pop(t.ctx.conn, None)
+        if t.shape is not None:
+            out.served.add(t.shape.rank)
+        if t.handles and t.peer is not None:
+            wire = (max(h.finished or h.started for h in t.handles)
+                    - min(h.started for h in t.handles))
+            core.observe.transfer("push", t.peer.info.engine_id, error is None, wire,
+                                  t.nbytes, sum(h.count for h in t.handles),
+                                  core.backend_of(t.peer.name))
         if error is None:
             core.mark(out.tid, "write_done")
             core.stats["push_sent"] += 1
-            core.stats["push_bytes"] += out.nbytes
-            if len(out.handles) > 1:
+            core.stats["push_bytes"] += t.nbytes
+            if len(t.handles) > 1:
                 core.stats["push_layerwise"] += 1
         else:
-            core.count("push_failed", "push", out.peer)
+            core.count("push_failed", "push", t.peer)
             log.warning("push %s failed: %s", out.tid, error)
-        core.ended.record(out.tid, "done" if error is None else f"failed: {error}")
-        if answer and out.ctx is not None:
-            result = PushResult(transfer_id=out.tid, ok=error is None, nbytes=out.nbytes,
+        if answer:
+            result = PushResult(transfer_id=out.tid, ok=error is None, nbytes=t.nbytes,
                                 error=error)
-            if error is None and out.plan is not None and out.reg is not None and (
-                    core.config.checksum or (out.peer is not None and out.peer.info.checksum)):
-                src = out.plan.block_ids[out.reg.skip_blocks:]
-                result = PushResult(transfer_id=out.tid, ok=True, nbytes=out.nbytes,
-                                    checksum=core.digest(src))
-            core.server.reply(out.ctx, result)
+            if error is None and (core.config.checksum
+                                  or (t.peer is not None and t.peer.info.checksum)):
+                result = PushResult(transfer_id=out.tid, ok=True, nbytes=t.nbytes,
+                                    checksum=digest_descriptors(self._digest_source(out, t)))
+            core.server.reply(t.ctx, result)
+        if error is None:
+            self._close(out)
+
+    def _digest_source(self, out: _Out, t: _Target) -> DescriptorArray:
+        """This rank's side of ``t``'s part (every plane), as the checksum covers it."""
+        assert out.plan is not None and t.shape is not None
+        span, _ = self._span(out, t)
+        src, first = self._src(out, t)
+        half = mapping.side(self.core.layout, self.core.shape, t.shape, t.share, src, first,
+                            span)
+        return mapping.side_descriptors(half)
+
+    def _close(self, out: _Out) -> None:
+        """End the transfer once no decode rank's push is left to serve."""
+        core = self.core
+        if self.outs.get(out.tid) is not out or out.targets:
+            return
+        if out.error is None and not (out.final and out.complete()):
+            return
+        del self.outs[out.tid]
+        self._announced.pop(out.tid, None)
+        for key in ("ready", "register"):
+            core.timers.cancel((key, out.tid))
+        core.ended.record(out.tid, "done" if out.error is None else f"failed: {out.error}")
         if out.plan is not None and out.final:
             core.results.sent(out.plan.req_id)
 
     def close(self) -> None:
         for out in list(self.outs.values()):
-            if not out.handles:
-                self._finish(out, "engine shutting down")
+            if not any(t.handles for t in out.targets):
+                self._fail(out, "engine shutting down")

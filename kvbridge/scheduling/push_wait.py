@@ -1,11 +1,14 @@
 """Push, D side: register with P, confirm its WRITE, wait for the result (see push.py).
 
-Per transfer: handshake (cached) → ``PushRegister`` on D's own connection to P → P's
+Per transfer and prefill rank that writes this rank's heads (one part; several with
+heterogeneous TP, joined by a :class:`~kvbridge.scheduling.fanin.FanIn` so the failure of any
+fails the receive): handshake (cached) → ``PushRegister`` on D's own connection to P → P's
 ``PushConfirm`` arrives on P's connection to D (D answers ok only for a registration it made
 and did not cancel; from then on P may write) → the registration's final ``PushResult``
-(byte count and checksum checked) → received. Giving up (timeout, abort) before confirming is
-safe at once; after, D sends Cancel and keeps its blocks until P answers that no WRITE is in
-flight, P's ``PushResult`` arrives, or P is proven gone (plus ``gone_grace_s``).
+(byte count and checksum checked against this rank's side of the part) → received. Giving up
+(timeout, abort) before confirming is safe at once; after, D sends Cancel and keeps its blocks
+until P answers that no WRITE is in flight, P's ``PushResult`` arrives, or P is proven gone
+(plus ``gone_grace_s``).
 
 Runs on the transfer loop's thread.
 """
@@ -13,6 +16,7 @@ Runs on the transfer loop's thread.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,8 +34,12 @@ from kvbridge.messages import (
     PushRegister,
     PushResult,
 )
+from kvbridge.scheduling import mapping
+from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import Peer
+from kvbridge.scheduling.pull import Half, Source, check_source
 from kvbridge.scheduling.push import PushSpec
+from kvbridge.scheduling.results import digest_descriptors
 
 if TYPE_CHECKING:
     from kvbridge.scheduling.loop import TransferLoop
@@ -50,23 +58,39 @@ class _Wait(enum.Enum):
 
 @dataclass
 class _In:
+    """One part of a push receive: what one prefill rank writes into this rank's blocks."""
+
     spec: PushSpec
+    source: Source
+    box: Box
     state: _Wait = _Wait.DIALING
     peer: Peer | None = None
+    half: Half = field(default_factory=list)  # this rank's side of the part
     call: int | None = None
     failure: str | None = None  # reported; blocks held until P's answer or P gone
     started: float = field(default_factory=time.perf_counter)
 
+    @property
+    def address(self) -> str:
+        return self.source.address
+
+    @property
+    def tid(self) -> str:
+        return self.spec.transfer_id
+
 
 class PushSink:
-    """D side of pushes (see the module docstring)."""
+    """D side of pushes (see the module docstring). ``waits``: transfer id → its parts."""
 
     def __init__(self, core: TransferLoop) -> None:
         self.core = core
-        self.waits: dict[str, _In] = {}
+        self.waits: dict[str, list[_In]] = {}
 
     def __len__(self) -> int:
         return len(self.waits)
+
+    def parts(self) -> list[_In]:
+        return [w for parts in self.waits.values() for w in parts]
 
     def expect(self, spec: PushSpec) -> None:
         core, tid = self.core, spec.transfer_id
@@ -74,23 +98,37 @@ class PushSink:
             core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is already awaited",
                               safe=True)
             return
-        w = self.waits[tid] = _In(spec)
-        core.heartbeats.watch(tid, spec.peer_address, spec.peer_generation)
+        sources = spec.parts()
+        box: Box = core.results
+        if len(sources) > 1:
+            box = FanIn(core.results, spec.req_id, tid, spec.local_ids, len(sources),
+                        lambda why: self.cancel(tid, why))
+        parts = self.waits[tid] = [_In(spec, src, box) for src in sources]
         core.mark(tid, "recv_start")
-        core.timers.set(("push", tid), core.config.push_timeout_s, lambda: self._timed_out(w))
-        core.peers.ensure(spec.peer_address, spec.peer_generation,
-                          lambda result: self._handshaken(w, result))
+        core.timers.set(("push", tid), core.config.push_timeout_s, lambda: self._timed_out(tid))
+        for w in parts:
+            core.heartbeats.watch(tid, w.address, w.source.generation)
+        for w in parts:
+            if self._live(w):
+                core.peers.ensure(w.address, w.source.generation,
+                                  functools.partial(self._handshaken, w))
 
     def _live(self, w: _In) -> bool:
-        return self.waits.get(w.spec.transfer_id) is w and w.failure is None
+        return w in self.waits.get(w.tid, ()) and w.failure is None
 
     def _handshaken(self, w: _In, result: Peer | KVBridgeError) -> None:
         if not self._live(w):
             return
         if isinstance(result, KVBridgeError):
-            self._fail(w, f"cannot reach prefill {w.spec.peer_address}: {result}", safe=True)
+            self._fail(w, f"cannot reach prefill {w.address}: {result}", safe=True)
             return
-        w.peer, w.state = result, _Wait.REGISTERING
+        w.peer = result
+        try:
+            w.half = self._half(w, result)
+        except KVBridgeError as exc:
+            self._fail(w, f"cannot map the KV of prefill {w.address}: {exc}", safe=True)
+            return
+        w.state = _Wait.REGISTERING
         core, s = self.core, w.spec
         reg = PushRegister(
             transfer_id=s.transfer_id, generation=result.info.generation,
@@ -98,13 +136,21 @@ class PushSink:
             control_address=core.control_address, block_ids=list(s.local_ids),
             skip_blocks=s.skip_blocks, num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
             layout_fingerprint=core.info.layout_fingerprint)
-        w.call = core.rpc.call(s.peer_address, reg, core.config.control_timeout_s,
+        w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
                                lambda reply: self._answer(w, reply))
         core.stats["push_registered"] += 1
 
+    def _half(self, w: _In, peer: Peer) -> Half:
+        """This rank's side of the part, after checking the peer is the rank expected."""
+        core, s = self.core, w.spec
+        theirs = check_source(core, w.source, peer)
+        span = mapping.Span(s.skip_blocks * core.layout.block_size, s.num_tokens)
+        return mapping.side(core.layout, core.shape, theirs, mapping.reads(core.shape, theirs),
+                            s.local_ids, s.skip_blocks, span)
+
     def _answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
         """The registration's answers: first an Ack, finally a PushResult."""
-        if self.waits.get(w.spec.transfer_id) is not w:
+        if w not in self.waits.get(w.tid, ()):
             return False
         if isinstance(reply, Ack):
             if reply.ok:
@@ -128,12 +174,12 @@ class PushSink:
         core, s = self.core, w.spec
         if w.failure is not None:  # we gave up earlier; now every WRITE has stopped
             self._forget(w)
-            core.results.release(s.req_id)
+            w.box.release(s.req_id)
             return
         if not msg.ok:
             self._fail(w, f"prefill failed the push: {msg.error}", safe=True, cancel=False)
             return
-        expected = core.layout.bytes_per_block * len(s.local_ids)
+        expected = mapping.side_bytes(w.half)
         problem = None
         if w.state is not _Wait.CONFIRMED and s.local_ids:
             problem = "prefill reported a write this engine never confirmed"
@@ -141,7 +187,8 @@ class PushSink:
             problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
         elif msg.checksum is None and core.config.checksum:
             problem = "this engine verifies checksums; the push carried none"
-        elif msg.checksum is not None and msg.checksum != core.digest(s.local_ids):
+        elif msg.checksum is not None and msg.checksum != digest_descriptors(
+                mapping.side_descriptors(w.half)):
             core.count("checksum_mismatch", "push", w.peer)
             problem = "checksum mismatch: bytes changed in transit"
         if problem is not None:
@@ -152,16 +199,19 @@ class PushSink:
         if w.peer is not None:
             core.observe.handoff("push", w.peer.info.engine_id, time.perf_counter() - w.started,
                                  core.backend_of(w.peer.name))
-        core.results.received(s.req_id, s.transfer_id)
+        w.box.received(s.req_id, s.transfer_id)
 
     def on_confirm(self, ctx: RequestContext, msg: PushConfirm) -> Message:
         core = self.core
-        w = self.waits.get(msg.transfer_id)
-        if w is None or not self._live(w) or w.state not in (_Wait.REGISTERING,
-                                                             _Wait.CONFIRMED):
+        waiting = [w for w in self.waits.get(msg.transfer_id, ())
+                   if self._live(w) and w.state in (_Wait.REGISTERING, _Wait.CONFIRMED)
+                   and (msg.rank is None or (w.peer is not None and w.peer.info.rank == msg.rank))]
+        if len(waiting) != 1:
             core.stats["confirm_refused"] += 1
             return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
-                       error=f"no registration of {msg.transfer_id} is waiting here")
+                       error=f"no registration of {msg.transfer_id} is waiting here"
+                             + (f" for prefill rank {msg.rank}" if msg.rank is not None else ""))
+        w = waiting[0]
         if msg.generation != core.generation or tuple(msg.block_ids) != w.spec.local_ids:
             core.stats["confirm_refused"] += 1
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
@@ -169,17 +219,20 @@ class PushSink:
         w.state = _Wait.CONFIRMED
         return Ack()
 
-    def _timed_out(self, w: _In) -> None:
-        if self._live(w):
-            self.core.count("push_timeout", "push", w.peer)
-            self._give_up(w, f"no push within {self.core.config.push_timeout_s} s")
+    def _timed_out(self, tid: str) -> None:
+        live = [w for w in self.waits.get(tid, ()) if self._live(w)]
+        if live:
+            self.core.count("push_timeout", "push", live[0].peer)
+            self.cancel(tid, f"no push within {self.core.config.push_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
-        w = self.waits.get(tid)
-        if w is None:
+        """The request ended on D (or a part failed): give up every part still waiting."""
+        parts = self.waits.get(tid)
+        if parts is None:
             return False
-        if w.failure is None:
-            self._give_up(w, reason)
+        for w in list(parts):
+            if self._live(w):
+                self._give_up(w, reason)
         return True
 
     def _give_up(self, w: _In, reason: str) -> None:
@@ -189,13 +242,13 @@ class PushSink:
             return
         w.state = _Wait.CANCELLING
         self._fail(w, reason, safe=False, cancel=False)
-        self.core.rpc.call(w.spec.peer_address,
-                           Cancel(transfer_id=w.spec.transfer_id, reason=reason[:4000]),
+        self.core.rpc.call(w.address,
+                           Cancel(transfer_id=w.tid, reason=reason[:4000]),
                            self.core.config.control_timeout_s,
                            lambda reply: self._cancel_answer(w, reply))
 
     def _cancel_answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
-        if self.waits.get(w.spec.transfer_id) is not w:
+        if w not in self.waits.get(w.tid, ()):
             return False
         if isinstance(reply, CancelReply) and reply.safe:
             self._release(w)
@@ -204,48 +257,52 @@ class PushSink:
         return False
 
     def peer_gone(self, address: str, why: str) -> None:
-        for w in list(self.waits.values()):
-            if w.spec.peer_address != address:
+        for w in self.parts():
+            if w.address != address:
                 continue
             if w.failure is None:
                 self._fail(w, f"prefill {address} is gone: {why}",
                            safe=w.state is not _Wait.CONFIRMED, cancel=False)
-            if self.waits.get(w.spec.transfer_id) is w:
+            if w in self.waits.get(w.tid, ()):
                 self._release_later(w)
 
     def transfers_unknown(self, address: str, tids: list[str]) -> None:
         for tid in tids:
-            w = self.waits.get(tid)
-            if w is not None and w.failure is None and w.state is _Wait.CONFIRMED:
-                self._fail(w, "prefill no longer holds this push", safe=False, cancel=False)
-                self._release_later(w)
+            for w in list(self.waits.get(tid, ())):
+                if (w.address == address and w.failure is None
+                        and w.state is _Wait.CONFIRMED):
+                    self._fail(w, "prefill no longer holds this push", safe=False, cancel=False)
+                    self._release_later(w)
 
     def _release_later(self, w: _In) -> None:
         """P may have posted WRITEs before it died: give the blocks back after the grace."""
-        self.core.timers.set(("gone", w.spec.transfer_id), self.core.config.gone_grace_s,
+        self.core.timers.set(("gone", w.tid, w.address), self.core.config.gone_grace_s,
                              lambda: self._release(w))
 
     def _fail(self, w: _In, why: str, *, safe: bool, cancel: bool = True) -> None:
         core, s = self.core, w.spec
         if cancel and w.state is not _Wait.DIALING:
-            core.cancel_remote(s.peer_address, s.transfer_id, why)
+            core.cancel_remote(w.address, s.transfer_id, why)
         w.failure = why
         core.count("recv_failed", "push", w.peer, stats=False)  # results.fail counts it
-        core.results.fail(s.req_id, s.local_ids, why, safe=safe, transfer_id=s.transfer_id)
         if safe:
             self._forget(w)
+        w.box.fail(s.req_id, s.local_ids, why, safe=safe, transfer_id=s.transfer_id)
 
     def _release(self, w: _In) -> None:
-        if self.waits.get(w.spec.transfer_id) is w:
+        if w in self.waits.get(w.tid, ()):
             self._forget(w)
-            self.core.results.release(w.spec.req_id)
+            w.box.release(w.spec.req_id)
 
     def _forget(self, w: _In) -> None:
-        s = w.spec
-        if self.waits.get(s.transfer_id) is w:
-            del self.waits[s.transfer_id]
+        tid = w.tid
+        parts = self.waits.get(tid)
+        if parts is not None and w in parts:
+            parts.remove(w)
+            if not parts:
+                del self.waits[tid]
+                self.core.timers.cancel(("push", tid))
         if w.call is not None:
             self.core.rpc.cancel(w.call)
-        for key in ("push", "gone"):
-            self.core.timers.cancel((key, s.transfer_id))
-        self.core.heartbeats.unwatch(s.transfer_id, s.peer_address)
+        self.core.timers.cancel(("gone", tid, w.address))
+        self.core.heartbeats.unwatch(tid, w.address)

@@ -2,8 +2,11 @@
 
 :class:`RankSide` owns the rank's :class:`~kvbridge.scheduling.loop.TransferLoop`. Each step it
 applies the scheduler's :class:`~kvbridge.scheduling.handoff.StepPlan` (each order names every
-rank's peer; this rank takes its own, so with tensor parallelism rank r of D talks to rank r
-of P), releases push-ready KV after the forward (behind a device fence on GPUs), and turns the
+prefill rank; this rank picks the ones it receives its KV heads from with
+:func:`~kvbridge.scheduling.mapping.sources`: with equal TP, rank r of D talks to rank r of P;
+with heterogeneous TP it may read from several, and it releases at once the prefill ranks that
+nobody reads from, :func:`~kvbridge.scheduling.mapping.idle`), releases push-ready KV after the
+forward (behind a device fence on GPUs), and turns the
 loop's results into what vLLM expects: a sender's blocks are reported free only once vLLM has
 finished that request and every hold on them is over (a pull being served, a push being
 written, an offload store being copied out); a receive that failed while a transfer might
@@ -19,11 +22,13 @@ import logging
 from collections.abc import Callable
 
 from kvbridge.config import TransferMode
+from kvbridge.errors import LayoutMismatch
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.params import PeerRef
+from kvbridge.scheduling import mapping
 from kvbridge.scheduling.handoff import StepPlan
 from kvbridge.scheduling.loop import TransferLoop
-from kvbridge.scheduling.pull import PullSpec, SendPlan
+from kvbridge.scheduling.pull import PullSpec, SendPlan, Source
 from kvbridge.scheduling.push import Fence, PushSpec
 
 __all__ = ["RankSide"]
@@ -56,8 +61,40 @@ class RankSide:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
 
-    def _mine(self, peers: tuple[PeerRef, ...]) -> PeerRef | None:
-        return peers[self.rank] if self.rank < len(peers) else None
+    def _sources(self, peers: tuple[PeerRef, ...]) -> list[Source] | str:
+        """The prefill ranks (of ``len(peers)``) this rank receives from, or why none."""
+        loop, p_tp = self.loop, len(peers)
+        if loop.heads is None:  # no head split: only the rank of the same number, same TP
+            if p_tp != loop.tp_size:
+                return (f"prefill runs tensor-parallel {p_tp}, this engine {loop.tp_size}, and "
+                        "this engine does not describe its KV heads (a head-major KV layout is "
+                        "needed to map them)")
+            ref = peers[self.rank]
+            return [Source(ref.address, ref.generation, self.rank, p_tp)]
+        try:
+            shares = mapping.sources(loop.heads.total_heads, p_tp, loop.tp_size, self.rank)
+        except LayoutMismatch as exc:
+            return str(exc)
+        return [Source(peers[s.rank].address, peers[s.rank].generation, s.rank, p_tp)
+                for s in shares]
+
+    def _idle(self, peers: tuple[PeerRef, ...]) -> list[PeerRef]:
+        """Prefill ranks nobody reads from that this rank releases (replicated heads)."""
+        heads = self.loop.heads
+        if heads is None or len(peers) <= heads.total_heads:
+            return []
+        try:
+            return [peers[p] for p in mapping.idle(heads.total_heads, len(peers),
+                                                   self.loop.tp_size, self.rank)]
+        except LayoutMismatch:
+            return []
+
+    def _involved(self, peers: tuple[PeerRef, ...]) -> list[PeerRef]:
+        """Every prefill rank this rank must tell about a transfer (sources and idle)."""
+        srcs = self._sources(peers)
+        if isinstance(srcs, str):
+            return [peers[self.rank]] if self.rank < len(peers) else []
+        return [PeerRef(s.address, s.generation) for s in srcs] + self._idle(peers)
 
     def apply(self, plan: StepPlan) -> None:
         """Start what the scheduler decided this step (non-blocking, except that tier loads
@@ -70,32 +107,40 @@ class RankSide:
                 self._storing.update(s.req_id for s in plan.offload.stores)
                 self._load_errors |= self.offload.apply(plan.offload)
         for tid, peers in plan.watches:
-            if (ref := self._mine(peers)) is not None:
-                loop.watch(tid, ref.address, ref.generation)
+            srcs = self._sources(peers)
+            for src in [] if isinstance(srcs, str) else srcs:
+                loop.watch(tid, src.address, src.generation)
+            for ref in self._idle(peers):
+                loop.release_remote(ref.address, tid, "not needed: its KV heads are read from "
+                                                      "another rank holding them too")
         for tid in plan.announces:
             loop.announce(tid)
         for tid, peers in plan.unwatches:
-            if (ref := self._mine(peers)) is not None:
-                loop.unwatch(tid, ref.address)
+            srcs = self._sources(peers)
+            for src in [] if isinstance(srcs, str) else srcs:
+                loop.unwatch(tid, src.address)
         for tid, peers, reason in plan.releases:
-            if (ref := self._mine(peers)) is not None:
+            for ref in self._involved(peers):
                 loop.release_remote(ref.address, tid, reason)
         for order in plan.recvs:
             self._recving.add(order.req_id)
-            ref = self._mine(order.peers)
-            if order.error is not None or ref is None:
-                why = order.error or f"no prefill address for tensor-parallel rank {self.rank}"
+            srcs = self._sources(order.peers)
+            if order.error is not None or isinstance(srcs, str) or not srcs:
+                why = order.error or (srcs if isinstance(srcs, str) else "no prefill rank")
                 loop.fail_recv(order.req_id, order.transfer_id, order.local_ids, why)
-                if ref is not None:  # every failure is sent to the other side
+                for ref in self._involved(order.peers):  # every failure is sent to the other side
                     loop.release_remote(ref.address, order.transfer_id, why)
             elif order.mode is TransferMode.PUSH:
-                loop.expect_push(PushSpec(order.req_id, order.transfer_id, ref.address,
+                loop.expect_push(PushSpec(order.req_id, order.transfer_id, srcs[0].address,
                                           order.local_ids, order.skip_blocks, order.num_tokens,
-                                          order.prompt_digest, ref.generation))
+                                          order.prompt_digest, srcs[0].generation,
+                                          sources=tuple(srcs)))
             else:
-                loop.start_pull(PullSpec(order.req_id, order.transfer_id, ref.address,
+                loop.start_pull(PullSpec(order.req_id, order.transfer_id, srcs[0].address,
                                          order.local_ids, order.remote_ids, order.skip_blocks,
-                                         order.num_tokens, order.prompt_digest, ref.generation))
+                                         order.num_tokens, order.prompt_digest,
+                                         srcs[0].generation, remote_skip=order.remote_skip,
+                                         sources=tuple(srcs)))
         for send in plan.stages:
             self._sending.add(send.req_id)
             loop.stage_pull(send)

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.layout import KVLayout
+from kvbridge.layout import DescriptorArray, KVLayout
 
 if TYPE_CHECKING:
     from kvbridge.scheduling.loop import TransferLoop
 
-__all__ = ["Results", "Outcomes", "ResultBox", "digest"]
+__all__ = ["Results", "Outcomes", "ResultBox", "digest", "digest_descriptors"]
 
 log = logging.getLogger("kvbridge.loop")
 
@@ -99,7 +99,7 @@ class ResultBox:
                 self._results.finished_recving.add(req_id)
                 self._results.failed_recving.add(req_id)
             else:
-                self._results.invalid_blocks.update(local_ids)
+                self._results.invalid_blocks.update(core.layout.block_ids(local_ids))
         core.wake_caller()
 
     def release(self, req_id: str) -> None:
@@ -117,7 +117,12 @@ class ResultBox:
 
 def digest(layout: KVLayout, block_ids: Sequence[int]) -> str:
     """blake2b over the bytes of ``block_ids`` in descriptor order (checksum mode)."""
+    return digest_descriptors(layout.descriptors(block_ids))
+
+
+def digest_descriptors(descs: DescriptorArray) -> str:
+    """blake2b over the bytes ``descs`` cover, in order (checksum mode)."""
     h = hashlib.blake2b(digest_size=16)
-    for addr, length, _dev in layout.descriptors(block_ids).tolist():
+    for addr, length, _dev in descs.tolist():
         h.update(ctypes.string_at(addr, length))
     return h.hexdigest()

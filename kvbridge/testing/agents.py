@@ -15,14 +15,17 @@ ids show up or the timeout passes), ``blocks`` (read KV back), ``fill`` (random 
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvbridge.config import Config
+from kvbridge.groups import KVGroup
 from kvbridge.layout import KVLayout
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.pull import PullSpec, SendPlan
@@ -34,11 +37,16 @@ __all__ = ["Agent", "LocalAgent", "AgentProcess", "CacheShape", "make_caches"]
 CacheShape = tuple[int, int, int, int]  # layers, num_blocks, block_size, heads*head_dim
 
 
-def make_caches(shape: CacheShape) -> tuple[dict[str, np.ndarray[Any, Any]], KVLayout]:
+def make_caches(shape: CacheShape, groups: Sequence[KVGroup] = (), aliased: bool = False,
+                ) -> tuple[dict[str, np.ndarray[Any, Any]], KVLayout]:
+    """Per-layer caches and their layout. ``groups`` (KV-cache groups of a hybrid model) name
+    planes by layer index; ``aliased``: every layer is a view of one buffer, as vLLM lays out
+    a hybrid model's groups (block ``b`` of any layer is the same bytes)."""
     layers, num_blocks, block_size, hd = shape
-    caches = {f"layer.{i}": np.zeros((num_blocks, 2, block_size, hd), dtype=np.float32)
-              for i in range(layers)}
-    return caches, KVLayout.from_tensors(caches, num_blocks, block_size)
+    one = np.zeros((num_blocks, 2, block_size, hd), dtype=np.float32)
+    caches = {f"layer.{i}": one if aliased else np.zeros_like(one) for i in range(layers)}
+    layout = KVLayout.from_tensors(caches, num_blocks, block_size)
+    return caches, dataclasses.replace(layout, groups=tuple(groups))
 
 
 def _drain(loop: TransferLoop, want: set[str], timeout: float) -> dict[str, Any]:
@@ -80,8 +88,9 @@ class LocalAgent:
 
     def __init__(self, engine_id: str, shape: CacheShape = (2, 64, 16, 64),
                  extra: dict[str, Any] | None = None, *, rank: int = 0, tp_size: int = 1,
-                 transport: Transport | None = None, compat: dict[str, str] | None = None) -> None:
-        self.caches, self.layout = make_caches(shape)
+                 transport: Transport | None = None, compat: dict[str, str] | None = None,
+                 groups: Sequence[KVGroup] = (), aliased: bool = False) -> None:
+        self.caches, self.layout = make_caches(shape, groups, aliased)
         self.config = Config.load({"backend": "memory", **(extra or {})}, env={})
         self.loop = TransferLoop(self.config, engine_id, self.layout, rank=rank, tp_size=tp_size,
                                  compat=compat or {"model": "test"}, transport=transport)

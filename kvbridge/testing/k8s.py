@@ -221,7 +221,9 @@ class _Checker(Objects):
 
     def pairs(self) -> None:
         """Every prefill/decode shape pair passes D's own check of a decode leg from that P
-        (:meth:`TransferParams.check_decode_leg`: today, equal tensor-parallel sizes)."""
+        (:meth:`TransferParams.check_decode_leg`), and has equal tensor-parallel sizes: GPU
+        engines do not describe their KV heads, so kvbridge's handshake refuses heterogeneous
+        TP between them (docs/concepts.md#heterogeneous-tp-and-block-size)."""
         from kvbridge import params
 
         shapes = {(p.tp, d.tp): (p, d) for p in self.fleet.role("prefill")
@@ -236,7 +238,12 @@ class _Checker(Objects):
                                     "generation": "g"} for r in range(p_tp)]})
             for mode in (TransferMode.PULL, TransferMode.PUSH):
                 try:
-                    leg.check_decode_leg(mode, d_tp, 16, 16)
+                    if p_tp != d_tp:
+                        raise ParamsError("kv_transfer_params.tp_size",
+                                          f"prefill runs tensor-parallel {p_tp}, this engine "
+                                          f"{d_tp}: GPU engines map no KV heads, so the "
+                                          "handshake refuses heterogeneous TP")
+                    leg.check_decode_leg(mode, 16, 16)
                 except ParamsError as exc:
                     self.problems.append(f"{p.workload} (tp {p_tp}) -> {d.workload} (tp "
                                                f"{d_tp}), {mode.value}: {exc}")

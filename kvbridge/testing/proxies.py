@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.testing.engines import VllmServer, start_servers
 
 __all__ = ["ProxyThread", "serve_pd"]
+
+T = TypeVar("T")
 
 
 class ProxyThread:
@@ -40,6 +42,10 @@ class ProxyThread:
             self.servers[s.mode.value] = server
             self.urls[s.mode.value] = server.url
         return self
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run ``coro`` on the proxies' event loop (e.g. ``server.discover()``); its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def close(self) -> None:
         if not self._thread.is_alive():

@@ -17,6 +17,10 @@ file, and a build goes to a temporary directory first, so a reader never sees ha
 
 :func:`random_prompts` returns seeded token-id prompts that avoid the special ids.
 
+:func:`build_tiny_hybrid_model` builds a hybrid sibling the same way: a Gemma 3 text model whose
+layers mix sliding-window and full attention, so vLLM's hybrid KV-cache manager gives it several
+KV-cache groups (:func:`tiny_hybrid_model_spec`).
+
 :func:`build_bench_model` builds a bigger sibling the same way (~100 M parameters, for
 ``kvbridge bench offload``: prefill has to cost real time), :func:`bench_prompts` its prompts.
 """
@@ -53,6 +57,9 @@ __all__ = [
     "spec_param_count",
     "build_bench_model",
     "bench_prompts",
+    "HYBRID_WINDOW",
+    "tiny_hybrid_model_spec",
+    "build_tiny_hybrid_model",
 ]
 
 log = logging.getLogger("kvbridge.testing.tiny_model")
@@ -166,27 +173,34 @@ def _write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE,
     fast.save_pretrained(str(out))
 
 
+#: architecture → its transformers config class
+_CONFIGS = {"Qwen3ForCausalLM": "Qwen3Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
+
+
 def _write_model(out: Path, spec: dict[str, Any]) -> None:
     import torch
 
     transformers: Any = importlib.import_module("transformers")
     cfg = dict(spec["config"])
-    cfg.pop("architectures")
+    arch = cfg.pop("architectures")[0]
     cfg.pop("model_type")
     cfg.pop("dtype")
-    config = transformers.Qwen3Config(**cfg)
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = getattr(transformers, _CONFIGS[arch])(**cfg)
+    config.architectures = [arch]
+    init = spec.get("init", {})
     torch.manual_seed(spec["seed"])
     with torch.no_grad():
-        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+        model = getattr(transformers, arch)(config).to(torch.float32)
         # Re-draw every parameter from a private generator: the result depends on the seed only,
         # not on how transformers happens to order its default initialisation.
         gen = torch.Generator().manual_seed(spec["seed"])
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith(("q_norm.weight", "k_norm.weight")) and "qk_norm" in init:
+                param.fill_(init["qk_norm"])
+            elif name.endswith("norm.weight"):
+                param.fill_(init.get("norm", 1.0))
             elif "embed" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
+                param.copy_(torch.randn(param.shape, generator=gen) * init.get("embed", 1.0))
             else:
                 # 2/sqrt(fan_in): large enough that attention over the whole prompt decides the
                 # next token (with the usual 0.02 a random model repeats one token whatever its
@@ -250,6 +264,63 @@ def _build(target: Path, spec: dict[str, Any], what: str) -> Path:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
+
+
+# -- the hybrid model ----------------------------------------------------------------------------
+
+#: sliding window of the hybrid model's windowed layers (tokens; not a multiple of a block)
+HYBRID_WINDOW = 48
+
+
+def tiny_hybrid_model_spec(seed: int = 0) -> dict[str, Any]:
+    """The hybrid model: Gemma3ForCausalLM (text), hidden 128, 3 layers — sliding window
+    :data:`HYBRID_WINDOW`, sliding window, full attention — 4 heads / 2 KV heads, head dim 32,
+    vocabulary 1024 (the tiny model's tokenizer), float32, untied embeddings.
+
+    vLLM's hybrid KV-cache manager makes three KV-cache groups of it (two sliding-window
+    groups, one full-attention group; one layer each, all three over the same memory). The
+    initialisation is chosen so that the output depends on the whole prompt: Gemma's norms
+    scale by ``1 + weight`` (weights 0), the query/key norms by 4 (sharp attention), small
+    embeddings (the token's own embedding does not drown the attention in the residual) and an
+    untied head (tied, a random Gemma repeats its input token). Changing the prompt's 6th token
+    of 200 — only the full-attention layer still sees it — changes the greedy output.
+    """
+    return {
+        "builder_version": _BUILDER_VERSION,
+        "seed": seed,
+        "kind": "hybrid",
+        "init": {"norm": 0.0, "qk_norm": 3.0, "embed": 0.05},
+        "config": {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 128,
+            "intermediate_size": 512,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "max_position_embeddings": 4096,
+            "sliding_window": HYBRID_WINDOW,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "pad_token_id": PAD_ID,
+            "dtype": "float32",
+        },
+    }
+
+
+def build_tiny_hybrid_model(path: str | Path | None = None, seed: int = 0) -> Path:
+    """Build (or reuse) the hybrid model (:func:`tiny_hybrid_model_spec`) at *path*; same
+    machinery and guarantees as :func:`build_tiny_model`. *path* defaults to
+    ``default_cache_dir() / f"tiny-gemma3-hybrid-s{seed}"``."""
+    target = (Path(path) if path is not None
+              else default_cache_dir() / f"tiny-gemma3-hybrid-s{seed}")
+    return _build(target, tiny_hybrid_model_spec(seed), "tiny hybrid model")
 
 
 # -- the bench model -----------------------------------------------------------------------------

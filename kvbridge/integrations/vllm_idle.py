@@ -3,11 +3,11 @@
 **What vLLM does.** While its only requests wait for remote KV (``WAITING_FOR_REMOTE_KVS``) or
 for a connector to free their blocks, vLLM's ``EngineCoreProc`` keeps stepping: each empty step
 goes to the workers and back, then ``_process_engine_step`` sleeps a fixed millisecond
-(``time.sleep(0.001)``) and steps again. With asynchronous scheduling a worker's answer (say,
-``finished_recving``) is read one step after the step that carried it, so a completed receive
-waited out two such sleeps before the request was scheduled, and new client requests waited
-behind whatever kvbridge's own idle wait (``idle_wait_ms``, formerly inside
-``build_connector_meta``) was doing.
+(``time.sleep(0.001)``) and steps again. So a completed receive waited out that sleep between the
+step that reported it (``finished_recving``) and the step that scheduled the request — twice
+with asynchronous scheduling (GPUs; vLLM turns it off on CPU), where a worker's answer is read
+one step after the step that carried it — and new client requests waited behind whatever
+kvbridge's own idle wait (``idle_wait_ms``, formerly inside ``build_connector_meta``) was doing.
 
 **What the hook changes.** Exactly that sleep, and only while kvbridge has something to say about
 it: :func:`install` replaces ``time`` in ``vllm.v1.engine.core`` with a copy whose ``sleep``

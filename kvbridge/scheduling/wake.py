@@ -48,8 +48,9 @@ __all__ = ["EngineWake", "WakeSender", "DUE_STEPS"]
 log = logging.getLogger("kvbridge.connector")
 
 DUE_STEPS = 2
-"""Idle points that return at once after a poke: with vLLM's asynchronous scheduling a
-worker's answer is read one step after the step that carried it."""
+"""Idle points that return at once after a poke: the step that collects the result and the one
+that acts on it. With vLLM's asynchronous scheduling (GPUs) a worker's answer is read one step
+after the step that carried it; on CPU (synchronous) the second skip costs one empty step."""
 
 
 class EngineWake:

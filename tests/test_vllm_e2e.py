@@ -257,7 +257,8 @@ def _timings(cluster: Cluster, address: str, tid: str) -> dict[str, float]:
 def test_push_completion_reaches_decode_through_the_wake_up(cluster: Cluster) -> None:
     """Wake on arrival: D's engine idles (its only request waits for KV) until P's push lands;
     the transfer loop's completion nudges the engine loop through the hook in vLLM's idle path,
-    and an idle wait ends early because of it (not by running out its back-off)."""
+    which then does not wait out a back-off: the nudge ends the wait in progress, or, when it
+    lands while the engine is mid-step, the next idle point does not wait at all."""
     prompt = random_prompts(1, 140, seed=101)[0]
     ref = cluster.reference(prompt)
     _wait_idle(cluster, cluster.d_ctl)
@@ -266,9 +267,12 @@ def test_push_completion_reaches_decode_through_the_wake_up(cluster: Cluster) ->
     time.sleep(0.5)  # the scheduler's marks reach the rank with its next step
     after = cluster.stats(cluster.d_ctl).stats
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in
-            ("wake_nudges", "wake_woken", "wake_waits", "recv_ok")}
+            ("wake_nudges", "wake_woken", "wake_skipped", "wake_waits", "wake_missed",
+             "recv_ok")}
     assert grew["recv_ok"] == 1
-    assert grew["wake_nudges"] >= 1 and grew["wake_woken"] >= 1, grew
+    assert grew["wake_waits"] >= 1, grew  # D idled (hooked) while P's leg was on its way
+    assert grew["wake_nudges"] >= 1 and grew["wake_woken"] + grew["wake_skipped"] >= 1, grew
+    assert grew["wake_missed"] == 0, grew  # no wait ran out its back-off past a poke
     d_t, p_t = _timings(cluster, cluster.d_ctl, "wake-1"), _timings(cluster, cluster.p_ctl,
                                                                       "wake-1")
     # the steps of the hand-off, each recorded where it happens, in order (same host clock)

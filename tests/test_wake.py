@@ -62,6 +62,7 @@ def test_a_poke_nudges_the_engine_and_the_next_idle_points_do_not_wait(
     inputs = _hook(wake)
     sender.poke()
     assert inputs.get(timeout=10) == ("WAKEUP", None)
+    assert _until(lambda: wake.nudges == 1)  # counted just after the nudge
     for _ in range(DUE_STEPS):
         wake.idle(inputs, 0.001, busy=True)
     counts = wake.take_counters()
@@ -94,9 +95,23 @@ def test_idle_wait_ends_on_a_poke_from_another_process_side(
     time.sleep(0.2)
     sender.poke()
     assert done.wait(20), "the idle wait did not end on a poke"
+    assert _until(lambda: wake.nudges == 1)
     counts = wake.take_counters()
     assert counts["wake_woken"] == 1 and counts["wake_nudges"] == 1
-    assert "wake_timeouts" not in counts
+    assert "wake_timeouts" not in counts and "wake_missed" not in counts
+
+
+def test_a_poke_that_cannot_nudge_is_counted_missed(wake: EngineWake,
+                                                    sender: WakeSender) -> None:
+    """Without a working nudge (no engine known yet) the wait runs out although a poke came:
+    the counter the e2e test checks stays at 0 only because the nudge works."""
+    inputs: queue.Queue[Any] = queue.Queue()
+    wake.attach(lambda: False)
+    wake.delay = wake.max_delay = 0.5
+    threading.Timer(0.1, sender.poke).start()  # arrives during the wait, which nothing ends
+    wake.idle(inputs, 0.001, busy=True)
+    counts = wake.take_counters()
+    assert counts["wake_missed"] == 1 and counts["wake_timeouts"] == 1
 
 
 def test_without_wake_ups_the_wait_backs_off_to_idle_wait_ms(wake: EngineWake) -> None:

@@ -98,9 +98,9 @@ class EngineWake:
                 return
             if not self._drain():
                 continue
+            nudge()  # the WAKEUP item itself ends the wait; the event then skips idle points
             self._poked.set()
             self.nudges += 1
-            nudge()
 
     def idle(self, inputs: queue.Queue[Any], seconds: float, busy: bool) -> None:
         """Replaces vLLM's idle ``sleep(seconds)``; ``busy``: hand-offs are in progress."""
@@ -119,6 +119,8 @@ class EngineWake:
             woke = bool(inputs.queue) or self._poked.is_set()
             if not woke:
                 woke = inputs.not_empty.wait(self.delay)
+        if not woke and self._poked.is_set():
+            self.counts["wake_missed"] += 1  # a poke came, yet the wait ran out
         self._waited(woke)
 
     def _waited(self, woke: bool) -> None:
@@ -129,7 +131,8 @@ class EngineWake:
     def take_counters(self) -> dict[str, int]:
         """Counters since the last call: ``wake_waits`` idle waits, of which ``wake_woken``
         ended early (a poke, or input for the engine) and ``wake_timeouts`` ran out their
-        back-off; ``wake_skipped`` idle points that did not wait (work was due);
+        back-off (``wake_missed``: although a poke had come, which the nudge should prevent);
+        ``wake_skipped`` idle points that did not wait (work was due);
         ``wake_nudges`` pokes passed on to the engine loop (hooked)."""
         out = dict(self.counts)
         self.counts.clear()

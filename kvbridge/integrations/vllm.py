@@ -525,23 +525,6 @@ class _CudaFence:
             self._event.synchronize()
 
 
-GIL_SWITCH_S = 0.0005
-"""Worker processes: the longest a thread that wants the GIL (the transfer loop posting a
-WRITE, the fence thread reporting a finished forward) waits while vLLM's model-runner thread runs
-Python. CPython's default is 5 ms, ten times the hand-off's posting budget."""
-
-
-def _shorten_gil_switch() -> None:
-    """Lower this process's GIL switch interval to :data:`GIL_SWITCH_S` (never raise it). It only
-    matters while two threads want the GIL; the transfer loop wants it rarely and briefly."""
-    import sys
-
-    if sys.getswitchinterval() > GIL_SWITCH_S:
-        log.info("GIL switch interval %.1f ms -> %.1f ms (wake_on_arrival: the transfer loop "
-                 "posts within it)", sys.getswitchinterval() * 1000, GIL_SWITCH_S * 1000)
-        sys.setswitchinterval(GIL_SWITCH_S)
-
-
 class _WorkerSide:
     """vLLM's worker hooks → :class:`RankSide`; runs on the model-runner thread."""
 
@@ -584,8 +567,6 @@ class _WorkerSide:
             loop.close()
             raise
         self.side = RankSide(loop, self._cuda_fence if on_gpu else None, offload)
-        if self.config.wake_on_arrival:
-            _shorten_gil_switch()
         loop.on_progress(self._wake.poke)
         if offload is not None:
             offload.on_progress(self._wake.poke)

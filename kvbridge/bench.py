@@ -1,30 +1,46 @@
-"""Benchmarks behind ``kvbridge bench``: transfer bandwidth and descriptor building.
+"""``kvbridge bench transfer``: kvbridge against the raw library and memcpy, paired.
 
-Both compare side by side within one run, because absolute times on shared CI machines mean
-little: the transfer bench prints kvbridge's GB/s next to an in-process numpy copy of the same
-scattered blocks and next to the backend library's own figure (where the backend package exposes
-``raw_bench(block_bytes, total_bytes, op, reps) -> float`` in GB/s), with the ratios.
+The initiator (this process) and a target (a process started with the ``spawn`` context) each
+create the backend through :func:`kvbridge.registry.create`, register their buffers and exchange
+metadata over a local pipe. Per block size, the initiator's blocks in order map to the target's
+at a random permutation (nothing coalesces), and kvbridge moves them the way the connector does:
+one prepared block pair (:func:`kvbridge.blocks.prepare_blocks`, untimed), then per transfer
+``submit_blocks`` + ``wait``, timed; every transfer's bytes are checked (READ: here; WRITE: in
+the target, after the WRITE's notification arrived where the backend has notifications) and a
+wrong byte raises :class:`TransferFailed`. Next to it, per repetition:
 
-Transfer bench, per block size and op: the initiator (this process) and a target (a process started
-with the ``spawn`` context) each create the backend through :func:`kvbridge.registry.create`,
-register their buffers and exchange metadata over a local pipe. Blocks are placed by a random
-permutation so that no two neighbours coalesce. Each repetition resets the destination, times
-``submit`` + ``wait`` only (descriptors are prepared beforehand, as the connector does), then
-checks every byte (READ: here; WRITE: in the target, after the WRITE's notification arrived when
-the backend supports notifications). A wrong byte raises :class:`TransferFailed`.
+* ``memcpy``: an in-process numpy copy of the same scattered blocks (gather for READ, scatter for
+  WRITE);
+* ``raw``: the backend library alone, where the backend package offers
+  ``raw_session(total_bytes, seed, **options)`` (an object with ``reset(op, block_bytes)``,
+  ``run(op, block_bytes) -> seconds``, ``verify(op, block_bytes)`` and ``close()``;
+  kvbridge_nixl, kvbridge_mooncake and the shm transport's module do), given the same backend
+  options when it takes them.
 
-Blocking: both benches block the calling thread until done; the target process is always
-stopped before returning, also on failure.
+Every column zeroes its destination before each timed transfer (untimed), as kvbridge's must
+to check its bytes: writing into freshly dirtied cache lines costs more than into clean ones
+(seen: up to 10 % on a 64 MiB READ), so skipping it for one column would bias the ratio.
+
+Mode ``paired`` (the default) runs the columns inside every repetition, cycling through every
+order of them (each column follows each other equally often: what ran just before, and the
+untimed byte check after a kvbridge transfer, stir the caches), after one untimed warm-up each,
+so that whatever else the host does hits all columns alike; it reports each column's median
+GB/s and, for kvbridge/raw and kvbridge/memcpy, the median of the per-repetition ratios with a
+distribution-free confidence interval (:func:`kvbridge.bench_stats.median_ci`). Mode
+``sequential`` runs each column's repetitions back to back and reports best-of (the bench
+before pairing).
+
+Blocking: the bench blocks the calling thread until done; the target process and the raw
+session are always stopped before returning, also on failure.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import inspect
+import itertools
 import multiprocessing as mp
+import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -36,33 +52,34 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge import registry
+from kvbridge.bench_raw import scattered
+from kvbridge.bench_stats import MedianCI, median_ci, paired_ratios, size_label, table
+from kvbridge.blocks import BlockPair, prepare_blocks, submit_blocks
 from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
-from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
+from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
 
 __all__ = [
+    "MODES",
     "TransferRow",
     "TransferReport",
-    "DescriptorRow",
-    "DescriptorReport",
     "parse_ops",
     "run_transfer_bench",
-    "run_descriptor_bench",
-    "memcpy_gbps",
+    "memcpy_once",
     "format_transfer_report",
-    "format_descriptor_report",
 ]
 
 Bytes = npt.NDArray[np.uint8]
-RawBench = Callable[[int, int, str, int], float]
+I64 = npt.NDArray[np.int64]
+MODES = ("paired", "sequential")
 _REPLY_TIMEOUT_S = 120.0
 
 
 def parse_ops(op: str) -> list[Op]:
     """``"read"``, ``"write"`` or ``"both"`` → the ops to run, READ first."""
-    table = {"read": [Op.READ], "write": [Op.WRITE], "both": [Op.READ, Op.WRITE]}
+    table_ = {"read": [Op.READ], "write": [Op.WRITE], "both": [Op.READ, Op.WRITE]}
     try:
-        return table[op.lower()]
+        return table_[op.lower()]
     except KeyError:
         raise ConfigError(f"unknown op {op!r}; expected read, write or both") from None
 
@@ -72,20 +89,29 @@ def parse_ops(op: str) -> list[Op]:
 
 @dataclass(frozen=True)
 class TransferRow:
+    """One block size and op. GB/s are medians (paired) or best (sequential); ``vs_raw`` and
+    ``vs_memcpy`` are the paired per-repetition ratios' median and interval."""
+
     block_bytes: int
     op: str
-    descriptors: int
+    descriptors: int  # byte ranges per transfer (one per block: nothing coalesces)
     kvbridge_gbps: float
     memcpy_gbps: float
     raw_gbps: float | None
     raw_error: str | None = None
+    vs_memcpy: MedianCI | None = None
+    vs_raw: MedianCI | None = None
 
     @property
     def ratio_memcpy(self) -> float:
+        if self.vs_memcpy is not None:
+            return self.vs_memcpy.median
         return self.kvbridge_gbps / self.memcpy_gbps if self.memcpy_gbps else float("nan")
 
     @property
     def ratio_raw(self) -> float | None:
+        if self.vs_raw is not None:
+            return self.vs_raw.median
         return self.kvbridge_gbps / self.raw_gbps if self.raw_gbps else None
 
 
@@ -94,6 +120,9 @@ class TransferReport:
     backend: str
     total_bytes: int
     reps: int
+    mode: str = "paired"
+    confidence: float = 0.95
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before, after
     rows: list[TransferRow] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,7 +130,11 @@ class TransferReport:
             "backend": self.backend,
             "total_bytes": self.total_bytes,
             "reps": self.reps,
-            "statistic": "best of reps",
+            "mode": self.mode,
+            "statistic": ("median; ratios: median of per-rep ratios with an order-statistics "
+                          "interval" if self.mode == "paired" else "best of reps"),
+            "confidence": self.confidence,
+            "load_average": list(self.load),
             "verified": True,
             "rows": [
                 {**asdict(r), "ratio_memcpy": r.ratio_memcpy, "ratio_raw": r.ratio_raw}
@@ -241,41 +274,27 @@ class _Target:
 # -- the transfer bench --------------------------------------------------------------------------
 
 
-def memcpy_gbps(src: Bytes, dst: Bytes, block: int, perm: npt.NDArray[np.int64], op: Op,
-                reps: int) -> float:
-    """Best-of-``reps`` GB/s of an in-process copy of the same scattered blocks.
-
-    READ gathers (``dst[i] = src[perm[i]]``), WRITE scatters (``dst[perm[i]] = src[i]``).
-    """
+def memcpy_once(src: Bytes, dst: Bytes, block: int, perm: I64, op: Op) -> float:
+    """Seconds of an in-process copy of the scattered blocks: READ gathers
+    (``dst[i] = src[perm[i]]``), WRITE scatters (``dst[perm[i]] = src[i]``)."""
     n = perm.size * block
     s2, d2 = src[:n].reshape(-1, block), dst[:n].reshape(-1, block)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        if op is Op.READ:
-            np.take(s2, perm, axis=0, out=d2, mode="clip")  # "raise" would buffer `out`
-        else:
-            d2[perm] = s2
-        best = min(best, time.perf_counter() - t0)
-    return n / best / 1e9
+    t0 = time.perf_counter()
+    if op is Op.READ:
+        np.take(s2, perm, axis=0, out=d2, mode="clip")  # "raise" would buffer `out`
+    else:
+        d2[perm] = s2
+    return time.perf_counter() - t0
 
 
-def _find_raw_bench(backend: str, options: Mapping[str, Any]) -> RawBench | None:
-    """The backend package's ``raw_bench`` (its module, then its top-level package), if any.
-
-    When it takes ``**options``, the backend options are passed on, so both columns run the
-    same configuration.
-    """
-    cls = registry.load_class(backend)
-    for name in (cls.__module__, cls.__module__.split(".")[0]):
-        fn = getattr(sys.modules.get(name) or importlib.import_module(name), "raw_bench", None)
-        if not callable(fn):
-            continue
-        params = inspect.signature(fn).parameters.values()
-        if options and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return functools.partial(fn, **options)
-        return fn  # type: ignore[no-any-return]
-    return None
+def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int) -> Any:
+    """The backend package's raw session, or None when it has none."""
+    fn = registry.backend_hook(backend, "raw_session")
+    if fn is None:
+        return None
+    params = inspect.signature(fn).parameters.values()
+    takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return fn(total, seed, **dict(options)) if takes_options and options else fn(total, seed)
 
 
 def run_transfer_bench(
@@ -283,15 +302,21 @@ def run_transfer_bench(
     total_bytes: int = 64 << 20,
     block_sizes: Sequence[int] = (16 << 10, 64 << 10, 256 << 10, 1 << 20),
     ops: Sequence[Op] = (Op.READ, Op.WRITE),
-    reps: int = 5,
+    reps: int = 30,
     options: Mapping[str, Any] | None = None,
     raw: bool = True,
     timeout: float = 120.0,
     seed: int = 0,
+    mode: str = "paired",
+    confidence: float = 0.95,
 ) -> TransferReport:
     """Run the transfer bench (see the module docstring). Raises a :class:`KVBridgeError`."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if reps < 1:
         raise ConfigError(f"reps must be >= 1, got {reps}")
+    if not 0.5 <= confidence < 1.0:
+        raise ConfigError(f"confidence must be in [0.5, 1), got {confidence}")
     if not block_sizes:
         raise ConfigError("at least one block size is needed")
     for block in block_sizes:
@@ -302,10 +327,12 @@ def run_transfer_bench(
     if total_bytes <= 0 or total_bytes > 16 << 30:
         raise ConfigError(f"total bytes must be in (0, 16 GiB], got {total_bytes}")
     opts = dict(options or {})
-    raw_fn = _find_raw_bench(backend, opts) if raw else None
+    load_before = os.getloadavg()[0]
     transport: Transport = registry.create(backend, "kvbridge-bench-initiator", opts)
-    report = TransferReport(backend, total_bytes, reps)
+    rows: list[TransferRow] = []
     target: _Target | None = None
+    session: Any = None
+    raw_error: str | None = None
     try:
         src = _pattern(seed, total_bytes)
         dst = np.zeros(total_bytes, dtype=np.uint8)
@@ -315,208 +342,187 @@ def run_transfer_bench(
         )
         target = _Target(backend, opts, total_bytes, seed)
         hello = target.reply()
-        remote_base = int(hello["address"])
         peer = transport.add_peer(hello["metadata"])
         target.call("peer", metadata=meta)
-        remote_data = _pattern(seed + 1, total_bytes)
+        if raw:
+            try:
+                session = _raw_session(backend, opts, total_bytes, seed)
+            except Exception as exc:  # a failing raw column must not hide kvbridge's figures
+                raw_error = f"{type(exc).__name__}: {exc}"
+        side = _Side(transport, target, peer, src, dst, int(hello["address"]),
+                     _pattern(seed + 1, total_bytes), timeout)
         rng = np.random.default_rng(seed + 2)
         for block in block_sizes:
-            nblocks = total_bytes // block
-            perm = rng.permutation(nblocks).astype(np.int64)
+            perm = scattered(rng, total_bytes // block)
             for op in ops:
-                report.rows.append(
-                    _bench_one(transport, target, peer, op, block, nblocks, perm, src, dst,
-                               remote_base, remote_data, reps, timeout, raw_fn)
-                )
+                rows.append(_bench_one(side, session, raw_error, op, block, perm, reps, mode,
+                                       confidence))
     finally:
+        if session is not None:
+            session.close()
         if target is not None:
             target.stop()
         transport.close()
-    return report
+    return TransferReport(backend, total_bytes, reps, mode, confidence,
+                          (load_before, os.getloadavg()[0]), rows)
 
 
-def _descriptors(base: int, block: int, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """One descriptor per block, never merged (the bench measures scattered blocks)."""
-    out = np.empty((ids.size, 3), dtype=np.int64)
-    out[:, 0] = base + ids * block
-    out[:, 1] = block
-    out[:, 2] = 0
-    return out
+@dataclass
+class _Side:
+    """kvbridge's half of the bench: the initiator transport, its buffers and the target."""
 
+    transport: Transport
+    target: _Target
+    peer: str
+    src: Bytes
+    dst: Bytes
+    remote_base: int
+    remote_data: Bytes
+    timeout: float
+    transfers: int = 0
 
-def _bench_one(
-    transport: Transport, target: _Target, peer: str, op: Op, block: int, nblocks: int,
-    perm: npt.NDArray[np.int64], src: Bytes, dst: Bytes, remote_base: int, remote_data: Bytes,
-    reps: int, timeout: float, raw_fn: RawBench | None,
-) -> TransferRow:
-    n = nblocks * block
-    local_buf = dst if op is Op.READ else src
-    ldesc = _descriptors(int(local_buf.ctypes.data), block, np.arange(nblocks, dtype=np.int64))
-    rdesc = _descriptors(remote_base, block, perm)
-    if op is Op.READ:
-        target.call("fill")
-        expected = remote_data[:n].reshape(-1, block)[perm].reshape(-1)
-    notify = transport.capabilities.notifications
-    best = float("inf")
-    for rep in range(reps):
+    def pair(self, op: Op, block: int, nblocks: int) -> BlockPair:
+        local = self.dst if op is Op.READ else self.src
+        return prepare_blocks(self.transport, self.peer, _plane(int(local.ctypes.data), block,
+                                                                nblocks),
+                              _plane(self.remote_base, block, nblocks))
+
+    def run(self, op: Op, pair: BlockPair, perm: I64, expected: Bytes | None) -> tuple[float, int]:
+        """One timed transfer (the reset before and the byte check after are not timed)."""
+        block, nblocks = pair.local.planes[0].block_bytes, perm.size
+        n = block * nblocks
         if op is Op.READ:
-            dst.fill(0)
+            self.dst[:n].fill(0)
         else:
-            target.call("zero")
-        note = f"kvbridge-bench:{block}:{rep}".encode() if notify and op is Op.WRITE else None
+            self.target.call("zero")
+        self.transfers += 1
+        notify = self.transport.capabilities.notifications and op is Op.WRITE
+        note = f"kvbridge-bench:{block}:{self.transfers}".encode() if notify else None
+        ids = np.arange(nblocks, dtype=np.int64)
         t0 = time.perf_counter()
-        handle = transport.submit(op, peer, ldesc, rdesc, note)
-        state = transport.wait(handle, timeout)
+        handle = submit_blocks(self.transport, op, pair, ids, perm, note)
+        state = self.transport.wait(handle, self.timeout)
         elapsed = time.perf_counter() - t0
         if state is HandleState.FAILED:
             raise TransferFailed(f"{op.value} of {block}-byte blocks failed: {handle.error}")
         if op is Op.READ:
-            if not np.array_equal(dst[:n], expected):
-                bad = int(np.flatnonzero(dst[:n] != expected)[0])
+            assert expected is not None
+            if not np.array_equal(self.dst[:n], expected):
+                bad = int(np.flatnonzero(self.dst[:n] != expected)[0])
                 raise TransferFailed(f"READ of {block}-byte blocks: byte {bad} differs")
         else:
-            target.call("check_write", block=block, perm=perm.tobytes(), notification=note)
-        best = min(best, elapsed)
+            self.target.call("check_write", block=block, perm=perm.tobytes(), notification=note)
+        return elapsed, handle.count
+
+
+def _plane(base: int, block: int, nblocks: int) -> KVLayout:
+    return KVLayout((KVPlane("bench", base, block, block),), nblocks, 16, "uint8")
+
+
+def _bench_one(
+    side: _Side, session: Any, raw_error: str | None, op: Op, block: int, perm: I64, reps: int,
+    mode: str, confidence: float,
+) -> TransferRow:
+    nblocks = perm.size
+    n = nblocks * block
+    if op is Op.READ:
+        side.target.call("fill")
+    expected = (side.remote_data[:n].reshape(-1, block)[perm].reshape(-1) if op is Op.READ
+                else None)
+    pair = side.pair(op, block, nblocks)
     scratch = np.empty(n, dtype=np.uint8)
-    mem = memcpy_gbps(remote_data if op is Op.READ else src, scratch, block, perm, op, reps)
-    raw_gbps: float | None = None
-    raw_error: str | None = None
-    if raw_fn is not None:
+    mem_src = side.remote_data if op is Op.READ else side.src
+    ranges = 0
+
+    def kvbridge() -> float:
+        nonlocal ranges
+        elapsed, ranges = side.run(op, pair, perm, expected)
+        return elapsed
+
+    def memcpy() -> float:
+        scratch.fill(0)  # every column zeroes its destination first, as kvbridge's does
+        return memcpy_once(mem_src, scratch, block, perm, op)
+
+    def raw() -> float:
+        session.reset(op.value.lower(), block)
+        return float(session.run(op.value.lower(), block))
+
+    columns: dict[str, Callable[[], float]] = {"kvbridge": kvbridge, "memcpy": memcpy}
+    if session is not None and raw_error is None:
+        columns["raw"] = raw
+    times: dict[str, list[float]] = {name: [] for name in columns}
+    for name, fn in list(columns.items()):  # warm-up: first-touch faults, connections
         try:
-            raw_gbps = float(raw_fn(block, n, op.value.lower(), reps))
-        except Exception as exc:  # a failing raw column must not hide kvbridge's figures
+            fn()
+        except Exception as exc:
+            if name != "raw":
+                raise
             raw_error = f"{type(exc).__name__}: {exc}"
-    return TransferRow(block, op.value.lower(), int(ldesc.shape[0]), n / best / 1e9, mem,
-                       raw_gbps, raw_error)
+            del columns[name], times[name]
+    names = list(columns)
+    orders = list(itertools.permutations(names))  # every order in turn: each column follows
+    plan = ([list(orders[rep % len(orders)]) for rep in range(reps)]  # each other equally often
+            if mode == "paired" else [[name] * reps for name in names])
+    try:
+        for batch in plan:
+            for name in batch:
+                times[name].append(columns[name]())
+        if "raw" in times:
+            session.verify(op.value.lower(), block)
+    except Exception as exc:
+        if "raw" not in times or isinstance(exc, KVBridgeError) and "raw" not in str(exc):
+            raise
+        raw_error = f"{type(exc).__name__}: {exc}"
+        del times["raw"]
+    return _row(block, op, ranges, n, times, raw_error, mode, confidence)
+
+
+def _row(block: int, op: Op, ranges: int, n: int, times: dict[str, list[float]],
+         raw_error: str | None, mode: str, confidence: float) -> TransferRow:
+    def gbps(name: str) -> float:
+        seconds = statistics.median(times[name]) if mode == "paired" else min(times[name])
+        return n / seconds / 1e9
+
+    raw_t = times.get("raw")
+    if mode != "paired":
+        return TransferRow(block, op.value.lower(), ranges, gbps("kvbridge"), gbps("memcpy"),
+                           gbps("raw") if raw_t else None, raw_error)
+    kvb = times["kvbridge"]
+    return TransferRow(
+        block, op.value.lower(), ranges, gbps("kvbridge"), gbps("memcpy"),
+        gbps("raw") if raw_t else None, raw_error,
+        vs_memcpy=median_ci(paired_ratios(times["memcpy"], kvb), confidence),
+        vs_raw=median_ci(paired_ratios(raw_t, kvb), confidence) if raw_t else None,
+    )
 
 
 def format_transfer_report(report: TransferReport) -> str:
+    before, after = report.load
+    if report.mode == "paired":
+        how = (f"{report.reps} paired reps (columns interleaved, every order in turn); GB/s: "
+               "median; "
+               f"kvb/x: median of per-rep ratios [{report.confidence:.0%} CI, order statistics, "
+               "distribution-free]")
+    else:
+        how = f"best of {report.reps} reps per column, columns run one after the other"
     lines = [
         f"kvbridge bench transfer: backend={report.backend}, "
-        f"{report.total_bytes / (1 << 20):g} MiB per rep, best of {report.reps} reps, "
-        "GB/s = 1e9 bytes/s, every byte checked",
+        f"{report.total_bytes / (1 << 20):g} MiB per transfer, {how}, GB/s = 1e9 bytes/s, "
+        f"every byte checked; load average {before:.2f} -> {after:.2f}",
     ]
     head = ["block", "op", "descs", "kvbridge", "memcpy", "raw", "kvb/memcpy", "kvb/raw"]
     rows = []
     for r in report.rows:
         raw = f"{r.raw_gbps:.2f}" if r.raw_gbps is not None else ("error" if r.raw_error else "-")
-        ratio_raw = f"{r.ratio_raw:.2f}" if r.ratio_raw is not None else "-"
-        rows.append([_size(r.block_bytes), r.op, str(r.descriptors), f"{r.kvbridge_gbps:.2f}",
-                     f"{r.memcpy_gbps:.2f}", raw, f"{r.ratio_memcpy:.2f}", ratio_raw])
-    lines += _table(head, rows)
-    lines += [f"raw {_size(r.block_bytes)} {r.op}: {r.raw_error}" for r in report.rows
+        if r.vs_memcpy is not None:
+            ratio_mem = r.vs_memcpy.format()
+            ratio_raw = r.vs_raw.format() if r.vs_raw is not None else "-"
+        else:
+            ratio_mem = f"{r.ratio_memcpy:.2f}"
+            ratio_raw = f"{r.ratio_raw:.2f}" if r.ratio_raw is not None else "-"
+        rows.append([size_label(r.block_bytes), r.op, str(r.descriptors),
+                     f"{r.kvbridge_gbps:.2f}", f"{r.memcpy_gbps:.2f}", raw, ratio_mem, ratio_raw])
+    lines += table(head, rows)
+    lines += [f"raw {size_label(r.block_bytes)} {r.op}: {r.raw_error}" for r in report.rows
               if r.raw_error]
     return "\n".join(lines)
-
-
-# -- the descriptor bench ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DescriptorRow:
-    case: str
-    descriptors: int
-    median_ms: float
-    p90_ms: float
-    cpu_median_ms: float
-    """CPU time of the calling thread: robust to other processes competing for the cores."""
-
-
-@dataclass(frozen=True)
-class DescriptorReport:
-    layers: int
-    planes: int
-    block_bytes: int
-    blocks: int
-    tokens: int
-    reps: int
-    rows: list[DescriptorRow] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
-
-
-def kv_layout(base: int, layers: int, num_blocks: int, block_bytes: int,
-              block_size: int) -> KVLayout:
-    """A layout of ``layers`` tensors shaped ``(2, num_blocks, …)`` at fake address ``base``."""
-    planes = []
-    for layer in range(layers):
-        lbase = base + layer * 2 * num_blocks * block_bytes
-        planes.append(KVPlane(f"layers.{layer}.k", lbase, block_bytes, block_bytes))
-        planes.append(KVPlane(f"layers.{layer}.v", lbase + num_blocks * block_bytes,
-                              block_bytes, block_bytes))
-    return KVLayout(tuple(planes), num_blocks, block_size, "bfloat16")
-
-
-def run_descriptor_bench(
-    tokens: int = 16384, layers: int = 64, kv_heads: int = 8, head_dim: int = 128,
-    block_size: int = 16, dtype_bytes: int = 2, num_blocks: int = 0, reps: int = 50,
-    seed: int = 0,
-) -> DescriptorReport:
-    """Time :func:`descriptor_pair` for one request, scattered and contiguous block ids."""
-    for name, value in (("tokens", tokens), ("layers", layers), ("kv_heads", kv_heads),
-                        ("head_dim", head_dim), ("block_size", block_size),
-                        ("dtype_bytes", dtype_bytes), ("reps", reps)):
-        if value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value}")
-    blocks = -(-tokens // block_size)
-    num_blocks = num_blocks or 8 * blocks
-    if num_blocks < blocks:
-        raise ConfigError(f"num_blocks {num_blocks} is below the {blocks} blocks of one request")
-    block_bytes = block_size * kv_heads * head_dim * dtype_bytes
-    local = kv_layout(1 << 40, layers, num_blocks, block_bytes, block_size)
-    remote = kv_layout(1 << 41, layers, num_blocks, block_bytes, block_size)
-    rng = np.random.default_rng(seed)
-    cases = {
-        "scattered": (rng.choice(num_blocks, blocks, replace=False),
-                      rng.choice(num_blocks, blocks, replace=False)),
-        "contiguous": (np.arange(blocks), np.arange(num_blocks - blocks, num_blocks)),
-    }
-    report = DescriptorReport(layers, len(local.planes), block_bytes, blocks, tokens, reps)
-    for case, (lids, rids) in cases.items():
-        lids_list, rids_list = lids.tolist(), rids.tolist()  # as the scheduler hands them over
-        times, cpu = [], []
-        count = 0
-        for _ in range(reps):
-            c0, t0 = time.thread_time(), time.perf_counter()
-            ldesc, _rdesc = descriptor_pair(local, lids_list, remote, rids_list)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-            count = int(ldesc.shape[0])
-        times.sort()
-        p90 = times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
-        report.rows.append(
-            DescriptorRow(case, count, statistics.median(times) * 1e3, p90 * 1e3,
-                          statistics.median(cpu) * 1e3)
-        )
-    return report
-
-
-def format_descriptor_report(report: DescriptorReport) -> str:
-    lines = [
-        f"kvbridge bench descriptors: {report.tokens} tokens = {report.blocks} blocks, "
-        f"{report.layers} layers x K/V = {report.planes} planes, "
-        f"{report.block_bytes} bytes per block per plane, {report.reps} reps",
-    ]
-    rows = [[r.case, str(r.descriptors), f"{r.median_ms:.3f}", f"{r.p90_ms:.3f}",
-             f"{r.cpu_median_ms:.3f}"] for r in report.rows]
-    lines += _table(["block ids", "descriptors", "median ms", "p90 ms", "cpu median ms"], rows)
-    return "\n".join(lines)
-
-
-# -- formatting ----------------------------------------------------------------------------------
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    cells = [list(head)] + [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return out

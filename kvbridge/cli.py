@@ -272,11 +272,14 @@ def add_bench_parser(subparsers: Any) -> None:
 
     t = sub.add_parser(
         "transfer",
-        help="move scattered blocks between two processes through a backend",
+        help="move scattered blocks between two processes through a backend, paired with the "
+        "raw library and memcpy",
         description="Move --total-mib MiB in blocks of --block-kib KiB, scattered by a random "
-        "permutation, between this process and a spawned one through a backend; check every "
-        "byte; compare with an in-process memcpy of the same blocks and, where the backend "
-        "package has raw_bench(), with the raw library.",
+        "permutation, between this process and a spawned one through a backend (the block "
+        "path the connector uses); check every byte; compare with an in-process memcpy of the "
+        "same blocks and, where the backend package has raw_session(), with the raw library. "
+        "--mode paired (default) alternates the three inside every repetition and prints the "
+        "median of the per-repetition ratios with a distribution-free confidence interval.",
     )
     t.add_argument("--backend", default="shm", help="backend name (see `kvbridge backends`)")
     t.add_argument("--options", metavar="JSON", default=None, help="backend options (JSON object)")
@@ -286,7 +289,13 @@ def add_bench_parser(subparsers: Any) -> None:
         help="block sizes in KiB (one row each)",
     )
     t.add_argument("--op", choices=["read", "write", "both"], default="both")
-    t.add_argument("--reps", type=int, default=5, help="repetitions (best is reported)")
+    t.add_argument("--mode", choices=["paired", "sequential"], default="paired",
+                   help="paired: columns interleaved per repetition, medians and ratio CIs "
+                   "(default); sequential: each column's repetitions back to back, best of")
+    t.add_argument("--reps", type=int, default=None,
+                   help="repetitions (default 30 paired, 5 sequential)")
+    t.add_argument("--confidence", type=float, default=0.95,
+                   help="confidence of the ratio intervals (paired mode)")
     t.add_argument("--no-raw", action="store_true", help="skip the raw library column")
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
     t.add_argument("--seed", type=int, default=0)
@@ -295,9 +304,12 @@ def add_bench_parser(subparsers: Any) -> None:
 
     d = sub.add_parser(
         "descriptors",
-        help="time descriptor building for a Qwen3-32B-shaped 16k-token request",
-        description="Time kvbridge.layout.descriptor_pair for one request on a layout of "
-        "--layers layers with separate K and V planes (fake addresses, no memory).",
+        help="per-transfer cost before any byte moves, old descriptor path vs block path, for "
+        "a Qwen3-32B-shaped 16k-token request",
+        description="Time what one transfer costs kvbridge on a layout of --layers layers with "
+        "separate K and V planes: the old path (descriptor_pair, plus submit's checks) and the "
+        "block path (boundary validation; shm's iovecs; nixl's index arrays with real agents, "
+        "and NIXL's own request creation as 'native'), scattered and contiguous block ids.",
     )
     d.add_argument("--tokens", type=int, default=16384)
     d.add_argument("--layers", type=int, default=64)
@@ -308,6 +320,9 @@ def add_bench_parser(subparsers: Any) -> None:
     d.add_argument("--num-blocks", type=int, default=0, help="blocks per engine (0: 8x request)")
     d.add_argument("--reps", type=int, default=50)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--backends", default="shm,nixl",
+                   help="comma-separated block-path rows to add: shm, nixl (default both; nixl "
+                   "is skipped with a note where it cannot load)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.set_defaults(func=run_bench_descriptors)
 
@@ -372,16 +387,19 @@ def add_bench_parser(subparsers: Any) -> None:
 def run_bench_transfer(args: argparse.Namespace) -> int:
     from kvbridge import bench
 
+    reps = args.reps if args.reps is not None else (30 if args.mode == "paired" else 5)
     report = bench.run_transfer_bench(
         args.backend,
         total_bytes=int(args.total_mib * (1 << 20)),
         block_sizes=[int(k * 1024) for k in args.block_kib],
         ops=bench.parse_ops(args.op),
-        reps=args.reps,
+        reps=reps,
         options=parse_json_object(args.options, "--options"),
         raw=not args.no_raw,
         timeout=args.timeout,
         seed=args.seed,
+        mode=args.mode,
+        confidence=args.confidence,
     )
     if args.json:
         print_json(report.to_dict())
@@ -391,7 +409,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def run_bench_descriptors(args: argparse.Namespace) -> int:
-    from kvbridge import bench
+    from kvbridge import bench_descriptors as bench
 
     report = bench.run_descriptor_bench(
         tokens=args.tokens,
@@ -403,6 +421,7 @@ def run_bench_descriptors(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         reps=args.reps,
         seed=args.seed,
+        backends=parse_names(args.backends, ("shm", "nixl"), "--backends", "backend"),
     )
     if args.json:
         print_json(report.to_dict())

@@ -28,10 +28,13 @@ from kvbridge.groups import MAX_GROUPS, GroupWire, KVGroup, check_groups, split_
 
 __all__ = [
     "KVPlane", "KVLayout", "PlaneWire", "LayoutWire", "descriptor_pair", "check_block_ids",
-    "DescriptorArray",
+    "block_runs", "fill_ranges", "int_ids", "DescriptorArray", "LayoutKey",
 ]
 
 DescriptorArray = npt.NDArray[np.int64]
+#: What identifies a layout's memory and block routing: plane table bytes (base, stride, block
+#: bytes per plane), num_blocks, device, dtype, block_size, groups (see :attr:`KVLayout.key`).
+LayoutKey = tuple[bytes, int, int, str, int, tuple[Any, ...]]
 
 _MAX_PLANES = 1 << 14
 
@@ -211,7 +214,7 @@ class KVLayout:
                     f"{theirs.block_bytes} at the peer (heads, head dim or dtype)"
                 )
 
-    @property
+    @functools.cached_property
     def bytes_per_block(self) -> int:
         """Bytes of one block id across all layers and planes."""
         return sum(p.block_bytes for p in self.planes)
@@ -319,11 +322,37 @@ class KVLayout:
         table = np.array(
             [[p.base, p.block_stride, p.block_bytes] for p in self.planes], dtype=np.int64
         )
-        return np.ascontiguousarray(table.T)
+        out = np.ascontiguousarray(table.T)
+        out.flags.writeable = False
+        return out
+
+    @property
+    def plane_table(self) -> npt.NDArray[np.int64]:
+        """``(3, planes)`` int64, read-only: rows base, block stride, block bytes."""
+        return self._plane_table
 
     @functools.cached_property
     def _dense(self) -> bool:
         return all(p.dense for p in self.planes)
+
+    @functools.cached_property
+    def dense_planes(self) -> npt.NDArray[np.bool_]:
+        """Per plane: consecutive blocks touch (stride == block bytes)."""
+        return np.asarray(self._plane_table[1] == self._plane_table[2])
+
+    @functools.cached_property
+    def key(self) -> LayoutKey:
+        """Equal for two layouts that describe the same memory the same way (every plane's base,
+        stride and block bytes, block count, device, dtype, block size, KV-cache groups; not the
+        layer names). Transports key prepared state by it; computed once per object."""
+        groups = tuple((g.kind.value, g.block_size, g.window, g.planes) for g in self.groups)
+        return (self._plane_table.tobytes(), self.num_blocks, self.device, self.dtype,
+                self.block_size, groups)
+
+    def extents(self) -> list[tuple[int, int]]:
+        """``(address, length)`` of each plane from its first block to the end of its last."""
+        return [(p.base, (self.num_blocks - 1) * p.block_stride + p.block_bytes)
+                for p in self.planes]
 
     def descriptors(
         self, block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -350,17 +379,35 @@ class KVLayout:
                         self.block_size, self.dtype, self.device, groups)
 
 
+def int_ids(values: Sequence[int] | npt.NDArray[np.integer[Any]],
+            side: str = "local") -> npt.NDArray[np.int64]:
+    """``values`` as a flat int64 array; :class:`LayoutError` unless they are integers (no
+    floats, bools, strings, or Python ints beyond int64)."""
+    try:
+        raw = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"{side} block ids are not a list of integers: {exc}") from None
+    if raw.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if raw.dtype.kind not in "iu":
+        raise LayoutError(f"{side} block ids must be integers, not {raw.dtype}")
+    if raw.dtype.kind == "u" and raw.dtype.itemsize == 8 and int(raw.max()) >= 1 << 63:
+        raise LayoutError(f"{side} block id out of range: {int(raw.max())}")
+    return raw.astype(np.int64, copy=False).reshape(-1)
+
+
 def check_block_ids(
     block_ids: Sequence[int] | npt.NDArray[np.integer[Any]], num_blocks: int, side: str = "local"
 ) -> npt.NDArray[np.int64]:
     """Validate a list of block ids: integers in ``[0, num_blocks)``, no duplicates."""
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    ids = int_ids(block_ids, side)
     if ids.size == 0:
         return ids
-    lo, hi = int(ids.min()), int(ids.max())
+    ordered = np.sort(ids)  # one sort gives the range and the duplicates (O(n log n), ~20 µs/1k)
+    lo, hi = int(ordered[0]), int(ordered[-1])
     if lo < 0 or hi >= num_blocks:
         raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {lo}, max {hi}")
-    if np.unique(ids).size != ids.size:
+    if ordered.size > 1 and bool((ordered[1:] == ordered[:-1]).any()):
         raise LayoutError(f"{side} block ids contain duplicates")
     return ids
 
@@ -427,30 +474,52 @@ def _plane_pair(
     if lids.size == 0:
         return empty, empty.copy()
 
-    lp, rp = local._plane_table, remote._plane_table
-    if local._dense and remote._dense and lids.size > 1:
-        brk = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
-        starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
-        counts = np.diff(np.append(starts, lids.size))
-    else:
-        starts = np.arange(lids.size)
-        counts = np.ones(lids.size, dtype=np.int64)
-
+    starts, counts = block_runs(lids, rids, local._dense and remote._dense)
     # Fresh pages are most of what a 100k-descriptor request costs, so both outputs share one
     # allocation (numpy asks for transparent huge pages from 4 MiB on: a few faults, not
     # thousands) and are written in place, with no temporaries of the output's size.
-    planes, runs = lp.shape[1], starts.size
+    planes, runs = len(local.planes), starts.size
     both = np.empty((2, planes, runs, 3), dtype=np.int64)
-    out_l, out_r = both[0], both[1]
-    for out, table, ids in ((out_l, lp, lids[starts]), (out_r, rp, rids[starts])):
-        addr = out[:, :, 0]
-        np.multiply(table[1][:, None], ids[None, :], out=addr)
-        np.add(addr, table[0][:, None], out=addr)
-    np.multiply(lp[2][:, None], counts[None, :], out=out_l[:, :, 1])
-    out_r[:, :, 1] = out_l[:, :, 1]
-    out_l[:, :, 2] = local.device
-    out_r[:, :, 2] = remote.device
-    return out_l.reshape(planes * runs, 3), out_r.reshape(planes * runs, 3)
+    fill_ranges(both[0], local._plane_table, lids[starts], counts, local.device)
+    fill_ranges(both[1], remote._plane_table, rids[starts], counts, remote.device)
+    return both[0].reshape(planes * runs, 3), both[1].reshape(planes * runs, 3)
+
+
+def block_runs(
+    local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64], merge: bool
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(starts, counts)``: positions in the id lists where a run begins and its length.
+
+    With ``merge``, a run is a stretch where both the local and the remote ids step by one;
+    without, every block is its own run. O(blocks), vectorised.
+    """
+    n = local_ids.size
+    if not merge or n <= 1:
+        return np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+    brk = np.flatnonzero((np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+    counts = np.diff(np.append(starts, n))
+    return starts, counts
+
+
+def fill_ranges(
+    out: npt.NDArray[np.int64], table: npt.NDArray[np.int64], first_ids: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64], device: int | None = None,
+) -> None:
+    """Write the byte ranges of block runs, plane-major, into ``out`` in place.
+
+    ``table`` is a ``(3, planes)`` plane table (rows base, stride, block bytes; a layout's, or
+    some of its columns); run ``j`` covers blocks ``first_ids[j] .. + counts[j] - 1``.
+    ``out`` is an int64 array of shape ``(planes, runs, 2 or 3)``: address, length and, when
+    given, ``device``. A run of more than one block is only meaningful for a
+    dense plane (see :func:`block_runs`).
+    """
+    addr = out[:, :, 0]
+    np.multiply(table[1][:, None], first_ids[None, :], out=addr)
+    np.add(addr, table[0][:, None], out=addr)
+    np.multiply(table[2][:, None], counts[None, :], out=out[:, :, 1])
+    if device is not None:
+        out[:, :, 2] = device
 
 
 @dataclass(frozen=True)

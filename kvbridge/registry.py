@@ -9,15 +9,17 @@ imported until one is loaded); heavy native imports happen in the backend's cons
 from __future__ import annotations
 
 import difflib
+import importlib
 import logging
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
 
 __all__ = ["GROUP", "TIER_GROUP", "BackendStatus", "available", "load_class", "create", "status",
-           "available_tiers", "load_tier_class", "tier_status"]
+           "available_tiers", "load_tier_class", "tier_status", "backend_hook"]
 
 GROUP = "kvbridge.backends"
 TIER_GROUP = "kvbridge.tiers"
@@ -92,6 +94,18 @@ def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None)
         raise
     except ImportError as exc:
         raise BackendUnavailable(_unavailable(name, exc)) from exc
+
+
+def backend_hook(name: str, attr: str) -> Callable[..., Any] | None:
+    """A function ``attr`` that backend ``name``'s package offers to the benches (looked up in
+    the module of its Transport class, then its top-level package), or None. Loads the backend
+    (same errors as :func:`load_class`)."""
+    cls = load_class(name)
+    for module in (cls.__module__, cls.__module__.split(".")[0]):
+        fn = getattr(sys.modules.get(module) or importlib.import_module(module), attr, None)
+        if callable(fn):
+            return fn  # type: ignore[no-any-return]
+    return None
 
 
 def _unavailable(name: str, exc: BaseException) -> str:

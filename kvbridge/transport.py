@@ -24,6 +24,10 @@ checks it):
 * ``close`` stops accepting work, waits up to ``timeout`` for posted transfers to stop (posted
   RDMA cannot be aborted, so memory must not be released while they may land), fails the rest,
   and releases native resources. It is idempotent.
+
+Optional capability: a transport that also subclasses :class:`kvbridge.blocks.BlockTransport`
+takes transfers described by block ids over prepared layout pairs (what the core uses); any
+other transport gets descriptor arrays through ``submit`` (see :mod:`kvbridge.blocks`).
 """
 
 from __future__ import annotations

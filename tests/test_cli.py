@@ -137,34 +137,67 @@ def test_config_errors_are_one_line(args: list[str], env: dict[str, str], messag
 # -- bench ----------------------------------------------------------------------------------------
 
 
-def test_bench_transfer_shm_checks_bytes_and_prints_ratios() -> None:
+def test_bench_transfer_shm_paired_checks_bytes_and_prints_ratio_intervals() -> None:
     res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8",
-                   "--block-kib", "16", "256", "--reps", "2")
+                   "--block-kib", "16", "256", "--reps", "6")
     assert res.returncode == 0, res.stderr
-    assert "every byte checked" in res.stdout
+    first = res.stdout.splitlines()[0]
+    assert "6 paired reps" in first and "95% CI" in first and "every byte checked" in first
+    assert "load average" in first
     header = next(line for line in res.stdout.splitlines() if "kvb/memcpy" in line)
     assert header.split() == ["block", "op", "descs", "kvbridge", "memcpy", "raw", "kvb/memcpy",
                               "kvb/raw"]
-    rows = [line.split() for line in res.stdout.splitlines() if line.strip().endswith("-")
-            and ("read" in line or "write" in line)]
+    rows = [line.split() for line in res.stdout.splitlines()
+            if " read " in line or " write " in line]
     assert [(r[0] + r[1], r[2]) for r in rows] == [("16KiB", "read"), ("16KiB", "write"),
                                                    ("256KiB", "read"), ("256KiB", "write")]
+    for r in rows:  # kvb/memcpy and kvb/raw: "0.812 [0.75, 0.90]", a median in its interval
+        for at in (7, 10):
+            median, low, high = float(r[at]), float(r[at + 1].strip("[,")), float(
+                r[at + 2].strip("]"))
+            assert low <= median + 0.01 and median <= high + 0.01
 
 
-def test_bench_transfer_shm_json() -> None:
+def test_bench_transfer_shm_json_paired() -> None:
     res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8", "--block-kib",
-                   "64", "--reps", "2", "--json")
+                   "64", "--reps", "7", "--confidence", "0.9", "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["backend"] == "shm" and report["verified"] is True
-    assert report["total_bytes"] == 8 << 20
+    assert report["mode"] == "paired" and report["reps"] == 7 and report["confidence"] == 0.9
+    assert report["total_bytes"] == 8 << 20 and len(report["load_average"]) == 2
     assert [(r["block_bytes"], r["op"]) for r in report["rows"]] == [(65536, "read"),
                                                                      (65536, "write")]
     for row in report["rows"]:
         assert row["descriptors"] == 128  # scattered: nothing coalesced
         assert row["kvbridge_gbps"] > 0 and row["memcpy_gbps"] > 0
-        assert row["ratio_memcpy"] == pytest.approx(row["kvbridge_gbps"] / row["memcpy_gbps"])
-        assert row["raw_gbps"] is None and row["ratio_raw"] is None
+        ci = row["vs_memcpy"]
+        assert ci["n"] == 7 and ci["low"] <= ci["median"] <= ci["high"]
+        assert row["ratio_memcpy"] == ci["median"]
+        raw = row["vs_raw"]  # shm's raw column: process_vm_readv/writev alone
+        assert row["raw_gbps"] > 0 and raw["low"] <= raw["median"] <= raw["high"]
+        assert row["ratio_raw"] == raw["median"] and row["raw_error"] is None
+
+
+def test_bench_transfer_sequential_is_best_of() -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "4", "--block-kib",
+                   "256", "--op", "read", "--mode", "sequential", "--reps", "2", "--no-raw",
+                   "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["mode"] == "sequential" and report["statistic"] == "best of reps"
+    row = report["rows"][0]
+    assert row["vs_memcpy"] is None
+    assert row["ratio_memcpy"] == pytest.approx(row["kvbridge_gbps"] / row["memcpy_gbps"])
+    assert row["raw_gbps"] is None  # --no-raw
+
+
+def test_bench_transfer_shm_raw_column() -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "4", "--block-kib",
+                   "64", "--op", "write", "--reps", "3")
+    assert res.returncode == 0, res.stderr
+    row = next(line.split() for line in res.stdout.splitlines() if " write " in line)
+    assert float(row[5]) > 0 and row[-2].startswith("[")  # raw GB/s, kvb/raw interval
 
 
 @pytest.mark.parametrize(
@@ -175,8 +208,10 @@ def test_bench_transfer_shm_json() -> None:
         (["--total-mib", "1", "--block-kib", "2048"], "at most the total"),
         (["--reps", "0"], "reps must be >= 1"),
         (["--options", "nope"], "--options is not valid JSON"),
+        (["--confidence", "1.5"], "confidence must be in [0.5, 1)"),
     ],
-    ids=["unknown-backend", "zero-block", "block-too-big", "zero-reps", "bad-options"],
+    ids=["unknown-backend", "zero-block", "block-too-big", "zero-reps", "bad-options",
+         "bad-confidence"],
 )
 def test_bench_transfer_bad_input(args: list[str], message: str) -> None:
     res = kvbridge("bench", "transfer", *args)
@@ -184,22 +219,49 @@ def test_bench_transfer_bad_input(args: list[str], message: str) -> None:
     assert res.stderr.startswith("kvbridge: error: ") and message in res.stderr
 
 
+def test_bench_transfer_bad_mode() -> None:
+    res = kvbridge("bench", "transfer", "--mode", "best")
+    assert res.returncode == 2 and "invalid choice: 'best'" in res.stderr
+
+
 def test_bench_descriptors_json() -> None:
-    res = kvbridge("bench", "descriptors", "--reps", "3", "--json")
+    res = kvbridge("bench", "descriptors", "--reps", "3", "--backends", "shm", "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["planes"] == 128 and report["blocks"] == 1024
     assert report["block_bytes"] == 16 * 8 * 128 * 2
-    rows = {r["case"]: r for r in report["rows"]}
-    assert rows["scattered"]["descriptors"] == 128 * 1024
-    assert rows["contiguous"]["descriptors"] == 128
-    assert 0 < rows["scattered"]["median_ms"] <= rows["scattered"]["p90_ms"]
+    rows = {(r["case"], r["path"]): r for r in report["rows"]}
+    assert sorted({p for _, p in rows}) == sorted(
+        ["descriptor_pair", "+ submit checks", "blocks: validate", "shm: + iovecs"])
+    for path in ("descriptor_pair", "+ submit checks", "blocks: validate", "shm: + iovecs"):
+        assert rows[("scattered", path)]["descriptors"] == 128 * 1024
+        assert rows[("contiguous", path)]["descriptors"] == 128
+        assert rows[("scattered", path)]["native_median_ms"] is None
+    r = rows[("scattered", "descriptor_pair")]
+    assert 0 < r["median_ms"] <= r["p90_ms"]
 
 
-def test_bench_descriptors_bad_input() -> None:
-    res = kvbridge("bench", "descriptors", "--num-blocks", "10")
+@pytest.mark.nixl
+def test_bench_descriptors_nixl_row() -> None:
+    pytest.importorskip("nixl._api", reason="the nixl package is not installed")
+    res = kvbridge("bench", "descriptors", "--reps", "2", "--layers", "4", "--tokens", "256",
+                   "--backends", "nixl", env={"UCX_NET_DEVICES": "lo"})
+    assert res.returncode == 0, res.stderr
+    lines = [line.split() for line in res.stdout.splitlines() if "nixl:" in line]
+    assert [(r[0], r[4]) for r in lines] == [("scattered", "128"), ("contiguous", "8")]
+    assert all(float(r[-1]) > 0 for r in lines)  # NIXL's request creation was measured
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--num-blocks", "10"], "num_blocks 10 is below the 1024 blocks"),
+     (["--backends", "rdma"], "--backends: unknown backend 'rdma'")],
+    ids=["num-blocks", "backends"],
+)
+def test_bench_descriptors_bad_input(args: list[str], message: str) -> None:
+    res = kvbridge("bench", "descriptors", *args)
     assert res.returncode == 1
-    assert "num_blocks 10 is below the 1024 blocks" in res.stderr
+    assert message in res.stderr
 
 
 # -- parser and lazy subcommands (in process) -----------------------------------------------------

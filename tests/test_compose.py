@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvbridge.blocks import prepare_blocks, submit_blocks
 from kvbridge.config import Config
 from kvbridge.errors import (
     ConfigError,
@@ -23,6 +24,7 @@ from kvbridge.errors import (
     PeerUnreachable,
     TransportClosed,
 )
+from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
 from kvbridge.transports.compose import (
@@ -177,6 +179,49 @@ def test_member_that_raises_falls_through_before_posting(pair: tuple[Side, Side]
     here.b.close()
     with pytest.raises(PeerUnreachable, match="every member failed"):
         here.t.submit(Op.READ, peer, here.descs(), there.descs())
+
+
+def _layout(side: Side) -> KVLayout:
+    return KVLayout((KVPlane("kv", side.buf.ctypes.data, 4096, 4096),), SIZE // 4096, 16, "u8")
+
+
+def test_blocks_fall_through_and_retry_like_descriptors() -> None:
+    """The block path: a failed READ is re-posted on the next member (which prepares the pair
+    then), a member that raises (closed: it cannot prepare) is passed over, a wrapper member
+    without the block path gets descriptor arrays."""
+    here = Side("here", FaultyTransport(MemoryTransport("here"), fail=1))
+    there = Side("there")
+    try:
+        peer = connect(here, there)
+        there.buf[:] = np.arange(SIZE) % 251
+        bp = prepare_blocks(here.t, peer, _layout(here), _layout(there))
+        h = submit_blocks(here.t, Op.READ, bp, [0, 1], [3, 2], b"read-done")
+        assert here.t.wait(h, 10) is HandleState.DONE
+        np.testing.assert_array_equal(here.buf[:4096], there.buf[3 * 4096:4 * 4096])
+        np.testing.assert_array_equal(here.buf[4096:8192], there.buf[2 * 4096:3 * 4096])
+        assert h.attempts[0].startswith("a: ") and here.t.member_for(peer) == "b"
+        assert _notes(there.t, 1) == [("here", b"read-done")]
+        here.b.close()
+        with pytest.raises(PeerUnreachable, match="every member failed"):
+            submit_blocks(here.t, Op.READ, bp, [0], [1])
+    finally:
+        here.t.close()
+        there.t.close()
+
+
+def test_blocks_member_that_raises_falls_through(pair: tuple[Side, Side]) -> None:
+    here, there = pair
+    peer = connect(here, there)
+    bp = prepare_blocks(here.t, peer, _layout(here), _layout(there))
+    here.a.close()
+    there.buf[4096:8192] = 6
+    h = submit_blocks(here.t, Op.READ, bp, [5], [1])
+    assert here.t.wait(h, 10) is HandleState.DONE
+    assert (here.buf[5 * 4096:6 * 4096] == 6).all() and here.t.member_for(peer) == "b"
+    longer = KVLayout(_layout(there).planes, 4 * SIZE // 4096, 16, "u8")
+    with pytest.raises(DescriptorError):  # the caller's error: no member tried after it
+        submit_blocks(here.t, Op.READ, prepare_blocks(here.t, peer, _layout(here), longer),
+                      [0], [SIZE // 4096 + 1])
 
 
 def test_descriptor_errors_are_not_retried(pair: tuple[Side, Side]) -> None:

@@ -29,6 +29,7 @@ except ImportError:
 
 class _Compose(TransportConformance):
     backend = "compose"
+    native_blocks = True
     expect_member = ""
 
     def test_chosen_member(self, local: Transport, peer: Peer) -> None:

@@ -20,6 +20,7 @@ pytestmark = [
 
 class TestMooncakeConformance(TransportConformance):
     backend = "mooncake"
+    native_blocks = True
     options: ClassVar[dict[str, Any]] = {"protocol": "tcp", "host": "127.0.0.1"}
     peer_env: ClassVar[dict[str, str]] = {}  # the engine needs no environment over TCP
     timeout = 60.0

@@ -21,6 +21,7 @@ class _NixlEnv(TransportConformance):
     """Applies ``peer_env`` to this process too, so both agents use the same UCX transports."""
 
     backend = "nixl"
+    native_blocks = True
     options: dict[str, Any] = {}
     timeout = 60.0  # peer start-up (spawn, import nixl, agent) takes 10-50 s on a busy 2-core box
     local_env = True

@@ -7,4 +7,5 @@ from kvbridge.testing.conformance import TransportConformance
 
 class TestShmConformance(TransportConformance):
     backend = "shm"
+    native_blocks = True
     options = {}

@@ -171,6 +171,7 @@ class TestFaultyTransportConformance(TransportConformance):
     """The whole suite through the wrapper (a small delay routes every transfer through it)."""
 
     backend = "shm"
+    native_blocks = False  # the block tests run the core's descriptor fallback through it
 
     def make_transport(self, agent_name: str) -> Transport:
         return FaultyTransport(ShmTransport(agent_name), delay=0.002)

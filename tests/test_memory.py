@@ -44,6 +44,7 @@ U8 = np.ndarray[Any, np.dtype[np.uint8]]
 class TestMemoryConformance(TransportConformance):
     backend = "memory"
     options: ClassVar[dict[str, Any]] = {}
+    native_blocks = True
     in_process_peer = True
 
 

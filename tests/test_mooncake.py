@@ -350,3 +350,24 @@ def test_missing_dependency_is_one_clear_line(msg: str, missing: bool, hint: str
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout + out.stderr
     assert hint in lines[0]
+
+
+# -- raw session (the paired bench's raw column) --------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_raw_session_alternates_ops_and_verifies() -> None:
+    from kvbridge_mooncake import raw_bench, raw_session
+
+    with raw_session(2 << 20, seed=3) as session:
+        for op in ("write", "read"):
+            for block in (65536, 262144):
+                session.reset(op, block)  # zeroes the destination: verify proves the copy
+                assert session.run(op, block) > 0
+                session.verify(op, block)
+        session._local[7] ^= 0xFF  # noqa: SLF001 - corrupt one byte on purpose
+        with pytest.raises(TransferFailed, match="bytes differ"):
+            session.verify("read", 65536)
+        with pytest.raises(ConfigError):
+            session.run("copy", 65536)
+    assert raw_bench(65536, 1 << 20, "read", 1) > 0

@@ -382,3 +382,25 @@ def test_raw_bench_moves_and_checks_bytes() -> None:
         assert gbps > 0.01
     with pytest.raises(ConfigError):
         raw_bench(65536, 4 << 20, "copy", 1)
+
+
+@pytest.mark.timeout(180)
+def test_raw_session_alternates_ops_and_sizes_and_verifies() -> None:
+    """The paired bench's raw column: one session, one target, any op and block size in any
+    order; verify() compares both buffers and catches a wrong byte."""
+    from kvbridge_nixl import raw_session
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    with raw_session(4 << 20, seed=5) as session:
+        for op in ("read", "write", "read"):
+            for block in (65536, 262144):
+                session.reset(op, block)  # zeroes the destination: verify proves the copy
+                assert session.run(op, block) > 0
+                session.verify(op, block)
+        session._mine[0] ^= 0xFF  # noqa: SLF001 - corrupt one byte on purpose
+        with pytest.raises(TransferFailed, match="bytes differ"):
+            session.verify("read", 262144)
+        with pytest.raises(ConfigError):
+            session.run("copy", 65536)
+        with pytest.raises(ConfigError):
+            session.run("read", 8 << 20)

@@ -7,9 +7,11 @@ is called). See ``docs/backends/mooncake.md``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvbridge_mooncake.transport import MooncakeTransport
 
-__all__ = ["MooncakeTransport", "raw_bench"]
+__all__ = ["MooncakeTransport", "raw_bench", "raw_session"]
 
 
 def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int) -> float:
@@ -21,3 +23,11 @@ def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int) -> float:
     from kvbridge_mooncake._bench import raw_bench as _raw_bench
 
     return float(_raw_bench(block_bytes, total_bytes, op, reps))
+
+
+def raw_session(total_bytes: int, seed: int = 0) -> Any:
+    """A :class:`kvbridge_mooncake._bench.RawSession`: the engine alone, one transfer per
+    ``run(op, block_bytes)`` call (seconds), for the paired ``kvbridge bench transfer``."""
+    from kvbridge_mooncake._bench import RawSession
+
+    return RawSession(total_bytes, seed)

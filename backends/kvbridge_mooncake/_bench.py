@@ -5,12 +5,12 @@ blocks in order, the target's at a random permutation, one engine entry per bloc
 merged) between this process and a spawned target process, calling only the Transfer Engine
 API: batches of at most ``MAX_BATCH`` entries, ``WINDOW`` of them in flight
 (``batch_transfer_async_*`` + ``get_batch_transfer_status``), which is the fastest way the Python
-API offers. No kvbridge code is on the data path. Blocking; the target is always stopped.
+API offers. No kvbridge code is on the data path. :class:`RawSession` runs one transfer per call,
+for the paired bench. Blocking; the target is always stopped.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge_mooncake._engine import create_engine, is_bad_batch_id
 
-__all__ = ["raw_bench", "MAX_BATCH", "WINDOW"]
+__all__ = ["RawSession", "raw_bench", "MAX_BATCH", "WINDOW"]
 
 MAX_BATCH = 256
 WINDOW = 2
@@ -34,8 +35,7 @@ def _target_main(conn: Connection, total: int, seed: int) -> None:
         conn.send({"error": "register_memory failed"})
         return
     conn.send({"session": f"127.0.0.1:{engine.get_rpc_port()}", "address": buf.ctypes.data})
-    conn.recv()  # stop
-    conn.close()
+    serve_buffer(conn, buf)
 
 
 def _run(
@@ -66,53 +66,81 @@ def _run(
         raise TransferFailed(f"raw mooncake {op} of {block}-byte blocks failed")
 
 
+class RawSession:
+    """The Transfer Engine alone between this process and a spawned target, for the paired
+    ``kvbridge bench transfer``: :meth:`run` times one transfer of ``total_bytes`` in blocks of
+    a size (target blocks at a random permutation; address lists built once per size, the
+    first use also warms up the connection, untimed). Blocking; :meth:`close` always stops
+    the target. Not thread-safe."""
+
+    def __init__(self, total_bytes: int, seed: int = 0, timeout: float = 60.0) -> None:
+        self.total = int(total_bytes)
+        self._seed = seed
+        self._lists: dict[int, tuple[list[int], list[int], Any]] = {}
+        self._engine: Any = None
+        self._target = RawTarget("mooncake", _target_main, (self.total, seed + 11), timeout)
+        try:
+            self._session = str(self._target.hello["session"])
+            self._address = int(self._target.hello["address"])
+            self._engine = create_engine("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            self._local = np.random.default_rng(seed + 12).integers(0, 256, self.total,
+                                                                    dtype=np.uint8)
+            if self._engine.register_memory(self._local.ctypes.data, self.total) != 0:
+                raise TransferFailed("raw mooncake bench: register_memory failed")
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, block: int) -> tuple[list[int], list[int], Any]:
+        hit = self._lists.get(block)
+        if hit is None:
+            perm = scattered_blocks(self.total, block, self._seed + 13)
+            laddr = self._local.ctypes.data + np.arange(perm.size, dtype=np.int64) * block
+            hit = self._lists[block] = (laddr.tolist(), (self._address + perm * block).tolist(),
+                                        perm)
+            _run(self._engine, "read", self._session, hit[0], hit[1], block)  # warm-up
+        return hit
+
+    def run(self, op: str, block_bytes: int) -> float:
+        """Seconds of one transfer."""
+        op = op.lower()
+        if op not in ("read", "write"):
+            raise ConfigError(f"raw mooncake op must be 'read' or 'write', got {op!r}")
+        laddr, raddr, _ = self._prepare(block_bytes)
+        t0 = time.perf_counter()
+        _run(self._engine, op, self._session, laddr, raddr, block_bytes)
+        return time.perf_counter() - t0
+
+    def reset(self, op: str, block_bytes: int) -> None:
+        """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
+        self._target.reset(op, self._local)
+
+    def verify(self, op: str, block_bytes: int) -> None:
+        """Raise :class:`TransferFailed` unless the buffers agree block by block."""
+        self._target.check(op, self._local, self._prepare(block_bytes)[2], block_bytes)
+
+    def close(self) -> None:
+        """Unregister, stop the target. Idempotent."""
+        if self._engine is not None:
+            self._engine.unregister_memory(self._local.ctypes.data)
+            self._engine = None
+        self._target.close()
+
+    def __enter__(self) -> RawSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int) -> float:
     """Best-of-``reps`` GB/s (1e9 bytes/s) of ``total_bytes`` in ``block_bytes`` blocks."""
-    op = op.lower()
-    if op not in ("read", "write"):
+    if op.lower() not in ("read", "write"):
         raise ConfigError(f"raw_bench op must be 'read' or 'write', got {op!r}")
     if block_bytes <= 0 or total_bytes < block_bytes or reps < 1:
         raise ConfigError("raw_bench needs 0 < block_bytes <= total_bytes and reps >= 1")
-    nblocks = total_bytes // block_bytes
-    n = nblocks * block_bytes
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, n, 11), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise TransferFailed("raw mooncake bench: the target process did not start")
-        hello = parent.recv()
-        if "error" in hello:
-            raise TransferFailed(f"raw mooncake bench target: {hello['error']}")
-        engine = create_engine("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-        local = np.random.default_rng(12).integers(0, 256, n, dtype=np.uint8)
-        if engine.register_memory(local.ctypes.data, n) != 0:
-            raise TransferFailed("raw mooncake bench: register_memory failed")
-        perm = np.random.default_rng(13).permutation(nblocks).astype(np.int64)
-        laddr = (local.ctypes.data + np.arange(nblocks, dtype=np.int64) * block_bytes).tolist()
-        raddr = (int(hello["address"]) + perm * block_bytes).tolist()
-        _run(engine, op, hello["session"], laddr, raddr, block_bytes)  # warm-up: handshake
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            _run(engine, op, hello["session"], laddr, raddr, block_bytes)
-            best = min(best, time.perf_counter() - t0)
-        if op == "read":
-            expected = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)
-            if not np.array_equal(
-                local.reshape(-1, block_bytes), expected.reshape(-1, block_bytes)[perm]
-            ):
-                raise TransferFailed("raw mooncake bench: READ delivered wrong bytes")
-        engine.unregister_memory(local.ctypes.data)
-        return n / best / 1e9
-    finally:
-        try:
-            parent.send("stop")
-        except OSError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-        parent.close()
+    n = total_bytes // block_bytes * block_bytes
+    with RawSession(n) as session:
+        best = min(session.run(op, block_bytes) for _ in range(reps))
+        session.verify(op, block_bytes)
+    return n / best / 1e9

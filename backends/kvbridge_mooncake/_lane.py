@@ -41,12 +41,21 @@ DescriptorArray = npt.NDArray[np.int64]
 
 @dataclass
 class Job:
-    """One kvbridge transfer: validated descriptors, optional notification, its handle."""
+    """One kvbridge transfer: validated descriptors (or how to build them, called on the lane
+    thread: a transfer by block ids), optional notification, its handle."""
 
     handle: TransferHandle
-    local: DescriptorArray
-    remote: DescriptorArray
+    local: DescriptorArray | None
+    remote: DescriptorArray | None
     notification: bytes | None
+    build: Callable[[], tuple[DescriptorArray, DescriptorArray]] | None = None
+
+    def descriptors(self) -> tuple[DescriptorArray, DescriptorArray]:
+        if self.local is None or self.remote is None:
+            assert self.build is not None
+            self.local, self.remote = self.build()
+            self.build = None
+        return self.local, self.remote
 
 
 _STOP = object()
@@ -138,7 +147,8 @@ class Lane:
 
     def _move(self, job: Job) -> str | None:
         """Post every batch of ``job`` and wait for all of them; return an error or None."""
-        n = job.local.shape[0]
+        local, remote = job.descriptors()
+        n = local.shape[0]
         if n == 0:
             return None
         submit = (
@@ -152,8 +162,8 @@ class Lane:
             if self._closing():
                 error = "mooncake transport closed during the transfer"
                 break
-            loc = job.local[first : first + self._max_batch]
-            rem = job.remote[first : first + self._max_batch]
+            loc = local[first : first + self._max_batch]
+            rem = remote[first : first + self._max_batch]
             batch_id = int(
                 submit(self.session, loc[:, 0].tolist(), rem[:, 0].tolist(), loc[:, 1].tolist())
             )

@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
 from kvbridge.errors import ConfigError, DescriptorError, TransportClosed, UnknownPeer
 from kvbridge.messages import Codec
 from kvbridge.transport import (
@@ -29,7 +30,6 @@ from kvbridge.transport import (
     MemoryRegion,
     Op,
     TransferHandle,
-    Transport,
     check_within,
 )
 from kvbridge.transports._notify import NotificationInbox, NotificationSender
@@ -52,7 +52,7 @@ class _Peer:
         self.regions = [(int(a), int(n)) for a, n in meta.regions]
 
 
-class MooncakeTransport(Transport):
+class MooncakeTransport(BlockTransport):
     """Transport backend ``mooncake``.
 
     Options (``backend_options`` / ``kv_connector_extra_config``):
@@ -172,6 +172,7 @@ class MooncakeTransport(Transport):
                 closing=lambda: self._closing, probe=self._probe_session,
             )
             self._peers[meta.agent] = _Peer(meta, lane)
+        self._forget_blocks(meta.agent)
         log.info("mooncake transport %r: peer %r at %s", self.agent_name, meta.agent, meta.session)
         return meta.agent
 
@@ -181,6 +182,7 @@ class MooncakeTransport(Transport):
             if entry is not None:
                 entry.lane.retire()
                 self._retired = [lane for lane in self._retired if lane.alive] + [entry.lane]
+        self._forget_blocks(peer)
 
     def _peer(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)
@@ -217,6 +219,29 @@ class MooncakeTransport(Transport):
             entry.lane.post(Job(handle, local, remote, notification))
         return handle
 
+    def _prepare_blocks(self, pair: BlockPair) -> _Peer:
+        with self._lock:
+            self._check_open()
+            entry = self._peer(pair.peer)
+            check_in_regions(pair.local, self._regions, "local")
+            check_in_regions(pair.remote, entry.regions, f"remote ({pair.peer})")
+        return entry
+
+    def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                       notification: bytes | None) -> TransferHandle:
+        """Enqueue; the lane builds the engine's address lists from the plane tables."""
+        with self._lock:
+            self._check_open()
+            entry = self._peer(pair.peer)
+            if entry is not pair.native:
+                raise UnknownPeer(f"mooncake {self.agent_name!r}: peer {pair.peer!r} was "
+                                  "re-added")
+            handle = TransferHandle(op=op, peer=pair.peer, nbytes=req.nbytes,
+                                    count=req.count)
+            entry.lane.post(Job(handle, None, None, notification,
+                                build=lambda: req.descriptors(pair)))
+        return handle
+
     def poll(self, handle: TransferHandle) -> HandleState:
         return handle.state
 
@@ -250,6 +275,7 @@ class MooncakeTransport(Transport):
             lanes = [p.lane for p in self._peers.values()] + self._retired
             self._peers.clear()
             self._retired = []
+        self._forget_blocks(None)
         for lane in lanes:
             lane.retire()
         deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvbridge_nixl.transport import NixlTransport
 
-__all__ = ["NixlTransport", "raw_bench"]
+__all__ = ["NixlTransport", "raw_bench", "raw_session", "block_cost"]
 
 
 def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int, **options: Any) -> float:
@@ -25,3 +25,21 @@ def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int, **options:
     from kvbridge_nixl._bench import raw_bench as _raw_bench
 
     return float(_raw_bench(block_bytes, total_bytes, op, reps, **options))
+
+
+def block_cost(planes: int, num_blocks: int, cases: Any, reps: int,
+               **options: Any) -> dict[str, list[tuple[float, float, float]]]:
+    """kvbridge's per-transfer work on the block path and NIXL's request creation, measured
+    with real agents (see :func:`kvbridge_nixl._bench.block_cost`); for ``kvbridge bench
+    descriptors``."""
+    from kvbridge_nixl._bench import block_cost as _block_cost
+
+    return _block_cost(planes, num_blocks, cases, reps, **options)
+
+
+def raw_session(total_bytes: int, seed: int = 0, **options: Any) -> Any:
+    """A :class:`kvbridge_nixl._bench.RawSession`: NIXL alone, one transfer per ``run(op,
+    block_bytes)`` call (seconds), for the paired ``kvbridge bench transfer``."""
+    from kvbridge_nixl._bench import RawSession
+
+    return RawSession(total_bytes, seed, **options)

@@ -1,30 +1,30 @@
-"""NIXL on its own, for ``kvbridge bench transfer``'s "raw" column.
+"""NIXL on its own, for ``kvbridge bench transfer``'s "raw" column, and what the block path costs
+per transfer, for ``kvbridge bench descriptors``.
 
-:func:`raw_bench` moves ``total_bytes`` as ``block_bytes`` blocks between this process and a
-spawned target process with nothing but the ``nixl_agent`` API: the initiator's blocks in order,
-the target's at a random permutation (so nothing merges), both sides prepared once with
-``prep_xfer_dlist``, then per repetition ``make_prepped_xfer`` + ``transfer`` + a
-``check_xfer_state`` loop + ``release_xfer_handle`` — the fastest path the Python API offers.
-WRITEs carry a notification, as in kvbridge's bench (the target learns of a WRITE through it).
-Every byte is checked after the last repetition. The agent is configured exactly as
-:class:`~kvbridge_nixl.NixlTransport` would be for the same options (backends, progress-thread
-delay), so the ratio kvbridge/raw isolates kvbridge's own overhead. Blocking; the target process
-is always stopped.
+:class:`RawSession` moves scattered blocks between this process and a spawned target process
+with nothing but the ``nixl_agent`` API, the fastest way it offers (prepared lists once, then per
+transfer ``make_prepped_xfer`` + ``transfer`` + a ``check_xfer_state`` loop), so the paired
+bench can alternate it with kvbridge's transfers; :func:`raw_bench` is its best-of-reps GB/s.
+The agents are configured exactly as :class:`~kvbridge_nixl.NixlTransport` would be for the
+same options, so the ratio kvbridge/raw isolates kvbridge's own overhead. :func:`block_cost`
+times the transport's per-transfer work on the block path with real agents. All blocking; a
+target process is always stopped.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import ConfigError, PeerUnreachable, TransferFailed
+from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
+from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge_nixl._agent import NixlOptions, create_agent
 
-__all__ = ["raw_bench"]
+__all__ = ["RawSession", "raw_bench", "block_cost"]
 
 
 def _target_main(
@@ -34,93 +34,177 @@ def _target_main(
     buf = np.random.default_rng(seed).integers(0, 256, total, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, total, 0, "")], "DRAM")
     conn.send({"metadata": agent.get_agent_metadata(), "address": buf.ctypes.data})
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            break
-        if msg == "data":
-            conn.send(buf.tobytes())
-    conn.close()
+    serve_buffer(conn, buf)
+
+
+class RawSession:
+    """NIXL alone between this process and a spawned target process, for ``kvbridge bench
+    transfer``'s raw column (paired with kvbridge's runs).
+
+    ``total_bytes`` are registered on each side once; per block size, the initiator's blocks
+    in order map to the target's at a random permutation (nothing merges), both sides prepared
+    once with ``prep_xfer_dlist`` (untimed, on first use). :meth:`run` times one
+    ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` loop (the fastest the Python API
+    offers; WRITEs carry a notification, as kvbridge's do) + ``release_xfer_handle``. The agents
+    are configured exactly as :class:`~kvbridge_nixl.NixlTransport` would be for the same
+    options. Blocking; :meth:`close` always stops the target. Not thread-safe.
+    """
+
+    def __init__(self, total_bytes: int, seed: int = 0, timeout: float = 60.0,
+                 **options: Any) -> None:
+        self.total = int(total_bytes)
+        self.timeout = timeout
+        self._seed = seed
+        self._opts = NixlOptions.parse(options)
+        self._prepared: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._reps = 0
+        self._agent: Any = None
+        tag = f"{time.monotonic_ns():x}"
+        self._target = RawTarget("nixl", _target_main, (f"raw-target-{tag}", self.total,
+                                                        seed + 1, dict(options)), timeout)
+        try:
+            self._address = int(self._target.hello["address"])
+            self._agent, _ = create_agent(f"raw-init-{tag}", self._opts)
+            self._mine = np.random.default_rng(seed).integers(0, 256, self.total, dtype=np.uint8)
+            self._agent.register_memory([(self._mine.ctypes.data, self.total, 0, "")], "DRAM")
+            peer = self._agent.add_remote_agent(self._target.hello["metadata"])
+            self._peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, block: int) -> tuple[Any, Any, Any, Any]:
+        hit = self._prepared.get(block)
+        if hit is not None:
+            return hit
+        perm = scattered_blocks(self.total, block, self._seed + 7)
+        nblocks = perm.size
+        ids = np.arange(nblocks, dtype=np.int64)
+        zeros = np.zeros(nblocks, np.int64)
+        local = np.stack([self._mine.ctypes.data + ids * block, np.full(nblocks, block), zeros],
+                         axis=1)
+        remote = np.stack([self._address + perm * block, np.full(nblocks, block), zeros], axis=1)
+        lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+        rh = self._agent.prep_xfer_dlist(self._peer, remote, "DRAM")
+        hit = self._prepared[block] = (lh, rh, np.arange(nblocks, dtype=np.int32), perm)
+        return hit
+
+    def run(self, op: str, block_bytes: int, notify: bool | None = None) -> float:
+        """Seconds of one transfer of ``total_bytes`` in ``block_bytes`` blocks."""
+        kind = op.upper()
+        if kind not in ("READ", "WRITE"):
+            raise ConfigError(f"op must be read or write, got {op!r}")
+        lh, rh, idx, _ = self._prepare(block_bytes)
+        with_note = (kind == "WRITE") if notify is None else notify
+        self._reps += 1
+        note = f"raw:{block_bytes}:{self._reps}".encode() if with_note else b""
+        t0 = time.perf_counter()
+        h = self._agent.make_prepped_xfer(kind, lh, idx, rh, idx, note)
+        state = self._agent.transfer(h)
+        while state == "PROC":
+            state = self._agent.check_xfer_state(h)
+            if time.perf_counter() - t0 > self.timeout:
+                break
+        elapsed = time.perf_counter() - t0
+        self._agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise TransferFailed(f"raw nixl {kind} of {block_bytes}-byte blocks: {state}")
+        return elapsed
+
+    def reset(self, op: str, block_bytes: int) -> None:
+        """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
+        self._target.reset(op, self._mine)
+
+    def verify(self, op: str, block_bytes: int) -> None:
+        """Raise :class:`TransferFailed` unless the last ``op`` left both buffers consistent."""
+        self._target.check(op, self._mine, self._prepare(block_bytes)[3], block_bytes)
+
+    def close(self) -> None:
+        """Release the lists, stop the target. Idempotent."""
+        for lh, rh, _, _ in self._prepared.values():
+            lh.release()
+            rh.release()
+        self._prepared.clear()
+        self._target.close()
+        self._agent = None
+
+    def __enter__(self) -> RawSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def raw_bench(
     block_bytes: int, total_bytes: int, op: str, reps: int, seed: int = 0,
     timeout: float = 60.0, notify: bool | None = None, **options: Any,
 ) -> float:
-    """See the module docstring. ``op`` is ``read`` or ``write`` (any case).
+    """Best-of-``reps`` GB/s of a :class:`RawSession`; every byte checked after the last rep.
 
-    ``notify`` attaches a NIXL notification to every transfer; by default only to WRITEs, as
-    ``kvbridge bench transfer`` does (the target learns of a WRITE only through it).
+    ``op`` is ``read`` or ``write`` (any case); ``notify`` attaches a NIXL notification to
+    every transfer (by default only to WRITEs, as ``kvbridge bench transfer`` does).
     """
-    kind = op.upper()
-    if kind not in ("READ", "WRITE"):
+    if op.upper() not in ("READ", "WRITE"):
         raise ConfigError(f"op must be read or write, got {op!r}")
     if block_bytes <= 0 or total_bytes < block_bytes or reps < 1:
         raise ConfigError("need block_bytes > 0, total_bytes >= block_bytes and reps >= 1")
-    nblocks = total_bytes // block_bytes
-    n = nblocks * block_bytes
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
+    n = total_bytes // block_bytes * block_bytes
+    with RawSession(n, seed, timeout, **options) as session:
+        best = min(session.run(op, block_bytes, notify) for _ in range(reps))
+        session.verify(op, block_bytes)
+    return n / best / 1e9
+
+
+def block_cost(
+    planes: int, num_blocks: int, cases: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    reps: int, block_bytes: int = 64, **options: Any,
+) -> dict[str, list[tuple[float, float, float]]]:
+    """What :class:`~kvbridge_nixl.NixlTransport` does per transfer by block ids, up to and
+    including the NIXL request (``make_prepped_xfer`` or ``initialize_xfer``), not posted.
+
+    Two transports in this process (agents on UCX), each with ``planes × num_blocks`` blocks of
+    ``block_bytes`` registered (NIXL's cost depends on how many ranges, not on their size), one
+    prepared pair; per case (``name -> (local ids, remote ids)``) and repetition: ``(wall s,
+    CPU s of this thread, native s)``, where the first two cover kvbridge's own work (the
+    boundary validation and the index arrays or ranges) and the third NIXL's request creation.
+    Blocking; both transports are closed before returning.
+    """
+    from kvbridge.blocks import BlockRequest
+    from kvbridge.layout import KVLayout, KVPlane
+    from kvbridge.transport import MemoryRegion, Op
+    from kvbridge_nixl.transport import NixlTransport
+
     tag = f"{time.monotonic_ns():x}"
-    proc = ctx.Process(target=_target_main, args=(child, f"raw-target-{tag}", n, seed + 1,
-                                                  dict(options)), daemon=True)
-    proc.start()
-    child.close()
-    agent = None
+    made: list[NixlTransport] = []
+    out: dict[str, list[tuple[float, float, float]]] = {}
     try:
-        if not parent.poll(timeout):
-            raise PeerUnreachable("raw nixl bench target did not start")
-        hello = parent.recv()
-        agent, _ = create_agent(f"raw-init-{tag}", NixlOptions.parse(options))
-        mine = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-        agent.register_memory([(mine.ctypes.data, n, 0, "")], "DRAM")
-        peer = agent.add_remote_agent(hello["metadata"])
-        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        perm = np.random.default_rng(seed + 7).permutation(nblocks).astype(np.int64)
-        ids = np.arange(nblocks, dtype=np.int64)
-        local = np.stack([mine.ctypes.data + ids * block_bytes,
-                          np.full(nblocks, block_bytes), np.zeros(nblocks, np.int64)], axis=1)
-        remote = np.stack([hello["address"] + perm * block_bytes,
-                           np.full(nblocks, block_bytes), np.zeros(nblocks, np.int64)], axis=1)
-        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-        rh = agent.prep_xfer_dlist(peer, remote, "DRAM")
-        idx = np.arange(nblocks, dtype=np.int32)
-        best = float("inf")
-        with_note = (kind == "WRITE") if notify is None else notify
-        for rep in range(reps):
-            note = f"raw:{block_bytes}:{rep}".encode() if with_note else b""
-            t0 = time.perf_counter()
-            h = agent.make_prepped_xfer(kind, lh, idx, rh, idx, note)
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-                if time.perf_counter() - t0 > timeout:
-                    break
-            elapsed = time.perf_counter() - t0
-            agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise TransferFailed(f"raw nixl {kind} of {block_bytes}-byte blocks: {state}")
-            best = min(best, elapsed)
-        parent.send("data")
-        theirs = np.frombuffer(parent.recv(), dtype=np.uint8).reshape(-1, block_bytes)
-        ours = mine.reshape(-1, block_bytes)
-        if kind == "WRITE":
-            ok = np.array_equal(theirs[perm], ours)
-        else:
-            ok = np.array_equal(ours, theirs[perm])
-        if not ok:
-            raise TransferFailed(f"raw nixl {kind} of {block_bytes}-byte blocks: bytes differ")
-        lh.release()
-        rh.release()
-        return n / best / 1e9
+        bufs, layouts = [], []
+        for side in ("a", "b"):
+            t = NixlTransport(f"cost-{side}-{tag}", options)
+            made.append(t)
+            buf = np.zeros(planes * num_blocks * block_bytes, dtype=np.uint8)
+            base = int(buf.ctypes.data)
+            bufs.append((buf, t.register_memory([MemoryRegion(base, buf.nbytes)])))
+            span = num_blocks * block_bytes
+            layouts.append(KVLayout(tuple(KVPlane(f"p{i}", base + i * span, block_bytes,
+                                                  block_bytes) for i in range(planes)),
+                                    num_blocks, 16, "uint8"))
+        a, b = made
+        a.add_peer(bufs[1][1])
+        pair = a.prepare_blocks(b.agent_name, layouts[0], layouts[1])
+        for case, (lids, rids) in cases.items():
+            rows = out[case] = []
+            for _ in range(reps):
+                with a._lock:
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    req = BlockRequest.build(pair.local, pair.remote, lids, rids)
+                    args = a._block_args(pair, req)
+                    c1, t1 = time.thread_time(), time.perf_counter()
+                    native = a._make_blocks(Op.READ, pair, args, b"")
+                    t2 = time.perf_counter()
+                a._release(native)
+                rows.append((t1 - t0, c1 - c0, t2 - t1))
     finally:
-        try:
-            parent.send("stop")
-        except (OSError, ValueError):
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-        parent.close()
-        del agent
+        for t in made:
+            t.close()
+    return out

@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvbridge.blocks import submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch, PeerError
-from kvbridge.layout import DescriptorArray, KVLayout
+from kvbridge.layout import KVLayout
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -352,7 +353,7 @@ class _Pull:
     peer: Peer | None = None
     subs: list[mapping.SubTransfer] = field(default_factory=list)
     handle: TransferHandle | None = None
-    local: DescriptorArray | None = None
+    reading: bool = False  # the READ is posted and has not stopped
     failure: str | None = None  # reported already; blocks held until the handle stops
     started: float = field(default_factory=time.perf_counter)
 
@@ -447,12 +448,13 @@ class PullSink:
         assert job.peer is not None
         core, s = self.core, job.spec
         try:
-            local, remote = mapping.descriptors(job.subs)
-            job.handle = core.transport.submit(Op.READ, job.peer.name, local, remote)
+            job.handle = submit_parts(core.transport, Op.READ, job.peer.name,
+                                      [(x.local, x.local_ids, x.remote, x.remote_ids)
+                                       for x in job.subs])
         except KVBridgeError as exc:
             self._fail(job, f"cannot post the READ: {exc}")
             return False
-        job.local = local
+        job.reading = True
         if all(j.handle is not None for j in self.jobs.get(s.transfer_id, ())):
             core.timers.cancel(("pull", s.transfer_id))
         core.watch_handle(job.handle)
@@ -464,12 +466,12 @@ class PullSink:
         """Complete the READs that stopped (called by the loop while any is in flight)."""
         for job in self.parts():
             handle = job.handle
-            if handle is None or job.local is None:
+            if handle is None or not job.reading:
                 continue
             state = self.core.transport.poll(handle)
             if state is HandleState.PENDING:
                 continue
-            job.local = None
+            job.reading = False
             self.core.timers.cancel(("read", job.tid, job.address))
             self._observe(job, handle, state)
             if job.failure is not None:  # already failed (timeout, abort): blocks now safe
@@ -481,7 +483,7 @@ class PullSink:
                 self._read_done(job)
 
     def in_flight(self) -> bool:
-        return any(j.local is not None for j in self.parts())
+        return any(j.reading for j in self.parts())
 
     def _observe(self, job: _Pull, handle: TransferHandle, state: HandleState) -> None:
         if job.peer is None:
@@ -558,7 +560,7 @@ class PullSink:
         core, s = self.core, job.spec
         if cancel:
             core.cancel_remote(job.address, s.transfer_id, why)
-        reading = job.local is not None
+        reading = job.reading
         job.failure = why
         core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it
         if not reading:

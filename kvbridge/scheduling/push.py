@@ -37,6 +37,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvbridge.blocks import submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
@@ -399,14 +400,15 @@ class PushSource:
                 subs = mapping.pair(core.layout.select(todo), core.shape, src, first,
                                     t.peer.layout.select(todo), t.shape, t.reg.block_ids,
                                     t.reg.skip_blocks, t.share, span)
-                local, remote = mapping.descriptors(subs)
-                handle = core.transport.submit(Op.WRITE, t.peer.name, local, remote)
+                handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
+                                      [(x.local, x.local_ids, x.remote, x.remote_ids)
+                                       for x in subs])
             except KVBridgeError as exc:
                 t.error = f"cannot post the WRITE: {exc}"
                 return
             core.watch_handle(handle)
             t.handles.append(handle)
-            t.nbytes += int(local[:, 1].sum())
+            t.nbytes += handle.nbytes
             core.mark(out.tid, "write_posted")
             if len(t.handles) == 1:
                 core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,

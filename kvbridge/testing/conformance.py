@@ -34,7 +34,9 @@ peer; attached to a transfer, visible only once the bytes landed); many concurre
 ``close`` with transfers in flight (no hang, every handle DONE or FAILED, DONE ones correct);
 errors: unequal descriptor lists and sizes, descriptors outside registered memory (local and
 remote) → :class:`DescriptorError`, unknown or removed peer → :class:`UnknownPeer`, malformed
-metadata → :class:`MessageError`, a layout of the wrong geometry → :class:`LayoutMismatch`.
+metadata → :class:`MessageError`, a layout of the wrong geometry → :class:`LayoutMismatch`;
+and the block path the core uses (:mod:`kvbridge.testing.conformance_blocks`). Set
+``native_blocks = True`` when the backend is a :class:`kvbridge.blocks.BlockTransport`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from kvbridge.errors import (
     UnknownPeer,
 )
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
+from kvbridge.testing.conformance_blocks import BlockConformance
 from kvbridge.testing.inprocess import InProcessPeer
 from kvbridge.testing.peer import (
     Peer,
@@ -93,7 +96,7 @@ class Pair:
         return self.peer.buffer(self.remote.index).reshape(self.local_buf.shape)
 
 
-class TransportConformance:
+class TransportConformance(BlockConformance):
     """Base class of every backend's conformance tests (not collected itself: no ``Test``)."""
 
     backend: ClassVar[str] = ""

@@ -37,6 +37,11 @@ Contract (on top of :mod:`kvbridge.transport`):
   its bytes may have landed in the peer's memory — and its handle ends FAILED with the member's
   name in the error; later transfers move to the next member. Notifications follow the peer's
   current member; a ``send_notification`` that raises is retried on the next one.
+* **Transfers by block id** (:class:`~kvbridge.blocks.BlockTransport`): a member prepares the
+  pair the first time a transfer of it is posted there (a member failing to prepare is passed
+  over like one failing to submit; a layout outside registered memory raises
+  :class:`DescriptorError`); requests are validated once here and handed to the carrying
+  member's own block path (or, for a member without one, its ``submit`` with descriptors).
 * **Handles** are wrappers (:class:`ComposeHandle`) around the member's handle. ``poll`` drives
   the member's ``poll`` and the READ retry on the calling thread; the member's completion
   callbacks are forwarded as wake-ups.
@@ -62,6 +67,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from kvbridge import registry
+from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, prepare_blocks, submit_request
 from kvbridge.errors import (
     ConfigError,
     DescriptorError,
@@ -82,6 +88,9 @@ from kvbridge.transport import (
     Transport,
     as_descriptors,
 )
+
+#: Posts a transfer on member ``index`` and returns the member's handle.
+Poster = Callable[[int], TransferHandle]
 
 __all__ = ["ComposeTransport", "ComposeHandle", "ComposeMetadata", "MemberSpec",
            "parse_members", "MAX_MEMBERS"]
@@ -214,7 +223,7 @@ class ComposeHandle(TransferHandle):
 
     inner: TransferHandle | None = None
     member: int = 0
-    args: tuple[Any, ...] = ()
+    post: Poster | None = None
     attempts: list[str] = field(default_factory=list)
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -232,7 +241,16 @@ class ComposeHandle(TransferHandle):
                 pass
 
 
-class ComposeTransport(Transport):
+@dataclass
+class _Pairs:
+    """Native state of a compose block pair: the route it was prepared for and the pair each
+    member prepared (filled in as members come to carry the peer)."""
+
+    route: _Route
+    members: dict[int, BlockPair]
+
+
+class ComposeTransport(BlockTransport):
     """See the module docstring."""
 
     name = "compose"
@@ -354,6 +372,7 @@ class ComposeTransport(Transport):
         with self._lock:
             old = self._routes.get(meta.agent)
             self._routes[meta.agent] = route
+        self._forget_blocks(meta.agent)
         if old is not None:
             for i, pname in old.names.items():
                 if i not in names and i < len(self._members):
@@ -369,6 +388,7 @@ class ComposeTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             route = self._routes.pop(peer, None)
+        self._forget_blocks(peer)
         if route is not None:
             for i, pname in route.names.items():
                 self._members[i].transport.remove_peer(pname)
@@ -406,8 +426,13 @@ class ComposeTransport(Transport):
         loc = as_descriptors(local, "local")
         rem = as_descriptors(remote, "remote")
         nbytes = int(loc[:, 1].sum()) if loc.shape[0] else 0
+
+        def post(index: int) -> TransferHandle:
+            m = self._members[index]
+            return m.transport.submit(op, route.names[index], loc, rem, notification)
+
         handle = ComposeHandle(op=op, peer=peer, nbytes=nbytes, count=int(loc.shape[0]),
-                               args=(loc, rem, notification))
+                               post=post)
         self._post(route, route.active, handle)
         return handle
 
@@ -415,13 +440,46 @@ class ComposeTransport(Transport):
                 notification: bytes | None) -> TransferHandle:
         return self.submit(op, peer, local, remote, notification)
 
+    def _prepare_blocks(self, pair: BlockPair) -> _Pairs:
+        """Members prepare lazily, when a transfer is posted on them, so that a member that
+        fails to prepare is passed over like one that fails to submit."""
+        return _Pairs(self._route(pair.peer), {})
+
+    def _member_pair(self, pair: BlockPair, native: _Pairs, index: int) -> BlockPair:
+        """Member ``index``'s pair for ``pair`` (prepared now if that member has not carried
+        it yet, or dropped it)."""
+        with self._lock:
+            mine = native.members.get(index)
+        if mine is None or not mine.live:
+            mine = prepare_blocks(self._members[index].transport, native.route.names[index],
+                                  pair.local, pair.remote)
+            with self._lock:
+                native.members[index] = mine
+        return mine
+
+    def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                       notification: bytes | None) -> TransferHandle:
+        native: _Pairs = pair.native
+        route = self._route(pair.peer)
+        if route is not native.route:
+            raise UnknownPeer(f"compose {self.agent_name!r}: peer {pair.peer!r} was re-added")
+
+        def post(index: int) -> TransferHandle:
+            mine = self._member_pair(pair, native, index)
+            return submit_request(self._members[index].transport, op, mine, req, notification)
+
+        handle = ComposeHandle(op=op, peer=pair.peer, nbytes=req.nbytes,
+                               count=req.count, post=post)
+        self._post(route, route.active, handle)
+        return handle
+
     def _post(self, route: _Route, index: int | None, handle: ComposeHandle) -> None:
         """Post ``handle`` on member ``index`` or, when a member raises, the next ones."""
-        loc, rem, notification = handle.args
+        assert handle.post is not None
         while index is not None:
             m = self._members[index]
             try:
-                inner = m.transport.submit(handle.op, route.names[index], loc, rem, notification)
+                inner = handle.post(index)
             except DescriptorError:
                 raise
             except TransportError as exc:
@@ -508,6 +566,7 @@ class ComposeTransport(Transport):
                 return
             self._closed = True
             self._routes.clear()
+        self._forget_blocks(None)
         deadline = time.monotonic() + timeout
         for m in self._members:
             try:

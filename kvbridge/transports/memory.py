@@ -27,6 +27,9 @@ Contract (on top of :mod:`kvbridge.transport`):
   ``max_notification_bytes`` in total, default 4 MiB). Beyond that the *new* message is dropped and
   counted in the receiver's :attr:`MemoryTransport.dropped_notifications` (a warning at most once
   a second); a transfer whose attached notification was dropped still ends DONE.
+* Transfers by block id (:class:`~kvbridge.blocks.BlockTransport`): preparing checks both
+  layouts against the regions registered then; ``submit_blocks`` validates the ids and queues,
+  and the worker computes the coalesced copies from the plane tables.
 * Thread safety: every method may be called from any thread.
 * ``close`` unregisters the token, waits up to ``timeout`` for queued transfers, fails the rest,
   joins the worker, then stops peers from touching our memory (an inbound copy stops at its next
@@ -44,7 +47,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -52,6 +55,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
 from kvbridge.errors import (
     ConfigError,
     DescriptorError,
@@ -69,7 +73,6 @@ from kvbridge.transport import (
     MemoryRegion,
     Op,
     TransferHandle,
-    Transport,
     check_within,
 )
 
@@ -210,16 +213,19 @@ class _Peer:
     endpoint: _Endpoint
 
 
+Copies = list[tuple[int, int, int]]  # (destination, source, length), coalesced
+
+
 @dataclass
 class _Job:
     handle: TransferHandle
     target: _Endpoint
-    copies: list[tuple[int, int, int]]  # (destination, source, length), coalesced
+    copies: Copies | Callable[[], Copies]  # or how to compute them (on the worker)
     notification: bytes | None
     sender: str
 
 
-def _plan(op: Op, local: DescriptorArray, remote: DescriptorArray) -> list[tuple[int, int, int]]:
+def _plan(op: Op, local: DescriptorArray, remote: DescriptorArray) -> Copies:
     """``(dst, src, n)`` copies, runs contiguous on both sides merged (vectorised)."""
     if local.shape[0] == 0:
         return []
@@ -232,7 +238,7 @@ def _plan(op: Op, local: DescriptorArray, remote: DescriptorArray) -> list[tuple
     return list(zip(d[idx].tolist(), s[idx].tolist(), lengths.tolist(), strict=True))
 
 
-def _copy(copies: list[tuple[int, int, int]], abort: threading.Event, target: _Endpoint) -> None:
+def _copy(copies: Copies, abort: threading.Event, target: _Endpoint) -> None:
     moved = 0
     for dst, src, n in copies:
         for off in range(0, n, _CHUNK):
@@ -251,8 +257,9 @@ def _run(job: _Job, abort: threading.Event, agent: str) -> None:
         h._finish(HandleState.FAILED, "transport closed before the transfer started")
         return
     try:
+        copies = job.copies if isinstance(job.copies, list) else job.copies()
         with job.target.access():
-            _copy(job.copies, abort, job.target)
+            _copy(copies, abort, job.target)
             if job.notification is not None:
                 job.target.deliver(job.sender, job.notification)
     except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -300,7 +307,7 @@ def _decode(metadata: bytes) -> MemoryMetadata:
         raise MessageError(f"malformed memory peer metadata: {exc}") from exc
 
 
-class MemoryTransport(Transport):
+class MemoryTransport(BlockTransport):
     """In-process transport over ``memmove``; see the module docstring."""
 
     name = "memory"
@@ -385,6 +392,7 @@ class MemoryTransport(Transport):
         self._warn_if_overclaimed(meta, endpoint)
         with self._lock:
             self._peers[meta.agent] = _Peer(meta, endpoint)
+        self._forget_blocks(meta.agent)
         log.info("memory %r added peer %r", self.agent_name, meta.agent)
         return meta.agent
 
@@ -401,6 +409,7 @@ class MemoryTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             old = self._peers.pop(peer, None)
+        self._forget_blocks(peer)
         if old is not None:
             log.info("memory %r removed peer %r", self.agent_name, peer)
 
@@ -441,6 +450,30 @@ class MemoryTransport(Transport):
             self._jobs.put(job)
         return handle
 
+    def _prepare_blocks(self, pair: BlockPair) -> _Peer:
+        p = self._peer(pair.peer)
+        check_in_regions(pair.local, self._endpoint.regions(), "local")
+        check_in_regions(pair.remote, p.endpoint.regions(), f"remote ({pair.peer})")
+        return p
+
+    def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                       notification: bytes | None) -> TransferHandle:
+        """Queue the request; its copies are computed on the worker (see :func:`_plan`)."""
+        p: _Peer = pair.native
+        if self._peer(pair.peer) is not p:
+            raise UnknownPeer(f"memory {self.agent_name!r}: peer {pair.peer!r} was re-added")
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
+        if not p.endpoint.open:
+            handle._finish(HandleState.FAILED, f"{op.value} with {pair.peer!r} failed: the peer "
+                                               "was closed")
+            return handle
+        job = _Job(handle, p.endpoint, lambda: _plan(op, *req.descriptors(pair)), notification,
+                   self.agent_name)
+        with self._lock:
+            self._check_open()
+            self._jobs.put(job)
+        return handle
+
     def poll(self, handle: TransferHandle) -> HandleState:
         """The handle's state (non-blocking; the worker thread makes progress)."""
         return handle.state
@@ -472,6 +505,7 @@ class MemoryTransport(Transport):
                 self._closed = True
                 self._jobs.put(None)
                 self._peers.clear()
+            self._forget_blocks(None)
             with _live_lock:
                 if _live.get(self.token) is self:
                     del _live[self.token]

@@ -39,6 +39,11 @@ Contract (on top of :mod:`kvbridge.transport`):
   process has exited since the handshake fails without a system call (a pidfd says so, so a
   recycled pid is never written to). A transfer's notification is sent after all its bytes
   landed, and only if it succeeded. ``poll`` never blocks.
+* Transfers by block id (:class:`~kvbridge.blocks.BlockTransport`, the core's path): preparing
+  checks both layouts against the registered and the proven regions once; ``submit_blocks``
+  validates the ids (O(blocks)) and queues; the worker builds the iovecs from the plane tables.
+  With the ``threads`` option, a transfer of at least ``split_bytes`` is copied in that many
+  parts at once; it finishes (and notifies) when every part stopped.
 * The listener is one daemon thread answering each connection once: at most
   ``listener_max_connections`` at a time, requests of at most 4 KiB, each connection closed after
   ``listener_timeout`` seconds, clients of another user refused; garbage closes the connection
@@ -57,7 +62,8 @@ Options: ``notify_host`` (bind address of the inbox, default ``127.0.0.1``), ``n
 must agree), ``iov_max`` (iovecs per system call, default 1024), ``handshake_timeout`` (seconds,
 default 5), ``listener_timeout`` (seconds per inbound connection, default 2),
 ``listener_max_connections`` (default 16), ``max_notifications`` (default 4096),
-``max_notification_bytes`` (default 4 MiB).
+``max_notification_bytes`` (default 4 MiB), ``threads`` (default 1), ``split_bytes`` (default
+16 MiB).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -84,6 +91,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
 from kvbridge.errors import (
     BackendUnavailable,
     ConfigError,
@@ -103,7 +111,6 @@ from kvbridge.transport import (
     MemoryRegion,
     Op,
     TransferHandle,
-    Transport,
     check_within,
 )
 from kvbridge.transports._notify import (
@@ -120,6 +127,8 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_REGIONS",
     "decode_metadata",
+    "split_iovecs",
+    "raw_session",
 ]
 
 log = logging.getLogger("kvbridge.transport.shm")
@@ -322,6 +331,33 @@ def copy_iovecs(
                 arr[i, 0] += np.uint64(part)
                 arr[i, 1] -= np.uint64(part)
     return moved
+
+
+def split_iovecs(local: IovArray, remote: IovArray, parts: int) -> list[tuple[IovArray, IovArray]]:
+    """Cut ``local[i] <-> remote[i]`` into at most ``parts`` pieces of about equal bytes (a
+    range that crosses a cut is split), each a private C-contiguous pair for
+    :func:`copy_iovecs`. O(ranges), vectorised but for the cuts."""
+    lengths = local[:, 1].astype(np.int64)
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if ends.size else 0
+    out: list[tuple[IovArray, IovArray]] = []
+    start = 0
+    for k in range(1, parts + 1):
+        end = total * k // parts
+        if end <= start:
+            continue
+        r0 = int(np.searchsorted(ends, start, side="right"))
+        r1 = int(np.searchsorted(ends, end, side="left"))
+        loc, rem = local[r0:r1 + 1].copy(), remote[r0:r1 + 1].copy()
+        skip = np.uint64(start - (int(ends[r0]) - int(lengths[r0])))
+        cut = np.uint64(int(ends[r1]) - end)
+        for arr in (loc, rem):
+            arr[0, 0] += skip
+            arr[0, 1] -= skip
+            arr[-1, 1] -= cut
+        out.append((loc, rem))
+        start = end
+    return out
 
 
 def _iov(descs: DescriptorArray) -> IovArray:
@@ -636,6 +672,21 @@ class _Job:
     notification: bytes | None
 
 
+@dataclass
+class _BlockJob:
+    """A transfer by block ids: its iovecs are built on the worker, from the plane tables."""
+
+    handle: TransferHandle
+    peer: _Peer
+    pair: BlockPair
+    req: BlockRequest
+    notification: bytes | None
+
+    def iovecs(self) -> tuple[IovArray, IovArray]:
+        loc, rem = self.req.descriptors(self.pair, columns=2)
+        return loc.view(np.uint64), rem.view(np.uint64)
+
+
 def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
     """Refuse addresses/lengths whose sum could overflow the int64 range check (one reduction
     per list: this runs on every submit)."""
@@ -653,7 +704,7 @@ def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi:
     return value
 
 
-class ShmTransport(Transport):
+class ShmTransport(BlockTransport):
     """Same-host transport over cross-memory attach; see the module docstring."""
 
     name = "shm"
@@ -668,6 +719,9 @@ class ShmTransport(Transport):
         if not 1 <= self._iov_max <= IOV_MAX:
             raise DescriptorError(f"iov_max must be in [1, {IOV_MAX}], got {self._iov_max}")
         opts = self.options
+        self._threads = int(_option(opts, "threads", 1, 1, 64))
+        self._split_bytes = int(_option(opts, "split_bytes", 16 << 20, 1, 1 << 40))
+        self._helpers: ThreadPoolExecutor | None = None
         self._hs_timeout = _option(opts, "handshake_timeout", 5.0, 0.01, 600.0)
         listener_timeout = _option(opts, "listener_timeout", 2.0, 0.01, 600.0)
         max_conns = int(_option(opts, "listener_max_connections", 16, 1, 4096))
@@ -683,7 +737,8 @@ class ShmTransport(Transport):
         self._regions: list[tuple[int, int]] = []
         self._version = 0
         self._peers: dict[str, _Peer] = {}
-        self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _BlockJob | Callable[[], None] | None] = (
+            queue.SimpleQueue())
         self._abort = threading.Event()
         self._boot_id, self._pid_ns = _boot_id(), _pid_ns()
         self._inbox = NotificationInbox(
@@ -798,6 +853,7 @@ class ShmTransport(Transport):
         if closed:
             peer.retire()
             self._check_open()
+        self._forget_blocks(peer.agent)
         if old is not None:
             self._retire(old)
         log.info("shm %r added peer %r (pid %d proven, registration v%d, %d region(s))",
@@ -917,6 +973,7 @@ class ShmTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             old = self._peers.pop(peer, None)
+        self._forget_blocks(peer)
         if old is not None:
             self._retire(old)
             log.info("shm %r removed peer %r", self.agent_name, peer)
@@ -966,17 +1023,39 @@ class ShmTransport(Transport):
             self._jobs.put(job)
         return handle
 
+    def _prepare_blocks(self, pair: BlockPair) -> _Peer:
+        """Check both layouts against the registered and the proven regions (once)."""
+        p = self._peer(pair.peer)
+        with self._lock:
+            regions = list(self._regions)
+        check_in_regions(pair.local, regions, "local")
+        check_in_regions(pair.remote, p.regions, f"remote ({pair.peer})")
+        return p
+
+    def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                       notification: bytes | None) -> TransferHandle:
+        """Queue the request; the worker builds its iovecs (O(blocks) here)."""
+        p: _Peer = pair.native
+        if self._peer(pair.peer) is not p:
+            raise UnknownPeer(f"shm {self.agent_name!r}: peer {pair.peer!r} was re-added")
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
+        job = _BlockJob(handle, p, pair, req, notification)
+        with self._lock:
+            self._check_open()
+            self._jobs.put(job)
+        return handle
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            if not isinstance(job, _Job):
+            if not isinstance(job, (_Job, _BlockJob)):
                 job()
                 continue
             self._run(job)
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job | _BlockJob) -> None:
         h, peer = job.handle, job.peer
         if self._abort.is_set():
             h._finish(HandleState.FAILED, "transport closed before the transfer started")
@@ -990,7 +1069,8 @@ class ShmTransport(Transport):
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            copy_iovecs(fn, peer.pid, job.local, job.remote, self._iov_max, self._abort)
+            local, remote = (job.local, job.remote) if isinstance(job, _Job) else job.iovecs()
+            self._copy(fn, peer.pid, local, remote, h.nbytes)
             if job.notification is not None:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -998,6 +1078,32 @@ class ShmTransport(Transport):
             h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: {exc}")
             return
         h._finish(HandleState.DONE)
+
+    def _copy(self, fn: Callable[..., int], pid: int, local: IovArray, remote: IovArray,
+              nbytes: int) -> None:
+        """Copy on the worker, split across the helper threads when the transfer is large
+        (every part is waited for, also when one fails: its bytes may be landing)."""
+        parts = self._threads if nbytes >= self._split_bytes else 1
+        if parts <= 1 or local.shape[0] == 0:
+            copy_iovecs(fn, pid, local, remote, self._iov_max, self._abort)
+            return
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self._threads - 1,
+                                               thread_name_prefix=f"kvbridge-shm-{self.agent_name}")
+        (loc0, rem0), *rest = split_iovecs(local, remote, parts)
+        futures = [self._helpers.submit(copy_iovecs, fn, pid, loc, rem, self._iov_max,
+                                        self._abort) for loc, rem in rest]
+        errors: list[BaseException] = []
+        try:
+            copy_iovecs(fn, pid, loc0, rem0, self._iov_max, self._abort)
+        except Exception as exc:  # noqa: BLE001 - reported once every part stopped
+            errors.append(exc)
+        for f in futures:
+            failure = f.exception()
+            if failure is not None:
+                errors.append(failure)
+        if errors:
+            raise errors[0]
 
     def poll(self, handle: TransferHandle) -> HandleState:
         """The handle's state (non-blocking; the worker thread makes progress)."""
@@ -1030,6 +1136,7 @@ class ShmTransport(Transport):
                 self._jobs.put(None)
                 peers = list(self._peers.values())
                 self._peers.clear()
+            self._forget_blocks(None)
             self._listener.close()
             self._worker.join(timeout)
             if self._worker.is_alive():
@@ -1039,6 +1146,8 @@ class ShmTransport(Transport):
                 self._worker.join(5.0)
             self._abort.set()
             self._fail_leftovers()
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=True)
             for p in peers:
                 p.retire()
             self._inbox.close()
@@ -1050,7 +1159,7 @@ class ShmTransport(Transport):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, _Job):
+            if isinstance(job, (_Job, _BlockJob)):
                 job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
             elif job is not None:
                 job()
@@ -1059,3 +1168,11 @@ class ShmTransport(Transport):
 def _close_fd(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
+
+
+def raw_session(total_bytes: int, seed: int = 0) -> Any:
+    """Cross-memory attach alone (:class:`kvbridge.transports._shm_bench.RawSession`), for the
+    raw column of ``kvbridge bench transfer --backend shm``."""
+    from kvbridge.transports._shm_bench import RawSession
+
+    return RawSession(total_bytes, seed)

@@ -1,0 +1,92 @@
+"""kvbridge.bench_stats: the median's order-statistics interval, paired ratios, formatting."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvbridge.bench_stats import (
+    MedianCI,
+    median_ci,
+    paired_ratios,
+    percentile,
+    size_label,
+    table,
+)
+
+
+def test_interval_of_ten_values_is_the_textbook_one() -> None:
+    ci = median_ci([float(v) for v in range(1, 11)])
+    # n = 10 at 95 %: [x(2), x(9)], coverage 1 - 2 * 11/1024
+    assert (ci.median, ci.low, ci.high, ci.n) == (5.5, 2.0, 9.0, 10)
+    assert ci.coverage == pytest.approx(1 - 22 / 1024)
+
+
+def test_interval_of_thirty_values() -> None:
+    values = list(range(30))
+    random.Random(1).shuffle(values)  # order does not matter
+    ci = median_ci(values)
+    assert (ci.low, ci.high) == (9.0, 20.0)  # x(10), x(21)
+    assert 0.95 <= ci.coverage < 0.96
+
+
+def test_coverage_at_least_the_confidence_when_enough_values() -> None:
+    for n in range(6, 80):
+        for confidence in (0.9, 0.95, 0.99):
+            ci = median_ci(list(range(n)), confidence)
+            if ci.low > 0:  # some order statistic could be left out: the exact coverage
+                assert ci.coverage >= confidence
+            j = int(ci.low)
+            tail = sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n
+            assert ci.coverage == pytest.approx(1 - 2 * tail)
+            assert ci.low <= ci.median <= ci.high
+
+
+def test_too_few_values_report_their_lower_coverage() -> None:
+    ci = median_ci([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (ci.low, ci.high) == (1.0, 5.0)
+    assert ci.coverage == pytest.approx(1 - 2 / 32)  # < 0.95, and said so
+    one = median_ci([7.0])
+    assert (one.median, one.low, one.high, one.coverage) == (7.0, 7.0, 7.0, 0.0)
+
+
+@pytest.mark.parametrize("confidence", [0.0, 1.0, -0.5, 2.0])
+def test_bad_confidence(confidence: float) -> None:
+    with pytest.raises(ValueError, match="confidence"):
+        median_ci([1.0, 2.0], confidence)
+
+
+def test_no_values() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        median_ci([])
+
+
+def test_paired_ratios() -> None:
+    assert paired_ratios([2.0, 3.0], [1.0, 4.0]) == [2.0, 0.75]
+    with pytest.raises(ValueError, match="2 numerators but 1"):
+        paired_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        paired_ratios([1.0], [0.0])
+
+
+def test_format_and_helpers() -> None:
+    assert MedianCI(0.9731, 0.951, 0.989, 0.96, 30).format() == "0.973 [0.95, 0.99]"
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.9) == 5.0
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert [size_label(n) for n in (16 << 10, 1 << 20, 1000)] == ["16 KiB", "1 MiB", "1000 B"]
+    assert table(["a", "bb"], [["1", "22"], ["333", "4"]]) == [
+        "  a  bb", "---  --", "  1  22", "333   4"]
+
+
+def test_scattered_permutation_never_coalesces() -> None:
+    import numpy as np
+
+    from kvbridge.bench_raw import scattered
+
+    rng = np.random.default_rng(3)
+    for n in (4, 5, 64, 4096):
+        perm = scattered(rng, n)
+        assert sorted(perm.tolist()) == list(range(n))
+        assert not (np.diff(perm) == 1).any()

@@ -83,6 +83,7 @@ __all__ = [
     "percentile",
     "parse_configs",
     "handoff_times",
+    "beyond_wire",
     "handoff_breakdown",
     "request_steps",
     "prom_sum",
@@ -99,6 +100,14 @@ __all__ = [
     "side_channel_port",
     "vllm_pull_params",
     "vllm_push_params",
+    "Pair",
+    "connect",
+    "control_addresses",
+    "dispatch",
+    "kvbridge_prefill_params",
+    "control_stats",
+    "loadavg",
+    "CpuMeter",
     "run_benchmark",
     "add_arguments",
     "cli_main",
@@ -145,6 +154,8 @@ class BenchSettings:
     quiet_wait_s: float = 120.0
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
+    #: pin each engine's whole process tree to its core (VllmServer.pin_cpus)
+    pin_engines: bool = False
     log_dir: Path | None = None
     model_dir: Path | None = None
 
@@ -193,6 +204,7 @@ class PhaseResult:
     cpu_bench: float | None = None
     cpu_other: float | None = None
     handoffs: list[float] = field(default_factory=list)
+    beyond_wire: list[float] = field(default_factory=list)
     breakdown: dict[str, float] = field(default_factory=dict)
     xfer_avg_ms: float | None = None
     xfer_count: int = 0
@@ -254,9 +266,33 @@ def handoff_times(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence
 #: Consecutive steps of a request, in the order they happen, with who records each (C: the
 #: benchmark's client: dispatch, and the first token's arrival).
 _STEPS: tuple[tuple[str, str], ...] = (
-    ("C", "dispatch"), ("P", "kv_ready"), ("P", "write_posted"), ("P", "write_done"),
-    ("D", "recv_done"), ("D", "first_step"), ("C", "first_token"),
+    ("C", "dispatch"), ("P", "kv_ready"), ("P", "ready_seen"), ("P", "write_posted"),
+    ("P", "write_done"), ("D", "recv_done"), ("D", "recv_seen"), ("D", "first_step"),
+    ("C", "first_token"),
 )
+"""P: ``kv_ready`` the forward wrote the KV, ``ready_seen`` the transfer loop took it,
+``write_posted`` / ``write_done`` the WRITE (push); D: ``recv_done`` the transfer loop has the
+KV, ``recv_seen`` vLLM's scheduler learned it, ``first_step`` the request was scheduled."""
+
+PIN_HELP = ("restrict every process and thread of each engine to its core (P 0, D 1), not only "
+            "vLLM's OpenMP threads, so one engine's API server and threads do not run on the "
+            "other's core")
+HANDOFF_BAR_MS = 2.0
+"""The hand-off issue's bar: push hand-off minus wire time, p50, sequential."""
+
+
+def beyond_wire(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence[str]) -> list[
+        float]:
+    """Push hand-off minus its wire time, per transfer: ``(D.first_step - P.kv_ready) -
+    (P.write_done - P.write_posted)`` (seconds), for transfers that recorded all four: the
+    part of the hand-off that is waiting and bookkeeping, not moving bytes."""
+    out: list[float] = []
+    for tid in transfer_ids:
+        p = p_timings.get(tid) or {}
+        d = d_timings.get(tid) or {}
+        if all(k in p for k in ("kv_ready", "write_posted", "write_done")) and "first_step" in d:
+            out.append((d["first_step"] - p["kv_ready"]) - (p["write_done"] - p["write_posted"]))
+    return out
 
 
 def handoff_breakdown(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence[str],
@@ -381,6 +417,7 @@ def summarize(res: PhaseResult) -> dict[str, Any]:
         "handoff_p50_ms": _ms(percentile(res.handoffs, 50)),
         "handoff_p90_ms": _ms(percentile(res.handoffs, 90)),
         "handoff_n": len(res.handoffs),
+        "beyond_wire_p50_ms": _ms(percentile(res.beyond_wire, 50)),
         "nixl_xfer_avg_ms": res.xfer_avg_ms, "nixl_xfer_n": res.xfer_count,
         "cpu_p_s": res.cpu_p, "cpu_d_s": res.cpu_d, "cpu_bench_s": res.cpu_bench,
         "cpu_other_s": res.cpu_other, "wall_s": res.wall_s,
@@ -417,8 +454,8 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 TABLE_HEADERS = ("config", "mode", "phase", "ok/fail", "TTFT p50 s", "TTFT p90 s",
-                 "TPOT p50 ms", "hand-off p50/p90 ms", "nixl xfer ms", "CPU-s P", "CPU-s D",
-                 "CPU-s other", "wall s", "match", "TTFT x", "TPOT x")
+                 "TPOT p50 ms", "hand-off p50/p90 ms", "-wire p50 ms", "nixl xfer ms", "CPU-s P",
+                 "CPU-s D", "CPU-s other", "wall s", "match", "TTFT x", "TPOT x")
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -437,7 +474,8 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         out.append([
             r["config"], mode, r["phase"], f"{r['ok']}/{r['failed']}",
             _fmt(r["ttft_p50_s"]), _fmt(r["ttft_p90_s"]), _fmt(r["tpot_p50_ms"], 1), handoff,
-            xfer, _fmt(r["cpu_p_s"], 1), _fmt(r["cpu_d_s"], 1), _fmt(r.get("cpu_other_s"), 1),
+            _fmt(r.get("beyond_wire_p50_ms"), 2), xfer, _fmt(r["cpu_p_s"], 1),
+            _fmt(r["cpu_d_s"], 1), _fmt(r.get("cpu_other_s"), 1),
             _fmt(r.get("wall_s"), 1), r["match"],
             _fmt(r.get("ttft_ratio"), 2), _fmt(r.get("tpot_ratio"), 2),
         ])
@@ -470,6 +508,19 @@ def format_breakdown(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
 
 
+def format_bars(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The hand-off issue's first bar, per kvbridge configuration: push hand-off minus wire
+    time, p50, sequential (``seq``), against :data:`HANDOFF_BAR_MS`."""
+    lines = []
+    for r in rows:
+        if r["mode"] == "push" and r["phase"] == "seq" and r.get("beyond_wire_p50_ms") is not None:
+            v = r["beyond_wire_p50_ms"]
+            verdict = "met" if v <= HANDOFF_BAR_MS else "NOT met"
+            lines.append(f"  {r['config']}: push seq hand-off p50 {_fmt(r['handoff_p50_ms'], 2)} "
+                         f"ms, minus wire {v:.2f} ms (bar <= {HANDOFF_BAR_MS:g} ms: {verdict})")
+    return "\n".join(["hand-off minus wire time:"] + lines) if lines else ""
+
+
 def workload_prompts(settings: BenchSettings, mode: str, phase: str, n: int) -> list[list[int]]:
     """*n* fresh prompts for (mode slot, phase); identical across configurations and runs."""
     from kvbridge.testing.tiny_model import random_prompts
@@ -486,9 +537,10 @@ def _kvbridge_connector(role: str, engine_id: str, backend: str) -> dict[str, An
             "kv_connector_extra_config": {"backend": backend}}
 
 
-def engine_specs(config: str, model: Path, log_dir: Path,
-                 engine_spin_ms: float = 2.0) -> tuple[VllmServer, VllmServer]:
-    """The (P, D) engines of *config*, not started: P on core 0, D on core 1.
+def engine_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float = 2.0,
+                 pin: bool = False) -> tuple[VllmServer, VllmServer]:
+    """The (P, D) engines of *config*, not started: P on core 0, D on core 1 (vLLM's OpenMP
+    threads; with *pin* every process and thread of each engine).
 
     kvbridge's engines get ``KVBRIDGE_ENGINE_SPIN_MS`` (its recommended setting on small hosts)
     unless *engine_spin_ms* is negative; vLLM's own connectors run as shipped.
@@ -521,9 +573,9 @@ def engine_specs(config: str, model: Path, log_dir: Path,
         raise ConfigError(f"unknown configuration {config!r}")
     args = ["--block-size", "32"]
     p = VllmServer(model, name=f"{config}-P", kv_transfer_config=kv_p, cpu_bind="0", env=env_p,
-                   extra_args=args, log_path=log_dir / f"{config}-prefill.log")
+                   extra_args=args, log_path=log_dir / f"{config}-prefill.log", pin_cpus=pin)
     d = VllmServer(model, name=f"{config}-D", kv_transfer_config=kv_d, cpu_bind="1", env=env_d,
-                   extra_args=args, log_path=log_dir / f"{config}-decode.log")
+                   extra_args=args, log_path=log_dir / f"{config}-decode.log", pin_cpus=pin)
     return p, d
 
 
@@ -532,19 +584,20 @@ MAX_FLEET = 8
 
 
 def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float = 2.0,
-                prefill: int = 1, decode: int = 1) -> tuple[list[VllmServer], list[VllmServer]]:
+                prefill: int = 1, decode: int = 1, pin: bool = False
+                ) -> tuple[list[VllmServer], list[VllmServer]]:
     """The ``prefill`` P and ``decode`` D engines of a kvbridge *config*, not started.
 
     1P1D is :func:`engine_specs` unchanged (any config). A larger fleet (xPyD) is kvbridge's
     only, since vLLM's connectors are benchmarked behind a one-P-one-D stock proxy: engine k of
     P0..Px-1, D0..Dy-1 is pinned to the k-th CPU this process may use, round-robin (on two
     cores: P0 and D0 on the first, P1 and D1 on the second), with engine ids and logs numbered
-    per role.
+    per role. *pin*: each engine's whole process tree too (:func:`engine_specs`).
     """
     if not (1 <= prefill <= MAX_FLEET and 1 <= decode <= MAX_FLEET):
         raise ConfigError(f"a fleet has 1..{MAX_FLEET} engines per role, not {prefill}P{decode}D")
     if (prefill, decode) == (1, 1):
-        p, d = engine_specs(config, model, log_dir, engine_spin_ms)
+        p, d = engine_specs(config, model, log_dir, engine_spin_ms, pin)
         return [p], [d]
     if config not in ("kvbridge-shm", "kvbridge-nixl"):
         raise ConfigError(f"{config} runs 1P1D only (its stock proxy has one P and one D); "
@@ -562,7 +615,7 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
         out[tag].append(VllmServer(
             model, name=f"{config}-{tag}{i}", kv_transfer_config=kv,
             cpu_bind=str(cpus[k % len(cpus)]), env=dict(env), extra_args=["--block-size", "32"],
-            log_path=log_dir / f"{config}-{word}{i}.log"))  # fmt: skip
+            log_path=log_dir / f"{config}-{word}{i}.log", pin_cpus=pin))  # fmt: skip
     return out["P"], out["D"]
 
 
@@ -578,7 +631,8 @@ def _scrape(url: str, name: str, timeout: float = 5.0) -> tuple[float, float]:
     return prom_sum(text, name + "_sum"), prom_sum(text, name + "_count")
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
+    """The host's 1, 5 and 15 minute load averages, as text."""
     try:
         with open("/proc/loadavg") as f:
             return " ".join(f.read().split()[:3])
@@ -618,7 +672,7 @@ class _DecodeLoad:
 
 
 @dataclass
-class _Pair:
+class Pair:
     """A started engine pair and what the dispatchers need to know about it."""
 
     config: str
@@ -636,7 +690,7 @@ class _Pair:
         return self.config.startswith("kvbridge")
 
 
-def _stream_d(pair: _Pair, url: str, prompt: list[int], params: Mapping[str, Any] | None,
+def _stream_d(pair: Pair, url: str, prompt: list[int], params: Mapping[str, Any] | None,
               t0: float, rec: RequestRecord, headers: Mapping[str, str] | None = None) -> None:
     t_send = time.perf_counter()
     if rec.t0_wall is None:
@@ -655,7 +709,7 @@ def _stream_d(pair: _Pair, url: str, prompt: list[int], params: Mapping[str, Any
     rec.ok = True
 
 
-def _p_leg(pair: _Pair, prompt: list[int], params: Mapping[str, Any],
+def _p_leg(pair: Pair, prompt: list[int], params: Mapping[str, Any],
            headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     return complete(pair.p.url, prompt, 1, params, timeout=pair.settings.request_timeout,
                     headers=headers)
@@ -681,7 +735,8 @@ def vllm_push_params(rid: str, p_side_channel_port: int) -> tuple[dict[str, Any]
     return p_params, d_params
 
 
-def _kvb_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
+def kvbridge_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
+    """The P leg's ``kv_transfer_params`` the kvbridge proxy would send in *mode*."""
     from kvbridge.proxy.routing import ProxyMode, prefill_body
 
     params: dict[str, Any] = prefill_body({"prompt": []}, transfer_id,
@@ -689,7 +744,7 @@ def _kvb_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
     return params
 
 
-def _pull(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
+def _pull(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
           rec: RequestRecord) -> None:
     t0 = time.perf_counter()
     resp = _p_leg(pair, prompt, p_params)
@@ -700,7 +755,7 @@ def _pull(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
         _stream_d(pair, pair.d.url, prompt, d_params, t0, rec)
 
 
-def _concurrent_legs(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any],
+def _concurrent_legs(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
                      d_params: Mapping[str, Any], rec: RequestRecord,
                      headers: Mapping[str, str] | None = None) -> None:
     t0 = time.perf_counter()
@@ -712,7 +767,7 @@ def _concurrent_legs(pair: _Pair, prompt: list[int], p_params: Mapping[str, Any]
         p_fut.result(timeout=pair.settings.request_timeout + 10)
 
 
-def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRecord:
+def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRecord:
     """Run one request of *mode* on *pair* and return its record (never raises)."""
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
@@ -731,10 +786,10 @@ def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRe
             chosen = ("push" if reserved else "pull") if mode == "auto" else mode
             rec.mode = chosen
             if chosen == "pull":
-                _pull(pair, prompt, _kvb_prefill_params(rec.transfer_id, "pull"), rec)
+                _pull(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "pull"), rec)
             else:
                 with pair.load.hold(reserved):
-                    _concurrent_legs(pair, prompt, _kvb_prefill_params(rec.transfer_id, "push"),
+                    _concurrent_legs(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "push"),
                                      push_decode_params(pair.probe, rec.transfer_id), rec)
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         rec.ok = False
@@ -742,7 +797,7 @@ def dispatch(pair: _Pair, mode: str, prompt: list[int], index: int) -> RequestRe
     return rec
 
 
-def via_proxy(pair: _Pair, url: str, mode: str, prompt: list[int], index: int) -> RequestRecord:
+def via_proxy(pair: Pair, url: str, mode: str, prompt: list[int], index: int) -> RequestRecord:
     """One streamed request through a kvbridge proxy at *url* (never raises)."""
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
@@ -756,7 +811,8 @@ def via_proxy(pair: _Pair, url: str, mode: str, prompt: list[int], index: int) -
 # -- phases --------------------------------------------------------------------------------------
 
 
-def _stats(address: str) -> Any:
+def control_stats(address: str) -> Any:
+    """One engine rank's :class:`~kvbridge.messages.StatsReply` (counters and timings)."""
     from kvbridge.control import ControlClient
     from kvbridge.messages import Codec, StatsQuery, StatsReply
 
@@ -768,6 +824,24 @@ def _stats(address: str) -> Any:
     if not isinstance(reply, StatsReply):
         raise EngineError(f"{address} answered StatsQuery with {type(reply).__name__}")
     return reply
+
+
+def control_addresses(p_url: str, d_url: str, timeout: float) -> tuple[str, str, Any]:
+    """Two started kvbridge engines: (P's control address, D's, P's parsed probe answer).
+    Raises EngineError when an engine does not answer."""
+    from kvbridge.proxy.routing import parse_probe
+
+    p_probe = _control_probe(p_url, timeout)
+    d_probe = _control_probe(d_url, timeout)
+    return (f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}",
+            f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}", parse_probe(p_probe))
+
+
+def connect(pair: Pair) -> None:
+    """A started kvbridge pair: learn P's probe answer (for push dispatch) and both control
+    addresses (for the engines' timings). Raises EngineError when an engine does not answer."""
+    pair.p_ctl, pair.d_ctl, pair.probe = control_addresses(pair.p.url, pair.d.url,
+                                                           pair.settings.request_timeout)
 
 
 def _control_probe(url: str, timeout: float) -> dict[str, Any]:
@@ -810,14 +884,14 @@ def _run_requests(send: Callable[[list[int], int], RequestRecord], prompts: list
     return records
 
 
-def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], concurrency: int,
+def run_phase(pair: Pair, mode: str, phase: str, prompts: list[list[int]], concurrency: int,
               send: Callable[[list[int], int], RequestRecord]) -> PhaseResult:
     """Measure one phase: CPU, (vLLM) NIXL metrics and (kvbridge) timings around the requests."""
     res = PhaseResult(pair.config, mode, phase)
     xfer0 = _xfer_totals(pair)
     d_keys0: set[str] = set()
     if pair.kvbridge and pair.d_ctl:
-        d_keys0 = set(_stats(pair.d_ctl).timings)
+        d_keys0 = set(control_stats(pair.d_ctl).timings)
     meter = CpuMeter(pair.p.pid or -1, pair.d.pid or -1)
     t0 = time.perf_counter()
     res.records = _run_requests(send, prompts, concurrency, pair.settings.max_failures)
@@ -829,11 +903,12 @@ def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], conc
         res.xfer_avg_ms = (xfer1[0] - xfer0[0]) / (xfer1[1] - xfer0[1]) * 1000.0
     if pair.kvbridge and pair.p_ctl and pair.d_ctl:
         time.sleep(0.2)  # the last first_step reaches D's agent with its next engine step
-        p_t, d_t = _stats(pair.p_ctl).timings, _stats(pair.d_ctl).timings
+        p_t, d_t = control_stats(pair.p_ctl).timings, control_stats(pair.d_ctl).timings
         tids = [r.transfer_id for r in res.records if r.transfer_id]
         if not tids:  # through the proxy: its transfer ids are the ones new on D
             tids = sorted(set(d_t) - d_keys0)
         res.handoffs = handoff_times(p_t, d_t, tids)
+        res.beyond_wire = beyond_wire(p_t, d_t, tids)
         client = {r.transfer_id: {"dispatch": r.t0_wall, "first_token": r.t0_wall + r.ttft}
                   for r in res.records
                   if r.transfer_id and r.t0_wall is not None and r.ttft is not None}
@@ -841,14 +916,14 @@ def run_phase(pair: _Pair, mode: str, phase: str, prompts: list[list[int]], conc
         for r in res.records:
             if r.transfer_id and r.t0_wall is not None:
                 r.steps = request_steps(p_t, d_t, r.transfer_id, r.t0_wall)
-    res.loadavg = _loadavg()
+    res.loadavg = loadavg()
     failed = [r for r in res.records if not r.ok]
     if failed:
         res.error = f"{len(failed)} failed, first: {failed[0].error}"
     return res
 
 
-def _xfer_totals(pair: _Pair) -> tuple[float, float] | None:
+def _xfer_totals(pair: Pair) -> tuple[float, float] | None:
     """vLLM NIXL: summed (sum, count) of the transfer-time histogram over both engines."""
     if pair.kvbridge:
         return None
@@ -861,18 +936,18 @@ def _xfer_totals(pair: _Pair) -> tuple[float, float] | None:
     return a[0] + b[0], a[1] + b[1]
 
 
-def _idle_phase(pair: _Pair) -> PhaseResult:
+def _idle_phase(pair: Pair) -> PhaseResult:
     res = PhaseResult(pair.config, "-", "idle")
     meter = CpuMeter(pair.p.pid or -1, pair.d.pid or -1)
     t0 = time.perf_counter()
     time.sleep(pair.settings.idle_s)
     res.wall_s = time.perf_counter() - t0
     res.cpu_p, res.cpu_d, res.cpu_bench, res.cpu_other = meter.read()
-    res.loadavg = _loadavg()
+    res.loadavg = loadavg()
     return res
 
 
-def _check(pair: _Pair, results: Sequence[PhaseResult]) -> None:
+def _check(pair: Pair, results: Sequence[PhaseResult]) -> None:
     """Re-run the first ``check`` requests of every phase as plain greedy on P; count matches."""
     for res in results:
         for rec in [r for r in res.records if r.ok][:pair.settings.check]:
@@ -904,9 +979,9 @@ def _modes(config: str) -> list[str]:
 def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
                progress: Progress) -> tuple[list[PhaseResult], dict[str, Any]]:
     """Start *config*'s engines, run every mode and phase, check outputs, stop the engines."""
-    info: dict[str, Any] = {"loadavg_start": _loadavg(), "logs": str(log_dir)}
+    info: dict[str, Any] = {"loadavg_start": loadavg(), "logs": str(log_dir)}
     results: list[PhaseResult] = []
-    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms)
+    p, d = engine_specs(config, model, log_dir, settings.engine_spin_ms, settings.pin_engines)
     legs = cf.ThreadPoolExecutor(2 * settings.wave, thread_name_prefix="bench-leg")
     proxies: Any = None
     t_start = time.monotonic()
@@ -916,17 +991,12 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
                       progress=lambda s, r: progress(f"{config}: waiting for engines {s:.0f} s "
                                                      f"ready={r}"), progress_every=30.0)
         info["ready_s"] = round(time.monotonic() - t_start, 1)
-        pair = _Pair(config, p, d, settings, legs)
+        pair = Pair(config, p, d, settings, legs)
         results.append(_idle_phase(pair))
         if pair.kvbridge:
-            from kvbridge.proxy.routing import parse_probe
             from kvbridge.testing.proxies import ProxyThread
 
-            p_probe = _control_probe(p.url, settings.request_timeout)
-            d_probe = _control_probe(d.url, settings.request_timeout)
-            pair.probe = parse_probe(p_probe)
-            pair.p_ctl = f"tcp://{p_probe['remote_host']}:{p_probe['remote_port']}"
-            pair.d_ctl = f"tcp://{d_probe['remote_host']}:{d_probe['remote_port']}"
+            connect(pair)
             proxies = ProxyThread([p.url], [d.url],
                                   push_headroom=settings.push_headroom).start()
         for mode in _modes(config):
@@ -942,12 +1012,12 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
         legs.shutdown(wait=False, cancel_futures=True)
         p.stop()
         d.stop()
-        info["loadavg_end"] = _loadavg()
+        info["loadavg_end"] = loadavg()
         info["elapsed_s"] = round(time.monotonic() - t_start, 1)
     return results, info
 
 
-def _run_mode(pair: _Pair, mode: str, proxies: Any, progress: Progress) -> list[PhaseResult]:
+def _run_mode(pair: Pair, mode: str, proxies: Any, progress: Progress) -> list[PhaseResult]:
     s = pair.settings
     out: list[PhaseResult] = []
     warm = RequestRecord(index=0, mode=mode)
@@ -996,7 +1066,7 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "loadavg_start": _loadavg()},
+        "host": {"cpus": os.cpu_count(), "loadavg_start": loadavg()},
         "settings": {k: (str(v) if isinstance(v, Path) else v)
                      for k, v in vars(settings).items()},
         "log_dir": str(log_dir), "configs": {}, "rows": [],
@@ -1014,13 +1084,13 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     report["rows"] = rows
     report["records"] = [{"config": r.config, "mode": r.mode, "phase": r.phase,
                           "requests": [x.to_dict() for x in r.records]} for r in results]
-    report["host"]["loadavg_end"] = _loadavg()
+    report["host"]["loadavg_end"] = loadavg()
     return report
 
 
 def _load1() -> float:
     try:
-        return float(_loadavg().split()[0])
+        return float(loadavg().split()[0])
     except (ValueError, IndexError):
         return 0.0
 
@@ -1032,7 +1102,7 @@ def _wait_quiet(settings: BenchSettings, say: Progress) -> float:
     t0 = time.monotonic()
     if _load1() >= settings.quiet_load:
         say(f"waiting up to {settings.quiet_wait_s:.0f} s for load < {settings.quiet_load} "
-            f"(now {_loadavg()})")
+            f"(now {loadavg()})")
     while _load1() >= settings.quiet_load and time.monotonic() - t0 < settings.quiet_wait_s:
         time.sleep(5.0)
     return time.monotonic() - t0
@@ -1043,9 +1113,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     parts = [f"kvbridge bench e2e, {report['date']}, {report['host']['cpus']} CPUs, load "
              f"{report['host']['loadavg_start']} -> {report['host']['loadavg_end']}", "",
              format_table(report["rows"])]
-    steps = format_breakdown(report["rows"])
-    if steps:
-        parts += ["", steps]
+    for extra in (format_breakdown(report["rows"]), format_bars(report["rows"])):
+        if extra:
+            parts += ["", extra]
     parts += ["", "engines (ready after, whole configuration, load at start -> end):"]
     for name, info in report["configs"].items():
         parts.append(f"  {name}: waited {info.get('quiet_wait_s', 0)} s for quiet, ready "
@@ -1055,7 +1125,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     parts += ["", f"engine logs: {report['log_dir']}",
               "TTFT x / TPOT x: ratio to vllm-nixl-pull's same phase (proxy-seq vs its seq); "
               "CPU-s: CPU seconds of each engine's process group during the phase (other: the "
-              "rest of the host, this benchmark excluded); nixl xfer: mean "
+              "rest of the host, this benchmark excluded); -wire: push hand-off minus the WRITE "
+              "(P.write_posted -> P.write_done), p50 over transfers; nixl xfer: mean "
               "vllm:nixl_xfer_time_seconds (vLLM only)"]
     return "\n".join(parts)
 
@@ -1096,6 +1167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... for at most this many seconds")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a temp dir)")
     p.add_argument("--model-dir", type=Path, default=None, help="tiny model directory")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
@@ -1119,7 +1191,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         seed=args.seed, request_timeout=args.request_timeout, start_timeout=args.start_timeout,
         idle_s=args.idle_s, max_failures=args.max_failures, warmup_tries=args.warmup_tries,
         quiet_load=args.quiet_load, quiet_wait_s=args.quiet_wait,
-        engine_spin_ms=args.engine_spin_ms, log_dir=args.log_dir,
+        engine_spin_ms=args.engine_spin_ms, pin_engines=args.pin_engines, log_dir=args.log_dir,
         model_dir=args.model_dir,
     )
 

@@ -69,6 +69,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvbridge.bench_e2e import PIN_HELP
 from kvbridge.errors import ConfigError
 
 __all__ = [
@@ -88,6 +89,11 @@ __all__ = [
     "result_metrics",
     "engines_idle",
     "format_table",
+    "sustained",
+    "push_pull",
+    "format_push_pull",
+    "handoff_summary",
+    "format_steps",
     "write_plots",
     "load_results",
     "run_serve_bench",
@@ -131,6 +137,7 @@ class ServeSettings:
     decode_engines: int = 1
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
+    pin_engines: bool = False
     request_timeout: float = 120.0
     bench_timeout: float = 600.0
     start_timeout: float = 600.0
@@ -308,15 +315,25 @@ def _f(v: Any, nd: int = 1) -> str:
 
 
 TABLE_HEADERS = ("setup", "rate", "ok/fail", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "E2E p99 ms", "req/s")
+                 "TPOT p99 ms", "E2E p99 ms", "req/s", "hand-off p50 ms", "-wire p50 ms")
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """The cells of the table, one list per (setup, rate)."""
+    """The cells of the table, one list per (setup, rate). The hand-off columns (kvbridge only)
+    come from the engines' own timings of the run's transfers (:func:`handoff_summary`)."""
     return [[str(r["setup"]), f"{r['rate']:g}", f"{_f(r.get('completed'))}/{_f(r.get('failed'))}",
              _f(r.get("ttft_p50")), _f(r.get("ttft_p99")), _f(r.get("tpot_p50")),
-             _f(r.get("tpot_p99")), _f(r.get("e2e_p99")), _f(r.get("request_throughput"), 2)]
+             _f(r.get("tpot_p99")), _f(r.get("e2e_p99")), _f(r.get("request_throughput"), 2),
+             _f(r.get("handoff_p50"), 2), _f(r.get("beyond_wire_p50"), 2)]
             for r in rows]
+
+
+def format_steps(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Median of each hand-off step (ms) per kvbridge (setup, rate)."""
+    lines = [f"  {r['setup']} @ {r['rate']:g}: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in r["handoff_steps"].items())
+        for r in rows if r.get("handoff_steps")]
+    return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -332,6 +349,62 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
               if r.get("error")]
     if errors:
         lines += ["", "errors:"] + errors
+    return "\n".join(lines)
+
+
+SUSTAINED_FRACTION = 0.9
+"""A run *sustains* its offered rate when every request completed and the measured request
+throughput is at least this fraction of the rate (Poisson arrivals: a finite run's tail makes
+it a little below the rate even when nothing queues)."""
+PUSH_PULL_BAR = 1.0 / 3.0
+"""The hand-off issue's bar: push TTFT p50 <= 1/3 of pull's at the highest rate D sustains."""
+
+
+def sustained(row: Mapping[str, Any]) -> bool:
+    """Whether one (setup, rate) run kept up with its rate (see :data:`SUSTAINED_FRACTION`)."""
+    thr, rate = _num(row.get("request_throughput")), _num(row.get("rate"))
+    return (not row.get("error") and not row.get("failed") and thr is not None
+            and rate is not None and thr >= SUSTAINED_FRACTION * rate)
+
+
+def push_pull(rows: Sequence[Mapping[str, Any]], prefix: str = "kvbridge") -> dict[str, Any]:
+    """Push against pull TTFT p50 of one connector family (``<prefix>-push`` / ``-pull``): the
+    ratio at every rate both ran, and at the highest rate both sustained, with the verdict
+    against :data:`PUSH_PULL_BAR`. Empty when the run had not both setups."""
+    by = {(str(r["setup"]), float(r["rate"])): r for r in rows}
+    rates = sorted({rate for (setup, rate) in by if setup == f"{prefix}-push"}
+                   & {rate for (setup, rate) in by if setup == f"{prefix}-pull"})
+    ratios: dict[str, float | None] = {}
+    best: float | None = None
+    for rate in rates:
+        push, pull = by[(f"{prefix}-push", rate)], by[(f"{prefix}-pull", rate)]
+        a, b = _num(push.get("ttft_p50")), _num(pull.get("ttft_p50"))
+        ratios[f"{rate:g}"] = a / b if a is not None and b else None
+        if sustained(push) and sustained(pull) and ratios[f"{rate:g}"] is not None:
+            best = rate
+    if not rates:
+        return {}
+    out: dict[str, Any] = {"prefix": prefix, "ratios": ratios, "sustained_rate": best}
+    if best is not None:
+        ratio = ratios[f"{best:g}"]
+        out.update(ratio=ratio, met=ratio is not None and ratio <= PUSH_PULL_BAR)
+    return out
+
+
+def format_push_pull(summary: Mapping[str, Any]) -> str:
+    """The :func:`push_pull` summary as text (empty for an empty summary)."""
+    if not summary:
+        return ""
+    prefix = summary["prefix"]
+    ratios = ", ".join(f"{rate} req/s {_f(v, 2)}" for rate, v in summary["ratios"].items())
+    lines = [f"{prefix} push/pull TTFT p50: {ratios}"]
+    if summary.get("sustained_rate") is None:
+        lines.append(f"  no rate was sustained by both {prefix}-push and {prefix}-pull "
+                     f"(every request completed, throughput >= {SUSTAINED_FRACTION:g} x rate)")
+    else:
+        verdict = "met" if summary.get("met") else "NOT met"
+        lines.append(f"  at the highest rate both sustain, {summary['sustained_rate']:g} req/s: "
+                     f"push/pull = {_f(summary.get('ratio'), 2)} (bar <= 1/3: {verdict})")
     return "\n".join(lines)
 
 
@@ -570,7 +643,7 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
     config = f"kvbridge-{settings.backend}" if group == KVBRIDGE_GROUP else group
     log_dir = out / "logs"
     ps, ds = fleet_specs(config, model, log_dir, settings.engine_spin_ms,
-                         settings.prefill_engines, settings.decode_engines)
+                         settings.prefill_engines, settings.decode_engines, settings.pin_engines)
     engines = [*ps, *ds]
     info: dict[str, Any] = {"setups": list(setups), "engines": config, "logs": str(log_dir),
                             "fleet": fleet_name(len(ps), len(ds))}
@@ -583,9 +656,15 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
                       progress=lambda s, r: rec.say(f"{group}: waiting for engines {s:.0f} s, "
                                                     f"ready={r}"))
         info["ready_s"] = round(time.monotonic() - t_start, 1)
+        controls = None  # the engines' hand-off timings: read on a 1P1D kvbridge pair
+        if group == KVBRIDGE_GROUP and len(ps) == len(ds) == 1:
+            from kvbridge.bench_e2e import control_addresses
+
+            controls = control_addresses(ps[0].url, ds[0].url, settings.request_timeout)[:2]
         with _endpoints(group, setups, ps, ds, settings) as urls:
             for setup in setups:
-                _run_setup(setup, urls[setup], settings, model, out, rec, engines, done)
+                _run_setup(setup, urls[setup], settings, model, out, rec, engines, done,
+                           controls)
     except Exception as exc:  # noqa: BLE001 - report the group failed, go on with the next
         info["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         rec.say(f"{group}: FAILED: {info['error'][:300]}")
@@ -599,8 +678,27 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
         rec.say(f"{group}: engines stopped")
 
 
+def handoff_summary(p_timings: Mapping[str, Mapping[str, float]],
+                    d_timings: Mapping[str, Mapping[str, float]],
+                    transfer_ids: Sequence[str]) -> dict[str, Any]:
+    """What the engines recorded for one run's transfers: hand-off p50 (``D.first_step -
+    P.kv_ready``), push hand-off minus wire p50, and the median of every step (ms)."""
+    from kvbridge.bench_e2e import beyond_wire, handoff_breakdown, handoff_times, percentile
+
+    def ms(values: Sequence[float]) -> float | None:
+        v = percentile(values, 50)
+        return None if v is None else v * 1000.0
+
+    return {"handoff_n": len(handoff_times(p_timings, d_timings, transfer_ids)),
+            "handoff_p50": ms(handoff_times(p_timings, d_timings, transfer_ids)),
+            "beyond_wire_p50": ms(beyond_wire(p_timings, d_timings, transfer_ids)),
+            "handoff_steps": {k: v * 1000.0 for k, v in
+                              handoff_breakdown(p_timings, d_timings, transfer_ids).items()}}
+
+
 def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: Path,
-               rec: _Recorder, engines: Sequence[Any], done: set[tuple[str, float]]) -> None:
+               rec: _Recorder, engines: Sequence[Any], done: set[tuple[str, float]],
+               controls: tuple[str, str] | None = None) -> None:
     engine_urls = [e.url for e in engines]
     rec.say(f"{setup}: {settings.warmups} warm-up request(s) through {url}")
     warm_error = _warm_up(url, settings, setup)
@@ -630,7 +728,17 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
         rec.say(f"{setup}: vllm bench serve at {rate:g} req/s ({settings.num_prompts} prompts, "
                 f"seed {seed}) -> {url}")
         row["wall_start"] = time.time()
+        from kvbridge.bench_e2e import control_stats
+
+        seen = set(control_stats(controls[1]).timings) if controls else set()
         rc = run_bench_process(cmd, out / f"{name}.bench.log", settings.bench_timeout)
+        if controls is not None:
+            try:
+                time.sleep(0.3)  # the last first_step reaches D's rank with its next step
+                p_t, d_t = (control_stats(c).timings for c in controls)
+                row.update(handoff_summary(p_t, d_t, sorted(set(d_t) - seen)))
+            except Exception as exc:  # noqa: BLE001 - timings are extra; the run stands
+                rec.say(f"{setup}: no hand-off timings: {exc}")
         path = out / f"{name}.json"
         row.update(rc=rc, result_file=path.name, log_file=f"{name}.bench.log")
         if rc == 0 and path.is_file():
@@ -728,6 +836,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the proxy, e.g. 2P2D (default 1P1D; the vLLM setups run 1P1D only)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds for one warm-up request")
     p.add_argument("--bench-timeout", type=float, default=d.bench_timeout,
@@ -773,6 +882,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, backend=args.backend, warmups=args.warmups,
         push_headroom=args.push_headroom, engine_spin_ms=args.engine_spin_ms,
+        pin_engines=args.pin_engines,
         request_timeout=args.request_timeout, bench_timeout=args.bench_timeout,
         start_timeout=args.start_timeout, idle_timeout=args.idle_timeout,
         plots=not args.no_plots, out=args.out, model_dir=args.model_dir,
@@ -802,7 +912,8 @@ def _signals_unwind() -> Iterator[None]:
 def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: bool,
                   results: Path | None = None) -> None:
     if as_json:
-        json.dump({**report, "plots": [str(p) for p in plots]}, sys.stdout, indent=2)
+        json.dump({**report, "plots": [str(p) for p in plots],
+                   "push_pull": push_pull(report.get("rows") or [])}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
     s = report.get("settings") or {}
@@ -814,6 +925,11 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
           f"{report.get('host', {}).get('loadavg_end')}")
     print()
     print(format_table(report.get("rows") or []))
+    for extra in (format_steps(report.get("rows") or []),
+                  format_push_pull(push_pull(report.get("rows") or []))):
+        if extra:
+            print()
+            print(extra)
     print()
     print(f"results: {results or Path(str(report.get('out', '.'))) / RESULTS_FILE}")
     for path in plots:

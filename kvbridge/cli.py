@@ -339,6 +339,19 @@ def add_bench_parser(subparsers: Any) -> None:
     bench_e2e.add_arguments(e)
     e.set_defaults(func=bench_e2e.cli_main)
 
+    from kvbridge import bench_handoff
+
+    h = sub.add_parser(
+        "handoff",
+        help="the hand-off with and without wake on arrival, two engine pairs interleaved",
+        description="Start two kvbridge engine pairs at once (wake on arrival on, and off with "
+        "KVBRIDGE_WAKE_ON_ARRIVAL=0), send sequential push and pull requests to them in "
+        "alternating order, and print TTFT, hand-off, wire time, hand-off minus wire and the "
+        "median of every hand-off step side by side, with the paired differences.",
+    )
+    bench_handoff.add_arguments(h)
+    h.set_defaults(func=bench_handoff.cli_main)
+
     from kvbridge import bench_offload
 
     o = sub.add_parser(

@@ -95,6 +95,10 @@ class Config:
     """Push: WRITE each layer as soon as the forward pass has written it."""
     idle_wait_ms: float = 20.0
     """Longest an idle engine step sleeps while only waiting on transfers (0 disables)."""
+    wake_on_arrival: bool = True
+    """Wake the engine loop the moment a hand-off finishes or a request arrives, through one
+    version-checked hook into vLLM's idle sleep (kvbridge.integrations.vllm_idle); off, or where
+    the hook cannot be installed, an idle step polls with the idle_wait_ms back-off instead."""
     engine_spin_ms: float = -1.0
     """vLLM workers busy-spin this long after each step before sleeping (vLLM: 1000 ms).
     Negative keeps vLLM's default. A few ms stops idle engines from burning a core each on

@@ -204,6 +204,25 @@ def _check_connectors(t: Target, mod: ModuleType, wanted: Sequence[str]) -> Chec
                  f"do not resolve through vLLM's KVConnectorFactory: {text}")
 
 
+def check_wake(t: Target) -> Check:
+    """wake_on_arrival: this vLLM's engine loop has the idle sleep kvbridge's hook replaces."""
+    if not t.config.wake_on_arrival:
+        return Check("wake on arrival", Status.SKIP, "wake_on_arrival is off: idle engines poll "
+                                                     "every 1 ms .. idle_wait_ms")
+    try:
+        from kvbridge.integrations import vllm_idle
+
+        why = vllm_idle.installable()
+    except Exception as exc:  # noqa: BLE001 - vLLM's import can raise anything
+        return Check("wake on arrival", Status.SKIP, f"vLLM is not importable ({exc})")
+    if why is None:
+        return Check("wake on arrival", Status.OK, "vLLM's idle sleep can be hooked: a finished "
+                                                   "hand-off wakes the engine at once")
+    return Check("wake on arrival", Status.WARN,
+                 f"cannot hook vLLM's engine loop ({why}): engines fall back to polling every "
+                 "1 ms .. idle_wait_ms, which adds up to a few ms to every hand-off")
+
+
 # -- backends and tiers ------------------------------------------------------------------------
 
 
@@ -443,6 +462,7 @@ CheckFn = Callable[[Target], "Check | list[Check]"]
 CHECKS: tuple[tuple[str, CheckFn], ...] = (
     ("python", check_python),
     ("vllm", check_vllm),
+    ("wake on arrival", check_wake),
     ("backends", check_backends),
     ("tiers", check_tiers),
     ("shm ptrace_scope", check_ptrace_scope),

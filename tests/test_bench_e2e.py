@@ -116,6 +116,22 @@ def test_breakdown_splits_consecutive_steps() -> None:
                                   "recv_done->first_step": 0.004})
 
 
+def test_beyond_wire_subtracts_the_write_from_the_push_hand_off() -> None:
+    got = b.beyond_wire(P_TIMINGS, D_TIMINGS, ["t-push", "t-pull", "missing"])
+    assert got == pytest.approx([0.010 - 0.003])  # pull has no WRITE: not counted
+
+
+def test_breakdown_places_the_loop_and_scheduler_marks_between_the_steps() -> None:
+    p = {"t": {"kv_ready": 1.000, "ready_seen": 1.0002, "write_posted": 1.0005,
+               "write_done": 1.0015}}
+    d = {"t": {"recv_done": 1.002, "recv_seen": 1.003, "first_step": 1.0033}}
+    steps = b.handoff_breakdown(p, d, ["t"])
+    assert list(steps) == ["kv_ready->ready_seen", "ready_seen->write_posted",
+                           "write_posted->write_done", "write_done->recv_done",
+                           "recv_done->recv_seen", "recv_seen->first_step"]
+    assert sum(steps.values()) == pytest.approx(0.0033)
+
+
 def test_breakdown_with_client_events_adds_up_to_ttft() -> None:
     client = {"t-push": {"dispatch": 199.900, "first_token": 200.030}}
     steps = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"], client)
@@ -238,6 +254,7 @@ def test_report_formats_with_breakdown_and_notes() -> None:
                                             "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"}}}
     text = b.format_report(report)
     assert "kv_ready->write_posted 1.0" in text
+    assert "hand-off minus wire" not in text  # no WRITE timings in this phase
     assert "kvbridge-nixl: waited 0 s for quiet, ready 60.0 s" in text
     assert "load 1 1 1 -> 2 2 2" in text
 
@@ -257,3 +274,21 @@ def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
     assert p.kv_transfer_config["kv_connector_extra_config"] == {"backend": "nixl"}
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in p.env
     assert p.proc is None and d.proc is None  # nothing started
+    assert not p.pin_cpus
+    p, d = b.engine_specs("kvbridge-shm", model, tmp_path, pin=True)
+    assert p.pin_cpus and d.pin_cpus and (p.cpus(), d.cpus()) == ({0}, {1})
+    assert b.settings_from_args(_args("--pin-engines")).pin_engines
+
+
+def test_bars_line_judges_push_seq_hand_off_minus_wire() -> None:
+    ok = b.summarize(_phase("kvbridge-nixl", "push", "seq", [0.1], 0.005, handoffs=[0.003],
+                            beyond_wire=[0.0015]))
+    slow = b.summarize(_phase("kvbridge-shm", "push", "seq", [0.1], 0.005, handoffs=[0.006],
+                              beyond_wire=[0.0045]))
+    conc = b.summarize(_phase("kvbridge-shm", "push", "c8", [0.1], 0.005, beyond_wire=[0.001]))
+    text = b.format_bars([ok, slow, conc])
+    assert "kvbridge-nixl: push seq hand-off p50 3.00 ms, minus wire 1.50 ms" in text
+    assert "(bar <= 2 ms: met)" in text and "(bar <= 2 ms: NOT met)" in text
+    assert "c8" not in text
+    table = b.format_table([ok])
+    assert " 1.50 " in table and "-wire p50 ms" in table

@@ -236,6 +236,54 @@ def test_table_has_one_row_per_run_and_names_errors() -> None:
     assert "vllm-nixl-push  2     -/-" in text
 
 
+def _run(setup: str, rate: float, ttft: float, thr: float, **kw: Any) -> dict[str, Any]:
+    return {"setup": setup, "rate": rate, "ttft_p50": ttft, "request_throughput": thr,
+            "completed": 32, "failed": 0, **kw}
+
+
+def test_push_pull_ratio_at_the_highest_rate_both_sustain() -> None:
+    rows = [_run("kvbridge-pull", 4, 50.0, 3.9), _run("kvbridge-push", 4, 15.0, 3.95),
+            _run("kvbridge-pull", 8, 90.0, 7.6), _run("kvbridge-push", 8, 60.0, 7.7),
+            _run("kvbridge-pull", 16, 200.0, 9.0), _run("kvbridge-push", 16, 100.0, 15.0),
+            _run("kvbridge-auto", 16, 10.0, 16.0)]
+    summary = bs.push_pull(rows)
+    assert summary["ratios"] == pytest.approx({"4": 0.3, "8": 60 / 90, "16": 0.5})
+    assert summary["sustained_rate"] == 8  # pull fell behind at 16 (9 of 16 req/s)
+    assert summary["ratio"] == pytest.approx(60 / 90) and summary["met"] is False
+    text = bs.format_push_pull(summary)
+    assert "4 req/s 0.30, 8 req/s 0.67, 16 req/s 0.50" in text
+    assert "highest rate both sustain, 8 req/s: push/pull = 0.67 (bar <= 1/3: NOT met)" in text
+    rows[2:4] = [_run("kvbridge-pull", 8, 90.0, 7.6, failed=1), rows[3]]
+    summary = bs.push_pull(rows)
+    assert summary["sustained_rate"] == 4 and summary["met"] is True  # 0.30 <= 1/3
+
+
+def test_push_pull_without_both_setups_or_sustained_rates() -> None:
+    assert bs.push_pull([_run("kvbridge-pull", 4, 50.0, 3.9)]) == {}
+    assert bs.format_push_pull({}) == ""
+    rows = [_run("kvbridge-pull", 4, 50.0, 1.0), _run("kvbridge-push", 4, 15.0, 3.9)]
+    summary = bs.push_pull(rows)
+    assert summary["sustained_rate"] is None
+    assert "no rate was sustained" in bs.format_push_pull(summary)
+    assert not bs.sustained({"rate": 4, "request_throughput": 4.0, "error": "boom"})
+
+
+def test_handoff_summary_and_steps_from_the_engines_timings() -> None:
+    p_t = {"a": {"kv_ready": 1.0, "write_posted": 1.0005, "write_done": 1.0015},
+           "b": {"kv_ready": 2.0, "write_posted": 2.0005, "write_done": 2.0025},
+           "old": {"kv_ready": 0.0}}
+    d_t = {"a": {"recv_done": 1.002, "first_step": 1.003},
+           "b": {"recv_done": 2.003, "first_step": 2.005}}
+    got = bs.handoff_summary(p_t, d_t, ["a", "b"])
+    assert got["handoff_n"] == 2 and got["handoff_p50"] == pytest.approx(4.0)
+    assert got["beyond_wire_p50"] == pytest.approx(2.5)  # (3 - 1) and (5 - 2)
+    assert got["handoff_steps"]["recv_done->first_step"] == pytest.approx(1.5)
+    row = {"setup": "kvbridge-push", "rate": 8.0, **got}
+    assert "kvbridge-push @ 8: kv_ready->write_posted 0.5" in bs.format_steps([row])
+    assert " 4.00 " in bs.format_table([row]) and " 2.50" in bs.format_table([row])
+    assert bs.format_steps([{"setup": "vllm-nixl-pull", "rate": 8.0}]) == ""
+
+
 def _assert_png(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"

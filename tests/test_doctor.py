@@ -49,6 +49,7 @@ def test_this_host_passes_and_json_is_one_object_per_check() -> None:
     assert by["backend shm"]["status"] == "ok" and "used by this configuration" in by[
         "backend shm"]["detail"]
     assert by["vllm connectors"]["status"] == "ok"
+    assert by["wake on arrival"]["status"] == "ok"  # this vLLM's idle sleep can be hooked
     assert by["security"]["status"] == "ok" and by["ports"]["status"] == "ok"
     assert {r["status"] for r in rows} <= {"ok", "warn", "skip"}
 
@@ -132,6 +133,16 @@ def test_vllm_missing_is_a_failure_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     lines = doctor.check_vllm(_target())
     assert lines[0].status is Status.FAIL and "pip install" in lines[0].detail
     assert lines[1].status is Status.SKIP
+
+
+def test_wake_on_arrival_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.integrations import vllm_idle
+
+    assert _one(doctor.check_wake(_target({"wake_on_arrival": False}))).status is Status.SKIP
+    monkeypatch.setattr(vllm_idle, "installable", lambda: "vLLM has no EngineCoreProc")
+    line = _one(doctor.check_wake(_target()))
+    assert line.status is Status.WARN and "vLLM has no EngineCoreProc" in line.detail
+    assert "polling" in line.detail
 
 
 def test_a_check_that_crashes_becomes_a_fail_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -139,6 +139,32 @@ def test_fake_engine_lifecycle(fake_python: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_pin_cpus_restricts_the_whole_process_tree(fake_python: str, tmp_path: Path) -> None:
+    core = min(os.sched_getaffinity(0))
+    s = VllmServer("/no/model", python=fake_python, cpu_bind=str(core), pin_cpus=True,
+                   env={"FAKE_DELAY": "1"}, log_path=tmp_path / "e.log", stop_grace=0.5)
+    try:
+        s.start().wait_ready(timeout=30, interval=0.2)
+        assert s.pid is not None
+        group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == s.pid]
+        assert len(group) >= 2  # the leader and the grandchild it forked
+        assert all(os.sched_getaffinity(pid) == {core} for pid in group)
+    finally:
+        s.stop()
+    assert VllmServer("/m", cpu_bind="0-2,5").cpus() == {0, 1, 2, 5}
+    for bad in (None, "0|1", "x"):
+        with pytest.raises(EngineError, match="cannot pin"):
+            VllmServer("/m", cpu_bind=bad, pin_cpus=True)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(60)
 def test_guard_middleware_on_the_command_line() -> None:
     kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both"}
     cmd = VllmServer("/m", kv_transfer_config=kv, extra_args=["--seed", "1"]).command()

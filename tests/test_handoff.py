@@ -68,7 +68,13 @@ def test_prefill_pull_leg_stages_and_answers_where_to_read() -> None:
     book.on_new_request("r1", {"do_remote_decode": True, "transfer_id": "t1"}, PROMPT)
     assert book.matched_tokens("r1", len(PROMPT), 0) == (0, False)  # P loads nothing
     _plan_is_empty(book.take_plan())  # a pull announces nothing before it finishes
+    assert book.producers() == ["r1"]  # watched only to mark when its KV is complete
+    book.prefill_complete("r1", P_BLOCKS, len(PROMPT))
+    plan = book.take_plan()
+    assert plan.prefill_done == ["t1"] and not plan.push_ready  # timing only: no hand-over
     assert book.producers() == []
+    book.prefill_complete("r1", P_BLOCKS, len(PROMPT))  # a later step marks nothing twice
+    assert book.take_plan().prefill_done == []
     keep, answer = book.finished("r1", True, P_BLOCKS, len(PROMPT))
     assert keep is True and answer is not None
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False

@@ -723,6 +723,69 @@ def test_push_waits_for_the_device_fence_before_writing(local_pd: PD) -> None:
     np.testing.assert_array_equal(d.blocks([5, 6]), p.blocks([1, 2]))
 
 
+class _WaitableFence(_FakeFence):
+    """A device event a thread can wait for (CUDA blocking sync, here a threading.Event)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+        self.waits = 0
+
+    def ready(self) -> bool:
+        self.queries += 1
+        return self.event.is_set()
+
+    def wait(self) -> None:
+        self.waits += 1
+        assert self.event.wait(30)
+
+
+def test_a_waitable_fence_is_waited_not_polled_and_the_write_follows_it(local_pd: PD) -> None:
+    p, d = local_pd
+    d.expect(expect("d", "t", p, [5, 6]))
+    time.sleep(0.2)
+    fence = _WaitableFence()
+    p.loop.push_ready(send("p", "t", [1, 2]), fence)
+    time.sleep(0.5)  # the loop would have polled a plain fence hundreds of times by now
+    assert fence.waits == 1 and fence.queries <= 1
+    assert p.loop.snapshot()["stats"].get("push_sent", 0) == 0
+    fence.event.set()  # the kernels finished: the waiter thread wakes the loop, which posts
+    rd = d.drain({"d"})
+    assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.blocks([5, 6]), p.blocks([1, 2]))
+
+
+class _BrokenWait(_FakeFence):
+    def wait(self) -> None:
+        raise RuntimeError("no device")
+
+
+def test_a_fence_whose_wait_fails_is_polled_instead(local_pd: PD) -> None:
+    p, d = local_pd
+    d.expect(expect("d", "t", p, [5, 6]))
+    time.sleep(0.2)
+    fence = _BrokenWait()
+    p.loop.push_ready(send("p", "t", [1, 2]), fence)
+    time.sleep(0.3)
+    assert fence.queries > 1  # polled
+    fence.done = True
+    assert d.drain({"d"})["results"]["finished_recving"] == {"d"}
+
+
+def test_flush_returns_once_the_loop_ran_what_was_submitted_before(local_pd: PD) -> None:
+    p, _ = local_pd
+    ran: list[str] = []
+    gate = threading.Event()
+    p.loop.submit(lambda: (gate.wait(10), ran.append("slow")))
+    p.loop.submit(ran.append, "next")
+    assert not p.loop.flush(0.05)  # the loop is still busy: bounded, False
+    gate.set()
+    assert p.loop.flush(10) and ran == ["slow", "next"]
+    fut: list[bool] = []
+    p.loop.submit(lambda: fut.append(p.loop.flush(1)))  # from the loop thread: never waits
+    assert p.loop.flush(10) and fut == [False]
+
+
 def test_heartbeat_reply_names_generation_and_unknown_transfers(local_pd: PD) -> None:
     p, _ = local_pd
     c = _client()

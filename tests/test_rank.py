@@ -289,6 +289,22 @@ def test_results_releases_a_push_when_the_step_had_no_forward(sides: Sides) -> N
     np.testing.assert_array_equal(d.blocks([5, 6]), p.blocks([1, 2]))
 
 
+def test_the_write_is_posted_before_after_forward_returns(sides: Sides) -> None:
+    """Wake on arrival, P's half: the worker hands the ready KV to the loop and waits until the
+    loop took it, so the WRITE is posted at once rather than when the loop next gets the GIL."""
+    p, d, p_side, d_side = sides
+    _registered(d_side, p, [5, 6])
+    assert p.loop.config.wake_on_arrival
+    p_side.apply(StepPlan(push_ready=[send("p", "t", [1, 2])], prefill_done=["t"]))
+    p_side.after_forward()
+    with p.loop.timing_lock:
+        events = dict(p.loop.timings["t"])
+    assert {"kv_ready", "ready_seen", "write_posted"} <= set(events)
+    assert events["kv_ready"] <= events["ready_seen"] <= events["write_posted"]
+    d_res = _Results(d_side)
+    assert d_res.until(lambda: "d" in d_res.recving) and d_res.failed == set()
+
+
 class _Fence:
     def __init__(self) -> None:
         self.done = False
@@ -377,7 +393,7 @@ def test_scheduler_counters_are_added_on_rank_zero_only() -> None:
 
 def test_first_steps_are_marked(sides: Sides) -> None:
     _p, d, _p_side, d_side = sides
-    d_side.apply(StepPlan(first_steps=[("t", 1234.5)]))
+    d_side.apply(StepPlan(marks=[("t", "first_step", 1234.5)]))
     assert d.loop.timings["t"]["first_step"] == 1234.5
 
 

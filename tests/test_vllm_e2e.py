@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ class Cluster:
     p_ctl: str
     d_ctl: str
     refs: dict[tuple[int, ...], list[int]]
+    backend: str = ""
 
     def stats(self, address: str) -> StatsReply:
         # generous: on a loaded 2-core host a busy engine process can be slow to answer
@@ -114,7 +116,8 @@ def cluster(request: pytest.FixtureRequest,
     try:
         start_servers([p, d], timeout=600)
         proxies = ProxyThread([p.url], [d.url], push_headroom=2).start()
-        yield Cluster(p, d, proxies, _control_address(p.url), _control_address(d.url), {})
+        yield Cluster(p, d, proxies, _control_address(p.url), _control_address(d.url), {},
+                      backend)
     finally:
         if proxies is not None:
             proxies.close()
@@ -231,6 +234,98 @@ def test_layerwise_push_matches_single_engine(cluster: Cluster) -> None:
         out = output_token_ids(fut.result(timeout=120))
     assert out == ref
     assert cluster.stats(cluster.p_ctl).stats.get("push_layerwise", 0) == before + 1
+
+
+def _push_decode_first(cluster: Cluster, d_url: str, prompt: list[int], tid: str,
+                       wait_s: float = 1.5) -> list[int]:
+    """A push whose D leg arrives ``wait_s`` before its P leg (D idles, backing off, until P's
+    KV lands); returns D's output."""
+    d_params = params.push_decode_request(probe(cluster.p.url), tid)
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, d_url, prompt, MAX_TOKENS, d_params, False, _GREEDY)
+        time.sleep(wait_s)
+        complete(cluster.p.url, prompt, 1, params.prefill_request(tid, TransferMode.PUSH))
+        out = output_token_ids(fut.result(timeout=120))
+    assert out is not None
+    return out
+
+
+def _timings(cluster: Cluster, address: str, tid: str) -> dict[str, float]:
+    return dict(cluster.stats(address).timings.get(tid) or {})
+
+
+def test_push_completion_reaches_decode_through_the_wake_up(cluster: Cluster) -> None:
+    """Wake on arrival: D's engine idles (its only request waits for KV) until P's push lands;
+    the transfer loop's completion nudges the engine loop through the hook in vLLM's idle path,
+    which then does not wait out a back-off: the nudge ends the wait in progress, or, when it
+    lands while the engine is mid-step, the next idle point does not wait at all."""
+    prompt = random_prompts(1, 140, seed=101)[0]
+    ref = cluster.reference(prompt)
+    _wait_idle(cluster, cluster.d_ctl)
+    before = cluster.stats(cluster.d_ctl).stats
+    assert _push_decode_first(cluster, cluster.d.url, prompt, "wake-1") == ref
+    time.sleep(0.5)  # the scheduler's marks reach the rank with its next step
+    after = cluster.stats(cluster.d_ctl).stats
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in
+            ("wake_nudges", "wake_woken", "wake_skipped", "wake_waits", "wake_missed",
+             "recv_ok")}
+    assert grew["recv_ok"] == 1
+    assert grew["wake_waits"] >= 1, grew  # D idled (hooked) while P's leg was on its way
+    assert grew["wake_nudges"] >= 1 and grew["wake_woken"] + grew["wake_skipped"] >= 1, grew
+    assert grew["wake_missed"] == 0, grew  # no wait ran out its back-off past a poke
+    d_t, p_t = _timings(cluster, cluster.d_ctl, "wake-1"), _timings(cluster, cluster.p_ctl,
+                                                                      "wake-1")
+    # the steps of the hand-off, each recorded where it happens, in order (same host clock)
+    assert d_t["recv_done"] <= d_t["recv_seen"] <= d_t["first_step"]
+    assert p_t["kv_ready"] <= p_t["ready_seen"] <= p_t["write_posted"] <= p_t["write_done"]
+
+
+@pytest.fixture
+def fallback_d(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[VllmServer, str]]:
+    """A second decode engine with ``wake_on_arrival: false``: the wake-up's fallback path (the
+    same as where vLLM's idle path cannot be hooked), pushed to by the cluster's P."""
+    backend = cluster.backend
+    if backend != "shm":
+        pytest.skip("the fallback path does not depend on the backend: checked over shm")
+    kv = _connector("kv_consumer", "e2e-D-nowake", backend)
+    kv["kv_connector_extra_config"]["wake_on_arrival"] = False
+    d = VllmServer(build_tiny_model(), name="decode-nowake", kv_transfer_config=kv,
+                   cpu_bind="1", env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"},
+                   extra_args=["--block-size", "32"], log_path=tmp_path / "decode-nowake.log")
+    try:
+        start_servers([d], timeout=600)
+        yield d, _control_address(d.url)
+    finally:
+        d.stop()
+
+
+def test_without_the_wake_hook_decode_falls_back_to_polling(
+        cluster: Cluster, fallback_d: tuple[VllmServer, str]) -> None:
+    d, d_ctl = fallback_d
+    prompt = random_prompts(1, 140, seed=103)[0]
+    ref = cluster.reference(prompt)
+    assert _push_decode_first(cluster, d.url, prompt, "nowake-1") == ref
+    stats = cluster.stats(d_ctl).stats
+    assert stats.get("recv_ok", 0) == 1 and stats.get("recv_failed", 0) == 0
+    assert stats.get("wake_nudges", 0) == 0  # no hook, no listener: the step polls instead
+    assert stats.get("wake_waits", 0) >= 1 and stats.get("wake_woken", 0) >= 1
+    log = (d.log_path.read_text() if d.log_path else "")
+    assert "wake-on-arrival hook installed" not in log
+
+
+def test_idle_engines_stay_idle(cluster: Cluster) -> None:
+    """The wake-up adds no polling: engines with nothing to do stay asleep (loose bound: a busy
+    loop burns >= 1 CPU-s/s here, vLLM's idle engine ~0.01)."""
+    _wait_idle(cluster, cluster.d_ctl)
+    _wait_idle(cluster, cluster.p_ctl)
+    time.sleep(1.0)
+    assert cluster.p.pid is not None and cluster.d.pid is not None
+    pids = (cluster.p.pid, cluster.d.pid)
+    cpu0, t0 = [_group_cpu_seconds(p) for p in pids], time.monotonic()
+    time.sleep(4.0)
+    elapsed = time.monotonic() - t0
+    used = [(_group_cpu_seconds(p) - c) / elapsed for p, c in zip(pids, cpu0, strict=True)]
+    assert max(used) < 0.15, f"idle engines used {used} CPU-s/s (P, D)"
 
 
 def _group_cpu_seconds(pgid: int) -> float:

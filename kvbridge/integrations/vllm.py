@@ -5,8 +5,9 @@ vLLM-free :class:`~kvbridge.scheduling.handoff.HandoffBook` (scheduler role: per
 decisions) and :class:`~kvbridge.scheduling.rank.RankSide` (worker role: one rank's transfer
 loop) on the other. vLLM builds one instance in the scheduler process (role SCHEDULER) and one
 per worker (role WORKER); they talk through vLLM's per-step connector metadata (scheduler →
-worker) and ``get_transfer_results`` (worker → scheduler), plus a tiny wake socket so an idle
-engine waiting on a transfer sleeps instead of spinning.
+worker) and ``get_transfer_results`` (worker → scheduler), plus a wake-up: an engine waiting on a
+transfer sleeps, and the rank's transfer loop wakes it the moment a hand-off finishes
+(:mod:`kvbridge.scheduling.wake`, :mod:`kvbridge.integrations.vllm_idle`).
 
 No call from vLLM raises because of what a client sent: ``kv_transfer_params`` are parsed once
 (:mod:`kvbridge.params`), and a request that cannot be handed off is served locally with a
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+import queue
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -38,7 +38,7 @@ import kvbridge
 from kvbridge.config import Config, Preset
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.heads import HeadSplit
-from kvbridge.integrations import names
+from kvbridge.integrations import names, vllm_idle
 from kvbridge.integrations.vllm_groups import (
     NULL_BLOCK,
     group_layers,
@@ -56,6 +56,7 @@ from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, StepPlan
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
+from kvbridge.scheduling.wake import EngineWake, WakeSender
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -412,14 +413,13 @@ class _SchedulerSide:
         self.config = conn.config
         self.kv_cache_manager: Any = None
         self._first_step_due: dict[str, str] = {}
+        self._marks: list[tuple[str, str, float]] = []  # for the next plan (timing only)
         self._seen: set[str] = set()
         self._live: dict[str, Request] = {}  # requests with kv_transfer_params, until finished
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._wake = ctx.socket(zmq.PULL)
-        self._wake.setsockopt(zmq.LINGER, 0)
-        port = self._wake.bind_to_random_port("tcp://127.0.0.1")
-        self._wake_address: str | None = f"tcp://127.0.0.1:{port}"
-        self._idle_delay = 0.001
+        self.wake = EngineWake(conn.config.idle_wait_ms)
+        self._wake_address: str | None = self.wake.address
+        if conn.config.wake_on_arrival and vllm_idle.install(self._idle):
+            self.wake.attach(vllm_idle.nudge)
 
     def seen(self, request: Request) -> None:
         if request.request_id in self._seen:
@@ -446,34 +446,29 @@ class _SchedulerSide:
                                            request.num_prompt_tokens)
         if self.offload.enabled:
             self.book.add_offload(self.offload.take_plan(), self.offload.take_stats())
+        self.book.stats.update(self.wake.take_counters())
         plan = self.book.take_plan()
+        plan.marks, self._marks = self._marks, []
         if self._first_step_due:
             now = time.time()
             for req_id in [r for r in self._first_step_due if r in scheduled]:
-                plan.first_steps.append((self._first_step_due.pop(req_id), now))
+                plan.marks.append((self._first_step_due.pop(req_id), "first_step", now))
         meta = KVBridgeMetadata(plan)
         if self._wake_address is not None:
             meta.wake_address, self._wake_address = self._wake_address, None
-        if scheduler_output.total_num_scheduled_tokens == 0 and not plan:
-            self._idle_wait()
-        else:
-            self._idle_delay = 0.001
+        if scheduler_output.total_num_scheduled_tokens or plan:
+            self.wake.step_busy()
+        elif not vllm_idle.active():  # hooked, the wait is vLLM's idle point: see _idle
+            self.wake.poll_wait(self._busy())
         return meta
 
-    def _idle_wait(self) -> None:
-        """Nothing to compute this step: sleep until the worker reports progress (bounded)."""
-        if self.config.idle_wait_ms <= 0 or not (self.book.transfers_in_progress()
-                                                 or self.offload.waiting()):
-            return
-        if self._wake.poll(int(self._idle_delay * 1000) or 1):
-            while True:
-                try:
-                    self._wake.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-            self._idle_delay = 0.001
-        else:
-            self._idle_delay = min(self._idle_delay * 2, self.config.idle_wait_ms / 1000)
+    def _busy(self) -> bool:
+        return bool(self.book.transfers_in_progress() or self.offload.waiting())
+
+    def _idle(self, inputs: queue.Queue[Any], seconds: float) -> None:
+        """vLLM's idle sleep (:mod:`kvbridge.integrations.vllm_idle`): wait for a hand-off to
+        finish or a client request, whichever comes first (bounded)."""
+        self.wake.idle(inputs, seconds, self._busy())
 
     def finished(self, request: Request,
                  tables: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
@@ -490,6 +485,8 @@ class _SchedulerSide:
         return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:
+        if output.finished_recving or output.finished_sending:
+            self.wake.work_due()
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVBridgeWorkerMeta):
             self.offload.answered(meta.answers)
@@ -497,24 +494,35 @@ class _SchedulerSide:
             tid = self.book.transfer_done(req_id)
             if tid is not None and req_id in self._live:
                 self._first_step_due[req_id] = tid
+                self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():
             self.book.transfer_done(req_id)
 
     def shutdown(self) -> None:
-        self._wake.close()
+        self.wake.close()
 
 
 class _CudaFence:
-    """A CUDA event recorded after the step's KV writes; ``ready`` never blocks."""
+    """A CUDA event recorded after the step's KV writes; ``ready`` never blocks, ``wait``
+    blocks (blocking sync: the waiting thread sleeps, and torch releases the GIL) until the
+    kernels finished, so the transfer loop's fence thread posts the WRITE at once
+    (:mod:`kvbridge.scheduling.fences`)."""
 
     def __init__(self) -> None:
         import torch
 
-        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._device = torch.cuda.current_device()
+        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         self._event.record(torch.cuda.current_stream())
 
     def ready(self) -> bool:
         return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self) -> None:
+        import torch
+
+        with torch.cuda.device(self._device):
+            self._event.synchronize()
 
 
 class _WorkerSide:
@@ -527,8 +535,7 @@ class _WorkerSide:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.side: RankSide | None = None
-        self._wake: zmq.Socket[bytes] | None = None
-        self._wake_lock = threading.Lock()
+        self._wake = WakeSender()
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -560,9 +567,9 @@ class _WorkerSide:
             loop.close()
             raise
         self.side = RankSide(loop, self._cuda_fence if on_gpu else None, offload)
-        loop.on_progress(self._poke)
+        loop.on_progress(self._wake.poke)
         if offload is not None:
-            offload.on_progress(self._poke)
+            offload.on_progress(self._wake.poke)
             offload.count_into(loop.add_counters)
 
     def _head_split(self, kv_caches: dict[str, Any], layout: KVLayout) -> HeadSplit | None:
@@ -629,33 +636,17 @@ class _WorkerSide:
         loop = self.side.loop
         return KVBridgeHandshake(loop.control_address, self.conn.engine_id, loop.generation)
 
-    def _poke(self) -> None:
-        with self._wake_lock:
-            if self._wake is not None:
-                try:
-                    self._wake.send(b"", zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-
     def on_metadata(self, meta: KVBridgeMetadata) -> None:
         if self.side is None:
             return
-        if meta.wake_address and self.rank == 0:
-            with self._wake_lock:
-                sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 16)
-                sock.connect(meta.wake_address)
-                self._wake = sock
+        if meta.wake_address:  # every rank: with TP, each rank's completion is a wake-up
+            self._wake.connect(meta.wake_address)
         self.side.apply(meta.plan)
 
     def shutdown(self) -> None:
         if self.side is not None:
             self.side.close()
-        with self._wake_lock:
-            if self._wake is not None:
-                self._wake.close()
-                self._wake = None
+        self._wake.close()
 
 
 _named: dict[str, type[KVBridgeConnector]] = {}

@@ -98,8 +98,9 @@ class StepPlan:
     cancel_sends: list[str] = field(default_factory=list)
     #: transfer ids whose prompt KV is complete after this step's forward (timing only)
     prefill_done: list[str] = field(default_factory=list)
-    #: (transfer_id, wall time) of a received request's first step on D (timing only)
-    first_steps: list[tuple[str, float]] = field(default_factory=list)
+    #: (transfer_id, event, wall time) the scheduler side observed (timing only): on D
+    #: ``recv_seen`` (vLLM's scheduler learned the receive finished) and ``first_step``
+    marks: list[tuple[str, str, float]] = field(default_factory=list)
     #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
     counters: dict[str, int] = field(default_factory=dict)
     #: tier lookups, loads, releases and stores (kvbridge.offload)
@@ -123,6 +124,7 @@ class _Request:
     send: bool = False  # a prefill leg we will hand off
     planned: bool = False
     handed: bool = False  # P: blocks handed to the worker (finished_sending will come)
+    kv_done: bool = False  # P: the forward that completes the prompt's KV is scheduled
     recving: bool = False  # D: a transfer into its blocks is in progress
     digest: str = ""
     #: prompt tokens at the end that are not handed off (D computes them; P does not prefill)
@@ -310,8 +312,9 @@ class HandoffBook:
     def prefill_complete(self, req_id: str, block_ids: Blocks, prompt_tokens: int) -> None:
         """P: this step's forward writes the last of the prompt's KV (push: WRITE after it)."""
         req = self._reqs.get(req_id)
-        if req is None or not req.send or req.handed or req.error is not None:
+        if req is None or not req.send or req.kv_done or req.error is not None:
             return
+        req.kv_done = True
         self._plan.prefill_done.append(req.transfer_id)
         if req.mode is TransferMode.PUSH:
             try:
@@ -358,9 +361,10 @@ class HandoffBook:
         return req.backoff if req is not None and req.send and req.error is None else 0
 
     def producers(self) -> list[str]:
-        """P requests whose KV is not handed over yet (the adapter checks their progress)."""
-        return [r for r, q in self._reqs.items() if q.send and not q.handed
-                and q.error is None and q.mode is TransferMode.PUSH]
+        """P requests whose prompt KV is not complete yet (the adapter checks their progress:
+        a push is handed over then, a pull only marks ``kv_ready`` for the timings)."""
+        return [r for r, q in self._reqs.items() if q.send and not q.kv_done
+                and q.error is None]
 
     def finished(self, req_id: str, ok: bool, block_ids: Blocks,
                  prompt_tokens: int) -> tuple[bool, dict[str, Any] | None]:

@@ -41,6 +41,7 @@ from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer
+from kvbridge.scheduling.fences import FenceWaiter
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
@@ -126,7 +127,8 @@ class TransferLoop(PeerEvents):
             collections.deque())
         self._wake_cb: Callable[[], None] | None = None
         self._in_flight: set[TransferHandle] = set()
-        self._fenced = False  # a confirmed push waits for its device fence
+        self._fenced = False  # a confirmed push waits for a device fence that must be polled
+        self.fences = FenceWaiter(self._fence_passed, f"kvbridge-fence-{rank}")
         self._poll_delay = 5e-5
         self._stopping = False
         self.dead: str | None = None
@@ -155,6 +157,20 @@ class TransferLoop(PeerEvents):
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
             pass  # the pipe is full, so the loop is awake anyway (or closed)
+
+    def flush(self, timeout: float) -> bool:
+        """Block the caller until the loop thread has run every event submitted before this
+        call, or ``timeout`` seconds passed (False then; the events still run later).
+
+        The worker calls it right after handing over push-ready KV: while it waits it holds
+        neither the GIL nor the CPU, so the loop posts the WRITE at once instead of competing
+        with the rest of the engine step. Never call it from the loop thread (returns False).
+        """
+        if self.dead or self._stopping or threading.current_thread() is self._thread:
+            return False
+        done = threading.Event()
+        self.submit(done.set)
+        return done.wait(timeout)
 
     def stage_pull(self, plan: SendPlan) -> None:
         """P: hold ``plan``'s blocks under a lease until the decode side read them."""
@@ -286,6 +302,7 @@ class TransferLoop(PeerEvents):
         self._stopping = True
         self.submit(lambda: None)
         self._thread.join(timeout)
+        self.fences.close(timeout)
         self.prober.close()
         self.peers.close()
         self.rpc.close()
@@ -313,10 +330,22 @@ class TransferLoop(PeerEvents):
         self._poll_delay = 5e-5
         handle.add_done_callback(self._wake)
 
-    def fence_pending(self) -> None:
-        """A push waits for a device fence: poll until it passes."""
-        self._fenced = True
-        self._poll_delay = 5e-5
+    def fence_pending(self, fence: Fence) -> None:
+        """A push waits for ``fence``: a thread waits it (and the loop acts the moment it
+        passes) when it can be waited, else the loop polls it until it passes."""
+        if not self.fences.add(fence):
+            self._fenced = True
+            self._poll_delay = 5e-5
+
+    def _fence_passed(self, fence: Fence, ok: bool) -> None:
+        """FenceWaiter thread: ``fence`` passed (or could not be waited: poll it)."""
+        self.submit(self._after_fence, ok)
+
+    def _after_fence(self, ok: bool) -> None:
+        if not ok:
+            self._fenced = True
+            self._poll_delay = 5e-5
+        self.push_source.poll()
 
     def _wake(self) -> None:
         try:

@@ -35,7 +35,7 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvbridge.blocks import submit_parts
 from kvbridge.control import RequestContext
@@ -53,6 +53,7 @@ from kvbridge.messages import (
 )
 from kvbridge.params import MAX_TP
 from kvbridge.scheduling import mapping
+from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.pull import SendPlan, Source
@@ -65,15 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["Fence", "PushSpec", "PushSource"]
 
 log = logging.getLogger("kvbridge.push")
-
-
-class Fence(Protocol):
-    """Device work a WRITE must wait for (a CUDA event recorded after the KV writes).
-
-    ``ready()`` must not block; the loop polls it until True. On CPU there is no fence.
-    """
-
-    def ready(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -151,14 +143,20 @@ class PushSource:
         return len(self.outs)
 
     def fenced(self) -> bool:
-        """Some push waits for a device fence (the loop keeps polling while so)."""
-        return any(any(f is not None for _, f in o.fences) for o in self.outs.values())
+        """Some push waits for a device fence nobody waits on (the loop keeps polling while
+        so; fences the loop's :class:`~kvbridge.scheduling.fences.FenceWaiter` holds are not
+        polled)."""
+        owns = self.core.fences.owns
+        return any(any(f is not None and not owns(f) for _, f in o.fences)
+                   for o in self.outs.values())
 
     # -- events from the connector ------------------------------------------------------------
 
     def ready(self, plan: SendPlan, fence: Fence | None, layer: str | None = None) -> None:
         """P's KV of ``plan`` is written (``layer``: only that layer's, layer-wise push)."""
         core, tid = self.core, plan.transfer_id
+        if layer is None:
+            core.mark(tid, "ready_seen")
         why = core.ended.get(tid)
         if why is not None:
             if layer is None:
@@ -180,7 +178,7 @@ class PushSource:
                   else core.layout.plane_indices(layer))
         out.fences.append((planes, fence))
         if fence is not None:
-            core.fence_pending()
+            core.fence_pending(fence)
         if layer is None and not out.complete():
             core.timers.set(("ready", tid), core.config.lease_s, lambda: self._unclaimed(tid))
         self._advance(out)

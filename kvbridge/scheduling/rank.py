@@ -35,6 +35,10 @@ __all__ = ["RankSide"]
 
 log = logging.getLogger("kvbridge.connector")
 
+POST_WAIT_S = 0.005
+"""Longest the worker waits, after handing over push-ready KV, for the transfer loop to take it
+(post the WRITE, or park it until D confirmed / the device fence passed)."""
+
 FenceFactory = Callable[[], Fence | None]
 
 
@@ -149,8 +153,8 @@ class RankSide:
         # push-ready KV is released after this step's forward wrote it: see after_forward
         self._ready.extend(plan.push_ready)
         self._prefill_done.extend(plan.prefill_done)
-        for tid, when in plan.first_steps:
-            loop.mark(tid, "first_step", when)
+        for tid, event, when in plan.marks:
+            loop.mark(tid, event, when)
         if plan.counters and self.rank == 0:
             loop.add_counters(plan.counters)
 
@@ -172,6 +176,8 @@ class RankSide:
             for plan in self._ready:
                 self.loop.push_ready(plan, fence)
             self._ready.clear()
+            if self.loop.config.wake_on_arrival:
+                self.loop.flush(POST_WAIT_S)  # the loop posts now, not when it gets the GIL
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` for vLLM this step."""

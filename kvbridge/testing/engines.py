@@ -153,6 +153,9 @@ class VllmServer:
     With ``guard`` (the default) an engine that has a ``kv_transfer_config`` also gets
     ``--middleware kvbridge.integrations.vllm_http.KVTransferParamsGuard``
     (:data:`GUARD_MIDDLEWARE`), so malformed ``kv_transfer_params`` are answered with HTTP 400.
+    ``pin_cpus`` restricts the whole process tree (API server, engine core, workers, every
+    thread; not only vLLM's OpenMP threads) to the ``cpu_bind`` cores, so two engines on one
+    small host do not run on each other's cores.
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class VllmServer:
         name: str | None = None,
         stop_grace: float = 8.0,
         guard: bool = True,
+        pin_cpus: bool = False,
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name
@@ -183,6 +187,9 @@ class VllmServer:
         self.name = name or served_model_name
         self.stop_grace = stop_grace
         self.guard = guard
+        self.pin_cpus = pin_cpus
+        if pin_cpus:
+            self.cpus()  # refuse a cpu_bind that cannot be pinned before anything starts
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_at: float | None = None
@@ -224,6 +231,20 @@ class VllmServer:
         env.update(self.env)
         return env
 
+    def cpus(self) -> set[int]:
+        """The cores of ``cpu_bind`` (``"0"``, ``"0-3"``, ``"0,2"``); EngineError for anything
+        else (one rank's list only: ``|`` separates tensor-parallel ranks)."""
+        cores: set[int] = set()
+        try:
+            for part in (self.cpu_bind or "").split(","):
+                lo, _, hi = part.strip().partition("-")
+                cores.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            cores = set()
+        if not cores:
+            raise EngineError(f"engine {self.name!r}: cannot pin to cpu_bind {self.cpu_bind!r}")
+        return cores
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> VllmServer:
         """Launch the process group and return at once. Raises EngineError if already started."""
@@ -249,6 +270,9 @@ class VllmServer:
             env=self.environment(),
             start_new_session=True,
         )
+        if self.pin_cpus:
+            # the leader is still importing: every process and thread it starts inherits this
+            os.sched_setaffinity(self.proc.pid, self.cpus())
         with _LIVE_LOCK:
             _LIVE.add(self)
         log.info(

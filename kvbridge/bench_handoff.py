@@ -1,0 +1,363 @@
+"""``kvbridge bench handoff``: the hand-off with and without wake on arrival, interleaved.
+
+Two kvbridge engine pairs run at the same time on the same cores (the engines of
+``kvbridge bench e2e``: tiny model, P on core 0, D on core 1): ``wake`` as configured by default,
+``nowake`` with ``KVBRIDGE_WAKE_ON_ARRIVAL=0`` (no hook into vLLM's idle path, no early posting:
+the behaviour before the wake-up). Per mode, ``--requests`` rounds each send one sequential
+request to each pair, the order alternating every round (ABBA), so both see the same host noise.
+Idle engines cost next to nothing (measured in the ``idle`` rows), so the pair that is not being
+measured does not disturb the other.
+
+Per (pair, mode): TTFT p50; the hand-off (``D.first_step - P.kv_ready``) p50; for push the WRITE's
+wire time (``P.write_posted -> P.write_done``) and the hand-off minus it (the issue's bar:
+<= 2 ms); the median of every step of the hand-off; the engines' CPU seconds; and per round the
+paired difference wake - nowake. Blocking; engines are always stopped before returning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge import bench_e2e as e2e
+from kvbridge.errors import ConfigError
+
+__all__ = ["PAIRS", "HandoffSettings", "run_handoff_bench", "format_handoff_report",
+           "summarize_pair", "paired_deltas", "add_arguments", "cli_main"]
+
+PAIRS: dict[str, dict[str, str]] = {"wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
+"""Pair name → extra environment of both its engines."""
+MODES = ("push", "pull", "push-behind")
+"""``push-behind``: a push sent while D already holds another push request that waits for its
+KV (its P leg comes :data:`BEHIND_S` later): what D's idle wait does to a new arrival."""
+BEHIND_S = 0.8
+
+
+@dataclass(frozen=True)
+class HandoffSettings:
+    backend: str = "shm"
+    requests: int = 20
+    modes: tuple[str, ...] = MODES
+    prompt_len: int = 400
+    max_tokens: int = 8
+    idle_s: float = 5.0
+    engine_spin_ms: float = 2.0
+    pin_engines: bool = False
+    seed: int = 4321
+    request_timeout: float = 120.0
+    start_timeout: float = 900.0
+    log_dir: Path | None = None
+
+
+@dataclass
+class _Cell:
+    """One (pair, mode): its records and what the engines recorded for them."""
+
+    pair: str
+    mode: str
+    records: list[e2e.RequestRecord] = field(default_factory=list)
+    p_timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    d_timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    cpu_p: float = 0.0
+    cpu_d: float = 0.0
+
+
+def _ms(values: Sequence[float]) -> float | None:
+    return statistics.median(values) * 1000.0 if values else None
+
+
+def summarize_pair(cell: _Cell) -> dict[str, Any]:
+    """One row: TTFT, hand-off, wire, hand-off minus wire (p50, ms), step medians, CPU."""
+    ok = [r for r in cell.records if r.ok]
+    tids = [r.transfer_id for r in ok if r.transfer_id]
+    p, d = cell.p_timings, cell.d_timings
+    wire = [p[t]["write_done"] - p[t]["write_posted"] for t in tids
+            if "write_posted" in p.get(t, {}) and "write_done" in p.get(t, {})]
+    return {
+        "pair": cell.pair, "mode": cell.mode, "ok": len(ok), "failed": len(cell.records) - len(ok),
+        "ttft_p50_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+        "handoff_p50_ms": _ms(e2e.handoff_times(p, d, tids)),
+        "wire_p50_ms": _ms(wire),
+        "beyond_wire_p50_ms": _ms(e2e.beyond_wire(p, d, tids)),
+        "steps_ms": {k: v * 1000.0 for k, v in e2e.handoff_breakdown(p, d, tids).items()},
+        "cpu_p_s": cell.cpu_p, "cpu_d_s": cell.cpu_d,
+    }
+
+
+def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
+    """Median over rounds of (a - b) for TTFT and hand-off (ms); rounds where both succeeded."""
+    ttft: list[float] = []
+    hand: list[float] = []
+    for ra, rb in zip(a.records, b.records, strict=False):
+        if not (ra.ok and rb.ok):
+            continue
+        if ra.ttft is not None and rb.ttft is not None:
+            ttft.append(ra.ttft - rb.ttft)
+        ha = e2e.handoff_times(a.p_timings, a.d_timings, [ra.transfer_id or ""])
+        hb = e2e.handoff_times(b.p_timings, b.d_timings, [rb.transfer_id or ""])
+        if ha and hb:
+            hand.append(ha[0] - hb[0])
+    return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "rounds": float(len(ttft))}
+
+
+def _f(v: Any, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def format_handoff_report(report: dict[str, Any]) -> str:
+    """The report as text: the table, the steps, the paired differences, the bar."""
+    s = report["settings"]
+    head = ("pair", "mode", "ok/fail", "TTFT p50 ms", "hand-off p50 ms", "wire p50 ms",
+            "-wire p50 ms", "CPU-s P", "CPU-s D")
+    cells = [list(head)]
+    for r in report["rows"]:
+        cells.append([r["pair"], r["mode"], f"{r['ok']}/{r['failed']}", _f(r["ttft_p50_ms"], 1),
+                      _f(r["handoff_p50_ms"]), _f(r["wire_p50_ms"]), _f(r["beyond_wire_p50_ms"]),
+                      _f(r["cpu_p_s"], 1), _f(r["cpu_d_s"], 1)])
+    for what in ("idle", "waiting"):
+        for name, (p_cpu, d_cpu) in report.get(what, {}).items():
+            cells.append([name, what, "-", "-", "-", "-", "-", _f(p_cpu, 3), _f(d_cpu, 3)])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = [f"kvbridge bench handoff, {report['date']}, backend {s['backend']}, "
+             f"{s['requests']} sequential rounds per mode (ABBA), load {report['load_start']} -> "
+             f"{report['load_end']}", ""]
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += ["", "hand-off steps (median ms):"]
+    for r in report["rows"]:
+        steps = ", ".join(f"{k} {v:.2f}" for k, v in r["steps_ms"].items())
+        lines.append(f"  {r['pair']} {r['mode']}: {steps}")
+    lines += ["", "paired, wake - nowake (median over rounds):"]
+    for mode, delta in report["paired"].items():
+        lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms, hand-off "
+                     f"{_f(delta['handoff_ms'])} ms ({int(delta['rounds'] or 0)} rounds)")
+    for r in report["rows"]:
+        if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:
+            v = r["beyond_wire_p50_ms"]
+            verdict = "met" if v <= e2e.HANDOFF_BAR_MS else "NOT met"
+            lines += ["", f"push hand-off minus wire p50 (wake): {v:.2f} ms (bar <= "
+                      f"{e2e.HANDOFF_BAR_MS:g} ms: {verdict})"]
+    lines += ["", "idle / waiting rows: CPU-s per second of each engine's process group with "
+              "nothing to do / while D holds a push whose KV never comes; CPU-s P/D: during the "
+              "mode's rounds (both pairs' rounds interleaved)",
+              f"engine logs: {report['log_dir']}"]
+    return "\n".join(lines)
+
+
+Say = Callable[[str], None]
+
+
+def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str, Any]:
+    """Start both pairs at once (stopped by the caller) and connect the dispatchers."""
+    from kvbridge.testing.engines import start_servers
+    from kvbridge.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model()
+    config = f"kvbridge-{settings.backend}"
+    servers: dict[str, tuple[Any, Any]] = {}
+    for name, env in PAIRS.items():
+        p, d = e2e.engine_specs(config, model, log_dir / name, settings.engine_spin_ms,
+                                settings.pin_engines)
+        for server in (p, d):
+            server.env.update(env)
+            assert server.kv_transfer_config is not None
+            server.kv_transfer_config["engine_id"] += f"-{name}"
+        servers[name] = (p, d)
+    say(f"starting {2 * len(servers)} engines (logs in {log_dir})")
+    start_servers([s for pd in servers.values() for s in pd], timeout=settings.start_timeout,
+                  progress=lambda t, r: say(f"waiting for engines {t:.0f} s, ready={r}"),
+                  progress_every=30.0)
+    return servers
+
+
+def _idle_cpu(pairs: dict[str, e2e.Pair], seconds: float) -> dict[str, tuple[float, float]]:
+    """CPU-s per second of each pair's P and D over *seconds* (all pairs measured at once)."""
+    meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
+    time.sleep(seconds)
+    out = {}
+    for n, meter in meters.items():
+        p_cpu, d_cpu, _, _ = meter.read()
+        out[n] = (p_cpu / seconds, d_cpu / seconds)
+    return out
+
+
+def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
+                 ) -> dict[str, tuple[float, float]]:
+    """Like :func:`_idle_cpu`, while each D holds one push request whose P leg never comes
+    (the case where vLLM keeps stepping and kvbridge's idle wait decides what that costs); the
+    client then gives up, which aborts the request."""
+    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
+    from kvbridge.testing.engines import EngineError, complete
+    from kvbridge.testing.tiny_model import random_prompts
+
+    prompt = random_prompts(1, settings.prompt_len, seed=settings.seed - 2)[0]
+    timeout = settings.idle_s + 3.0
+    with cf.ThreadPoolExecutor(len(pairs)) as ex:
+        futs = [ex.submit(complete, pp.d.url, prompt, 4,
+                          push_decode_params(pp.probe, new_transfer_id()), timeout=timeout)
+                for pp in pairs.values()]
+        time.sleep(1.5)  # registered, waiting
+        out = _idle_cpu(pairs, settings.idle_s)
+        for fut in futs:
+            try:
+                fut.result(timeout=timeout + 30)
+            except (EngineError, OSError):
+                pass  # the expected end: the client stopped waiting
+    time.sleep(1.0)
+    return out
+
+
+def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
+          settings: HandoffSettings) -> e2e.RequestRecord:
+    """One measured request (never raises). ``push-behind``: a push while D waits for another
+    push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured."""
+    if mode != "push-behind":
+        return e2e.dispatch(pair, mode, prompt, index)
+    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
+    from kvbridge.testing.engines import complete
+    from kvbridge.testing.tiny_model import random_prompts
+
+    other = random_prompts(1, settings.prompt_len, seed=settings.seed * 7 + index)[0]
+    tid = new_transfer_id()
+    waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_params(pair.probe, tid),
+                               timeout=settings.request_timeout)
+    time.sleep(BEHIND_S / 2)  # D holds it, idle, waiting for its KV
+    rec = e2e.dispatch(pair, "push", prompt, index)
+    rec.mode = mode
+    time.sleep(max(0.0, BEHIND_S / 2 - (rec.total or 0.0)))
+    try:
+        complete(pair.p.url, other, 1, e2e.kvbridge_prefill_params(tid, "push"),
+                 timeout=settings.request_timeout)
+        waiting.result(timeout=settings.request_timeout)
+    except Exception as exc:  # noqa: BLE001 - the measured request is what counts
+        rec.error = rec.error or f"the waiting push failed: {exc}"[:300]
+    return rec
+
+
+def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
+    """Run the interleaved comparison; the JSON-able report."""
+    from kvbridge.testing.tiny_model import random_prompts
+
+    log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-bench-handoff-"))
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_start": e2e.loadavg(), "log_dir": str(log_dir),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(settings).items()},
+        "rows": [], "idle": {}, "waiting": {}, "paired": {},
+    }
+    e2e_settings = e2e.BenchSettings(prompt_len=settings.prompt_len,
+                                     max_tokens=settings.max_tokens,
+                                     request_timeout=settings.request_timeout)
+    legs = cf.ThreadPoolExecutor(4, thread_name_prefix="handoff-leg")
+    servers: dict[str, tuple[Any, Any]] = {}
+    try:
+        servers = _open_pairs(settings, log_dir, say)
+        pairs: dict[str, e2e.Pair] = {}
+        for name, (p, d) in servers.items():
+            pairs[name] = e2e.Pair(f"kvbridge-{settings.backend}", p, d, e2e_settings, legs)
+            e2e.connect(pairs[name])
+        for pair in pairs.values():  # warm-up: the first transfer pays the handshakes
+            for mode in ("push", "pull"):
+                e2e.dispatch(pair, mode, random_prompts(1, settings.prompt_len,
+                                                        seed=settings.seed - 1)[0], -1)
+        time.sleep(1.0)
+        report["idle"] = _idle_cpu(pairs, settings.idle_s)
+        report["waiting"] = _waiting_cpu(pairs, settings)
+        names = list(pairs)
+        for mode in settings.modes:
+            say(f"{mode}: {settings.requests} rounds")
+            prompts = random_prompts(settings.requests, settings.prompt_len,
+                                     seed=settings.seed + 100 * MODES.index(mode))
+            cells = {n: _Cell(n, mode) for n in names}
+            meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
+            for i, prompt in enumerate(prompts):
+                order = names if i % 4 in (0, 3) else names[::-1]
+                for n in order:
+                    cells[n].records.append(_send(pairs[n], mode, prompt, i, settings))
+            time.sleep(0.3)  # the last first_step reaches D's rank with its next step
+            for n, pair in pairs.items():
+                cells[n].cpu_p, cells[n].cpu_d, _, _ = meters[n].read()
+                assert pair.p_ctl is not None and pair.d_ctl is not None
+                cells[n].p_timings = dict(e2e.control_stats(pair.p_ctl).timings)
+                cells[n].d_timings = dict(e2e.control_stats(pair.d_ctl).timings)
+                report["rows"].append(summarize_pair(cells[n]))
+                report.setdefault("requests", []).extend(
+                    {"pair": n, "mode": mode, "round": r.index, "ok": r.ok, "error": r.error,
+                     "ttft_ms": None if r.ttft is None else r.ttft * 1000.0,
+                     "steps_ms": {k: round(v * 1000.0, 3) for k, v in e2e.request_steps(
+                         cells[n].p_timings, cells[n].d_timings, r.transfer_id or "",
+                         r.t0_wall or 0.0).items()}}
+                    for r in cells[n].records)
+            report["paired"][mode] = paired_deltas(cells[names[0]], cells[names[1]])
+    finally:
+        legs.shutdown(wait=False, cancel_futures=True)
+        for p, d in servers.values():
+            p.stop()
+            d.stop()
+        report["load_end"] = e2e.loadavg()
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = HandoffSettings()
+    p.add_argument("--backend", choices=("shm", "nixl"), default=d.backend)
+    p.add_argument("--requests", type=int, default=d.requests, help="rounds per mode")
+    p.add_argument("--modes", default=",".join(d.modes), help="comma-separated: push, pull")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--idle-s", type=float, default=d.idle_s,
+                   help="seconds of the idle measurement (both pairs up, nothing to do)")
+    p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
+                   help="KVBRIDGE_ENGINE_SPIN_MS of every engine (negative: vLLM default)")
+    p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
+    p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
+    from kvbridge.cli import parse_names
+
+    if args.requests < 2:
+        raise ConfigError("--requests must be >= 2")
+    for name in ("prompt_len", "max_tokens"):
+        if getattr(args, name) < 2:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 2")
+    if not args.idle_s > 0:
+        raise ConfigError("--idle-s must be > 0")
+    return HandoffSettings(backend=args.backend, requests=args.requests,
+                           modes=parse_names(args.modes, MODES, "--modes", "mode"),
+                           prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                           idle_s=args.idle_s, engine_spin_ms=args.engine_spin_ms,
+                           pin_engines=args.pin_engines,
+                           seed=args.seed, log_dir=args.log_dir)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+
+    def say(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    report = run_handoff_bench(settings, say)
+    if args.output is not None:
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_handoff_report(report))
+    return 0 if all(r["failed"] == 0 for r in report["rows"]) else 1

@@ -1,0 +1,75 @@
+"""``kvbridge bench handoff``'s flags and arithmetic (no engines; the bench is run by hand,
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvbridge import bench_handoff as bh
+from kvbridge import cli
+from kvbridge.bench_e2e import RequestRecord
+from kvbridge.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser(["bench", "handoff", *argv]).parse_args(["bench", "handoff", *argv])
+
+
+def test_flags() -> None:
+    s = bh.settings_from_args(_args())
+    assert (s.backend, s.requests, s.modes) == ("shm", 20, ("push", "pull", "push-behind"))
+    s = bh.settings_from_args(_args("--backend", "nixl", "--modes", "push", "--requests", "4"))
+    assert (s.backend, s.requests, s.modes) == ("nixl", 4, ("push",))
+    with pytest.raises(ConfigError, match="--modes"):
+        bh.settings_from_args(_args("--modes", "push,bogus"))
+    with pytest.raises(ConfigError, match="--requests"):
+        bh.settings_from_args(_args("--requests", "1"))
+
+
+def test_the_pairs_differ_only_by_the_wake_switch() -> None:
+    assert bh.PAIRS == {"wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
+
+
+def _cell(pair: str, handoffs_ms: list[float], ttfts_ms: list[float]) -> bh._Cell:
+    cell = bh._Cell(pair, "push")
+    for i, (h, t) in enumerate(zip(handoffs_ms, ttfts_ms, strict=True)):
+        tid = f"{pair}-{i}"
+        cell.records.append(RequestRecord(index=i, mode="push", ok=True, ttft=t / 1000,
+                                          transfer_id=tid))
+        cell.p_timings[tid] = {"kv_ready": 10.0, "write_posted": 10.0005, "write_done": 10.0015}
+        cell.d_timings[tid] = {"recv_done": 10.002, "first_step": 10.0 + h / 1000}
+    return cell
+
+
+def test_summary_and_paired_differences() -> None:
+    wake = _cell("wake", [2.0, 3.0, 4.0], [30.0, 31.0, 40.0])
+    nowake = _cell("nowake", [5.0, 7.0, 6.0], [33.0, 36.0, 41.0])
+    row = bh.summarize_pair(wake)
+    assert row["handoff_p50_ms"] == pytest.approx(3.0)
+    assert row["wire_p50_ms"] == pytest.approx(1.0)
+    assert row["beyond_wire_p50_ms"] == pytest.approx(2.0)
+    assert row["ttft_p50_ms"] == pytest.approx(31.0)
+    assert set(row["steps_ms"]) == {"kv_ready->write_posted", "write_posted->write_done",
+                                    "write_done->recv_done", "recv_done->first_step"}
+    delta = bh.paired_deltas(wake, nowake)
+    assert delta["handoff_ms"] == pytest.approx(-3.0)  # median of -3, -4, -2
+    assert delta["ttft_ms"] == pytest.approx(-3.0)  # median of -3, -5, -1
+    nowake.records[1].ok = False  # an unpaired round is left out
+    assert bh.paired_deltas(wake, nowake)["rounds"] == 2
+
+
+def test_report_text_names_the_bar() -> None:
+    rows = [bh.summarize_pair(_cell("wake", [2.0], [30.0])),
+            bh.summarize_pair(_cell("nowake", [5.0], [33.0]))]
+    report = {"date": "d", "settings": {"backend": "shm", "requests": 1}, "load_start": "1",
+              "load_end": "2", "rows": rows, "idle": {"wake": (0.01, 0.02)},
+              "paired": {"push": {"ttft_ms": -3.0, "handoff_ms": -3.0, "rounds": 1.0}},
+              "log_dir": "/tmp/x"}
+    text = bh.format_handoff_report(report)
+    assert "push hand-off minus wire p50 (wake): 1.00 ms (bar <= 2 ms: met)" in text
+    assert "push: TTFT -3.00 ms, hand-off -3.00 ms (1 rounds)" in text
+    assert "wake    idle" in text

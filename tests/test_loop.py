@@ -795,3 +795,32 @@ def test_heartbeat_reply_names_generation_and_unknown_transfers(local_pd: PD) ->
         assert reply.generation == p.generation and reply.unknown == ["nope"]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_an_unknown_answer_to_a_heartbeat_older_than_the_confirmation_is_ignored(
+        local_pd: PD, stale: bool) -> None:
+    """Seen under `vllm bench serve` (push, 4 req/s): D's heartbeat reached P before its
+    registration, P answered "unknown", took the registration and confirmed it on its own
+    connection; D read the confirmation first, then the stale answer, and failed a healthy
+    push ("prefill no longer holds this push")."""
+    p, d = local_pd
+    d.expect(expect("d", "t", p, [5, 6]))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # P's confirmation reaches D (P's KV is not ready)
+        parts = d.loop.push_sink.waits.get("t", [])
+        if parts and parts[0].state.value == "confirmed":
+            break
+        time.sleep(0.01)
+    w = d.loop.push_sink.waits["t"][0]
+    asked = w.confirmed_after + (0 if stale else 1)
+    done = threading.Event()
+    d.loop.submit(lambda: (d.loop.transfers_unknown(w.address, ["t"], asked), done.set()))
+    assert done.wait(10)
+    p.ready(send("p", "t", [1, 2]))
+    rd = d.drain({"d"})
+    if stale:
+        assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
+        np.testing.assert_array_equal(d.blocks([5, 6]), p.blocks([1, 2]))
+    else:  # an answer to a heartbeat sent after the confirmation does count
+        assert rd["results"]["failed_recving"] == {"d"}

@@ -124,8 +124,13 @@ class PeerEvents:
     def peer_gone(self, address: str, why: str) -> None:
         """The prefill engine at ``address`` is proven gone (or restarted)."""
 
-    def transfers_unknown(self, address: str, transfer_ids: list[str]) -> None:
-        """The engine at ``address`` answered that it does not hold these transfers."""
+    def transfers_unknown(self, address: str, transfer_ids: list[str], asked: int) -> None:
+        """The engine at ``address`` answered that it does not hold these transfers.
+
+        ``asked`` is the number of the heartbeat that asked (:attr:`HeartbeatBook.sent` just
+        after it went out): the answer says nothing of what happened after that heartbeat
+        left, e.g. a registration the engine took since (and whose confirmation may arrive
+        here first, on another connection)."""
 
 
 @dataclass
@@ -194,10 +199,10 @@ class HeartbeatBook:
                 self.sent += 1
                 self._rpc.call(address, Heartbeat(generation=target.generation,
                                                   transfer_ids=batch),
-                               self.interval, self._on_reply(address, batch))
+                               self.interval, self._on_reply(address, batch, self.sent))
 
-    def _on_reply(self, address: str,
-                  batch: list[str]) -> Callable[[Message | KVBridgeError], bool]:
+    def _on_reply(self, address: str, batch: list[str],
+                  asked: int) -> Callable[[Message | KVBridgeError], bool]:
         def on_reply(reply: Message | KVBridgeError) -> bool:
             target = self._targets.get(address)
             if target is None:
@@ -212,7 +217,7 @@ class HeartbeatBook:
                 target.generation = reply.generation
                 unknown = [t for t in reply.unknown if t in target.transfers]
                 if unknown:
-                    self._events.transfers_unknown(address, unknown)
+                    self._events.transfers_unknown(address, unknown, asked)
                 return False
             self.failed += 1
             now = self._clock()

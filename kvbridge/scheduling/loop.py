@@ -381,9 +381,9 @@ class TransferLoop(PeerEvents):
         self.push_sink.peer_gone(address, why)
         self.peers.forget(address)
 
-    def transfers_unknown(self, address: str, transfer_ids: list[str]) -> None:
+    def transfers_unknown(self, address: str, transfer_ids: list[str], asked: int) -> None:
         self.pull_sink.transfers_unknown(address, transfer_ids)
-        self.push_sink.transfers_unknown(address, transfer_ids)
+        self.push_sink.transfers_unknown(address, transfer_ids, asked)
 
     # -- the reactor ---------------------------------------------------------------------------
 

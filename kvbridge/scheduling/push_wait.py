@@ -68,6 +68,8 @@ class _In:
     half: Half = field(default_factory=list)  # this rank's side of the part
     call: int | None = None
     failure: str | None = None  # reported; blocks held until P's answer or P gone
+    #: HeartbeatBook.sent when P's confirmation came: earlier heartbeats' answers predate it
+    confirmed_after: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -217,6 +219,7 @@ class PushSink:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error="the confirmation does not match this engine's registration")
         w.state = _Wait.CONFIRMED
+        w.confirmed_after = core.heartbeats.sent
         return Ack()
 
     def _timed_out(self, tid: str) -> None:
@@ -266,11 +269,17 @@ class PushSink:
             if w in self.waits.get(w.tid, ()):
                 self._release_later(w)
 
-    def transfers_unknown(self, address: str, tids: list[str]) -> None:
+    def transfers_unknown(self, address: str, tids: list[str], asked: int) -> None:
+        """P's heartbeat answer (heartbeat number ``asked``) says it does not hold ``tids``.
+
+        Only a confirmed part P forgot counts: before the confirmation P may not know the
+        registration yet, and an answer to a heartbeat sent before the confirmation came is
+        stale (P answered it, then took the registration, then confirmed on its own connection
+        to this engine, whose message this loop may read first)."""
         for tid in tids:
             for w in list(self.waits.get(tid, ())):
                 if (w.address == address and w.failure is None
-                        and w.state is _Wait.CONFIRMED):
+                        and w.state is _Wait.CONFIRMED and asked > w.confirmed_after):
                     self._fail(w, "prefill no longer holds this push", safe=False, cancel=False)
                     self._release_later(w)
 

@@ -23,7 +23,8 @@ class _FakeStream:
 class _FakeEvent:
     instances: list[_FakeEvent] = []
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        self.options = options
         self.recorded_on: Any = None
         self.done = False
         _FakeEvent.instances.append(self)
@@ -40,8 +41,10 @@ def test_cuda_fence_records_on_the_current_stream_and_never_blocks(
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fence = vllm_connector._CudaFence()
     event = _FakeEvent.instances[-1]
+    assert event.options == {"blocking": True}  # a waiting thread sleeps, it does not spin
     assert event.recorded_on is stream  # recorded after the KV writes, on their stream
     assert fence.ready() is False  # kernels still running: the loop must not post
     event.done = True
@@ -59,6 +62,12 @@ def test_rank_side_makes_one_fence_per_forward_for_push_ready(
 
     class _Loop:
         rank = 0
+        config = type("Config", (), {"wake_on_arrival": True})()
+        flushed = 0
+
+        def flush(self, timeout: float) -> bool:
+            self.flushed += 1
+            return True
 
         def push_ready(self, plan: Any, fence: Any) -> None:
             posted.append((plan, fence))
@@ -70,8 +79,10 @@ def test_rank_side_makes_one_fence_per_forward_for_push_ready(
         made.append(object())
         return made[-1]
 
-    side = RankSide(_Loop(), factory)  # type: ignore[arg-type]
+    loop = _Loop()
+    side = RankSide(loop, factory)  # type: ignore[arg-type]
     side.apply(StepPlan(push_ready=[send("p1", "t1", [1]), send("p2", "t2", [2])]))
     assert posted == []  # nothing before the forward
     side.after_forward()
     assert len(made) == 1 and [f for _, f in posted] == [made[0], made[0]]
+    assert loop.flushed == 1  # wake on arrival: the worker lets the loop post at once

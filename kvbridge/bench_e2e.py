@@ -69,6 +69,7 @@ from kvbridge.testing.engines import (
     StreamResult,
     VllmServer,
     complete,
+    fleet_cores,
     free_port,
     output_token_ids,
     start_servers,
@@ -589,10 +590,11 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     """The ``prefill`` P and ``decode`` D engines of a kvbridge *config*, not started.
 
     1P1D is :func:`engine_specs` unchanged (any config). A larger fleet (xPyD) is kvbridge's
-    only, since vLLM's connectors are benchmarked behind a one-P-one-D stock proxy: engine k of
-    P0..Px-1, D0..Dy-1 is pinned to the k-th CPU this process may use, round-robin (on two
-    cores: P0 and D0 on the first, P1 and D1 on the second), with engine ids and logs numbered
-    per role. *pin*: each engine's whole process tree too (:func:`engine_specs`).
+    only, since vLLM's connectors are benchmarked behind a one-P-one-D stock proxy. P and D
+    engines get disjoint cores of those this process may use (:func:`fleet_cores`: on two cores
+    every P on the first, every D on the second; a P and a D confined to one core livelock in
+    UCX's connection set-up), with engine ids and logs numbered per role. *pin*: each engine's
+    whole process tree too (:func:`engine_specs`).
     """
     if not (1 <= prefill <= MAX_FLEET and 1 <= decode <= MAX_FLEET):
         raise ConfigError(f"a fleet has 1..{MAX_FLEET} engines per role, not {prefill}P{decode}D")
@@ -607,14 +609,15 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     if engine_spin_ms >= 0:
         env["KVBRIDGE_ENGINE_SPIN_MS"] = str(engine_spin_ms)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    cores = dict(zip("PD", fleet_cores(cpus, prefill, decode), strict=True))
     out: dict[str, list[VllmServer]] = {"P": [], "D": []}
     roles = [("P", "kv_producer", "prefill", i) for i in range(prefill)]
     roles += [("D", "kv_consumer", "decode", i) for i in range(decode)]
-    for k, (tag, kv_role, word, i) in enumerate(roles):
+    for tag, kv_role, word, i in roles:
         kv = _kvbridge_connector(kv_role, f"bench-{backend}-{tag}{i}", backend)
         out[tag].append(VllmServer(
             model, name=f"{config}-{tag}{i}", kv_transfer_config=kv,
-            cpu_bind=str(cpus[k % len(cpus)]), env=dict(env), extra_args=["--block-size", "32"],
+            cpu_bind=cores[tag][i], env=dict(env), extra_args=["--block-size", "32"],
             log_path=log_dir / f"{config}-{word}{i}.log", pin_cpus=pin))  # fmt: skip
     return out["P"], out["D"]
 

@@ -41,6 +41,7 @@ from kvbridge.testing.engines import (
     VllmServer,
     complete,
     engine_stats,
+    fleet_cores,
     free_port,
     output_token_ids,
     probe,
@@ -57,6 +58,8 @@ LEASE_S = 6.0
 GREEDY = {"ignore_eos": True}
 MODES = ("pull", "push", "auto")
 NAMES = ("P0", "P1", "D0", "D1")
+CORES = dict(zip(NAMES, sum(fleet_cores(sorted(os.sched_getaffinity(0)), 2, 2), []),
+                 strict=True))  # P and D on disjoint cores, as a real fleet (fleet_cores)
 PX = "kvbridge_proxy_"
 
 
@@ -79,7 +82,7 @@ class Fleet:
                   "prefill_wait_s": 60, "control_timeout_s": 5,
                   "side_channel_port": self.ctl[name]}}  # fmt: skip
         return VllmServer(self.model, name=name, port=self.http[name], kv_transfer_config=kv,
-                          cpu_bind=str(NAMES.index(name) % 2),
+                          cpu_bind=CORES[name],
                           env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"},
                           extra_args=["--block-size", "32"],
                           log_path=self.logs / f"{name}-{time.monotonic_ns()}.log")

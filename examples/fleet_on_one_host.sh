@@ -28,8 +28,9 @@ cfg() {  # role engine_id
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
-# Small host: the four engines share the cores (P0 and D0 on core 0, P1 and D1 on core 1) and
-# idle engines do not spin (docs/usage.md).
+# Small host: the two P engines share core 0 and the two D engines core 1; never put a P and a D
+# on one core (their first UCX connection can livelock, docs/backends/nixl.md). Idle engines do
+# not spin (docs/usage.md).
 export KVBRIDGE_ENGINE_SPIN_MS=2
 start() {  # name role core port
     VLLM_CPU_OMP_THREADS_BIND=$3 setsid $py -m kvbridge.integrations.vllm_serve serve "$model" \
@@ -40,8 +41,8 @@ start() {  # name role core port
 }
 engines=($((port + 100)) $((port + 101)) $((port + 200)) $((port + 201)))
 start prefill-0 kv_producer 0 "${engines[0]}"
-start prefill-1 kv_producer 1 "${engines[1]}"
-start decode-0 kv_consumer 0 "${engines[2]}"
+start prefill-1 kv_producer 0 "${engines[1]}"
+start decode-0 kv_consumer 1 "${engines[2]}"
 start decode-1 kv_consumer 1 "${engines[3]}"
 echo "starting engines (logs: /tmp/kvbridge-fleet-*.log; 4 engines on 2 cores take minutes) …"
 for p in "${engines[@]}"; do

@@ -46,6 +46,7 @@ __all__ = [
     "PlaneWire",
     "LayoutWire",
     "EngineInfo",
+    "Placement",
     "HeadSplit",
     "ClaimPart",
     "Hello",
@@ -113,6 +114,20 @@ class ErrorKind(enum.StrEnum):
 # -- engine identity --------------------------------------------------------------------------
 
 
+MAX_PLACEMENT_CORES = 4096
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an engine rank runs: its host's boot id and the cores its threads may use.
+
+    Only compared, never trusted: a peer that lies about it can at most cause or hide a
+    warning (:func:`kvbridge.placement.shared_core_warning`)."""
+
+    host: Annotated[str, msgspec.Meta(max_length=64)]
+    cores: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)], ...],
+                     msgspec.Meta(max_length=MAX_PLACEMENT_CORES)]
+
+
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Who an engine rank is and how to reach its memory; exchanged in handshakes."""
 
@@ -132,6 +147,8 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: this rank's KV heads and block interior (None: not head-major; such an engine only
     #: exchanges KV with engines of its own TP size and block size)
     heads: HeadSplit | None = None
+    #: host and cores of this rank (None: unknown, or an older engine)
+    placement: Placement | None = None
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):

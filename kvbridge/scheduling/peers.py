@@ -36,6 +36,7 @@ from kvbridge.groups import check_groups
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply, Message
+from kvbridge.placement import local_placement, shared_core_warning
 from kvbridge.scheduling.leases import Prober
 from kvbridge.scheduling.mapping import check_block_sizes
 from kvbridge.transport import Transport
@@ -250,6 +251,9 @@ class PeerTable:
         self.handshakes += 1
         log.info("handshake with %s (%s gen %s rank %d) done", address, info.engine_id,
                  info.generation, info.rank)
+        warning = shared_core_warning(self.me, info)
+        if warning:
+            log.warning("%s", warning)
         while len(self._by_address) > self._capacity:
             _, evicted = self._by_address.popitem(last=False)
             self._transport.remove_peer(evicted.name)
@@ -292,4 +296,5 @@ def make_info(*, engine_id: str, generation: str, rank: int, tp_size: int, backe
         protocol=PROTOCOL_VERSION, backend=backend, transport_metadata=transport_metadata,
         layout=layout.to_wire(), layout_fingerprint=layout.fingerprint(),
         control_address=control_address, compat=compat, checksum=checksum, heads=heads,
+        placement=local_placement(),
     )

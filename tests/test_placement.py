@@ -1,0 +1,110 @@
+"""kvbridge.placement: where a rank runs, and the warning for a P and a D on one shared core."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from kvbridge.errors import MessageError
+from kvbridge.layout import LayoutWire, PlaneWire
+from kvbridge.messages import MAX_PLACEMENT_CORES, Codec, EngineInfo, HelloReply, Placement
+from kvbridge.placement import DOCS, local_placement, shared_core_warning
+
+INFO = EngineInfo(
+    engine_id="engine-p", generation="gen-1", rank=0, tp_size=1, backend="nixl",
+    transport_metadata=b"meta", layout=LayoutWire(planes=[PlaneWire("l0#0", 4096, 128, 128)],
+                                                  num_blocks=8, block_size=16, dtype="bfloat16"),
+    layout_fingerprint="0123456789abcdef", control_address="tcp://127.0.0.1:5555",
+)
+
+
+def _info(backend: str = "nixl", host: str = "boot-a", cores: tuple[int, ...] = (0,),
+          engine_id: str = "engine-p") -> EngineInfo:
+    import msgspec
+
+    return msgspec.structs.replace(INFO, backend=backend, engine_id=engine_id,
+                                   placement=Placement(host=host, cores=cores))
+
+
+def test_local_placement_is_this_host_and_this_threads_cores() -> None:
+    got = local_placement()
+    assert got is not None
+    assert got.host == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert got.cores == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_local_placement_unknown_without_a_boot_id(tmp_path: Path) -> None:
+    assert local_placement(str(tmp_path / "missing")) is None
+    (tmp_path / "empty").write_text("")
+    assert local_placement(str(tmp_path / "empty")) is None
+
+
+@pytest.mark.parametrize(("mine", "theirs", "warns"), [
+    (_info(), _info(engine_id="engine-d"), True),  # nixl, one host, both on core 0
+    (_info(), _info(cores=(1,)), False),  # disjoint cores
+    (_info(), _info(host="boot-b"), False),  # another host
+    (_info(cores=(0, 1)), _info(), False),  # one side may run elsewhere: no livelock seen
+    (_info(), _info(cores=(0, 1)), False),
+    (_info(backend="shm"), _info(backend="shm"), False),  # UCX only
+    (_info(backend="mooncake"), _info(backend="mooncake"), False),
+])
+def test_shared_core_warning_only_for_nixl_ranks_confined_to_one_shared_core(
+        mine: EngineInfo, theirs: EngineInfo, warns: bool) -> None:
+    warning = shared_core_warning(mine, theirs)
+    assert bool(warning) == warns
+    if warning:
+        assert "core (0)" in warning and theirs.engine_id in warning and DOCS in warning
+
+
+def test_shared_core_warning_needs_both_placements() -> None:
+    import msgspec
+
+    bare = msgspec.structs.replace(INFO, backend="nixl")  # an older engine: no placement
+    assert bare.placement is None
+    assert shared_core_warning(bare, _info()) is None
+    assert shared_core_warning(_info(), bare) is None
+
+
+def test_placement_round_trips_and_an_older_peer_without_it_decodes() -> None:
+    codec = Codec()
+    reply = HelloReply(info=_info(cores=(2, 3)))
+    assert codec.decode(codec.encode(reply)) == reply
+    assert codec.decode(codec.encode(HelloReply(info=INFO))).info.placement is None
+
+
+@pytest.mark.parametrize(("placement", "field"), [
+    (Placement(host="x" * 65, cores=(0,)), "host"),  # oversized host
+    (Placement(host="boot", cores=(-1,)), "cores"),  # forged: negative core
+    (Placement(host="boot", cores=(1 << 21,)), "cores"),  # forged: absurd core number
+    (Placement(host="boot", cores=tuple(range(MAX_PLACEMENT_CORES + 1))), "cores"),  # oversized
+    (Placement(host=7, cores=(0,)), "host"),  # type: ignore[arg-type]  # malformed
+])
+def test_hostile_placement_is_refused_naming_the_field(placement: Placement, field: str) -> None:
+    import msgspec
+
+    codec = Codec()
+    data = codec.encode(HelloReply(info=msgspec.structs.replace(INFO, placement=placement)))
+    with pytest.raises(MessageError, match=field):
+        codec.decode(data)
+
+
+def test_the_peer_table_logs_the_warning_once_per_handshake(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kvbridge.layout import KVLayout
+    from kvbridge.scheduling.peers import PeerTable
+
+    them = _info(engine_id="engine-p")
+    table = PeerTable(_info(engine_id="engine-d"), None, None,  # type: ignore[arg-type]
+                      lambda fn, *args: fn(*args), timeout=1.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvbridge.peers"):
+            table._added("tcp://127.0.0.1:1", them, KVLayout.from_wire(them.layout), "p")
+            table._added("tcp://127.0.0.1:2", _info(cores=(1,)),
+                         KVLayout.from_wire(them.layout), "q")
+    finally:
+        table.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "same single core (0)" in warnings[0], warnings

@@ -64,12 +64,12 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.placement import fleet_cores
 from kvbridge.testing.engines import (
     EngineError,
     StreamResult,
     VllmServer,
     complete,
-    fleet_cores,
     free_port,
     output_token_ids,
     start_servers,
@@ -609,7 +609,7 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     if engine_spin_ms >= 0:
         env["KVBRIDGE_ENGINE_SPIN_MS"] = str(engine_spin_ms)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
-    cores = dict(zip("PD", fleet_cores(cpus, prefill, decode), strict=True))
+    cores = dict(zip("PD", fleet_cores(cpus, prefill, decode), strict=True))  # ints
     out: dict[str, list[VllmServer]] = {"P": [], "D": []}
     roles = [("P", "kv_producer", "prefill", i) for i in range(prefill)]
     roles += [("D", "kv_consumer", "decode", i) for i in range(decode)]
@@ -617,7 +617,7 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
         kv = _kvbridge_connector(kv_role, f"bench-{backend}-{tag}{i}", backend)
         out[tag].append(VllmServer(
             model, name=f"{config}-{tag}{i}", kv_transfer_config=kv,
-            cpu_bind=cores[tag][i], env=dict(env), extra_args=["--block-size", "32"],
+            cpu_bind=str(cores[tag][i]), env=dict(env), extra_args=["--block-size", "32"],
             log_path=log_dir / f"{config}-{word}{i}.log", pin_cpus=pin))  # fmt: skip
     return out["P"], out["D"]
 

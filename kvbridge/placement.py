@@ -12,16 +12,20 @@ to minutes (docs/backends/nixl.md, "Known issue (UCX)"). The peer table logs it 
 handshake. The placement a peer sends is only compared, never acted on, so a forged one can at
 most cause or hide this warning.
 
+:func:`fleet_cores` is the placement kvbridge's own fleets use on one host (``kvbridge bench
+serve --fleet``, the fleet tests, the simulator): P and D engines on disjoint cores.
+
 Pure functions; :func:`local_placement` reads ``/proc`` and never raises.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from kvbridge.messages import MAX_PLACEMENT_CORES, EngineInfo, Placement
 
-__all__ = ["local_placement", "shared_core_warning", "BOOT_ID_PATH", "DOCS"]
+__all__ = ["fleet_cores", "local_placement", "shared_core_warning", "BOOT_ID_PATH", "DOCS"]
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 DOCS = "docs/backends/nixl.md#known-issue-ucx-never-confine-a-p-and-a-d-to-the-same-core"
@@ -53,3 +57,35 @@ def shared_core_warning(mine: EngineInfo, theirs: EngineInfo) -> str | None:
             f"same single core ({a.cores[0]}) as this rank: NIXL/UCX's first connection between "
             f"them can livelock and stall hand-offs for minutes; give P and D engines disjoint "
             f"cores ({DOCS})")
+
+
+def fleet_cores(cpus: Sequence[int], prefill: int, decode: int) -> tuple[list[int], list[int]]:
+    """The core of each of *prefill* P and *decode* D engines on a host of *cpus* (their
+    ``cpu_bind``; the simulator's pinned engines).
+
+    P engines and D engines get disjoint cores whenever there are two or more: the first
+    ``max(1, len(cpus) * prefill // (prefill + decode))`` cores (at most ``len(cpus) - 1``) go
+    round-robin to the P engines, the rest to the D engines; on two cores, every P on the first
+    and every D on the second, as in 1P1D.
+
+    Why never a P and a D on one core: vLLM's CPU worker binds its main thread, and so every
+    thread it starts (NIXL's progress thread, UCX's, kvbridge's), to its ``cpu_bind`` core. When
+    a D opens its first UCX connection to a P confined to the same single core, UCX's connection
+    set-up livelocks: P's progress thread spins on the half-open socket (poll and epoll_wait
+    return at once, 100 % of the core) and D's answer does not arrive until P is descheduled for
+    longer than it ever is by the scheduler (a debugger pausing P for 3 ms ends it), so the first
+    hand-off of that pair stalls for seconds to minutes and its lease expires
+    (docs/backends/nixl.md, "Known issue (UCX)"). Real fleets never share a core between a P
+    and a D.
+    With one core there is no choice: everything goes on it.
+    """
+    if prefill < 1 or decode < 1 or not cpus:
+        raise ValueError(f"fleet_cores needs cores and engines of both roles, got {len(cpus)} "
+                         f"core(s) for {prefill}P{decode}D")
+    cores = list(cpus)
+    if len(cores) == 1:
+        return cores * prefill, cores * decode
+    split = min(len(cores) - 1, max(1, len(cores) * prefill // (prefill + decode)))
+    p_cores, d_cores = cores[:split], cores[split:]
+    return ([p_cores[i % len(p_cores)] for i in range(prefill)],
+            [d_cores[i % len(d_cores)] for i in range(decode)])

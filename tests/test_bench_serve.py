@@ -129,7 +129,7 @@ def test_a_fleet_refuses_the_one_pair_vllm_setups() -> None:
 
 def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> None:
     from kvbridge.bench_e2e import engine_specs, fleet_specs
-    from kvbridge.testing.engines import fleet_cores
+    from kvbridge.placement import fleet_cores
 
     ps, ds = fleet_specs("kvbridge-shm", tmp_path, tmp_path, 2.0, prefill=2, decode=2)
     engines = [*ps, *ds]
@@ -141,7 +141,7 @@ def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> 
     assert len({e.log_path for e in engines}) == 4
     cpus = sorted(os.sched_getaffinity(0))
     p_cores, d_cores = fleet_cores(cpus, 2, 2)
-    assert [e.cpu_bind for e in engines] == [*p_cores, *d_cores]
+    assert [e.cpu_bind for e in engines] == [str(c) for c in (*p_cores, *d_cores)]
     if len(cpus) > 1:  # a P and a D never share a core (UCX livelock, docs/backends/nixl.md)
         assert not {p.cpu_bind for p in ps} & {d.cpu_bind for d in ds}
     # 1P1D is exactly the pair bench e2e and bench serve always ran

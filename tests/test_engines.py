@@ -230,31 +230,3 @@ def test_real_vllm_engine_greedy(tmp_path: Path) -> None:
         s.stop()
     assert s.pid is not None and _gone(s.pid)
 
-
-@pytest.mark.parametrize(("cpus", "prefill", "decode", "want"), [
-    ([0, 1], 1, 1, (["0"], ["1"])),
-    ([0, 1], 2, 2, (["0", "0"], ["1", "1"])),
-    ([4, 5, 6, 7], 2, 2, (["4", "5"], ["6", "7"])),
-    ([0, 1, 2, 3], 3, 1, (["0", "1", "2"], ["3"])),  # D keeps at least one core
-    ([0, 1, 2, 3], 1, 3, (["0"], ["1", "2", "3"])),  # and so does P
-    ([0, 1, 2], 4, 2, (["0", "1", "0", "1"], ["2", "2"])),
-    ([3], 2, 1, (["3", "3"], ["3"])),  # one core: no choice
-])
-def test_fleet_cores_never_puts_a_prefill_and_a_decode_on_one_core(
-        cpus: list[int], prefill: int, decode: int, want: tuple[list[str], list[str]]) -> None:
-    from kvbridge.testing.engines import fleet_cores
-
-    got = fleet_cores(cpus, prefill, decode)
-    assert got == want
-    if len(cpus) > 1:
-        assert not set(got[0]) & set(got[1])
-
-
-@pytest.mark.parametrize(("cpus", "prefill", "decode"), [([], 1, 1), ([0, 1], 0, 1),
-                                                          ([0, 1], 1, 0)])
-def test_fleet_cores_refuses_an_empty_host_or_role(cpus: list[int], prefill: int,
-                                                    decode: int) -> None:
-    from kvbridge.testing.engines import fleet_cores
-
-    with pytest.raises(ValueError, match="fleet_cores needs"):
-        fleet_cores(cpus, prefill, decode)

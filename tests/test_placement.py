@@ -11,7 +11,7 @@ import pytest
 from kvbridge.errors import MessageError
 from kvbridge.layout import LayoutWire, PlaneWire
 from kvbridge.messages import MAX_PLACEMENT_CORES, Codec, EngineInfo, HelloReply, Placement
-from kvbridge.placement import DOCS, local_placement, shared_core_warning
+from kvbridge.placement import DOCS, fleet_cores, local_placement, shared_core_warning
 
 INFO = EngineInfo(
     engine_id="engine-p", generation="gen-1", rank=0, tp_size=1, backend="nixl",
@@ -108,3 +108,28 @@ def test_the_peer_table_logs_the_warning_once_per_handshake(
         table.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "same single core (0)" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(("cpus", "prefill", "decode", "want"), [
+    ([0, 1], 1, 1, ([0], [1])),
+    ([0, 1], 2, 2, ([0, 0], [1, 1])),
+    ([4, 5, 6, 7], 2, 2, ([4, 5], [6, 7])),
+    ([0, 1, 2, 3], 3, 1, ([0, 1, 2], [3])),  # D keeps at least one core
+    ([0, 1, 2, 3], 1, 3, ([0], [1, 2, 3])),  # and so does P
+    ([0, 1, 2], 4, 2, ([0, 1, 0, 1], [2, 2])),
+    ([3], 2, 1, ([3, 3], [3])),  # one core: no choice
+])
+def test_fleet_cores_never_puts_a_prefill_and_a_decode_on_one_core(
+        cpus: list[int], prefill: int, decode: int, want: tuple[list[int], list[int]]) -> None:
+    got = fleet_cores(cpus, prefill, decode)
+    assert got == want
+    if len(cpus) > 1:
+        assert not set(got[0]) & set(got[1])
+
+
+@pytest.mark.parametrize(("cpus", "prefill", "decode"), [([], 1, 1), ([0, 1], 0, 1),
+                                                          ([0, 1], 1, 0)])
+def test_fleet_cores_refuses_an_empty_host_or_role(cpus: list[int], prefill: int,
+                                                    decode: int) -> None:
+    with pytest.raises(ValueError, match="fleet_cores needs"):
+        fleet_cores(cpus, prefill, decode)

@@ -35,13 +35,13 @@ import pytest
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 from kvbridge.params import push_decode_request
+from kvbridge.placement import fleet_cores
 from kvbridge.testing import prom
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
     complete,
     engine_stats,
-    fleet_cores,
     free_port,
     output_token_ids,
     probe,
@@ -58,7 +58,7 @@ LEASE_S = 6.0
 GREEDY = {"ignore_eos": True}
 MODES = ("pull", "push", "auto")
 NAMES = ("P0", "P1", "D0", "D1")
-CORES = dict(zip(NAMES, sum(fleet_cores(sorted(os.sched_getaffinity(0)), 2, 2), []),
+CORES = dict(zip(NAMES, map(str, sum(fleet_cores(sorted(os.sched_getaffinity(0)), 2, 2), [])),
                  strict=True))  # P and D on disjoint cores, as a real fleet (fleet_cores)
 PX = "kvbridge_proxy_"
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 
 from kvbridge import registry
+from kvbridge.placement import fleet_cores
 from kvbridge.testing import prom
 from kvbridge.testing.engines import (
     VllmServer,
     complete,
     engine_stats,
-    fleet_cores,
     output_token_ids,
     probe,
     start_servers,
@@ -77,7 +77,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NixlFleet]:
     model = build_tiny_model()
     logs = tmp_path_factory.mktemp("fleet-nixl")
     p_cores, d_cores = fleet_cores(sorted(os.sched_getaffinity(0)), 2, 2)
-    cores = dict(zip((*PREFILLS, *DECODES), (*p_cores, *d_cores), strict=True))
+    cores = dict(zip((*PREFILLS, *DECODES), map(str, (*p_cores, *d_cores)), strict=True))
     f = NixlFleet({n: _engine(model, logs, n, c) for n, c in cores.items()})
     try:
         start_servers(f.engines.values(), timeout=900)

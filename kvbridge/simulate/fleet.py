@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvbridge.config import TransferMode
+from kvbridge.placement import fleet_cores
 from kvbridge.proxy.routing import Engine, Pool, Role, decide
 from kvbridge.simulate.cpu import CpuPool, Task
 from kvbridge.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
@@ -94,17 +95,18 @@ class Fleet:
             self._share_cores(profile.cpu)
 
     def _share_cores(self, c: CpuCost) -> None:
-        """Engine k of P0..Px-1, D0..Dy-1 pinned to core k mod cores, as
-        ``kvbridge.bench_e2e.fleet_specs`` pins them (1P1D: P on core 0, D on core 1); the
-        front ends float."""
+        """Engines pinned as ``kvbridge bench serve --fleet`` pins them
+        (:func:`kvbridge.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
+        2P2D on two cores: every P on core 0, every D on core 1); the front ends float."""
         self.cpu = CpuPool(self.loop, c.cores, c.background)
-        order: list[PrefillEngine | DecodeEngine] = [*self.prefills, *self.decodes]
-        for k, e in enumerate(order):
-            role = "P" if isinstance(e, PrefillEngine) else "D"
-            e.cpu = self.cpu.task(f"{role}{e.index} engine", core=k % c.cores,
-                                  spin_s=c.engine_spin_s)
+        p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills), len(self.decodes))
+        pinned: list[tuple[str, PrefillEngine | DecodeEngine, int]] = [
+            *(("P", e, p_cores[i]) for i, e in enumerate(self.prefills)),
+            *(("D", e, d_cores[i]) for i, e in enumerate(self.decodes))]
+        for role, e, core in pinned:
+            e.cpu = self.cpu.task(f"{role}{e.index} engine", core=core, spin_s=c.engine_spin_s)
             self.tasks[f"{role}{e.index} connector"] = self.cpu.task(
-                f"{role}{e.index} connector", core=k % c.cores)
+                f"{role}{e.index} connector", core=core)
         self.tasks |= {"client": self.cpu.task("client"), "proxy": self.cpu.task("proxy")}
         for e in self.prefills:
             self.tasks[f"P{e.index}"] = self.cpu.task(f"P{e.index} API server")

@@ -51,7 +51,6 @@ __all__ = [
     "BASE_ARGS",
     "GUARD_MIDDLEWARE",
     "free_port",
-    "fleet_cores",
     "VllmServer",
     "start_servers",
     "stop_all",
@@ -103,36 +102,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def fleet_cores(cpus: Sequence[int], prefill: int, decode: int) -> tuple[list[str], list[str]]:
-    """The ``cpu_bind`` of each of *prefill* P and *decode* D engines on a host of *cpus*.
-
-    P engines and D engines get disjoint cores whenever there are two or more: the first
-    ``max(1, len(cpus) * prefill // (prefill + decode))`` cores (at most ``len(cpus) - 1``) go
-    round-robin to the P engines, the rest to the D engines; on two cores, every P on the first
-    and every D on the second, as in 1P1D.
-
-    Why never a P and a D on one core: vLLM's CPU worker binds its main thread, and so every
-    thread it starts (NIXL's progress thread, UCX's, kvbridge's), to its ``cpu_bind`` core. When
-    a D opens its first UCX connection to a P confined to the same single core, UCX's connection
-    set-up livelocks: P's progress thread spins on the half-open socket (poll and epoll_wait
-    return at once, 100 % of the core) and D's answer does not arrive until P is descheduled for
-    longer than it ever is by the scheduler (a debugger pausing P for 3 ms ends it), so the first
-    hand-off of that pair stalls for seconds to minutes and its lease expires
-    (docs/backends/nixl.md, "Known issue"). Real fleets never share a core between a P and a D.
-    With one core there is no choice: everything goes on it.
-    """
-    if prefill < 1 or decode < 1 or not cpus:
-        raise ValueError(f"fleet_cores needs cores and engines of both roles, got {len(cpus)} "
-                         f"core(s) for {prefill}P{decode}D")
-    cores = [str(c) for c in cpus]
-    if len(cores) == 1:
-        return cores * prefill, cores * decode
-    split = min(len(cores) - 1, max(1, len(cores) * prefill // (prefill + decode)))
-    p_cores, d_cores = cores[:split], cores[split:]
-    return ([p_cores[i % len(p_cores)] for i in range(prefill)],
-            [d_cores[i % len(d_cores)] for i in range(decode)])
 
 
 def _tail(path: Path, lines: int = 40) -> str:

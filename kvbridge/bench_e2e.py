@@ -609,7 +609,7 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     if engine_spin_ms >= 0:
         env["KVBRIDGE_ENGINE_SPIN_MS"] = str(engine_spin_ms)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
-    cores = dict(zip("PD", fleet_cores(cpus, prefill, decode), strict=True))  # ints
+    cores = dict(zip("PD", fleet_cores(cpus, prefill, decode), strict=True))
     out: dict[str, list[VllmServer]] = {"P": [], "D": []}
     roles = [("P", "kv_producer", "prefill", i) for i in range(prefill)]
     roles += [("D", "kv_consumer", "decode", i) for i in range(decode)]

@@ -72,12 +72,11 @@ def fleet_cores(cpus: Sequence[int], prefill: int, decode: int) -> tuple[list[in
     thread it starts (NIXL's progress thread, UCX's, kvbridge's), to its ``cpu_bind`` core. When
     a D opens its first UCX connection to a P confined to the same single core, UCX's connection
     set-up livelocks: P's progress thread spins on the half-open socket (poll and epoll_wait
-    return at once, 100 % of the core) and D's answer does not arrive until P is descheduled for
-    longer than it ever is by the scheduler (a debugger pausing P for 3 ms ends it), so the first
-    hand-off of that pair stalls for seconds to minutes and its lease expires
-    (docs/backends/nixl.md, "Known issue (UCX)"). Real fleets never share a core between a P
-    and a D.
-    With one core there is no choice: everything goes on it.
+    return at once, 100 % of the core) and D's answer does not arrive until something pauses P
+    (a debugger attaching for a few milliseconds ends it), so the first hand-off of that pair
+    stalls for seconds to minutes and its lease expires (docs/backends/nixl.md, "Known issue
+    (UCX)"). Real fleets never share a core between a P and a D. With one core there is no
+    choice: everything goes on it.
     """
     if prefill < 1 or decode < 1 or not cpus:
         raise ValueError(f"fleet_cores needs cores and engines of both roles, got {len(cpus)} "

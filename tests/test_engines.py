@@ -229,4 +229,3 @@ def test_real_vllm_engine_greedy(tmp_path: Path) -> None:
     finally:
         s.stop()
     assert s.pid is not None and _gone(s.pid)
-

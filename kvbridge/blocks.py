@@ -126,10 +126,6 @@ class BlockRequest:
         group's planes (among ``planes``), group by group. Runs of ids consecutive on both
         sides are coalesced where every plane they move in is dense on both sides.
         """
-        if planes is None and not local.groups:
-            small = _build_small(local, remote, local_ids, remote_ids)
-            if small is not None:
-                return small
         sel = _check_planes(planes, len(local.planes))
         if not local.groups:
             lids = check_block_ids(local_ids, local.num_blocks, "local")
@@ -189,58 +185,6 @@ class BlockRequest:
                 fill_ranges(out, table, ids[p.starts], p.counts, dev)
             at += n
         return both[0], both[1]
-
-
-SMALL_REQUEST = 64
-"""Id lists up to this long, in every plane and valid, take :func:`_build_small`."""
-
-
-def _build_small(local: KVLayout, remote: KVLayout, local_ids: BlockIds,
-                 remote_ids: BlockIds) -> BlockRequest | None:
-    """The :class:`BlockRequest` of a short, valid id list in every plane, in plain Python.
-
-    A hand-off of a few thousand tokens is a few dozen blocks, and the general path's twenty-odd
-    numpy calls cost ~30 µs warm but ~200 µs on the first transfer after an idle spell (cold
-    caches), on the hand-off's critical path; this one ~5 µs warm, ~50 µs cold. It returns
-    ``None`` for anything it does not accept as valid (too long, not one-dimensional int64 or
-    a list of ints, out of range, duplicates, unequal counts), and the general path then
-    builds the request or raises its usual error, so both paths agree on every input.
-    """
-    lvals, larr = _small_ids(local_ids, local.num_blocks)
-    rvals, rarr = _small_ids(remote_ids, remote.num_blocks)
-    if lvals is None or rvals is None or larr is None or rarr is None or len(lvals) != len(rvals):
-        return None
-    n = len(lvals)
-    if local._dense and remote._dense:
-        starts, counts = [0], []
-        for i in range(1, n):
-            if lvals[i] != lvals[i - 1] + 1 or rvals[i] != rvals[i - 1] + 1:
-                counts.append(i - starts[-1])
-                starts.append(i)
-        counts.append(n - starts[-1])
-    else:
-        starts, counts = list(range(n)), [1] * n
-    part = BlockPart(None, larr, rarr, np.array(starts, dtype=np.int64),
-                     np.array(counts, dtype=np.int64), len(local.planes))
-    return BlockRequest((part,), local.bytes_per_block * n, n)
-
-
-def _small_ids(ids: BlockIds, num_blocks: int) -> tuple[list[int] | None, I64 | None]:
-    """``(ids as Python ints, ids as a 1-D int64 array)`` if they are 1..``SMALL_REQUEST``
-    distinct ids in ``[0, num_blocks)``, else ``(None, None)``."""
-    if isinstance(ids, np.ndarray):
-        if ids.dtype != np.int64 or ids.ndim != 1 or not 0 < ids.size <= SMALL_REQUEST:
-            return None, None
-        vals: list[int] = ids.tolist()
-        arr: I64 | None = ids.astype(np.int64, copy=False)  # the caller's array, not a copy
-    elif (type(ids) in (list, tuple) and 0 < len(ids) <= SMALL_REQUEST
-          and all(type(v) is int for v in ids)):
-        vals, arr = list(ids), None
-    else:
-        return None, None
-    if min(vals) < 0 or max(vals) >= num_blocks or len(set(vals)) != len(vals):
-        return None, None
-    return vals, (np.array(vals, dtype=np.int64) if arr is None else arr)
 
 
 def _same_count(lids: I64, rids: I64) -> None:

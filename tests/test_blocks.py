@@ -6,7 +6,6 @@ Transfers use the in-process ``memory`` transport (real bytes, no process)."""
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -288,55 +287,3 @@ def test_submit_parts_moves_several_views_as_one_transfer(connected: tuple[Any, 
     assert a.wait(one, 10) is HandleState.DONE
     np.testing.assert_array_equal(bb[:, :, 9], ba[:, :, 0])
     assert a.prepare_blocks("b", la, lb).live  # the single part went through a prepared pair
-
-
-# -- the short-request path (plain Python) agrees with the general one on every input ----------
-
-
-def _outcome(*args: Any) -> Any:
-    try:
-        req = BlockRequest.build(*args)
-    except LayoutError as exc:
-        return ("error", str(exc))
-    return ("ok", req.nbytes, req.blocks, [
-        (None if p.planes is None else p.planes.tolist(), p.local_ids.tolist(),
-         p.remote_ids.tolist(), p.starts.tolist(), p.counts.tolist(), p.plane_count)
-        for p in req.parts])
-
-
-def _id_inputs(rng: random.Random, num_blocks: int) -> list[Any]:
-    n = rng.choice([1, 2, 3, 7, 63, 64, 65, 100])
-    start = rng.randrange(0, num_blocks - 1)
-    run = [(start + i) % num_blocks for i in range(n)]
-    scattered = rng.sample(range(num_blocks), min(n, num_blocks))
-    bad = list(scattered)
-    bad[rng.randrange(len(bad))] = rng.choice([-1, num_blocks, num_blocks + 7, 1 << 70])
-    dup = scattered + scattered[:1]
-    return [run, scattered, tuple(scattered), np.array(scattered, dtype=np.int64),
-            np.array(scattered, dtype=np.int32), np.array(scattered, dtype=np.int64)[::-1],
-            np.array(scattered, dtype=np.int64).reshape(1, -1), bad, dup, [],
-            [True] * n, [float(x) for x in scattered]]
-
-
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("dense", [True, False])
-def test_short_requests_build_exactly_what_the_general_path_builds(seed: int,
-                                                                   dense: bool) -> None:
-    rng = random.Random(seed)
-    stride = None if dense else 512
-    a, b = layout(1 << 30, stride=stride), layout(1 << 31, stride=stride)
-    every = list(range(len(a.planes)))  # the identity plane list: the general path, no shortcut
-    inputs = _id_inputs(rng, a.num_blocks)
-    for lids in inputs:
-        for rids in rng.sample(inputs, 4):
-            fast = _outcome(a, b, lids, rids)
-            general = _outcome(a, b, lids, rids, every)
-            assert fast == general, (lids, rids)
-
-
-def test_a_short_request_keeps_the_callers_int64_array() -> None:
-    a, b = layout(1 << 30), layout(1 << 31)
-    lids, rids = np.array([3, 4, 9], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64)
-    req = BlockRequest.build(a, b, lids, rids)
-    assert req.parts[0].local_ids is lids and req.parts[0].remote_ids is rids
-    assert req.parts[0].starts.tolist() == [0, 2] and req.parts[0].counts.tolist() == [2, 1]

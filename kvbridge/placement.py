@@ -5,12 +5,13 @@ a vLLM CPU worker, the ``VLLM_CPU_OMP_THREADS_BIND`` core(s): vLLM binds the wor
 and every thread started after inherits it). It goes into this rank's
 :class:`~kvbridge.messages.EngineInfo`, so each side of a handshake knows the other's.
 
-:func:`shared_core_warning` says when two NIXL ranks on one host are both confined to the same
-single core: UCX's connection set-up between them livelocks (the P's progress thread spins on
-the half-open socket, the D's answer does not land) and their first hand-off stalls for seconds
-to minutes (docs/backends/nixl.md, "Known issue (UCX)"). The peer table logs it once per
-handshake. The placement a peer sends is only compared, never acted on, so a forged one can at
-most cause or hide this warning.
+:func:`shared_core_warning` says when two ranks on one host are both confined to the same
+single core over a transport that is not ``shared_core_safe`` (its
+:class:`~kvbridge.transport.Capabilities`; NIXL is not): UCX's connection set-up between them
+livelocks (the P's progress thread spins on the half-open socket, the D's answer does not land)
+and their first hand-off stalls for seconds to minutes (docs/backends/nixl.md, "Known issue
+(UCX)"). The peer table logs it once per handshake. The placement a peer sends is only
+compared, never acted on, so a forged one can at most cause or hide this warning.
 
 :func:`fleet_cores` is the placement kvbridge's own fleets use on one host (``kvbridge bench
 serve --fleet``, the fleet tests, the simulator): P and D engines on disjoint cores.
@@ -24,6 +25,7 @@ import os
 from collections.abc import Sequence
 
 from kvbridge.messages import MAX_PLACEMENT_CORES, EngineInfo, Placement
+from kvbridge.transport import Capabilities
 
 __all__ = ["fleet_cores", "local_placement", "shared_core_warning", "BOOT_ID_PATH", "DOCS"]
 
@@ -44,19 +46,19 @@ def local_placement(boot_id_path: str = BOOT_ID_PATH) -> Placement | None:
     return Placement(host=host, cores=cores)
 
 
-def shared_core_warning(mine: EngineInfo, theirs: EngineInfo) -> str | None:
-    """A warning if both ranks use NIXL on one host confined to the same single core."""
+def shared_core_warning(mine: EngineInfo, theirs: EngineInfo, transport: str,
+                        caps: Capabilities) -> str | None:
+    """A warning if both ranks run on one host confined to the same single core and the
+    *transport* between them (named for the message) is not ``caps.shared_core_safe``."""
     a, b = mine.placement, theirs.placement
-    if a is None or b is None or a.host != b.host:
-        return None
-    if "nixl" not in (mine.backend, theirs.backend):
+    if caps.shared_core_safe or a is None or b is None or a.host != b.host:
         return None
     if len(a.cores) != 1 or a.cores != b.cores:
         return None
     return (f"engine {theirs.engine_id} rank {theirs.rank} runs on this host confined to the "
-            f"same single core ({a.cores[0]}) as this rank: NIXL/UCX's first connection between "
-            f"them can livelock and stall hand-offs for minutes; give P and D engines disjoint "
-            f"cores ({DOCS})")
+            f"same single core ({a.cores[0]}) as this rank: the {transport} transport's first "
+            f"connection between them can livelock and stall hand-offs for minutes; give P and "
+            f"D engines disjoint cores ({DOCS})")
 
 
 def fleet_cores(cpus: Sequence[int], prefill: int, decode: int) -> tuple[list[int], list[int]]:

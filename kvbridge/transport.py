@@ -70,6 +70,10 @@ class Capabilities:
     notifications: bool = True
     device_memory: bool = False
     cross_host: bool = False
+    #: False when two peers on one host, both confined to the same single core, can stall in
+    #: connection set-up (NIXL/UCX: docs/backends/nixl.md); the peer table then warns
+    #: (:func:`kvbridge.placement.shared_core_warning`)
+    shared_core_safe: bool = True
 
 
 class HandleState(enum.Enum):

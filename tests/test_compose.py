@@ -317,7 +317,7 @@ def test_capabilities_are_derived_from_members() -> None:
     from kvbridge.transport import Capabilities
 
     class ReadOnlyFar(MemoryTransport):
-        capabilities = Capabilities(write=False, cross_host=True)
+        capabilities = Capabilities(write=False, cross_host=True, shared_core_safe=False)
 
     t = ComposeTransport("x", members=[("m", MemoryTransport("x")), ("r", ReadOnlyFar("x"))])
     try:
@@ -325,12 +325,14 @@ def test_capabilities_are_derived_from_members() -> None:
         assert caps.read and not caps.write  # any member may carry a peer: all must write
         assert caps.cross_host  # one member reaches other hosts
         assert not caps.device_memory
+        assert not caps.shared_core_safe  # one member can stall on a shared core: warn
     finally:
         t.close()
     t = ComposeTransport("y", {"members": ["memory", "shm"]})
     try:
         assert t.capabilities == Capabilities(read=True, write=True, notifications=True,
-                                              device_memory=False, cross_host=False)
+                                              device_memory=False, cross_host=False,
+                                              shared_core_safe=True)
         assert t.member_names == ["memory", "shm"]
     finally:
         t.close()

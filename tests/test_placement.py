@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from kvbridge.errors import MessageError
 from kvbridge.layout import LayoutWire, PlaneWire
 from kvbridge.messages import MAX_PLACEMENT_CORES, Codec, EngineInfo, HelloReply, Placement
 from kvbridge.placement import DOCS, fleet_cores, local_placement, shared_core_warning
+from kvbridge.transport import Capabilities
 
 INFO = EngineInfo(
     engine_id="engine-p", generation="gen-1", rank=0, tp_size=1, backend="nixl",
@@ -42,21 +44,36 @@ def test_local_placement_unknown_without_a_boot_id(tmp_path: Path) -> None:
     assert local_placement(str(tmp_path / "empty")) is None
 
 
-@pytest.mark.parametrize(("mine", "theirs", "warns"), [
-    (_info(), _info(engine_id="engine-d"), True),  # nixl, one host, both on core 0
-    (_info(), _info(cores=(1,)), False),  # disjoint cores
-    (_info(), _info(host="boot-b"), False),  # another host
-    (_info(cores=(0, 1)), _info(), False),  # one side may run elsewhere: no livelock seen
-    (_info(), _info(cores=(0, 1)), False),
-    (_info(backend="shm"), _info(backend="shm"), False),  # UCX only
-    (_info(backend="mooncake"), _info(backend="mooncake"), False),
+UNSAFE, SAFE = Capabilities(shared_core_safe=False), Capabilities()
+
+
+@pytest.mark.parametrize(("mine", "theirs", "caps", "warns"), [
+    (_info(), _info(engine_id="engine-d"), UNSAFE, True),  # one host, both on core 0
+    (_info(), _info(cores=(1,)), UNSAFE, False),  # disjoint cores
+    (_info(), _info(host="boot-b"), UNSAFE, False),  # another host
+    (_info(cores=(0, 1)), _info(), UNSAFE, False),  # one side may run elsewhere: no livelock seen
+    (_info(), _info(cores=(0, 1)), UNSAFE, False),
+    (_info(backend="shm"), _info(backend="shm"), SAFE, False),  # a transport that copes
 ])
-def test_shared_core_warning_only_for_nixl_ranks_confined_to_one_shared_core(
-        mine: EngineInfo, theirs: EngineInfo, warns: bool) -> None:
-    warning = shared_core_warning(mine, theirs)
+def test_shared_core_warning_only_for_an_unsafe_transport_and_one_shared_core(
+        mine: EngineInfo, theirs: EngineInfo, caps: Capabilities, warns: bool) -> None:
+    warning = shared_core_warning(mine, theirs, "nixl", caps)
     assert bool(warning) == warns
     if warning:
         assert "core (0)" in warning and theirs.engine_id in warning and DOCS in warning
+        assert "the nixl transport" in warning
+
+
+def test_only_nixl_is_not_shared_core_safe() -> None:
+    from kvbridge.transports.memory import MemoryTransport
+    from kvbridge.transports.shm import ShmTransport
+
+    assert MemoryTransport.capabilities.shared_core_safe
+    assert ShmTransport.capabilities.shared_core_safe
+    pytest.importorskip("nixl")
+    from kvbridge_nixl import NixlTransport
+
+    assert not NixlTransport.capabilities.shared_core_safe
 
 
 def test_shared_core_warning_needs_both_placements() -> None:
@@ -64,8 +81,8 @@ def test_shared_core_warning_needs_both_placements() -> None:
 
     bare = msgspec.structs.replace(INFO, backend="nixl")  # an older engine: no placement
     assert bare.placement is None
-    assert shared_core_warning(bare, _info()) is None
-    assert shared_core_warning(_info(), bare) is None
+    assert shared_core_warning(bare, _info(), "nixl", UNSAFE) is None
+    assert shared_core_warning(_info(), bare, "nixl", UNSAFE) is None
 
 
 def test_placement_round_trips_and_an_older_peer_without_it_decodes() -> None:
@@ -97,7 +114,8 @@ def test_the_peer_table_logs_the_warning_once_per_handshake(
     from kvbridge.scheduling.peers import PeerTable
 
     them = _info(engine_id="engine-p")
-    table = PeerTable(_info(engine_id="engine-d"), None, None,  # type: ignore[arg-type]
+    nixl_like = SimpleNamespace(name="nixl", capabilities=UNSAFE)  # only these two are read
+    table = PeerTable(_info(engine_id="engine-d"), nixl_like, None,  # type: ignore[arg-type]
                       lambda fn, *args: fn(*args), timeout=1.0)
     try:
         with caplog.at_level(logging.WARNING, logger="kvbridge.peers"):

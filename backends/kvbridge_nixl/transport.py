@@ -161,7 +161,8 @@ class NixlTransport(BlockTransport):
 
     name: ClassVar[str] = "nixl"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        read=True, write=True, notifications=True, device_memory=True, cross_host=True
+        read=True, write=True, notifications=True, device_memory=True, cross_host=True,
+        shared_core_safe=False,  # UCX's connection set-up livelocks there (docs/backends/nixl.md)
     )
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:

@@ -251,7 +251,8 @@ class PeerTable:
         self.handshakes += 1
         log.info("handshake with %s (%s gen %s rank %d) done", address, info.engine_id,
                  info.generation, info.rank)
-        warning = shared_core_warning(self.me, info)
+        warning = shared_core_warning(self.me, info, self._transport.name,
+                                      self._transport.capabilities)
         if warning:
             log.warning("%s", warning)
         while len(self._by_address) > self._capacity:

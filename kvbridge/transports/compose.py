@@ -295,7 +295,8 @@ class ComposeTransport(BlockTransport):
             read=all(c.read for c in caps), write=all(c.write for c in caps),
             notifications=all(c.notifications for c in caps),
             device_memory=all(c.device_memory for c in caps),
-            cross_host=any(c.cross_host for c in caps))
+            cross_host=any(c.cross_host for c in caps),
+            shared_core_safe=all(c.shared_core_safe for c in caps))
 
     @classmethod
     def probe(cls) -> str:

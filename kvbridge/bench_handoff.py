@@ -2,8 +2,10 @@
 
 Two kvbridge engine pairs run at the same time on the same cores (the engines of
 ``kvbridge bench e2e``: tiny model, P on core 0, D on core 1): ``wake`` as configured by default,
-``nowake`` with ``KVBRIDGE_WAKE_ON_ARRIVAL=0`` (no hook into vLLM's idle path, no early posting:
-the behaviour before the wake-up). Per mode, ``--requests`` rounds each send one sequential
+and the baseline ``--against``: ``nowake`` with ``KVBRIDGE_WAKE_ON_ARRIVAL=0`` (no hook into
+vLLM's idle path, no early posting: the behaviour before the wake-up), or ``nodirect`` with
+``KVBRIDGE_DIRECT_ARRIVAL=0`` (the wake-up, but vLLM learns of a finished receive from the
+workers' next step output). Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
 Idle engines cost next to nothing (measured in the ``idle`` rows), so the pair that is not being
 measured does not disturb the other.
@@ -11,7 +13,7 @@ measured does not disturb the other.
 Per (pair, mode): TTFT p50; the hand-off (``D.first_step - P.kv_ready``) p50; for push the WRITE's
 wire time (``P.write_posted -> P.write_done``) and the hand-off minus it (the issue's bar:
 <= 2 ms); the median of every step of the hand-off; the engines' CPU seconds; and per round the
-paired difference wake - nowake. Blocking; engines are always stopped before returning.
+paired difference wake - baseline. Blocking; engines are always stopped before returning.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import Any
 from kvbridge import bench_e2e as e2e
 from kvbridge.errors import ConfigError
 
-__all__ = ["PAIRS", "HandoffSettings", "run_handoff_bench", "format_handoff_report",
+__all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "format_handoff_report",
            "summarize_pair", "paired_deltas", "add_arguments", "cli_main"]
 
-PAIRS: dict[str, dict[str, str]] = {"wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
-"""Pair name → extra environment of both its engines."""
+BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"},
+                                        "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
+"""Baseline pair name → extra environment of both its engines (``wake`` has none)."""
 MODES = ("push", "pull", "push-behind")
 """``push-behind``: a push sent while D already holds another push request that waits for its
 KV (its P leg comes :data:`BEHIND_S` later): what D's idle wait does to a new arrival."""
@@ -53,10 +56,16 @@ class HandoffSettings:
     idle_s: float = 5.0
     engine_spin_ms: float = 2.0
     pin_engines: bool = False
+    against: str = "nowake"
     seed: int = 4321
     request_timeout: float = 120.0
     start_timeout: float = 900.0
     log_dir: Path | None = None
+
+
+def pairs_of(settings: HandoffSettings) -> dict[str, dict[str, str]]:
+    """Pair name → extra environment of both its engines: ``wake`` and the baseline."""
+    return {"wake": {}, settings.against: BASELINES[settings.against]}
 
 
 @dataclass
@@ -139,7 +148,7 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         steps = ", ".join(f"{k} {v:.2f}" for k, v in r["steps_ms"].items())
         lines.append(f"  {r['pair']} {r['mode']}: {steps}")
-    lines += ["", "paired, wake - nowake (median over rounds):"]
+    lines += ["", f"paired, wake - {s.get('against', 'nowake')} (median over rounds):"]
     for mode, delta in report["paired"].items():
         lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms, hand-off "
                      f"{_f(delta['handoff_ms'])} ms ({int(delta['rounds'] or 0)} rounds)")
@@ -167,7 +176,7 @@ def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str,
     model = build_tiny_model()
     config = f"kvbridge-{settings.backend}"
     servers: dict[str, tuple[Any, Any]] = {}
-    for name, env in PAIRS.items():
+    for name, env in pairs_of(settings).items():
         p, d = e2e.engine_specs(config, model, log_dir / name, settings.engine_spin_ms,
                                 settings.pin_engines)
         for server in (p, d):
@@ -322,6 +331,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS of every engine (negative: vLLM default)")
     p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
+    p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
+                   help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0) or nodirect "
+                        "(KVBRIDGE_DIRECT_ARRIVAL=0)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
@@ -342,7 +354,7 @@ def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
                            modes=parse_names(args.modes, MODES, "--modes", "mode"),
                            prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                            idle_s=args.idle_s, engine_spin_ms=args.engine_spin_ms,
-                           pin_engines=args.pin_engines,
+                           pin_engines=args.pin_engines, against=args.against,
                            seed=args.seed, log_dir=args.log_dir)
 
 

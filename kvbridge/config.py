@@ -99,6 +99,11 @@ class Config:
     """Wake the engine loop the moment a hand-off finishes or a request arrives, through one
     version-checked hook into vLLM's idle sleep (kvbridge.integrations.vllm_idle); off, or where
     the hook cannot be installed, an idle step polls with the idle_wait_ms back-off instead."""
+    direct_arrival: bool = True
+    """With wake_on_arrival: a rank whose receive succeeded tells the engine loop itself, which
+    tells vLLM's scheduler before its next step; the request is then scheduled one engine-core
+    <-> worker round trip (idle) or one engine step (busy) sooner. Off: vLLM learns of it from
+    the worker's next step output."""
     engine_spin_ms: float = -1.0
     """vLLM workers busy-spin this long after each step before sleeping (vLLM: 1000 ms).
     Negative keeps vLLM's default. A few ms stops idle engines from burning a core each on

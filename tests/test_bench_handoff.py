@@ -30,8 +30,11 @@ def test_flags() -> None:
         bh.settings_from_args(_args("--requests", "1"))
 
 
-def test_the_pairs_differ_only_by_the_wake_switch() -> None:
-    assert bh.PAIRS == {"wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
+def test_the_pairs_differ_only_by_one_switch() -> None:
+    assert bh.pairs_of(bh.settings_from_args(_args())) == {
+        "wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
+    assert bh.pairs_of(bh.settings_from_args(_args("--against", "nodirect"))) == {
+        "wake": {}, "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
 
 
 def _cell(pair: str, handoffs_ms: list[float], ttfts_ms: list[float]) -> bh._Cell:

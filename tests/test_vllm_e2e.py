@@ -268,8 +268,12 @@ def test_push_completion_reaches_decode_through_the_wake_up(cluster: Cluster) ->
     after = cluster.stats(cluster.d_ctl).stats
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in
             ("wake_nudges", "wake_woken", "wake_skipped", "wake_waits", "wake_missed",
-             "recv_ok")}
+             "recv_ok", "recv_direct", "recv_arrival_late", "wake_refused")}
     assert grew["recv_ok"] == 1
+    # direct arrival: vLLM learned of it from the arrival, or (the KV landed while D was in an
+    # empty step) from that step's output first; either way exactly once, nothing refused
+    assert grew["recv_direct"] + grew["recv_arrival_late"] == 1, grew
+    assert grew["wake_refused"] == 0, grew
     assert grew["wake_waits"] >= 1, grew  # D idled (hooked) while P's leg was on its way
     assert grew["wake_nudges"] >= 1 and grew["wake_woken"] + grew["wake_skipped"] >= 1, grew
     assert grew["wake_missed"] == 0, grew  # no wait ran out its back-off past a poke
@@ -299,6 +303,29 @@ def fallback_d(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[VllmServer, s
         d.stop()
 
 
+def test_a_finished_receive_reaches_the_idle_scheduler_directly(cluster: Cluster) -> None:
+    """Direct arrival: a push that lands while D's engine idles is scheduled from the arrival,
+    not from a worker's step output, and the workers' later report of it is dropped (vLLM
+    asserts if it learns of a receive twice: the output would not match). An arrival can lose
+    the race to an empty step's output (then it counts as late), so up to 4 pushes are sent;
+    with direct arrival broken none is ever direct."""
+    before = cluster.stats(cluster.d_ctl).stats
+    grew: dict[str, int] = {}
+    for i in range(4):
+        prompt = random_prompts(1, 120, seed=140 + i)[0]
+        ref = cluster.reference(prompt)
+        _wait_idle(cluster, cluster.d_ctl)
+        assert _push_decode_first(cluster, cluster.d.url, prompt, f"direct-{i}") == ref
+        time.sleep(0.5)  # the scheduler's counters reach the rank with its next step
+        after = cluster.stats(cluster.d_ctl).stats
+        grew = {k: after.get(k, 0) - before.get(k, 0)
+                for k in ("recv_ok", "recv_direct", "recv_arrival_late")}
+        assert grew["recv_direct"] + grew["recv_arrival_late"] == grew["recv_ok"] == i + 1
+        if grew["recv_direct"]:
+            break
+    assert grew["recv_direct"] >= 1, grew
+
+
 def test_without_the_wake_hook_decode_falls_back_to_polling(
         cluster: Cluster, fallback_d: tuple[VllmServer, str]) -> None:
     d, d_ctl = fallback_d
@@ -308,6 +335,7 @@ def test_without_the_wake_hook_decode_falls_back_to_polling(
     stats = cluster.stats(d_ctl).stats
     assert stats.get("recv_ok", 0) == 1 and stats.get("recv_failed", 0) == 0
     assert stats.get("wake_nudges", 0) == 0  # no hook, no listener: the step polls instead
+    assert stats.get("recv_direct", 0) == 0  # and no direct arrival without the hook
     assert stats.get("wake_waits", 0) >= 1 and stats.get("wake_woken", 0) >= 1
     log = (d.log_path.read_text() if d.log_path else "")
     assert "wake-on-arrival hook installed" not in log

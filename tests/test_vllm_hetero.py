@@ -170,3 +170,12 @@ def test_partial_prefix_hit_with_another_block_size(fleet: Fleet) -> None:
                                                                               "pull_bytes"))
     # one P block of 32 tokens x 2 layers x 2 KV heads x K,V x head dim 32 x fp32
     assert moved == 32 * 2 * 2 * 2 * 32 * 4
+
+
+def test_zz_a_tp2_decode_learns_receives_from_both_ranks_arrivals(fleet: Fleet) -> None:
+    """Direct arrival with two decode ranks: vLLM was told of receives only once both ranks'
+    arrivals were in (the outputs above matched, so none was told early), and it was told some
+    of them that way; nothing forged or dropped. Runs after the hand-off tests above."""
+    rank0 = fleet.stats("tp2")[0]  # the scheduler's counters are kept by rank 0
+    assert rank0.get("recv_direct", 0) >= 1, rank0
+    assert rank0.get("wake_refused", 0) == 0 and rank0.get("wake_dropped", 0) == 0, rank0

@@ -132,3 +132,100 @@ def test_install_refuses_when_someone_else_patched_the_module_clock(
     monkeypatch.setattr(core, "time", types.SimpleNamespace(sleep=time.sleep))
     assert not vllm_idle.install(lambda inputs, seconds: None)
     assert "not the time module" in vllm_idle.status()
+
+
+# -- direct arrival: before_step and deliver_received --------------------------------------------
+
+def test_before_step_runs_on_the_engine_thread_before_each_step() -> None:
+    vllm_idle.uninstall()
+    order: list[str] = []
+    engine = _engine()
+    engine.step_fn = lambda: (order.append("step"), ({}, True))[1]
+    try:
+        assert vllm_idle.install(lambda inputs, seconds: None,
+                                 lambda e: order.append("before" if e is engine else "?"))
+        core.EngineCoreProc._process_engine_step(engine)
+        core.EngineCoreProc._process_engine_step(engine)
+        assert order == ["before", "step", "before", "step"]
+        assert vllm_idle.install(lambda inputs, seconds: None, None)  # replaced: none now
+        core.EngineCoreProc._process_engine_step(engine)
+        assert order == ["before", "step", "before", "step", "step"]
+    finally:
+        vllm_idle.uninstall()
+
+
+def test_a_failing_before_step_is_dropped_and_the_step_still_runs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    vllm_idle.uninstall()
+    calls: list[int] = []
+
+    def broken(engine: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    try:
+        assert vllm_idle.install(lambda inputs, seconds: None, broken)
+        with caplog.at_level(logging.ERROR, logger="kvbridge.connector"):
+            assert core.EngineCoreProc._process_engine_step(_engine()) is False
+            assert core.EngineCoreProc._process_engine_step(_engine()) is False
+        assert calls == [1] and "direct arrival is off" in caplog.text
+        assert vllm_idle.status().startswith("installed")  # the wake hook itself stays
+    finally:
+        vllm_idle.uninstall()
+
+
+def _scheduler(connector: Any, statuses: dict[str, Any]) -> Any:
+    """Just what vLLM's real ``Scheduler._update_from_kv_xfer_finished`` touches."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    sched = types.SimpleNamespace(
+        connector=connector, finished_recving_kv_req_ids=set(), failed_recving_kv_req_ids=set(),
+        requests={r: types.SimpleNamespace(request_id=r, status=s) for r, s in statuses.items()},
+        _kv_fetch_stages=None, freed=[])
+    sched._update_from_kv_xfer_finished = types.MethodType(
+        Scheduler._update_from_kv_xfer_finished, sched)
+    sched._set_kv_fetch_stage = types.MethodType(Scheduler._set_kv_fetch_stage, sched)
+    sched._free_blocks = sched.freed.append
+    return sched
+
+
+class _Connector:
+    def __init__(self) -> None:
+        self.outputs: list[Any] = []
+
+    def update_connector_output(self, output: Any) -> None:
+        self.outputs.append(set(output.finished_recving))
+
+
+def test_deliver_received_tells_vllm_of_requests_still_waiting_only() -> None:
+    from vllm.v1.request import RequestStatus
+
+    conn = _Connector()
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine = types.SimpleNamespace(scheduler=_scheduler(conn, {
+        "a": waiting, "b": waiting, "c": RequestStatus.FINISHED_ABORTED,
+        "d": RequestStatus.RUNNING, "e": waiting, "f": waiting}))
+    sched = engine.scheduler
+    sched.finished_recving_kv_req_ids.add("e")  # already reported by a worker
+    sched.failed_recving_kv_req_ids.add("f")  # failed on another rank
+    assert vllm_idle.deliverable(engine, conn) is None
+    told = vllm_idle.deliver_received(engine, {"a", "b", "c", "d", "e", "f", "gone"})
+    assert told == {"a", "b"}
+    assert sched.finished_recving_kv_req_ids == {"a", "b", "e"}  # what schedule() promotes
+    assert conn.outputs == [{"a", "b"}]  # the connector saw them as vLLM passes them
+    assert sched.freed == []
+    assert vllm_idle.deliver_received(engine, {"c", "gone"}) == set()
+    assert conn.outputs == [{"a", "b"}]  # nothing to tell: vLLM is not called
+
+
+def test_deliverable_refuses_schedulers_it_does_not_know() -> None:
+    conn = _Connector()
+    assert "no scheduler" in (vllm_idle.deliverable(types.SimpleNamespace(), conn) or "")
+    engine = types.SimpleNamespace(scheduler=_scheduler(conn, {}))
+    assert "not the scheduler's only KV connector" in (
+        vllm_idle.deliverable(engine, _Connector()) or "")
+    del engine.scheduler._update_from_kv_xfer_finished
+    assert "_update_from_kv_xfer_finished" in (vllm_idle.deliverable(engine, conn) or "")
+    engine = types.SimpleNamespace(scheduler=_scheduler(conn, {}))
+    engine.scheduler.requests = []
+    assert "as expected" in (vllm_idle.deliverable(engine, conn) or "")

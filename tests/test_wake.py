@@ -1,12 +1,13 @@
 """The wake-up between worker ranks and the engine loop (kvbridge.scheduling.wake), no vLLM.
 
-Real ZeroMQ sockets and threads, a real ``queue.Queue`` standing for vLLM's engine input
+Real Unix datagram sockets and threads, a real ``queue.Queue`` standing for vLLM's engine input
 queue. Every wait is bounded; assertions are about what woke a wait, never how fast.
 """
 
 from __future__ import annotations
 
 import queue
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from kvbridge.scheduling.wake import DUE_STEPS, EngineWake, WakeSender
+from kvbridge.scheduling.wake import (
+    DUE_STEPS,
+    MAX_REQUEST_ID_BYTES,
+    Arrival,
+    EngineWake,
+    WakeSender,
+    decode_arrival,
+    encode_arrival,
+)
 
 
 @pytest.fixture
@@ -192,3 +201,137 @@ def test_idle_wait_ms_zero_never_waits() -> None:
         assert w.take_counters() == {}
     finally:
         w.close()
+
+
+# -- direct arrival: the arrival datagram is hostile input ---------------------------------------
+
+SECRET = bytes(range(16))
+
+
+def test_an_arrival_round_trips_and_names_rank_request_and_transfer() -> None:
+    data = encode_arrival(SECRET, 3, "cmpl-ä-1", "t" * 256)
+    assert data is not None
+    assert decode_arrival(data, SECRET) == Arrival(3, "cmpl-ä-1", "t" * 256)
+
+
+@pytest.mark.parametrize("rank,req,tid", [
+    (-1, "r", "t"), (1 << 16, "r", "t"), (0, "", "t"), (0, "r", ""),
+    (0, "r" * (MAX_REQUEST_ID_BYTES + 1), "t"), (0, "r", "t" * 257)])
+def test_ids_that_do_not_fit_are_not_encoded(rank: int, req: str, tid: str) -> None:
+    assert encode_arrival(SECRET, rank, req, tid) is None
+
+
+def _valid() -> bytes:
+    data = encode_arrival(SECRET, 0, "req-1", "tid-1")
+    assert data is not None
+    return data
+
+
+@pytest.mark.parametrize("data,field", [
+    (b"x", "too short"),
+    (b"\0" * 16 + _valid()[16:], "secret"),  # forged: a wrong secret
+    (SECRET + b"B" + _valid()[17:], "kind"),
+    (SECRET + b"A" + struct.pack(">HH", 0, 900) + b"r" * 5 + b"t", "req_id"),
+    (SECRET + b"A" + struct.pack(">HH", 0, 0) + b"tid", "req_id"),
+    (SECRET + b"A" + struct.pack(">HH", 0, 3) + b"req", "transfer_id"),
+    (SECRET + b"A" + struct.pack(">HH", 0, 3) + b"req" + b"t" * 300, "transfer_id"),
+    (SECRET + b"A" + struct.pack(">HH", 0, 2) + b"\xff\xfe" + b"t", "UTF-8"),
+    (_valid() + b"x" * 2000, "more than"),
+], ids=["short", "forged", "kind", "req-overrun", "req-empty", "tid-empty", "tid-long",
+        "not-utf8", "oversized"])
+def test_malformed_forged_and_oversized_arrivals_are_refused(data: bytes, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        decode_arrival(data, SECRET)
+
+
+def test_arrivals_are_queued_for_the_engine_and_wake_it(wake: EngineWake) -> None:
+    inputs = _hook(wake)
+    s = WakeSender()
+    try:
+        s.connect(wake.address, wake.secret)
+        s.arrived(1, "req-7", "tid-7")
+        assert inputs.get(timeout=10)[0] == "WAKEUP"
+        assert wake.take_arrivals() == [Arrival(1, "req-7", "tid-7")]
+        assert wake.take_arrivals() == []
+    finally:
+        s.close()
+
+
+def test_forged_arrivals_are_counted_and_neither_queued_nor_waking(wake: EngineWake) -> None:
+    inputs = _hook(wake)
+    forger = WakeSender()
+    honest = WakeSender()
+    try:
+        forger.connect(wake.address, bytes(16))  # the wrong secret
+        honest.connect(wake.address)
+        for i in range(5):
+            forger.arrived(0, f"req-{i}", "tid")
+        forger._send(b"\xff" * 5000)  # oversized garbage: cut by the bounded read, refused
+        assert _until(lambda: wake.refused == 6)
+        honest.poke()  # a bare poke still wakes
+        assert inputs.get(timeout=10)[0] == "WAKEUP"
+        assert inputs.empty() and wake.take_arrivals() == []
+        assert wake.take_counters()["wake_refused"] == 6
+    finally:
+        forger.close()
+        honest.close()
+
+
+def test_arrivals_beyond_the_bound_are_dropped_not_queued(
+        wake: EngineWake, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvbridge.scheduling.wake as wake_module
+
+    monkeypatch.setattr(wake_module, "MAX_ARRIVALS", 2)
+    _hook(wake)
+    s = WakeSender()
+    try:
+        s.connect(wake.address, wake.secret)
+        for i in range(4):
+            s.arrived(0, f"req-{i}", "tid")
+        assert _until(lambda: wake.dropped == 2)
+        assert [a.req_id for a in wake.take_arrivals()] == ["req-0", "req-1"]
+        assert wake.take_counters()["wake_dropped"] == 2
+    finally:
+        s.close()
+
+
+def test_without_a_secret_or_with_long_ids_an_arrival_is_a_bare_poke(wake: EngineWake) -> None:
+    inputs = _hook(wake)
+    s = WakeSender()
+    try:
+        s.connect(wake.address)  # no secret
+        s.arrived(0, "req", "tid")
+        assert inputs.get(timeout=10)[0] == "WAKEUP"
+        s.connect(wake.address, wake.secret)
+        s.arrived(0, "r" * (MAX_REQUEST_ID_BYTES + 1), "tid")
+        assert inputs.get(timeout=10)[0] == "WAKEUP"
+        assert wake.take_arrivals() == [] and wake.refused == 0
+        with pytest.raises(ValueError, match="16 bytes"):
+            s.connect(wake.address, b"short")
+    finally:
+        s.close()
+
+
+def test_fallback_poll_wait_takes_an_arrival_as_a_poke(wake: EngineWake) -> None:
+    s = WakeSender()
+    try:
+        s.connect(wake.address, wake.secret)
+        s.arrived(0, "req", "tid")
+        wake.delay = wake.max_delay = 30.0
+        wake.poll_wait(busy=True)
+        assert wake.take_counters() == {"wake_waits": 1, "wake_woken": 1}
+    finally:
+        s.close()
+
+
+def test_once_arrivals_are_stopped_they_only_wake(wake: EngineWake) -> None:
+    inputs = _hook(wake)
+    s = WakeSender()
+    try:
+        s.connect(wake.address, wake.secret)
+        wake.stop_arrivals()
+        s.arrived(0, "req", "tid")
+        assert inputs.get(timeout=10)[0] == "WAKEUP"
+        assert wake.take_arrivals() == [] and wake.dropped == 0
+    finally:
+        s.close()

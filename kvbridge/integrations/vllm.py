@@ -53,6 +53,7 @@ from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.keys import namespace_of, seed_key, weights_fingerprint
 from kvbridge.offload.manager import OffloadManager, build_tiers
+from kvbridge.scheduling.arrivals import DirectArrivals
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, StepPlan
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
@@ -106,6 +107,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     plan: StepPlan
     wake_address: str | None = None
+    #: the engine's :attr:`~kvbridge.scheduling.wake.EngineWake.secret` (with wake_address,
+    #: when direct arrival is on): lets a rank send arrivals the engine trusts
+    wake_secret: bytes | None = None
 
 
 @dataclass
@@ -418,8 +422,16 @@ class _SchedulerSide:
         self._live: dict[str, Request] = {}  # requests with kv_transfer_params, until finished
         self.wake = EngineWake(conn.config.idle_wait_ms)
         self._wake_address: str | None = self.wake.address
-        if conn.config.wake_on_arrival and vllm_idle.install(self._idle):
+        self._conn = conn
+        self._direct = conn.config.wake_on_arrival and conn.config.direct_arrival
+        self.arrivals = DirectArrivals(conn.tp_size, self.book.receiving)
+        self._delivering = False
+        self._checked_engine: Any = None
+        if conn.config.wake_on_arrival and vllm_idle.install(
+                self._idle, self._before_step if self._direct else None):
             self.wake.attach(vllm_idle.nudge)
+        else:
+            self._direct = False
 
     def seen(self, request: Request) -> None:
         if request.request_id in self._seen:
@@ -456,6 +468,8 @@ class _SchedulerSide:
         meta = KVBridgeMetadata(plan)
         if self._wake_address is not None:
             meta.wake_address, self._wake_address = self._wake_address, None
+            if self._direct:
+                meta.wake_secret = self.wake.secret
         if scheduler_output.total_num_scheduled_tokens or plan:
             self.wake.step_busy()
         elif not vllm_idle.active():  # hooked, the wait is vLLM's idle point: see _idle
@@ -470,10 +484,40 @@ class _SchedulerSide:
         finish or a client request, whichever comes first (bounded)."""
         self.wake.idle(inputs, seconds, self._busy())
 
+    def _before_step(self, engine: Any) -> None:
+        """Direct arrival (engine thread, before each step schedules): tell vLLM of every
+        receive that all tp ranks finished, so this very step can schedule the request."""
+        arrivals = self.wake.take_arrivals()
+        if not arrivals:
+            return
+        if engine is not self._checked_engine:
+            why = vllm_idle.deliverable(engine, self._conn)
+            if why is not None:
+                log.warning("direct arrival off (%s): finished receives reach vLLM with the "
+                            "workers' next step output", why)
+                self._direct = False
+                self.wake.stop_arrivals()
+                vllm_idle.install(self._idle, None)
+                return
+            self._checked_engine = engine
+        ready, stale = self.arrivals.ready(arrivals)
+        if stale:
+            self.book.stats["recv_arrival_late"] += stale
+        if not ready:
+            return
+        self._delivering = True
+        try:
+            told = vllm_idle.deliver_received(engine, ready)
+        finally:
+            self._delivering = False
+        self.arrivals.told(told)
+        self.book.stats["recv_direct"] += len(told)
+
     def finished(self, request: Request,
                  tables: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         """``tables``: the request's block ids per KV-cache group (one list without groups)."""
         req_id = request.request_id
+        self.arrivals.forget(req_id)
         self._seen.discard(req_id)
         self._live.pop(req_id, None)
         self._first_step_due.pop(req_id, None)
@@ -485,6 +529,8 @@ class _SchedulerSide:
         return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:
+        if output.finished_recving and not self._delivering:
+            self._drop_delivered(output)
         if output.finished_recving or output.finished_sending:
             self.wake.work_due()
         meta = output.kv_connector_worker_meta
@@ -497,6 +543,13 @@ class _SchedulerSide:
                 self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():
             self.book.transfer_done(req_id)
+
+    def _drop_delivered(self, output: KVConnectorOutput) -> None:
+        """The workers' report of receives vLLM was already told of directly: removed from
+        ``output`` (vLLM reads it after this hook) so it learns of each exactly once."""
+        early = self.arrivals.reported(output.finished_recving or ())
+        if early:
+            output.finished_recving = set(output.finished_recving or ()) - early
 
     def shutdown(self) -> None:
         self.wake.close()
@@ -568,6 +621,8 @@ class _WorkerSide:
             raise
         self.side = RankSide(loop, self._cuda_fence if on_gpu else None, offload)
         loop.on_progress(self._wake.poke)
+        rank = self.rank
+        loop.on_arrival(lambda req_id, tid: self._wake.arrived(rank, req_id, tid))
         if offload is not None:
             offload.on_progress(self._wake.poke)
             offload.count_into(loop.add_counters)
@@ -640,7 +695,7 @@ class _WorkerSide:
         if self.side is None:
             return
         if meta.wake_address:  # every rank: with TP, each rank's completion is a wake-up
-            self._wake.connect(meta.wake_address)
+            self._wake.connect(meta.wake_address, meta.wake_secret)
         self.side.apply(meta.plan)
 
     def shutdown(self) -> None:

@@ -19,6 +19,15 @@ vLLM's own idle wait — and :func:`nudge` (called when a worker's transfer loop
 progress) puts vLLM's ``WAKEUP`` message on that queue. Every other use of ``time`` in that module
 is the real one.
 
+**Direct arrival.** The same wrapper around ``_process_engine_step`` runs the registered
+*before_step* callback on the engine thread just before each step schedules, and
+:func:`deliver_received` tells vLLM's scheduler that receives finished exactly as a worker's
+step output would (``Scheduler._update_from_kv_xfer_finished`` with only ``finished_recving``),
+for requests that still wait for remote KV. The connector uses both to schedule a request the
+step after its KV arrived rather than the step after a worker reported it
+(:mod:`kvbridge.integrations.vllm`). :func:`deliverable` checks the scheduler's structure first;
+a *before_step* that raises is logged once and dropped.
+
 **Safety.** :func:`install` checks the structure it relies on (the class, the method, the one
 ``time.sleep`` call in its source, ``EngineCoreRequestType.WAKEUP``) and otherwise logs one
 WARNING and changes nothing: the connector then keeps its older idle wait. A waiter that raises
@@ -39,7 +48,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Waiter", "install", "installable", "active", "nudge", "uninstall", "status"]
+__all__ = ["Waiter", "BeforeStep", "install", "installable", "active", "nudge", "uninstall",
+           "status", "deliverable", "deliver_received"]
 
 log = logging.getLogger("kvbridge.connector")
 
@@ -47,10 +57,14 @@ Waiter = Callable[["queue.Queue[Any]", float], None]
 """``waiter(input_queue, seconds)``: replaces vLLM's idle ``time.sleep(seconds)``; must return
 (at once, or after a bounded wait on ``input_queue``) and must not raise."""
 
+BeforeStep = Callable[[Any], None]
+"""``before_step(engine)``: runs on the engine thread before each ``_process_engine_step``."""
+
 _MODULE = "vllm.v1.engine.core"
 _lock = threading.Lock()
 _local = threading.local()
 _waiter: Waiter | None = None
+_before_step: BeforeStep | None = None
 _engine: Any = None  # the EngineCoreProc whose loop ran the hook last
 _installed = False
 _status = "not installed"
@@ -120,14 +134,14 @@ def installable() -> str | None:
     return _check(core)
 
 
-def install(waiter: Waiter) -> bool:
-    """Route vLLM's idle sleep in this process to *waiter* (idempotent: a later call only
-    replaces the waiter). False, after one WARNING, when this vLLM does not have the structure
-    the hook needs; nothing is changed then."""
-    global _waiter, _installed, _status, _original_step, _original_time, _WAKEUP
+def install(waiter: Waiter, before_step: BeforeStep | None = None) -> bool:
+    """Route vLLM's idle sleep in this process to *waiter*, and run *before_step* before each
+    engine step (idempotent: a later call only replaces both). False, after one WARNING, when
+    this vLLM does not have the structure the hook needs; nothing is changed then."""
+    global _waiter, _before_step, _installed, _status, _original_step, _original_time, _WAKEUP
     with _lock:
         if _installed:
-            _waiter = waiter
+            _waiter, _before_step = waiter, before_step
             return True
         why = installable()
         if why is not None:
@@ -142,6 +156,8 @@ def install(waiter: Waiter) -> bool:
         def _process_engine_step(self: Any) -> Any:
             global _engine
             _engine = self
+            if _before_step is not None:
+                _run_before_step(self)
             _local.inside = True
             try:
                 return original(self)
@@ -158,7 +174,7 @@ def install(waiter: Waiter) -> bool:
         _original_step, _original_time = original, time
         proc._process_engine_step = _process_engine_step
         core.time = clock  # type: ignore[attr-defined]
-        _waiter = waiter
+        _waiter, _before_step = waiter, before_step
         _installed = True
         import vllm
 
@@ -170,7 +186,7 @@ def install(waiter: Waiter) -> bool:
 
 def uninstall() -> None:
     """Restore vLLM's own idle sleep (idempotent). Used after a waiter failed, and by tests."""
-    global _waiter, _installed, _engine, _status
+    global _waiter, _before_step, _installed, _engine, _status
     with _lock:
         if not _installed:
             return
@@ -179,7 +195,7 @@ def uninstall() -> None:
             core.EngineCoreProc._process_engine_step = _original_step
             core.time = _original_time  # type: ignore[attr-defined]
         _installed = False
-        _waiter = None
+        _waiter = _before_step = None
         _engine = None
         if not _status.startswith("uninstalled"):
             _status = "uninstalled"
@@ -199,3 +215,64 @@ def _sleep(seconds: float) -> None:
         _status = "uninstalled: the waiter raised"
         uninstall()
         time.sleep(seconds)
+
+
+def _run_before_step(engine: Any) -> None:
+    global _before_step
+    callback = _before_step
+    if callback is None:
+        return
+    try:
+        callback(engine)
+    except Exception:  # noqa: BLE001 - never into vLLM's loop
+        log.exception("kvbridge before-step callback failed; direct arrival is off from now on")
+        _before_step = None
+
+
+def deliverable(engine: Any, connector: Any) -> str | None:
+    """Why :func:`deliver_received` cannot be used with ``engine``'s scheduler, or None when
+    it can: the scheduler must be vLLM's (``_update_from_kv_xfer_finished``, ``requests``,
+    ``finished_recving_kv_req_ids``), and ``connector`` must be its connector (under vLLM's
+    MultiConnector the other connectors would see the receives too)."""
+    sched = getattr(engine, "scheduler", None)
+    if sched is None:
+        return "the engine has no scheduler"
+    if not callable(getattr(sched, "_update_from_kv_xfer_finished", None)):
+        return "the scheduler has no _update_from_kv_xfer_finished"
+    if not isinstance(getattr(sched, "finished_recving_kv_req_ids", None), set) \
+            or not isinstance(getattr(sched, "failed_recving_kv_req_ids", None), set) \
+            or not isinstance(getattr(sched, "requests", None), dict):
+        return "the scheduler does not keep requests and finished receives as expected"
+    if getattr(sched, "connector", None) is not connector:
+        return "kvbridge is not the scheduler's only KV connector"
+    try:
+        from vllm.v1.outputs import KVConnectorOutput  # noqa: F401
+        from vllm.v1.request import RequestStatus
+
+        RequestStatus.WAITING_FOR_REMOTE_KVS  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        return f"vLLM lacks what a delivery needs: {exc}"
+    return None
+
+
+def deliver_received(engine: Any, req_ids: set[str]) -> set[str]:
+    """Engine thread only, after :func:`deliverable` said yes. Tell ``engine``'s scheduler that
+    the receives of ``req_ids`` finished, exactly as a worker's step output would, for those
+    that still wait for their remote KV (and have not been reported finished or failed yet);
+    returns the ones told. The workers report them again later: the connector must drop them
+    from that output (``update_connector_output`` runs before vLLM reads it)."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    sched = engine.scheduler
+    requests = sched.requests
+    ready = set()
+    for req_id in req_ids:
+        request = requests.get(req_id)
+        if (request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and req_id not in sched.finished_recving_kv_req_ids
+                and req_id not in sched.failed_recving_kv_req_ids):
+            ready.add(req_id)
+    if ready:
+        sched._update_from_kv_xfer_finished(KVConnectorOutput(finished_recving=set(ready)))
+    return ready

@@ -437,6 +437,14 @@ class HandoffBook:
             req.recving = False
         return tid
 
+    def receiving(self, req_id: str) -> str | None:
+        """The transfer id of ``req_id``'s receive while it is in progress (planned, not yet
+        reported done nor given up), else None."""
+        req = self._reqs.get(req_id)
+        if req is None or not req.recving:
+            return None
+        return req.transfer_id
+
     def transfers_in_progress(self) -> int:
         return len(self._busy)
 

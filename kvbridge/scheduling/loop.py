@@ -126,6 +126,7 @@ class TransferLoop(PeerEvents):
         self._events: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque())
         self._wake_cb: Callable[[], None] | None = None
+        self._arrival_cb: Callable[[str, str], None] | None = None
         self._in_flight: set[TransferHandle] = set()
         self._fenced = False  # a confirmed push waits for a device fence that must be polled
         self.fences = FenceWaiter(self._fence_passed, f"kvbridge-fence-{rank}")
@@ -149,6 +150,12 @@ class TransferLoop(PeerEvents):
     def on_progress(self, callback: Callable[[], None]) -> None:
         """``callback()`` runs (on the loop thread) whenever :meth:`drain` has something."""
         self._wake_cb = callback
+
+    def on_arrival(self, callback: Callable[[str, str], None]) -> None:
+        """``callback(req_id, transfer_id)`` runs (on the loop thread) instead of the progress
+        callback when a receive succeeded: every byte of its KV is in place, and the request
+        shows in :meth:`drain`'s ``finished_recving``."""
+        self._arrival_cb = callback
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop thread (FIFO)."""
@@ -316,13 +323,16 @@ class TransferLoop(PeerEvents):
 
     # -- services for the state machines (loop thread) ----------------------------------------
 
-    def wake_caller(self) -> None:
-        cb = self._wake_cb
-        if cb is not None:
-            try:
-                cb()
-            except Exception:  # noqa: BLE001
-                log.exception("progress callback failed")
+    def wake_caller(self, arrival: tuple[str, str] | None = None) -> None:
+        """Run the progress callback; for ``arrival`` (``(req_id, transfer_id)`` of a receive
+        that succeeded) the arrival callback instead, where there is one."""
+        try:
+            if arrival is not None and self._arrival_cb is not None:
+                self._arrival_cb(*arrival)
+            elif self._wake_cb is not None:
+                self._wake_cb()
+        except Exception:  # noqa: BLE001
+            log.exception("progress callback failed")
 
     def watch_handle(self, handle: TransferHandle) -> None:
         """Track a posted handle: the loop polls it (and wakes early if the transport says)."""

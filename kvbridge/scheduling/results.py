@@ -83,7 +83,7 @@ class ResultBox:
         core.mark(tid, "recv_done")
         with self._lock:
             self._results.finished_recving.add(req_id)
-        core.wake_caller()
+        core.wake_caller((req_id, tid))
 
     def fail(self, req_id: str, local_ids: Sequence[int], why: str, *, safe: bool,
              transfer_id: str = "") -> None:

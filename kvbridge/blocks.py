@@ -37,6 +37,15 @@ range, duplicated, of unequal counts, or bad plane indices; :class:`UnknownPeer`
 peer was removed or re-added since it was prepared; :class:`DescriptorError` for a pair another
 transport prepared or a notification that is not bytes — all raised before anything is posted.
 The handle's ``count`` is the number of byte ranges (planes × runs) and ``nbytes`` the bytes.
+
+**Prepared ahead.** :meth:`BlockTransport.prepare_request` does everything of a submit that
+does not need the bytes to be final — validation is the caller's (:class:`BlockRequest`), the
+native request is the transport's (NIXL: ``make_prepped_xfer``) — so that
+:meth:`BlockTransport.post_prepared` later only posts: a push builds its WRITE while the forward
+that writes the KV is still running. Every prepared request must be posted or
+:meth:`~BlockTransport.discard_prepared` (which frees its native state); both are thread-safe,
+and posting raises what ``submit_blocks`` would (a peer removed meanwhile:
+:class:`UnknownPeer`).
 """
 
 from __future__ import annotations
@@ -64,8 +73,9 @@ from kvbridge.layout import (
 from kvbridge.transport import Op, TransferHandle, Transport, as_descriptors, check_within
 
 __all__ = [
-    "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "prepare_blocks",
-    "submit_blocks", "submit_request", "submit_parts", "check_in_regions",
+    "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "PreparedRequest",
+    "prepare_blocks", "prepare_request", "submit_blocks", "submit_request", "submit_parts",
+    "check_in_regions",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -85,6 +95,18 @@ class BlockPair:
     native: Any = None
     live: bool = True
     evicted: bool = False
+
+
+@dataclass(eq=False)
+class PreparedRequest:
+    """A request built ahead (:meth:`BlockTransport.prepare_request`); post it or discard it."""
+
+    op: Op
+    pair: BlockPair
+    req: BlockRequest
+    notification: bytes | None
+    native: Any = None  # the transport's request, None once posted or discarded (or never)
+    done: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,6 +325,51 @@ class BlockTransport(Transport):
             raise DescriptorError("a notification must be bytes")
         return self._submit_blocks(op, pair, req, notification)
 
+    def prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
+                        notification: bytes | None = None) -> PreparedRequest:
+        """Build ``req`` for a later :meth:`post_prepared` (see the module docstring). May
+        block briefly (native request creation); raises what :meth:`submit_request` would
+        before posting."""
+        pair = self._current(pair)
+        if notification is not None and not isinstance(notification, bytes):
+            raise DescriptorError("a notification must be bytes")
+        prep = PreparedRequest(op, pair, req, notification)
+        prep.native = self._prepare_request(op, pair, req, notification)
+        return prep
+
+    def post_prepared(self, prep: PreparedRequest) -> TransferHandle:
+        """Post a prepared request (once; non-blocking, like :meth:`submit_request`)."""
+        if prep.done:
+            raise DescriptorError("this prepared request was already posted or discarded")
+        prep.done = True
+        native, prep.native = prep.native, None
+        if native is not None and (self._closed or not prep.pair.live):
+            self._discard_prepared(native)  # built on a pair dropped since: not postable
+            native = None
+        if native is None:  # submit as usual (re-preparing an evicted pair; or raising)
+            return self.submit_request(prep.op, prep.pair, prep.req, prep.notification)
+        return self._post_prepared(prep, native)
+
+    def discard_prepared(self, prep: PreparedRequest) -> None:
+        """Give up a prepared request that will not be posted (idempotent)."""
+        prep.done = True
+        native, prep.native = prep.native, None
+        if native is not None:
+            self._discard_prepared(native)
+
+    def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
+                         notification: bytes | None) -> Any:
+        """The transport's native request for ``req``, or None (default: nothing is built
+        ahead; :meth:`post_prepared` then submits as usual)."""
+        return None
+
+    def _post_prepared(self, prep: PreparedRequest, native: Any) -> TransferHandle:
+        """Post ``native`` (from :meth:`_prepare_request`); owns it from here on."""
+        raise NotImplementedError  # only reached when _prepare_request returned something
+
+    def _discard_prepared(self, native: Any) -> None:
+        """Free ``native`` (from :meth:`_prepare_request`), never posted."""
+
     def _current(self, pair: BlockPair) -> BlockPair:
         if self._closed:
             raise TransportClosed(f"{self.name} transport {self.agent_name!r} is closed")
@@ -362,6 +429,15 @@ def submit_blocks(
         return transport.submit_blocks(op, pair, local_ids, remote_ids, notification, planes)
     req = BlockRequest.build(pair.local, pair.remote, local_ids, remote_ids, planes)
     return submit_request(transport, op, pair, req, notification)
+
+
+def prepare_request(transport: Transport, op: Op, pair: BlockPair, req: BlockRequest,
+                    notification: bytes | None = None) -> PreparedRequest | None:
+    """``transport.prepare_request`` where it is a :class:`BlockTransport`, else None (the
+    caller submits when the time comes, as usual)."""
+    if isinstance(transport, BlockTransport):
+        return transport.prepare_request(op, pair, req, notification)
+    return None
 
 
 def submit_request(transport: Transport, op: Op, pair: BlockPair, req: BlockRequest,

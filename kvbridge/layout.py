@@ -371,6 +371,9 @@ class KVLayout:
         nothing)."""
         if not plane_indices:
             raise LayoutError("select() needs at least one plane")
+        if len(plane_indices) == len(self.planes) and all(
+                i == j for i, j in enumerate(plane_indices)):
+            return self  # every plane in order: this layout (and its cached tables and key)
         where = {old: new for new, old in enumerate(plane_indices)}
         groups = tuple(KVGroup(g.kind, g.block_size, g.window,
                                tuple(where[i] for i in g.planes if i in where))

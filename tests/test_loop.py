@@ -824,3 +824,82 @@ def test_an_unknown_answer_to_a_heartbeat_older_than_the_confirmation_is_ignored
         np.testing.assert_array_equal(d.blocks([5, 6]), p.blocks([1, 2]))
     else:  # an answer to a heartbeat sent after the confirmation does count
         assert rd["results"]["failed_recving"] == {"d"}
+
+
+# -- a push prepared while the forward runs (hand-off issue: P posts within 0.5 ms) ------------
+
+@pytest.fixture(params=["memory", "nixl"])
+def prepared_pd(request: pytest.FixtureRequest) -> Iterator[PD]:
+    """P and D over ``memory`` (nothing native to build ahead: the generic path) and over
+    ``nixl`` (the WRITE is a NIXL request made ahead), when nixl loads here."""
+    from kvbridge import registry
+
+    backend = str(request.param)
+    if backend != "memory":
+        status = {s.name: s for s in registry.status()}
+        if backend not in status or not status[backend].loadable:
+            pytest.skip(f"{backend} unavailable here")
+    extra = {**FAST, "backend": backend}
+    p, d = LocalAgent("prefill", extra=extra), LocalAgent("decode", extra=extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+def _settled(p: LocalAgent) -> None:
+    """Wait until P's loop has handled the events submitted so far."""
+    assert p.loop.flush(5.0)
+
+
+@pytest.mark.parametrize("registered_first", [True, False])
+def test_push_prepared_ahead_writes_the_kv_as_it_is_at_ready(
+        prepared_pd: PD, registered_first: bool) -> None:
+    """The WRITE is built before the forward writes the KV (and before or after D confirms),
+    and posted at ready: D gets the bytes as they are then, not as they were when built."""
+    p, d = prepared_pd
+    src, dst = [5, 6, 7, 20], [30, 2, 3, 4]
+    plan = send("p", "tp1", src)
+    if registered_first:
+        d.expect(expect("d", "tp1", p, dst))
+        time.sleep(0.2)  # D registered, P dialled it and it confirmed
+    p.loop.push_prepare(plan)
+    if not registered_first:
+        _settled(p)
+        d.expect(expect("d", "tp1", p, dst))
+        time.sleep(0.2)
+    _settled(p)
+    for layer in p.caches.values():  # the forward writes the KV now
+        layer[src] = np.random.default_rng(9).standard_normal(layer[src].shape)
+    p.ready(plan)
+    rd = d.drain({"d"})
+    assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+    assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
+    stats = getattr(p.loop.transport, "stats", {})
+    if "block_prepared_ahead" in stats:  # nixl: the post used the request made ahead
+        assert stats["block_prepared_ahead"] == 1
+        assert p.loop.transport._ahead == 0
+
+
+def test_a_prepared_push_that_is_cancelled_posts_nothing_and_frees_it(prepared_pd: PD) -> None:
+    p, d = prepared_pd
+    src, dst = [8, 9], [10, 11]
+    before = d.blocks(dst).copy()
+    d.expect(expect("d", "tp2", p, dst))
+    time.sleep(0.2)
+    plan = send("p", "tp2", src)
+    p.loop.push_prepare(plan)
+    _settled(p)
+    d.cancel_recv("tp2")  # D's request ended before P's KV was ready
+    rd = d.drain({"d"})
+    assert rd["results"]["failed_recving"] == {"d"}
+    p.ready(plan)  # the forward finished anyway: nothing is written
+    assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
+    np.testing.assert_array_equal(d.blocks(dst), before)
+    assert p.drain(set(), 0.5)["pending"] == 0
+    if hasattr(p.loop.transport, "_ahead"):
+        assert p.loop.transport._ahead == 0  # the NIXL request was released

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvbridge.scheduling.fences import CudaFence
+
 torch = pytest.importorskip("torch")
-vllm_connector = pytest.importorskip("kvbridge.integrations.vllm")
 
 
 class _FakeStream:
@@ -42,7 +43,7 @@ def test_cuda_fence_records_on_the_current_stream_and_never_blocks(
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    fence = vllm_connector._CudaFence()
+    fence = CudaFence()
     event = _FakeEvent.instances[-1]
     assert event.options == {"blocking": True}  # a waiting thread sleeps, it does not spin
     assert event.recorded_on is stream  # recorded after the KV writes, on their stream
@@ -59,6 +60,7 @@ def test_rank_side_makes_one_fence_per_forward_for_push_ready(
 
     made: list[object] = []
     posted: list[tuple[Any, Any]] = []
+    prepared: list[Any] = []
 
     class _Loop:
         rank = 0
@@ -72,6 +74,9 @@ def test_rank_side_makes_one_fence_per_forward_for_push_ready(
         def push_ready(self, plan: Any, fence: Any) -> None:
             posted.append((plan, fence))
 
+        def push_prepare(self, plan: Any) -> None:
+            prepared.append(plan)
+
         def mark(self, *args: Any) -> None:
             pass
 
@@ -82,7 +87,8 @@ def test_rank_side_makes_one_fence_per_forward_for_push_ready(
     loop = _Loop()
     side = RankSide(loop, factory)  # type: ignore[arg-type]
     side.apply(StepPlan(push_ready=[send("p1", "t1", [1]), send("p2", "t2", [2])]))
-    assert posted == []  # nothing before the forward
+    assert posted == []  # nothing before the forward, but both WRITEs are built meanwhile
+    assert [p.req_id for p in prepared] == ["p1", "p2"]
     side.after_forward()
     assert len(made) == 1 and [f for _, f in posted] == [made[0], made[0]]
     assert loop.flushed == 1  # wake on arrival: the worker lets the loop post at once

@@ -47,7 +47,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
+from kvbridge.blocks import (
+    BlockPair,
+    BlockRequest,
+    BlockTransport,
+    PreparedRequest,
+    check_in_regions,
+)
 from kvbridge.errors import (
     DescriptorError,
     KVBridgeError,
@@ -180,11 +186,13 @@ class NixlTransport(BlockTransport):
         self._scratch: I32 = np.empty(0, dtype=np.int32)  # index arrays, see _block_args
         self._retired_dlists: list[Any] = []
         self._inflight: dict[int, tuple[TransferHandle, _Peer]] = {}
+        self._ahead = 0  # requests made ahead (prepare_request), not yet posted or discarded
         self._closing = False
         self._cv = threading.Condition(self._lock)
         self._progress: threading.Thread | None = None
         self.stats = {"prepped": 0, "direct": 0, "grids": 0, "block_prepped": 0,
-                      "block_direct": 0, "block_dlists": 0}
+                      "block_direct": 0, "block_dlists": 0,
+                      "block_prepared_ahead": 0}
         log.info(
             "nixl agent %r started: backends=%s progress_thread=%s progress_delay_us=%d "
             "num_threads=%d xfer_mode=%s UCX_TLS=%r UCX_NET_DEVICES=%r",
@@ -402,6 +410,66 @@ class NixlTransport(BlockTransport):
             self._track(handle, state, self._post_blocks(op, pair, req, notification or b""))
         return handle
 
+    def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
+                         notification: bytes | None) -> Any:
+        """The NIXL request (``make_prepped_xfer``), made now and posted later; None for an
+        empty request (posted as usual). Until it is posted or discarded it counts as in
+        flight on its peer, so neither the peer nor a descriptor list it uses is released
+        under it."""
+        if req.count == 0:
+            return None
+        prep: _Prepared = pair.native
+        with self._lock:
+            self._check_open()
+            state = self._peers.get(pair.peer)
+            if state is None or state is not prep.peer:
+                raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed "
+                                  "or re-added")
+            try:
+                native = self._make_blocks(op, pair, self._block_args(pair, req),
+                                           notification or b"")
+            except Exception as exc:
+                raise _translate(exc, f"preparing a {op.value} of {req.nbytes} bytes with peer "
+                                      f"{pair.peer!r}", pair.peer) from exc
+            state.inflight += 1
+            self._ahead += 1
+            self.stats["block_prepared_ahead"] += 1
+            return native, state
+
+    def _post_prepared(self, prep: PreparedRequest, native: Any) -> TransferHandle:
+        xfer, state = native
+        pair, req = prep.pair, prep.req
+        handle = TransferHandle(prep.op, pair.peer, req.nbytes, req.count)
+        with self._lock:
+            self._unprepare(state)
+            if (self._closed or state.removed or self._peers.get(pair.peer) is not state
+                    or not pair.live):
+                self._release(xfer)
+                self._after_release()
+                raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed "
+                                  "or re-added, or its blocks were prepared again")
+            self._start(xfer, f"{prep.op.value} of {req.nbytes} bytes with peer "
+                              f"{pair.peer!r}", pair.peer)
+            self._track(handle, state, xfer)
+        return handle
+
+    def _discard_prepared(self, native: Any) -> None:
+        xfer, state = native
+        with self._lock:
+            self._unprepare(state)
+            if self._agent is not None:
+                self._release(xfer)
+                self._after_release()
+
+    def _unprepare(self, state: _Peer) -> None:
+        state.inflight -= 1
+        self._ahead -= 1
+
+    def _after_release(self) -> None:
+        if any(p.removed for p in self._retired_peers):
+            self._reap_peers()
+        self._release_retired()
+
     def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest, notif: bytes) -> Any:
         """Make the request and post it; the lock is held."""
         what = f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}"
@@ -589,7 +657,7 @@ class NixlTransport(BlockTransport):
         self._release_retired()
 
     def _release_retired(self) -> None:
-        if self._inflight or not self._retired_dlists:
+        if self._inflight or self._ahead or not self._retired_dlists:
             return
         for h in self._retired_dlists:
             try:

@@ -54,6 +54,7 @@ from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.keys import namespace_of, seed_key, weights_fingerprint
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.scheduling.arrivals import DirectArrivals
+from kvbridge.scheduling.fences import CudaFence
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, StepPlan
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
@@ -555,29 +556,6 @@ class _SchedulerSide:
         self.wake.close()
 
 
-class _CudaFence:
-    """A CUDA event recorded after the step's KV writes; ``ready`` never blocks, ``wait``
-    blocks (blocking sync: the waiting thread sleeps, and torch releases the GIL) until the
-    kernels finished, so the transfer loop's fence thread posts the WRITE at once
-    (:mod:`kvbridge.scheduling.fences`)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self._device = torch.cuda.current_device()
-        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-        self._event.record(torch.cuda.current_stream())
-
-    def ready(self) -> bool:
-        return bool(self._event.query())  # type: ignore[no-untyped-call]
-
-    def wait(self) -> None:
-        import torch
-
-        with torch.cuda.device(self._device):
-            self._event.synchronize()
-
-
 class _WorkerSide:
     """vLLM's worker hooks → :class:`RankSide`; runs on the model-runner thread."""
 
@@ -683,7 +661,7 @@ class _WorkerSide:
 
     @staticmethod
     def _cuda_fence() -> Fence | None:
-        return _CudaFence()
+        return CudaFence()
 
     def handshake_metadata(self) -> KVBridgeHandshake | None:
         if self.side is None:

@@ -7,7 +7,7 @@ that can be *waited* (:class:`WaitableFence`: a blocking ``wait()`` that release
 ``cudaEventSynchronize`` on an event made with blocking sync) is instead given to
 :class:`FenceWaiter`, whose one daemon thread waits the fences in order and tells the loop the
 moment each has passed, so the WRITE is posted right then. Fences without ``wait`` are polled
-by the loop as before.
+by the loop as before. :class:`CudaFence` is the fence of a CUDA device (imports torch lazily).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Fence", "WaitableFence", "FenceWaiter"]
 
@@ -102,3 +102,26 @@ class FenceWaiter:
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout)
+
+
+class CudaFence:
+    """A CUDA event recorded on the current stream after the step's KV writes (make it right
+    after the forward was issued). ``ready`` never blocks; ``wait`` blocks — blocking sync: the
+    waiting thread sleeps, and torch releases the GIL — until the kernels before it finished,
+    so the transfer loop's :class:`FenceWaiter` thread posts the WRITE at once."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._device = torch.cuda.current_device()
+        self._event: Any = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream())
+
+    def ready(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        import torch
+
+        with torch.cuda.device(self._device):
+            self._event.synchronize()

@@ -193,6 +193,12 @@ class TransferLoop(PeerEvents):
             return
         self.submit(self.push_source.ready, plan, fence, None)
 
+    def push_prepare(self, plan: SendPlan) -> None:
+        """P: the forward now running writes ``plan``'s KV; :meth:`push_ready` follows after
+        it. The loop builds the WRITE meanwhile, so that readiness only posts it."""
+        if not self.dead:
+            self.submit(self.push_source.prepare, plan)
+
     def push_layer(self, plan: SendPlan, layer: str, fence: Fence | None = None) -> None:
         """P, layer-wise push: ``layer``'s KV of ``plan`` is final; :meth:`push_ready` follows."""
         if not self.dead:

@@ -13,9 +13,13 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    Only then may P write, and from then on D keeps its blocks until the ``PushResult``
    arrives or P is proven gone (new generation, connection refused, or silent for a lease).
 3. When P's KV is ready (after the forward, or per layer; on a GPU, once its fence says the
-   kernels finished) and D confirmed, P posts the WRITEs; when all have stopped it sends the
-   ``PushResult`` with the byte count (and a checksum when either side asks for one), which D
-   checks against what it expected.
+   kernels finished) and D confirmed, P posts the WRITEs. A whole-request push is *prepared*
+   earlier, while the forward that writes the KV runs (:meth:`PushSource.prepare`, as soon as
+   both the plan and D's confirmation are known): ids validated, the transport's request built
+   (:meth:`~kvbridge.blocks.BlockTransport.prepare_request`), so that readiness only posts it.
+   A prepared WRITE that is not posted is discarded with its registration. When all WRITEs
+   have stopped P sends the ``PushResult`` with the byte count (and a checksum when either
+   side asks for one), which D checks against what it expected.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. Registrations are bounded per connection and in
@@ -37,7 +41,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.blocks import submit_parts
+from kvbridge.blocks import (
+    BlockRequest,
+    BlockTransport,
+    PreparedRequest,
+    prepare_blocks,
+    prepare_request,
+    submit_parts,
+)
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
@@ -104,6 +115,8 @@ class _Target:
     shape: mapping.Shape | None = None  # the decode rank's, from its handshake
     share: mapping.Share | None = None  # the heads this rank writes it
     posted: set[int] = field(default_factory=set)
+    #: WRITEs built ahead, by their planes (posted when those planes are ready)
+    prepared: dict[tuple[int, ...], PreparedRequest] = field(default_factory=dict)
     handles: list[TransferHandle] = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None
@@ -152,6 +165,32 @@ class PushSource:
 
     # -- events from the connector ------------------------------------------------------------
 
+    def prepare(self, plan: SendPlan) -> None:
+        """P: the forward now running writes ``plan``'s KV (whole-request push): build its
+        WRITE for every decode rank that confirmed, so that :meth:`ready` only posts it. Best
+        effort: what cannot be built now is built at :meth:`ready`, which follows."""
+        if plan.layerwise or self.core.ended.get(plan.transfer_id) is not None:
+            return
+        out = self._with_plan(plan)
+        if out is not None:
+            for t in list(out.targets):
+                self._prepare(out, t)
+
+    def _with_plan(self, plan: SendPlan) -> _Out | None:
+        """The push of ``plan`` knowing its plan (a mismatch with a registration fails it:
+        None then)."""
+        out = self.outs.get(plan.transfer_id)
+        if out is None:
+            out = self.outs[plan.transfer_id] = _Out(plan.transfer_id)
+        if out.plan is None:
+            out.plan = plan
+            for t in list(out.targets):
+                problem = self._mismatch(out, t)
+                if problem is not None:
+                    self._fail(out, problem)
+                    return None
+        return out
+
     def ready(self, plan: SendPlan, fence: Fence | None, layer: str | None = None) -> None:
         """P's KV of ``plan`` is written (``layer``: only that layer's, layer-wise push)."""
         core, tid = self.core, plan.transfer_id
@@ -162,18 +201,11 @@ class PushSource:
             if layer is None:
                 core.results.sent(plan.req_id)
             return
-        out = self.outs.get(tid)
+        out = self._with_plan(plan)
         if out is None:
-            out = self.outs[tid] = _Out(tid)
+            return
         if layer is None:
             out.final = True
-        if out.plan is None:
-            out.plan = plan
-            for t in list(out.targets):
-                problem = self._mismatch(out, t)
-                if problem is not None:
-                    self._fail(out, problem)
-                    return
         planes = (list(range(len(core.layout.planes))) if layer is None
                   else core.layout.plane_indices(layer))
         out.fences.append((planes, fence))
@@ -360,6 +392,8 @@ class PushSource:
         t.stage = _Stage.CONFIRMED
         if out.complete():
             self.core.timers.cancel(("ready", out.tid))
+        if not out.final:  # the KV is still being written: build the WRITE meanwhile
+            self._prepare(out, t)
         self._advance(out)
         return False
 
@@ -386,23 +420,65 @@ class PushSource:
                 self._post(out, t)
             self.poll_one(out, t)
 
-    def _post(self, out: _Out, t: _Target) -> None:
+    def _subs(self, out: _Out, t: _Target, planes: list[int]) -> list[mapping.SubTransfer]:
+        """The sub-transfers of ``t``'s WRITE in ``planes``."""
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
         span, _ = self._span(out, t)
         src, first = self._src(out, t)
+        return mapping.pair(core.layout.select(planes), core.shape, src, first,
+                            t.peer.layout.select(planes), t.shape, t.reg.block_ids,
+                            t.reg.skip_blocks, t.share, span)
+
+    def _prepare(self, out: _Out, t: _Target) -> None:
+        """Build ``t``'s whole-request WRITE ahead (see :meth:`prepare`), where the transport
+        can and the mapping is one sub-transfer; anything else is left to :meth:`_post`."""
+        core = self.core
+        planes = list(range(len(core.layout.planes)))
+        key = tuple(planes)
+        if (out.plan is None or out.plan.layerwise or out.error is not None
+                or t.stage is not _Stage.CONFIRMED or t.error is not None or t.posted
+                or key in t.prepared or not t.reg.block_ids or t.peer is None
+                or not isinstance(core.transport, BlockTransport)):
+            return
+        try:
+            subs = self._subs(out, t, planes)
+            if len(subs) != 1:
+                return
+            sub = subs[0]
+            pair = prepare_blocks(core.transport, t.peer.name, sub.local, sub.remote)
+            req = BlockRequest.build(pair.local, pair.remote, sub.local_ids, sub.remote_ids)
+            prep = prepare_request(core.transport, Op.WRITE, pair, req)
+        except KVBridgeError as exc:  # _post builds it again and reports the problem
+            log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
+            return
+        if prep is not None:
+            t.prepared[key] = prep
+
+    def _discard(self, t: _Target) -> None:
+        transport = self.core.transport
+        for prep in t.prepared.values():
+            if isinstance(transport, BlockTransport):
+                transport.discard_prepared(prep)
+        t.prepared.clear()
+
+    def _post(self, out: _Out, t: _Target) -> None:
+        core = self.core
+        assert out.plan is not None and t.peer is not None and t.shape is not None
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
                 continue
             t.posted.update(todo)
+            prep = t.prepared.pop(tuple(todo), None)
             try:
-                subs = mapping.pair(core.layout.select(todo), core.shape, src, first,
-                                    t.peer.layout.select(todo), t.shape, t.reg.block_ids,
-                                    t.reg.skip_blocks, t.share, span)
-                handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
-                                      [(x.local, x.local_ids, x.remote, x.remote_ids)
-                                       for x in subs])
+                if prep is not None:
+                    assert isinstance(core.transport, BlockTransport)
+                    handle = core.transport.post_prepared(prep)
+                else:
+                    handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
+                                          [(x.local, x.local_ids, x.remote, x.remote_ids)
+                                           for x in self._subs(out, t, todo)])
             except KVBridgeError as exc:
                 t.error = f"cannot post the WRITE: {exc}"
                 return
@@ -485,6 +561,7 @@ class PushSource:
         if t not in out.targets:
             return
         out.targets.remove(t)
+        self._discard(t)
         core.timers.cancel(("write", out.tid, id(t)))
         n = self._regs_by_conn.get(t.ctx.conn, 1) - 1
         if n > 0:

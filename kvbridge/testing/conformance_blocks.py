@@ -9,7 +9,9 @@ non-dense views (planes at an offset whose blocks are smaller than their stride,
 sides), an empty transfer, a notification attached to a block transfer; refused before anything
 moves: ids out of range, negative, duplicated, not integers, of unequal counts, bad plane
 indices, a layout reaching past the peer's registered memory, an unknown or removed peer, a pair
-of a re-added peer, a pair another transport prepared.
+of a re-added peer, a pair another transport prepared. Requests prepared ahead
+(:func:`kvbridge.blocks.prepare_request`): posted later they move the same bytes; posted twice,
+or after their peer was removed, they are refused; discarded, they move nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import pytest
 
-from kvbridge.blocks import BlockPair, BlockTransport, prepare_blocks, submit_blocks
+from kvbridge.blocks import (
+    BlockPair,
+    BlockRequest,
+    BlockTransport,
+    prepare_blocks,
+    prepare_request,
+    submit_blocks,
+)
 from kvbridge.errors import DescriptorError, LayoutError, UnknownPeer
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
 from kvbridge.testing.peer import Peer
@@ -242,3 +251,43 @@ class BlockConformance:
                 submit_blocks(local, Op.WRITE, forged, [0], [0])
         mine, theirs, _ = self._transfer(pair, Op.WRITE, [2, 5], [5, 2])
         self._check(pair, Op.WRITE, mine, theirs, [2, 5], [5, 2])
+
+    @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+    def test_blocks_prepared_ahead(self, local: Transport, peer: Peer, op: Op) -> None:
+        """A request prepared ahead moves exactly what submitting it would have, when posted
+        (after the source changed: the bytes are read at post time); it posts once; discarded
+        it moves nothing; a peer removed meanwhile refuses it."""
+        self._require(local, op.value.lower())
+        pair = self.connect(local, peer, 4096, num_blocks=32)
+        bp = prepare_blocks(local, pair.peer_name, pair.local_layout, pair.remote.layout)
+        lids, rids = [3, 9, 4, 20], [1, 30, 2, 8]
+        req = BlockRequest.build(bp.local, bp.remote, lids, rids)
+        prep = prepare_request(local, op, bp, req)
+        if not isinstance(local, BlockTransport):
+            assert prep is None  # the descriptor fallback has nothing to build ahead
+            return
+        assert prep is not None
+        pair.local_buf[...] = (pair.local_buf + 1) % 251  # a WRITE reads the bytes at post time
+        mine, theirs = pair.local_buf.copy(), pair.remote_buf()
+        handle = local.post_prepared(prep)
+        assert local.wait(handle, self.timeout) is HandleState.DONE, handle.error
+        self._check(pair, op, mine, theirs, lids, rids)
+        assert handle.nbytes == req.nbytes and handle.count == req.count
+        with pytest.raises(DescriptorError, match="already posted"):
+            local.post_prepared(prep)
+
+        unposted = local.prepare_request(op, bp, BlockRequest.build(bp.local, bp.remote, [0],
+                                                                    [0]))
+        local.discard_prepared(unposted)
+        local.discard_prepared(unposted)  # idempotent
+        with pytest.raises(DescriptorError, match="already posted or discarded"):
+            local.post_prepared(unposted)
+        mine, theirs = pair.local_buf.copy(), pair.remote_buf()
+        np.testing.assert_array_equal(pair.remote_buf(), theirs)
+
+        stale = local.prepare_request(op, bp, BlockRequest.build(bp.local, bp.remote, [5], [6]))
+        local.remove_peer(pair.peer_name)
+        with pytest.raises(UnknownPeer):
+            local.post_prepared(stale)
+        np.testing.assert_array_equal(pair.remote_buf(), theirs)
+        np.testing.assert_array_equal(pair.local_buf, mine)

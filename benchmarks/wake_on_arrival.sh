@@ -5,7 +5,8 @@
 #
 # 1. kvbridge bench handoff, nixl and shm: two engine pairs, wake on arrival on and off
 #    (KVBRIDGE_WAKE_ON_ARRIVAL=0), interleaved sequential push and pull requests: every step of
-#    the hand-off side by side, hand-off minus wire, paired differences, idle CPU.
+#    the hand-off side by side, hand-off minus wire, paired differences, idle CPU; then nixl
+#    with direct arrival on and off (KVBRIDGE_DIRECT_ARRIVAL=0, --against nodirect).
 # 2. kvbridge bench e2e, kvbridge's two configurations: bar 1, push hand-off p50 minus wire time
 #    <= 2 ms sequential ("hand-off minus wire time" lines).
 # 3. kvbridge bench serve, kvbridge pull and push at rising rates, with wake on arrival on, then
@@ -15,7 +16,7 @@
 # Every engine's whole process tree is pinned to its core (--pin-engines): on a 2-core host the
 # other engine's API server and threads otherwise run on P's core during its prefill, which is
 # host contention, not hand-off latency (docs/benchmarks.md, "Wake on arrival").
-# About 45 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
+# About 50 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
 set -uo pipefail  # a failed run is reported in its table; the others still run
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/kvbridge-wake-$(date +%Y%m%d-%H%M%S)}
@@ -27,6 +28,9 @@ for backend in nixl shm; do
     --output "$OUT/handoff-$backend.json" \
     --log-dir "$OUT/handoff-$backend-logs" | tee "$OUT/handoff-$backend.txt"
 done
+"$KVB" bench handoff --backend nixl --requests 40 --pin-engines --against nodirect \
+  --output "$OUT/handoff-nixl-nodirect.json" --log-dir "$OUT/handoff-nixl-nodirect-logs" \
+  | tee "$OUT/handoff-nixl-nodirect.txt"
 "$KVB" bench e2e --configs kvbridge-nixl,kvbridge-shm --pin-engines --output "$OUT/e2e.json" \
   --log-dir "$OUT/e2e-logs" | tee "$OUT/e2e.txt"
 RATES=4,8,16,24,32

@@ -828,26 +828,10 @@ def test_an_unknown_answer_to_a_heartbeat_older_than_the_confirmation_is_ignored
 
 # -- a push prepared while the forward runs (hand-off issue: P posts within 0.5 ms) ------------
 
-@pytest.fixture(params=["memory", "nixl"])
-def prepared_pd(request: pytest.FixtureRequest) -> Iterator[PD]:
-    """P and D over ``memory`` (nothing native to build ahead: the generic path) and over
-    ``nixl`` (the WRITE is a NIXL request made ahead), when nixl loads here."""
-    from kvbridge import registry
-
-    backend = str(request.param)
-    if backend != "memory":
-        status = {s.name: s for s in registry.status()}
-        if backend not in status or not status[backend].loadable:
-            pytest.skip(f"{backend} unavailable here")
-    extra = {**FAST, "backend": backend}
-    p, d = LocalAgent("prefill", extra=extra), LocalAgent("decode", extra=extra)
-    try:
-        p.fill(1)
-        d.fill(2)
-        yield p, d
-    finally:
-        p.close()
-        d.close()
+BACKENDS = pytest.mark.parametrize("local_pd", [{}, {"backend": "nixl"}], indirect=True,
+                                   ids=["memory", "nixl"])
+"""``memory`` (nothing native to build ahead: the generic path) and ``nixl`` (the WRITE is a
+NIXL request made ahead), where nixl loads."""
 
 
 def _settled(p: LocalAgent) -> None:
@@ -855,12 +839,13 @@ def _settled(p: LocalAgent) -> None:
     assert p.loop.flush(5.0)
 
 
+@BACKENDS
 @pytest.mark.parametrize("registered_first", [True, False])
 def test_push_prepared_ahead_writes_the_kv_as_it_is_at_ready(
-        prepared_pd: PD, registered_first: bool) -> None:
+        local_pd: PD, registered_first: bool) -> None:
     """The WRITE is built before the forward writes the KV (and before or after D confirms),
     and posted at ready: D gets the bytes as they are then, not as they were when built."""
-    p, d = prepared_pd
+    p, d = local_pd
     src, dst = [5, 6, 7, 20], [30, 2, 3, 4]
     plan = send("p", "tp1", src)
     if registered_first:
@@ -885,8 +870,9 @@ def test_push_prepared_ahead_writes_the_kv_as_it_is_at_ready(
         assert p.loop.transport._ahead == 0
 
 
-def test_a_prepared_push_that_is_cancelled_posts_nothing_and_frees_it(prepared_pd: PD) -> None:
-    p, d = prepared_pd
+@BACKENDS
+def test_a_prepared_push_that_is_cancelled_posts_nothing_and_frees_it(local_pd: PD) -> None:
+    p, d = local_pd
     src, dst = [8, 9], [10, 11]
     before = d.blocks(dst).copy()
     d.expect(expect("d", "tp2", p, dst))

@@ -395,13 +395,8 @@ class NixlTransport(BlockTransport):
     def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
                        notification: bytes | None) -> TransferHandle:
         handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
-        prep: _Prepared = pair.native
         with self._lock:
-            self._check_open()
-            state = self._peers.get(pair.peer)
-            if state is None or state is not prep.peer:
-                raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed "
-                                  "or re-added")
+            state = self._live_peer(pair)
             if req.count == 0:  # no ids, or none with a plane to move in
                 if notification is not None:
                     self._notify(pair.peer, notification)
@@ -418,19 +413,9 @@ class NixlTransport(BlockTransport):
         under it."""
         if req.count == 0:
             return None
-        prep: _Prepared = pair.native
         with self._lock:
-            self._check_open()
-            state = self._peers.get(pair.peer)
-            if state is None or state is not prep.peer:
-                raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed "
-                                  "or re-added")
-            try:
-                native = self._make_blocks(op, pair, self._block_args(pair, req),
-                                           notification or b"")
-            except Exception as exc:
-                raise _translate(exc, f"preparing a {op.value} of {req.nbytes} bytes with peer "
-                                      f"{pair.peer!r}", pair.peer) from exc
+            state = self._live_peer(pair)
+            native = self._make_request(op, pair, req, notification or b"")
             state.inflight += 1
             self._ahead += 1
             self.stats["block_prepared_ahead"] += 1
@@ -470,14 +455,28 @@ class NixlTransport(BlockTransport):
             self._reap_peers()
         self._release_retired()
 
+    def _live_peer(self, pair: BlockPair) -> _Peer:
+        """The pair's peer, still the one it was prepared with (the lock is held)."""
+        self._check_open()
+        state = self._peers.get(pair.peer)
+        if state is None or state is not pair.native.peer:
+            raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed or "
+                              "re-added")
+        return state
+
+    def _make_request(self, op: Op, pair: BlockPair, req: BlockRequest, notif: bytes) -> Any:
+        """The NIXL request for ``req``, not posted (the lock is held)."""
+        try:
+            return self._make_blocks(op, pair, self._block_args(pair, req), notif)
+        except Exception as exc:
+            raise _translate(exc, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
+                             pair.peer) from exc
+
     def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest, notif: bytes) -> Any:
         """Make the request and post it; the lock is held."""
-        what = f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}"
-        try:
-            native = self._make_blocks(op, pair, self._block_args(pair, req), notif)
-        except Exception as exc:
-            raise _translate(exc, what, pair.peer) from exc
-        self._start(native, what, pair.peer)
+        native = self._make_request(op, pair, req, notif)
+        self._start(native, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
+                    pair.peer)
         return native
 
     def _block_args(self, pair: BlockPair, req: BlockRequest) -> tuple[bool, I64 | I32,

@@ -7,7 +7,9 @@ loop) on the other. vLLM builds one instance in the scheduler process (role SCHE
 per worker (role WORKER); they talk through vLLM's per-step connector metadata (scheduler →
 worker) and ``get_transfer_results`` (worker → scheduler), plus a wake-up: an engine waiting on a
 transfer sleeps, and the rank's transfer loop wakes it the moment a hand-off finishes
-(:mod:`kvbridge.scheduling.wake`, :mod:`kvbridge.integrations.vllm_idle`).
+(:mod:`kvbridge.scheduling.wake`, :mod:`kvbridge.integrations.vllm_idle`). A finished receive
+also reaches the scheduler that way (*direct arrival*, :mod:`kvbridge.scheduling.arrivals`): it is
+told to vLLM before the next step, and the workers' own later report of it is dropped.
 
 No call from vLLM raises because of what a client sent: ``kv_transfer_params`` are parsed once
 (:mod:`kvbridge.params`), and a request that cannot be handed off is served locally with a

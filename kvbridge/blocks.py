@@ -41,11 +41,12 @@ The handle's ``count`` is the number of byte ranges (planes × runs) and ``nbyte
 **Prepared ahead.** :meth:`BlockTransport.prepare_request` does everything of a submit that
 does not need the bytes to be final — validation is the caller's (:class:`BlockRequest`), the
 native request is the transport's (NIXL: ``make_prepped_xfer``) — so that
-:meth:`BlockTransport.post_prepared` later only posts: a push builds its WRITE while the forward
-that writes the KV is still running. Every prepared request must be posted or
-:meth:`~BlockTransport.discard_prepared` (which frees its native state); both are thread-safe,
-and posting raises what ``submit_blocks`` would (a peer removed meanwhile:
-:class:`UnknownPeer`).
+:meth:`BlockTransport.post_prepared` (or :meth:`PreparedRequest.post`) later only posts: a push
+builds its WRITE while the forward that writes the KV is still running. The core calls
+:func:`prepare_parts`, the ahead-of-time twin of :func:`submit_parts`. Every prepared request
+must be posted or discarded (:meth:`~BlockTransport.discard_prepared`, which frees its native
+state); both are thread-safe, and posting raises what ``submit_blocks`` would (a peer removed
+meanwhile: :class:`UnknownPeer`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from kvbridge.transport import Op, TransferHandle, Transport, as_descriptors, ch
 
 __all__ = [
     "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "PreparedRequest",
-    "prepare_blocks", "prepare_request", "submit_blocks", "submit_request", "submit_parts",
+    "prepare_blocks", "prepare_parts", "submit_blocks", "submit_request", "submit_parts",
     "check_in_regions",
 ]
 
@@ -107,6 +108,16 @@ class PreparedRequest:
     notification: bytes | None
     native: Any = None  # the transport's request, None once posted or discarded (or never)
     done: bool = False
+
+    def post(self) -> TransferHandle:
+        """:meth:`BlockTransport.post_prepared` on the transport that prepared it."""
+        assert self.pair.owner is not None
+        return self.pair.owner.post_prepared(self)
+
+    def discard(self) -> None:
+        """:meth:`BlockTransport.discard_prepared` on the transport that prepared it."""
+        assert self.pair.owner is not None
+        self.pair.owner.discard_prepared(self)
 
 
 @dataclass(frozen=True, eq=False)
@@ -431,13 +442,22 @@ def submit_blocks(
     return submit_request(transport, op, pair, req, notification)
 
 
-def prepare_request(transport: Transport, op: Op, pair: BlockPair, req: BlockRequest,
-                    notification: bytes | None = None) -> PreparedRequest | None:
-    """``transport.prepare_request`` where it is a :class:`BlockTransport`, else None (the
-    caller submits when the time comes, as usual)."""
-    if isinstance(transport, BlockTransport):
-        return transport.prepare_request(op, pair, req, notification)
-    return None
+def prepare_parts(
+    transport: Transport, op: Op, peer: str,
+    parts: Sequence[tuple[KVLayout, BlockIds, KVLayout, BlockIds]],
+    notification: bytes | None = None,
+) -> PreparedRequest | None:
+    """What :func:`submit_parts` would post, built now to be posted later
+    (:meth:`PreparedRequest.post`): validated, with the transport's native request. None where
+    nothing can be built ahead — a transport that is not a :class:`BlockTransport`, or several
+    parts — and the caller submits when the time comes, as usual. Raises what
+    :func:`submit_parts` would before posting."""
+    if len(parts) != 1 or not isinstance(transport, BlockTransport):
+        return None
+    local, lids, remote, rids = parts[0]
+    pair = transport.prepare_blocks(peer, local, remote)
+    req = BlockRequest.build(pair.local, pair.remote, lids, rids)
+    return transport.prepare_request(op, pair, req, notification)
 
 
 def submit_request(transport: Transport, op: Op, pair: BlockPair, req: BlockRequest,

@@ -451,8 +451,7 @@ class NixlTransport(BlockTransport):
         self._ahead -= 1
 
     def _after_release(self) -> None:
-        if any(p.removed for p in self._retired_peers):
-            self._reap_peers()
+        self._reap_peers()
         self._release_retired()
 
     def _live_peer(self, pair: BlockPair) -> _Peer:

@@ -16,7 +16,7 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    kernels finished) and D confirmed, P posts the WRITEs. A whole-request push is *prepared*
    earlier, while the forward that writes the KV runs (:meth:`PushSource.prepare`, as soon as
    both the plan and D's confirmation are known): ids validated, the transport's request built
-   (:meth:`~kvbridge.blocks.BlockTransport.prepare_request`), so that readiness only posts it.
+   (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
    A prepared WRITE that is not posted is discarded with its registration. When all WRITEs
    have stopped P sends the ``PushResult`` with the byte count (and a checksum when either
    side asks for one), which D checks against what it expected.
@@ -41,14 +41,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.blocks import (
-    BlockRequest,
-    BlockTransport,
-    PreparedRequest,
-    prepare_blocks,
-    prepare_request,
-    submit_parts,
-)
+from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
@@ -115,8 +108,8 @@ class _Target:
     shape: mapping.Shape | None = None  # the decode rank's, from its handshake
     share: mapping.Share | None = None  # the heads this rank writes it
     posted: set[int] = field(default_factory=set)
-    #: WRITEs built ahead, by their planes (posted when those planes are ready)
-    prepared: dict[tuple[int, ...], PreparedRequest] = field(default_factory=dict)
+    #: the whole-request WRITE built ahead (posted when every plane is ready)
+    prepared: PreparedRequest | None = None
     handles: list[TransferHandle] = field(default_factory=list)
     nbytes: int = 0
     error: str | None = None
@@ -433,34 +426,22 @@ class PushSource:
     def _prepare(self, out: _Out, t: _Target) -> None:
         """Build ``t``'s whole-request WRITE ahead (see :meth:`prepare`), where the transport
         can and the mapping is one sub-transfer; anything else is left to :meth:`_post`."""
-        core = self.core
-        planes = list(range(len(core.layout.planes)))
-        key = tuple(planes)
         if (out.plan is None or out.plan.layerwise or out.error is not None
                 or t.stage is not _Stage.CONFIRMED or t.error is not None or t.posted
-                or key in t.prepared or not t.reg.block_ids or t.peer is None
-                or not isinstance(core.transport, BlockTransport)):
+                or t.prepared is not None or not t.reg.block_ids or t.peer is None):
             return
         try:
-            subs = self._subs(out, t, planes)
-            if len(subs) != 1:
-                return
-            sub = subs[0]
-            pair = prepare_blocks(core.transport, t.peer.name, sub.local, sub.remote)
-            req = BlockRequest.build(pair.local, pair.remote, sub.local_ids, sub.remote_ids)
-            prep = prepare_request(core.transport, Op.WRITE, pair, req)
+            t.prepared = prepare_parts(
+                self.core.transport, Op.WRITE, t.peer.name,
+                [(x.local, x.local_ids, x.remote, x.remote_ids)
+                 for x in self._subs(out, t, list(range(len(self.core.layout.planes))))])
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
-            return
-        if prep is not None:
-            t.prepared[key] = prep
 
     def _discard(self, t: _Target) -> None:
-        transport = self.core.transport
-        for prep in t.prepared.values():
-            if isinstance(transport, BlockTransport):
-                transport.discard_prepared(prep)
-        t.prepared.clear()
+        if t.prepared is not None:
+            t.prepared.discard()
+            t.prepared = None
 
     def _post(self, out: _Out, t: _Target) -> None:
         core = self.core
@@ -470,11 +451,13 @@ class PushSource:
             if not todo or not t.reg.block_ids:
                 continue
             t.posted.update(todo)
-            prep = t.prepared.pop(tuple(todo), None)
+            prep, t.prepared = t.prepared, None
+            if prep is not None and len(todo) != len(core.layout.planes):
+                prep.discard()  # built for every plane, and only some are ready
+                prep = None
             try:
                 if prep is not None:
-                    assert isinstance(core.transport, BlockTransport)
-                    handle = core.transport.post_prepared(prep)
+                    handle = prep.post()
                 else:
                     handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
                                           [(x.local, x.local_ids, x.remote, x.remote_ids)

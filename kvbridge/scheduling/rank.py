@@ -148,13 +148,12 @@ class RankSide:
             loop.cancel_recv(tid)
         for tid in plan.cancel_sends:
             loop.cancel_send(tid)
-        for send in plan.push_ready:
-            self._sending.add(send.req_id)
         # push-ready KV is released after this step's forward wrote it (see after_forward);
         # meanwhile the loop builds the WRITEs
-        self._ready.extend(plan.push_ready)
         for send in plan.push_ready:
+            self._sending.add(send.req_id)
             loop.push_prepare(send)
+        self._ready.extend(plan.push_ready)
         self._prefill_done.extend(plan.prefill_done)
         for tid, event, when in plan.marks:
             loop.mark(tid, event, when)

@@ -10,7 +10,7 @@ sides), an empty transfer, a notification attached to a block transfer; refused 
 moves: ids out of range, negative, duplicated, not integers, of unequal counts, bad plane
 indices, a layout reaching past the peer's registered memory, an unknown or removed peer, a pair
 of a re-added peer, a pair another transport prepared. Requests prepared ahead
-(:func:`kvbridge.blocks.prepare_request`): posted later they move the same bytes; posted twice,
+(:func:`kvbridge.blocks.prepare_parts`): posted later they move the same bytes; posted twice,
 or after their peer was removed, they are refused; discarded, they move nothing.
 """
 
@@ -26,7 +26,7 @@ from kvbridge.blocks import (
     BlockRequest,
     BlockTransport,
     prepare_blocks,
-    prepare_request,
+    prepare_parts,
     submit_blocks,
 )
 from kvbridge.errors import DescriptorError, LayoutError, UnknownPeer
@@ -259,31 +259,35 @@ class BlockConformance:
         it moves nothing; a peer removed meanwhile refuses it."""
         self._require(local, op.value.lower())
         pair = self.connect(local, peer, 4096, num_blocks=32)
-        bp = prepare_blocks(local, pair.peer_name, pair.local_layout, pair.remote.layout)
         lids, rids = [3, 9, 4, 20], [1, 30, 2, 8]
-        req = BlockRequest.build(bp.local, bp.remote, lids, rids)
-        prep = prepare_request(local, op, bp, req)
+        part = (pair.local_layout, lids, pair.remote.layout, rids)
+        prep = prepare_parts(local, op, pair.peer_name, [part])
         if not isinstance(local, BlockTransport):
             assert prep is None  # the descriptor fallback has nothing to build ahead
             return
         assert prep is not None
+        assert prepare_parts(local, op, pair.peer_name, [part, part]) is None  # several parts
         pair.local_buf[...] = (pair.local_buf + 1) % 251  # a WRITE reads the bytes at post time
         mine, theirs = pair.local_buf.copy(), pair.remote_buf()
-        handle = local.post_prepared(prep)
+        handle = prep.post()
         assert local.wait(handle, self.timeout) is HandleState.DONE, handle.error
         self._check(pair, op, mine, theirs, lids, rids)
-        assert handle.nbytes == req.nbytes and handle.count == req.count
+        assert handle.nbytes == prep.req.nbytes == 4 * pair.local_layout.bytes_per_block
+        assert handle.count == prep.req.count
         with pytest.raises(DescriptorError, match="already posted"):
             local.post_prepared(prep)
 
+        bp = prepare_blocks(local, pair.peer_name, pair.local_layout, pair.remote.layout)
         unposted = local.prepare_request(op, bp, BlockRequest.build(bp.local, bp.remote, [0],
                                                                     [0]))
-        local.discard_prepared(unposted)
+        pair.local_buf[...] = (pair.local_buf + 1) % 251
+        mine, theirs = pair.local_buf.copy(), pair.remote_buf()
+        unposted.discard()
         local.discard_prepared(unposted)  # idempotent
         with pytest.raises(DescriptorError, match="already posted or discarded"):
             local.post_prepared(unposted)
-        mine, theirs = pair.local_buf.copy(), pair.remote_buf()
-        np.testing.assert_array_equal(pair.remote_buf(), theirs)
+        np.testing.assert_array_equal(pair.remote_buf(), theirs)  # a discarded one moves nothing
+        np.testing.assert_array_equal(pair.local_buf, mine)
 
         stale = local.prepare_request(op, bp, BlockRequest.build(bp.local, bp.remote, [5], [6]))
         local.remove_peer(pair.peer_name)

@@ -889,3 +889,42 @@ def test_a_prepared_push_that_is_cancelled_posts_nothing_and_frees_it(local_pd: 
     assert p.drain(set(), 0.5)["pending"] == 0
     if hasattr(p.loop.transport, "_ahead"):
         assert p.loop.transport._ahead == 0  # the NIXL request was released
+
+
+# -- a pull's READ built while its claim is in flight --------------------------------------------
+
+
+def _ahead(agent: LocalAgent) -> tuple[int, int]:
+    """(requests NIXL built ahead, of which still unposted); (0, 0) where nothing is."""
+    t = agent.loop.transport
+    return getattr(t, "stats", {}).get("block_prepared_ahead", 0), getattr(t, "_ahead", 0)
+
+
+@BACKENDS
+def test_pull_prepared_while_claiming_moves_exact_blocks(local_pd: PD) -> None:
+    p, d = local_pd
+    src, dst = [3, 4, 9, 20], [10, 11, 30, 2]
+    p.stage(send("p", "pa", src))
+    d.pull(pull("d", "pa", p, dst, src))
+    rd = d.drain({"d"})
+    assert rd["results"]["finished_recving"] == {"d"} and not rd["results"]["failed_recving"]
+    np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+    built, unposted = _ahead(d)
+    assert unposted == 0
+    if hasattr(d.loop.transport, "_ahead"):  # nixl: the READ posted is the one built ahead
+        assert built == 1
+
+
+@BACKENDS
+def test_a_pull_whose_claim_is_refused_frees_the_read_built_ahead(local_pd: PD) -> None:
+    p, d = local_pd
+    p.stage(send("p", "pr", [1, 2, 3], prompt=tokens(3, seed=1)))
+    before = d.blocks([7, 8, 9]).copy()
+    d.pull(pull("d", "pr", p, [7, 8, 9], [4, 5, 6], prompt=tokens(3, seed=1)))  # wrong blocks
+    rd = d.drain({"d"}, timeout=15)
+    assert rd["results"]["failed_recving"] == {"d"} and rd["stats"]["claim_refused"] == 1
+    np.testing.assert_array_equal(d.blocks([7, 8, 9]), before)
+    built, unposted = _ahead(d)
+    assert unposted == 0  # built ahead (nixl), never posted, released
+    if hasattr(d.loop.transport, "_ahead"):
+        assert built == 1

@@ -11,7 +11,10 @@ With equal TP on both sides the one consumer is the decode rank of the same rank
 
 D side (:class:`PullSink`), per transfer and prefill rank read from (one part; several with
 heterogeneous TP, joined by a :class:`~kvbridge.scheduling.fanin.FanIn`): handshake (cached) →
-claim → READ (bounded by ``transfer_timeout_s``) → DONE → received. Every failure before the
+claim → READ (bounded by ``transfer_timeout_s``) → DONE → received. The READ is built while the
+claim is in flight (:func:`~kvbridge.blocks.prepare_parts`, where the transport builds requests
+ahead and the part is one sub-transfer), so an accepted claim only posts it; a part that ends
+before posting discards it. Every failure before the
 READ is posted is *safe* (nothing can land in D's blocks) and is reported at once, with a Cancel
 to P so nothing waits out a lease. After the READ is posted, a failure is reported at once but
 D's blocks are only given back once the READ handle has stopped. The failure of any part gives
@@ -26,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.blocks import submit_parts
+from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch, PeerError
 from kvbridge.layout import KVLayout
@@ -353,6 +356,7 @@ class _Pull:
     peer: Peer | None = None
     subs: list[mapping.SubTransfer] = field(default_factory=list)
     handle: TransferHandle | None = None
+    prepared: PreparedRequest | None = None  # the READ built while the claim is in flight
     reading: bool = False  # the READ is posted and has not stopped
     failure: str | None = None  # reported already; blocks held until the handle stops
     started: float = field(default_factory=time.perf_counter)
@@ -426,6 +430,29 @@ class PullSink:
                                          block_size=core.layout.block_size, first_token=first))
         core.rpc.call(job.address, claim, core.config.control_timeout_s,
                       lambda reply: self._claimed(job, reply))
+        self._prepare(job)  # while the claim is in flight
+
+    def _prepare(self, job: _Pull) -> None:
+        """Build the part's READ ahead (:func:`~kvbridge.blocks.prepare_parts`), so that an
+        accepted claim only posts it; where the transport cannot (or the part is several
+        sub-transfers), or building fails, :meth:`_claimed` submits as before and reports."""
+        if not self._live(job) or job.peer is None or job.handle is not None:
+            return  # the claim failed at once (its callback ran inside rpc.call)
+        try:
+            job.prepared = prepare_parts(self.core.transport, Op.READ, job.peer.name,
+                                         self._parts(job))
+        except KVBridgeError as exc:
+            log.debug("pull %s: READ not prepared ahead: %s", job.tid, exc)
+
+    @staticmethod
+    def _parts(job: _Pull) -> list[tuple[KVLayout, mapping.Ids, KVLayout, mapping.Ids]]:
+        return [(x.local, x.local_ids, x.remote, x.remote_ids) for x in job.subs]
+
+    @staticmethod
+    def _discard(job: _Pull) -> None:
+        if job.prepared is not None:
+            job.prepared.discard()
+            job.prepared = None
 
     def _plan(self, job: _Pull, peer: Peer, remote_skip: int,
               first: int) -> list[mapping.SubTransfer]:
@@ -447,10 +474,10 @@ class PullSink:
             return False
         assert job.peer is not None
         core, s = self.core, job.spec
+        prep, job.prepared = job.prepared, None
         try:
-            job.handle = submit_parts(core.transport, Op.READ, job.peer.name,
-                                      [(x.local, x.local_ids, x.remote, x.remote_ids)
-                                       for x in job.subs])
+            job.handle = (prep.post() if prep is not None else
+                          submit_parts(core.transport, Op.READ, job.peer.name, self._parts(job)))
         except KVBridgeError as exc:
             self._fail(job, f"cannot post the READ: {exc}")
             return False
@@ -560,6 +587,7 @@ class PullSink:
         core, s = self.core, job.spec
         if cancel:
             core.cancel_remote(job.address, s.transfer_id, why)
+        self._discard(job)
         reading = job.reading
         job.failure = why
         core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it
@@ -568,6 +596,7 @@ class PullSink:
         job.box.fail(s.req_id, s.local_ids, why, safe=not reading, transfer_id=s.transfer_id)
 
     def _forget(self, job: _Pull) -> None:
+        self._discard(job)
         tid = job.tid
         parts = self.jobs.get(tid)
         if parts is not None and job in parts:

@@ -165,9 +165,11 @@ class BlockRequest:
             rids = check_block_ids(remote_ids, remote.num_blocks, "remote")
             _same_count(lids, rids)
             parts = [_part(local, remote, sel, lids, rids)] if lids.size else []
+            count = lids.size
         else:
             lrefs, rrefs = int_ids(local_ids, "local"), int_ids(remote_ids, "remote")
             _same_count(lrefs, rrefs)
+            count = lrefs.size
             lg, lids = split_refs(lrefs, local.num_groups)
             rg, rids = split_refs(rrefs, local.num_groups)
             if not np.array_equal(lg, rg):
@@ -183,7 +185,8 @@ class BlockRequest:
                 if mine.size and which.any():
                     parts.append(_part(local, remote, mine, lids[which], rids[which]))
         nbytes = sum(_part_bytes(local, p) for p in parts)
-        return cls(tuple(parts), nbytes, int(np.size(local_ids)))
+        return cls(tuple(parts), nbytes, int(count))  # not np.size(local_ids): a list would
+        # be converted a second time (~25 µs per 1 024 ids)
 
     @property
     def runs(self) -> int:

@@ -149,6 +149,10 @@ def _indices(planes: I64 | None, total: int, num_blocks: int, ids: I64, out: I32
     return used.reshape(-1)
 
 
+def _what(op: Op, nbytes: int, peer: str) -> str:
+    return f"{op.value} of {nbytes} bytes with peer {peer!r}"
+
+
 def _translate(exc: BaseException, what: str, peer: str | None = None) -> KVBridgeError:
     """Map a native NIXL exception to kvbridge's error tree."""
     kind = type(exc).__name__
@@ -338,14 +342,20 @@ class NixlTransport(BlockTransport):
                     self._notify(peer, notification)
                 handle._finish(HandleState.DONE)
                 return handle
-            self._track(handle, state, self._post(op, state, local, remote, notification or b""))
+            self._track(handle, state, *self._post(op, state, local, remote,
+                                                   notification or b""))
         return handle
 
-    def _track(self, handle: TransferHandle, state: _Peer, native: Any) -> None:
-        """Book a posted transfer and poll it once (holding the lock)."""
+    def _track(self, handle: TransferHandle, state: _Peer, native: Any, status: str) -> None:
+        """Book a posted transfer (``status`` from :meth:`_start`): finish it at once where NIXL
+        completed it inside ``transfer``, else poll it once (holding the lock)."""
         handle.native = native
         state.inflight += 1
         self._inflight[handle.id] = (handle, state)
+        if status == "DONE":
+            self._settle(handle)
+            handle._finish(HandleState.DONE)
+            return
         self._poll_locked(handle)
         if not handle.state.terminal:
             self._ensure_progress()
@@ -402,7 +412,7 @@ class NixlTransport(BlockTransport):
                     self._notify(pair.peer, notification)
                 handle._finish(HandleState.DONE)
                 return handle
-            self._track(handle, state, self._post_blocks(op, pair, req, notification or b""))
+            self._track(handle, state, *self._post_blocks(op, pair, req, notification or b""))
         return handle
 
     def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
@@ -419,12 +429,12 @@ class NixlTransport(BlockTransport):
             state.inflight += 1
             self._ahead += 1
             self.stats["block_prepared_ahead"] += 1
-            return native, state
+        return native, state, TransferHandle(op, pair.peer, req.nbytes, req.count)
 
     def _post_prepared(self, prep: PreparedRequest, native: Any) -> TransferHandle:
-        xfer, state = native
+        xfer, state, handle = native
         pair, req = prep.pair, prep.req
-        handle = TransferHandle(prep.op, pair.peer, req.nbytes, req.count)
+        handle.started = time.perf_counter()  # made ahead with the request: posted now
         with self._lock:
             self._unprepare(state)
             if (self._closed or state.removed or self._peers.get(pair.peer) is not state
@@ -433,13 +443,11 @@ class NixlTransport(BlockTransport):
                 self._after_release()
                 raise UnknownPeer(f"nixl {self.agent_name!r}: peer {pair.peer!r} was removed "
                                   "or re-added, or its blocks were prepared again")
-            self._start(xfer, f"{prep.op.value} of {req.nbytes} bytes with peer "
-                              f"{pair.peer!r}", pair.peer)
-            self._track(handle, state, xfer)
+            self._track(handle, state, xfer, self._start(xfer, prep.op, req.nbytes, pair.peer))
         return handle
 
     def _discard_prepared(self, native: Any) -> None:
-        xfer, state = native
+        xfer, state, _ = native
         with self._lock:
             self._unprepare(state)
             if self._agent is not None:
@@ -471,12 +479,11 @@ class NixlTransport(BlockTransport):
             raise _translate(exc, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
                              pair.peer) from exc
 
-    def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest, notif: bytes) -> Any:
-        """Make the request and post it; the lock is held."""
+    def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
+                     notif: bytes) -> tuple[Any, str]:
+        """Make the request and post it: ``(request, state)``; the lock is held."""
         native = self._make_request(op, pair, req, notif)
-        self._start(native, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
-                    pair.peer)
-        return native
+        return native, self._start(native, op, req.nbytes, pair.peer)
 
     def _block_args(self, pair: BlockPair, req: BlockRequest) -> tuple[bool, I64 | I32,
                                                                         I64 | I32]:
@@ -558,9 +565,10 @@ class NixlTransport(BlockTransport):
 
     def _post(
         self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes
-    ) -> Any:
+    ) -> tuple[Any, str]:
         agent, mem = self._agent, self._mem_type or "DRAM"
-        what = f"{op.value} of {int(local[:, 1].sum())} bytes with peer {peer.name!r}"
+        nbytes = int(local[:, 1].sum())
+        what = _what(op, nbytes, peer.name)
         try:
             native = None
             if self.settings.xfer_mode != "direct":
@@ -577,19 +585,22 @@ class NixlTransport(BlockTransport):
                 self.stats["prepped"] += 1
         except Exception as exc:
             raise _translate(exc, what, peer.name) from exc
-        self._start(native, what, peer.name)
-        return native
+        return native, self._start(native, op, nbytes, peer.name)
 
-    def _start(self, native: Any, what: str, peer: str) -> None:
-        """``transfer`` a made request; release it and raise if NIXL refuses."""
+    def _start(self, native: Any, op: Op, nbytes: int, peer: str) -> str:
+        """``transfer`` a made request: its state, ``"DONE"`` where NIXL completed it inside
+        the call (small or local transfers), else ``"PROC"``; release it and raise if NIXL
+        refuses."""
         try:
-            status = self._agent.transfer(native)
+            status: str = self._agent.transfer(native)
         except Exception as exc:
             self._release(native)
-            raise _translate(exc, what, peer) from exc
+            raise _translate(exc, _what(op, nbytes, peer), peer) from exc
         if status == "ERR":
             self._release(native)
-            raise TransferFailed(f"{what}: NIXL refused to post the transfer (ERR)")
+            raise TransferFailed(f"{_what(op, nbytes, peer)}: NIXL refused to post the transfer "
+                                 "(ERR)")
+        return status
 
     def _make_prepped(
         self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes

@@ -297,6 +297,10 @@ def add_bench_parser(subparsers: Any) -> None:
     t.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the ratio intervals (paired mode)")
     t.add_argument("--no-raw", action="store_true", help="skip the raw library column")
+    t.add_argument("--ahead", action="store_true",
+                   help="build each request before its timer starts (kvbridge, and the raw "
+                   "library where it can: nixl), as the connector builds a push's WRITE during "
+                   "the forward and a pull's READ while claiming; time post + completion only")
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -400,6 +404,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.mode,
         confidence=args.confidence,
+        ahead=args.ahead,
     )
     if args.json:
         print_json(report.to_dict())

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -404,3 +405,54 @@ def test_raw_session_alternates_ops_and_sizes_and_verifies() -> None:
             session.run("copy", 65536)
         with pytest.raises(ConfigError):
             session.run("read", 8 << 20)
+
+
+@pytest.mark.timeout(180)
+def test_raw_session_prepared_ahead_moves_the_bytes() -> None:
+    """``--ahead``'s raw column: prepare() makes the request, run() posts that one; a request
+    prepared for another op or size is released, not posted."""
+    from kvbridge_nixl import raw_session
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    with raw_session(4 << 20, seed=6) as session:
+        for op in ("read", "write"):
+            session.reset(op, 65536)
+            session.prepare(op, 65536)
+            assert session._pending is not None  # noqa: SLF001
+            assert session.run(op, 65536) > 0 and session._pending is None  # noqa: SLF001
+            session.verify(op, 65536)
+        session.prepare("write", 65536)
+        session.reset("read", 262144)
+        assert session.run("read", 262144) > 0  # not the WRITE prepared above
+        session.verify("read", 262144)
+        session.prepare("read", 65536)  # left pending: close() releases it
+
+
+@pytest.mark.timeout(300)
+def test_transfer_bench_ahead_posts_requests_built_ahead() -> None:
+    """``kvbridge bench transfer --ahead`` over NIXL: every byte checked, both columns built
+    ahead, and kvbridge's timed transfers were the prepared requests."""
+    if not HAVE_NIXL:
+        pytest.skip("the nixl package is not installed")
+    from kvbridge import bench
+    from kvbridge_nixl.transport import NixlTransport
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    made: list[NixlTransport] = []
+    real_init = NixlTransport.__init__
+
+    def spy(self: NixlTransport, *a: Any, **k: Any) -> None:
+        real_init(self, *a, **k)
+        made.append(self)
+
+    NixlTransport.__init__ = spy  # type: ignore[method-assign]
+    try:
+        report = bench.run_transfer_bench("nixl", 4 << 20, [65536], reps=3, ahead=True)
+    finally:
+        NixlTransport.__init__ = real_init  # type: ignore[method-assign]
+    assert report.ahead and report.raw_ahead and report.to_dict()["ahead"] is True
+    assert [r.op for r in report.rows] == ["read", "write"]
+    assert all(r.raw_gbps and r.kvbridge_gbps > 0 for r in report.rows)
+    stats = made[0].stats  # the initiator's: one request built ahead per kvbridge transfer
+    assert stats["block_prepared_ahead"] == 2 * (3 + 1)  # reps + warm-up, READ and WRITE
+    assert "kvbridge and raw" in bench.format_transfer_report(report)

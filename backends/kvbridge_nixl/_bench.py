@@ -3,8 +3,9 @@ per transfer, for ``kvbridge bench descriptors``.
 
 :class:`RawSession` moves scattered blocks between this process and a spawned target process
 with nothing but the ``nixl_agent`` API, the fastest way it offers (prepared lists once, then per
-transfer ``make_prepped_xfer`` + ``transfer`` + a ``check_xfer_state`` loop), so the paired
-bench can alternate it with kvbridge's transfers; :func:`raw_bench` is its best-of-reps GB/s.
+transfer ``make_prepped_xfer`` + ``transfer`` + a ``check_xfer_state`` loop; after
+:meth:`RawSession.prepare`, the request is made before the timer), so the paired bench can
+alternate it with kvbridge's transfers; :func:`raw_bench` is its best-of-reps GB/s.
 The agents are configured exactly as :class:`~kvbridge_nixl.NixlTransport` would be for the
 same options, so the ratio kvbridge/raw isolates kvbridge's own overhead. :func:`block_cost`
 times the transport's per-transfer work on the block path with real agents. All blocking; a
@@ -58,6 +59,7 @@ class RawSession:
         self._opts = NixlOptions.parse(options)
         self._prepared: dict[int, tuple[Any, Any, Any, Any]] = {}
         self._reps = 0
+        self._pending: tuple[str, int, Any] | None = None  # (op, block bytes, request)
         self._agent: Any = None
         tag = f"{time.monotonic_ns():x}"
         self._target = RawTarget("nixl", _target_main, (f"raw-target-{tag}", self.total,
@@ -89,8 +91,13 @@ class RawSession:
         hit = self._prepared[block] = (lh, rh, np.arange(nblocks, dtype=np.int32), perm)
         return hit
 
-    def run(self, op: str, block_bytes: int, notify: bool | None = None) -> float:
-        """Seconds of one transfer of ``total_bytes`` in ``block_bytes`` blocks."""
+    def prepare(self, op: str, block_bytes: int, notify: bool | None = None) -> None:
+        """Make the next :meth:`run`'s request now (``make_prepped_xfer``), so that it times
+        only ``transfer`` + completion (``kvbridge bench transfer --ahead``)."""
+        self._discard()
+        self._pending = (op.upper(), block_bytes, self._make(op, block_bytes, notify))
+
+    def _make(self, op: str, block_bytes: int, notify: bool | None) -> Any:
         kind = op.upper()
         if kind not in ("READ", "WRITE"):
             raise ConfigError(f"op must be read or write, got {op!r}")
@@ -98,8 +105,23 @@ class RawSession:
         with_note = (kind == "WRITE") if notify is None else notify
         self._reps += 1
         note = f"raw:{block_bytes}:{self._reps}".encode() if with_note else b""
+        return self._agent.make_prepped_xfer(kind, lh, idx, rh, idx, note)
+
+    def _discard(self) -> None:
+        if self._pending is not None:
+            self._agent.release_xfer_handle(self._pending[2])
+            self._pending = None
+
+    def run(self, op: str, block_bytes: int, notify: bool | None = None) -> float:
+        """Seconds of one transfer of ``total_bytes`` in ``block_bytes`` blocks: request
+        creation included, unless :meth:`prepare` made it for this op and block size."""
+        kind = op.upper()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:2] != (kind, block_bytes):
+            self._agent.release_xfer_handle(pending[2])
+            pending = None
         t0 = time.perf_counter()
-        h = self._agent.make_prepped_xfer(kind, lh, idx, rh, idx, note)
+        h = pending[2] if pending is not None else self._make(op, block_bytes, notify)
         state = self._agent.transfer(h)
         while state == "PROC":
             state = self._agent.check_xfer_state(h)
@@ -121,6 +143,8 @@ class RawSession:
 
     def close(self) -> None:
         """Release the lists, stop the target. Idempotent."""
+        if self._agent is not None:
+            self._discard()
         for lh, rh, _, _ in self._prepared.values():
             lh.release()
             rh.release()

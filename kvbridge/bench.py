@@ -15,7 +15,14 @@ wrong byte raises :class:`TransferFailed`. Next to it, per repetition:
   ``raw_session(total_bytes, seed, **options)`` (an object with ``reset(op, block_bytes)``,
   ``run(op, block_bytes) -> seconds``, ``verify(op, block_bytes)`` and ``close()``;
   kvbridge_nixl, kvbridge_mooncake and the shm transport's module do), given the same backend
-  options when it takes them.
+  options when it takes them. Where the package also offers ``raw_responder(address, nbytes,
+  **options)`` (nixl), the raw library moves the very buffers kvbridge's column moves: the
+  target process starts a responder over its buffer next to its transport, the session
+  (``peer=(metadata, address)``, ``local={"read": ..., "write": ...}``) uses this process's
+  buffers and the same permutation, and each raw transfer is zeroed before and checked after
+  exactly as kvbridge's (``raw_shared`` in the report). Otherwise the raw session runs between
+  its own pair of processes and buffers and checks the bytes once after the repetitions; the
+  copy speed of different buffers can differ by a few percent, which then shows in the ratio.
 
 With ``ahead`` (``--ahead``) every request is built before its timer starts, as the connector
 builds a push's WRITE while the forward runs and a pull's READ while its claim is in flight:
@@ -134,6 +141,7 @@ class TransferReport:
     rows: list[TransferRow] = field(default_factory=list)
     ahead: bool = False  # requests built before the timer (kvbridge; raw where it can)
     raw_ahead: bool = False  # the raw session built its requests ahead too
+    raw_shared: bool = False  # the raw column moved kvbridge's own buffers (raw_responder)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +155,7 @@ class TransferReport:
             "load_average": list(self.load),
             "ahead": self.ahead,
             "raw_ahead": self.raw_ahead,
+            "raw_shared": self.raw_shared,
             "verified": True,
             "rows": [
                 {**asdict(r), "ratio_memcpy": r.ratio_memcpy, "ratio_raw": r.ratio_raw}
@@ -167,18 +176,29 @@ def _pattern(seed: int, nbytes: int) -> Bytes:
 
 
 def _target_main(
-    conn: Connection, backend: str, options: dict[str, Any], total: int, seed: int
+    conn: Connection, backend: str, options: dict[str, Any], total: int, seed: int,
+    raw: bool = False,
 ) -> None:
-    """Body of the target process: serve commands from the initiator until ``quit`` or EOF."""
+    """Body of the target process: serve commands from the initiator until ``quit`` or EOF.
+    With ``raw``, also a raw responder over the same buffer where the backend has one."""
     try:
         transport = registry.create(backend, "kvbridge-bench-target", options)
     except KVBridgeError as exc:
         _send(conn, {"ok": False, "error": str(exc)})
         return
+    responder: Any = None
     try:
         buf = _pattern(seed + 1, total)
         meta = transport.register_memory([MemoryRegion(int(buf.ctypes.data), total)])
-        _send(conn, {"ok": True, "metadata": meta, "address": int(buf.ctypes.data)})
+        hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data)}
+        hook = registry.backend_hook(backend, "raw_responder") if raw else None
+        if hook is not None:
+            try:
+                responder = hook(int(buf.ctypes.data), total, **options)
+                hello["raw"] = responder.metadata
+            except Exception as exc:  # noqa: BLE001 - the raw column falls back to its own pair
+                hello["raw_error"] = f"{type(exc).__name__}: {exc}"
+        _send(conn, hello)
         pending: list[bytes] = []
         src: Bytes | None = None
         while True:
@@ -202,6 +222,8 @@ def _target_main(
                 elif cmd == "check_write":
                     if msg.get("notification"):
                         _await_notification(transport, msg["notification"], pending)
+                    if responder is not None:
+                        responder.drain()  # the raw WRITEs' notifications
                     if src is None:
                         src = _pattern(seed, total)
                     block = int(msg["block"])
@@ -215,6 +237,8 @@ def _target_main(
             except KVBridgeError as exc:
                 _send(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
+        if responder is not None:
+            responder.close()
         transport.close()
 
 
@@ -236,12 +260,13 @@ def _await_notification(transport: Transport, want: bytes, pending: list[bytes])
 class _Target:
     """The initiator's handle on the target process."""
 
-    def __init__(self, backend: str, options: dict[str, Any], total: int, seed: int) -> None:
+    def __init__(self, backend: str, options: dict[str, Any], total: int, seed: int,
+                 raw: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=_target_main,
-            args=(child, backend, options, total, seed),
+            args=(child, backend, options, total, seed, raw),
             name="kvbridge-bench-target",
             daemon=True,
         )
@@ -299,14 +324,18 @@ def memcpy_once(src: Bytes, dst: Bytes, block: int, perm: I64, op: Op) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int) -> Any:
-    """The backend package's raw session, or None when it has none."""
+def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int,
+                 **shared: Any) -> Any:
+    """The backend package's raw session, or None when it has none; ``shared`` (``peer``,
+    ``local``) only goes to a session that takes keyword arguments."""
     fn = registry.backend_hook(backend, "raw_session")
     if fn is None:
         return None
     params = inspect.signature(fn).parameters.values()
     takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    return fn(total, seed, **dict(options)) if takes_options and options else fn(total, seed)
+    if not takes_options:
+        return fn(total, seed)
+    return fn(total, seed, **shared, **dict(options))
 
 
 def run_transfer_bench(
@@ -353,13 +382,17 @@ def run_transfer_bench(
             [MemoryRegion(int(src.ctypes.data), total_bytes),
              MemoryRegion(int(dst.ctypes.data), total_bytes)]
         )
-        target = _Target(backend, opts, total_bytes, seed)
+        target = _Target(backend, opts, total_bytes, seed, raw)
         hello = target.reply()
         peer = transport.add_peer(hello["metadata"])
         target.call("peer", metadata=meta)
         if raw:
+            shared: dict[str, Any] = {}
+            if "raw" in hello:
+                shared = {"peer": (hello["raw"], int(hello["address"])),
+                          "local": {"read": int(dst.ctypes.data), "write": int(src.ctypes.data)}}
             try:
-                session = _raw_session(backend, opts, total_bytes, seed)
+                session = _raw_session(backend, opts, total_bytes, seed, **shared)
             except Exception as exc:  # a failing raw column must not hide kvbridge's figures
                 raw_error = f"{type(exc).__name__}: {exc}"
         side = _Side(transport, target, peer, src, dst, int(hello["address"]),
@@ -378,7 +411,13 @@ def run_transfer_bench(
         transport.close()
     return TransferReport(backend, total_bytes, reps, mode, confidence,
                           (load_before, os.getloadavg()[0]), rows, ahead,
-                          ahead and session is not None and hasattr(session, "prepare"))
+                          ahead and session is not None and hasattr(session, "prepare"),
+                          _shared(session))
+
+
+def _shared(session: Any) -> bool:
+    """Whether ``session`` moves the bench's own buffers (see the module docstring)."""
+    return bool(getattr(session, "shared", False))
 
 
 @dataclass
@@ -402,14 +441,30 @@ class _Side:
                                                                 nblocks),
                               _plane(self.remote_base, block, nblocks))
 
-    def run(self, op: Op, pair: BlockPair, perm: I64, expected: Bytes | None) -> tuple[float, int]:
-        """One timed transfer (the reset before and the byte check after are not timed)."""
-        block, nblocks = pair.local.planes[0].block_bytes, perm.size
-        n = block * nblocks
+    def reset(self, op: Op, n: int) -> None:
+        """Zero the destination of the next ``op`` (the first ``n`` bytes for a READ)."""
         if op is Op.READ:
             self.dst[:n].fill(0)
         else:
             self.target.call("zero")
+
+    def check(self, op: Op, block: int, perm: I64, expected: Bytes | None,
+              note: bytes | None) -> None:
+        """Raise :class:`TransferFailed` unless the last ``op`` of ``perm`` moved every byte
+        (a WRITE with ``note``: once the target got that notification)."""
+        n = block * perm.size
+        if op is Op.READ:
+            assert expected is not None
+            if not np.array_equal(self.dst[:n], expected):
+                bad = int(np.flatnonzero(self.dst[:n] != expected)[0])
+                raise TransferFailed(f"READ of {block}-byte blocks: byte {bad} differs")
+        else:
+            self.target.call("check_write", block=block, perm=perm.tobytes(), notification=note)
+
+    def run(self, op: Op, pair: BlockPair, perm: I64, expected: Bytes | None) -> tuple[float, int]:
+        """One timed transfer (the reset before and the byte check after are not timed)."""
+        block, nblocks = pair.local.planes[0].block_bytes, perm.size
+        self.reset(op, block * nblocks)
         self.transfers += 1
         notify = self.transport.capabilities.notifications and op is Op.WRITE
         note = f"kvbridge-bench:{block}:{self.transfers}".encode() if notify else None
@@ -425,13 +480,7 @@ class _Side:
         elapsed = time.perf_counter() - t0
         if state is HandleState.FAILED:
             raise TransferFailed(f"{op.value} of {block}-byte blocks failed: {handle.error}")
-        if op is Op.READ:
-            assert expected is not None
-            if not np.array_equal(self.dst[:n], expected):
-                bad = int(np.flatnonzero(self.dst[:n] != expected)[0])
-                raise TransferFailed(f"READ of {block}-byte blocks: byte {bad} differs")
-        else:
-            self.target.call("check_write", block=block, perm=perm.tobytes(), notification=note)
+        self.check(op, block, perm, expected, note)
         return elapsed, handle.count
 
 
@@ -463,11 +512,23 @@ def _bench_one(
         scratch.fill(0)  # every column zeroes its destination first, as kvbridge's does
         return memcpy_once(mem_src, scratch, block, perm, op)
 
+    shared = _shared(session)
+    how = {"perm": perm} if shared else {}
+
     def raw() -> float:
-        session.reset(op.value.lower(), block)
+        if shared:
+            side.reset(op, n)
+        else:
+            session.reset(op.value.lower(), block)
         if ahead and hasattr(session, "prepare"):
-            session.prepare(op.value.lower(), block)
-        return float(session.run(op.value.lower(), block))
+            session.prepare(op.value.lower(), block, **how)
+        elapsed = float(session.run(op.value.lower(), block, **how))
+        if shared:  # every raw transfer checked, as kvbridge's
+            try:
+                side.check(op, block, perm, expected, None)
+            except TransferFailed as exc:
+                raise TransferFailed(f"raw {exc}") from None
+        return elapsed
 
     columns: dict[str, Callable[[], float]] = {"kvbridge": kvbridge, "memcpy": memcpy}
     if session is not None and raw_error is None:
@@ -489,7 +550,7 @@ def _bench_one(
         for batch in plan:
             for name in batch:
                 times[name].append(columns[name]())
-        if "raw" in times:
+        if "raw" in times and not shared:
             session.verify(op.value.lower(), block)
     except Exception as exc:
         if "raw" not in times or isinstance(exc, KVBridgeError) and "raw" not in str(exc):
@@ -530,6 +591,8 @@ def format_transfer_report(report: TransferReport) -> str:
     if report.ahead:
         how += ("; requests built ahead, untimed: post + completion timed (kvbridge" +
                 (" and raw)" if report.raw_ahead else "; raw builds in its timed run)"))
+    if report.raw_shared:
+        how += "; raw moves kvbridge's own buffers, every transfer checked"
     lines = [
         f"kvbridge bench transfer: backend={report.backend}, "
         f"{report.total_bytes / (1 << 20):g} MiB per transfer, {how}, GB/s = 1e9 bytes/s, "

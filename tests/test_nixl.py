@@ -428,6 +428,39 @@ def test_raw_session_prepared_ahead_moves_the_bytes() -> None:
         session.prepare("read", 65536)  # left pending: close() releases it
 
 
+@pytest.mark.timeout(180)
+def test_shared_raw_session_moves_the_callers_buffers_at_its_permutation() -> None:
+    """The raw column over kvbridge's own buffers: a responder over the far buffer, the
+    session over the caller's READ and WRITE buffers, blocks at the permutation given."""
+    from kvbridge_nixl import raw_responder, raw_session
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    total, block = 1 << 20, 65536
+    rng = np.random.default_rng(3)
+    far = rng.integers(0, 256, total, dtype=np.uint8)
+    into, out = np.zeros(total, np.uint8), rng.integers(0, 256, total, dtype=np.uint8)
+    perm = rng.permutation(total // block).astype(np.int64)
+    responder = raw_responder(int(far.ctypes.data), total)
+    with raw_session(total, peer=(responder.metadata, int(far.ctypes.data)),
+                     local={"read": int(into.ctypes.data), "write": int(out.ctypes.data)}) as s:
+        assert s.shared
+        assert s.run("read", block, perm=perm) > 0
+        np.testing.assert_array_equal(into.reshape(-1, block), far.reshape(-1, block)[perm])
+        s.prepare("write", block, perm=perm)
+        assert s.run("write", block, perm=perm) > 0
+        np.testing.assert_array_equal(far.reshape(-1, block)[perm], out.reshape(-1, block))
+        with pytest.raises(ConfigError, match="permutation"):
+            s.run("read", 2 * block)  # a shared session has no permutation of its own
+        with pytest.raises(ConfigError, match="the bench zeroes and checks"):
+            s.reset("read", block)
+        with pytest.raises(ConfigError, match="the bench zeroes and checks"):
+            s.verify("read", block)
+    assert responder.drain() == 1  # the WRITE's notification
+    responder.close()
+    with pytest.raises(ConfigError, match="both peer and local"):
+        raw_session(total, peer=(b"x", 1))
+
+
 @pytest.mark.timeout(300)
 def test_transfer_bench_ahead_posts_requests_built_ahead() -> None:
     """``kvbridge bench transfer --ahead`` over NIXL: every byte checked, both columns built
@@ -451,6 +484,7 @@ def test_transfer_bench_ahead_posts_requests_built_ahead() -> None:
     finally:
         NixlTransport.__init__ = real_init  # type: ignore[method-assign]
     assert report.ahead and report.raw_ahead and report.to_dict()["ahead"] is True
+    assert report.raw_shared and report.to_dict()["raw_shared"] is True  # kvbridge's buffers
     assert [r.op for r in report.rows] == ["read", "write"]
     assert all(r.raw_gbps and r.kvbridge_gbps > 0 for r in report.rows)
     stats = made[0].stats  # the initiator's: one request built ahead per kvbridge transfer

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvbridge_nixl.transport import NixlTransport
 
-__all__ = ["NixlTransport", "raw_bench", "raw_session", "block_cost"]
+__all__ = ["NixlTransport", "raw_bench", "raw_session", "raw_responder", "block_cost"]
 
 
 def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int, **options: Any) -> float:
@@ -39,7 +39,17 @@ def block_cost(planes: int, num_blocks: int, cases: Any, reps: int,
 
 def raw_session(total_bytes: int, seed: int = 0, **options: Any) -> Any:
     """A :class:`kvbridge_nixl._bench.RawSession`: NIXL alone, one transfer per ``run(op,
-    block_bytes)`` call (seconds), for the paired ``kvbridge bench transfer``."""
+    block_bytes)`` call (seconds), for the paired ``kvbridge bench transfer``; with ``peer``
+    and ``local``, over the bench's own buffers and a :func:`raw_responder`."""
     from kvbridge_nixl._bench import RawSession
 
     return RawSession(total_bytes, seed, **options)
+
+
+def raw_responder(address: int, nbytes: int, **options: Any) -> Any:
+    """A :class:`kvbridge_nixl._bench.RawResponder`: a NIXL agent alone over memory the caller
+    owns, the far side of a shared :func:`raw_session` (``kvbridge bench transfer`` starts one
+    in its target process)."""
+    from kvbridge_nixl._bench import RawResponder
+
+    return RawResponder(address, nbytes, **options)

@@ -20,12 +20,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge_nixl._agent import NixlOptions, create_agent
 
-__all__ = ["RawSession", "raw_bench", "block_cost"]
+__all__ = ["RawSession", "RawResponder", "raw_bench", "block_cost"]
 
 
 def _target_main(
@@ -38,70 +39,133 @@ def _target_main(
     serve_buffer(conn, buf)
 
 
-class RawSession:
-    """NIXL alone between this process and a spawned target process, for ``kvbridge bench
-    transfer``'s raw column (paired with kvbridge's runs).
+class RawResponder:
+    """The far side of a shared :class:`RawSession`, in a process that owns the memory: one
+    NIXL agent (configured as :class:`~kvbridge_nixl.NixlTransport` would be) over ``nbytes``
+    at ``address``, which the kvbridge transport of ``kvbridge bench transfer``'s target has
+    registered too, so that the raw column moves the very bytes kvbridge's does. NIXL's own
+    progress thread serves the transfers; :attr:`metadata` goes to the initiator. Not
+    thread-safe; :meth:`close` is idempotent."""
 
-    ``total_bytes`` are registered on each side once; per block size, the initiator's blocks
-    in order map to the target's at a random permutation (nothing merges), both sides prepared
-    once with ``prep_xfer_dlist`` (untimed, on first use). :meth:`run` times one
-    ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` loop (the fastest the Python API
-    offers; WRITEs carry a notification, as kvbridge's do) + ``release_xfer_handle``. The agents
-    are configured exactly as :class:`~kvbridge_nixl.NixlTransport` would be for the same
-    options. Blocking; :meth:`close` always stops the target. Not thread-safe.
+    def __init__(self, address: int, nbytes: int, **options: Any) -> None:
+        self._agent, _ = create_agent(f"raw-responder-{time.monotonic_ns():x}",
+                                      NixlOptions.parse(options))
+        self._agent.register_memory([(int(address), int(nbytes), 0, "")], "DRAM")
+        self.metadata: bytes = self._agent.get_agent_metadata()
+
+    def drain(self) -> int:
+        """Drop the notifications the raw WRITEs left; how many."""
+        got = self._agent.get_new_notifs() if self._agent is not None else {}
+        return sum(len(v) for v in got.values())
+
+    def close(self) -> None:
+        self._agent = None
+
+
+class RawSession:
+    """NIXL alone, for ``kvbridge bench transfer``'s raw column (paired with kvbridge's runs).
+
+    Own mode (the default): between this process and a spawned target process, ``total_bytes``
+    registered on each side once; per block size, the initiator's blocks in order map to the
+    target's at a random permutation (nothing merges). Shared mode (``peer=(metadata,
+    address)``, ``local={"read": address, "write": address}``): against a
+    :class:`RawResponder` over the bench target's own buffer, from the bench's own local
+    buffers (the READ destination, the WRITE source), at the permutation :meth:`run` is given
+    — the bytes kvbridge's column moves, so that the ratio holds nothing but the code path; the
+    bench then zeroes and checks the buffers itself (:meth:`reset` and :meth:`verify` refuse).
+
+    Either way both sides' lists are prepared once with ``prep_xfer_dlist`` (untimed, on first
+    use). :meth:`run` times one ``make_prepped_xfer`` (unless :meth:`prepare` made it before) +
+    ``transfer`` + ``check_xfer_state`` loop (the fastest the Python API offers; WRITEs carry a
+    notification, as kvbridge's do); the request is released after the timer. The agents are
+    configured exactly as :class:`~kvbridge_nixl.NixlTransport` would be for the same options.
+    Blocking; :meth:`close` always stops an own target. Not thread-safe.
     """
 
-    def __init__(self, total_bytes: int, seed: int = 0, timeout: float = 60.0,
+    def __init__(self, total_bytes: int, seed: int = 0, timeout: float = 60.0, *,
+                 peer: tuple[bytes, int] | None = None, local: Mapping[str, int] | None = None,
                  **options: Any) -> None:
+        if (peer is None) != (local is None):
+            raise ConfigError("a shared raw session needs both peer and local")
         self.total = int(total_bytes)
         self.timeout = timeout
+        self.shared = peer is not None
         self._seed = seed
         self._opts = NixlOptions.parse(options)
-        self._prepared: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._prepared: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
         self._reps = 0
         self._pending: tuple[str, int, Any] | None = None  # (op, block bytes, request)
         self._agent: Any = None
+        self._target: RawTarget | None = None
         tag = f"{time.monotonic_ns():x}"
-        self._target = RawTarget("nixl", _target_main, (f"raw-target-{tag}", self.total,
-                                                        seed + 1, dict(options)), timeout)
         try:
-            self._address = int(self._target.hello["address"])
+            if peer is None:
+                self._target = RawTarget("nixl", _target_main, (f"raw-target-{tag}", self.total,
+                                                                seed + 1, dict(options)), timeout)
+                metadata, self._address = self._target.hello["metadata"], int(
+                    self._target.hello["address"])
+                self._mine = np.random.default_rng(seed).integers(0, 256, self.total,
+                                                                  dtype=np.uint8)
+                self._local = {"READ": int(self._mine.ctypes.data),
+                               "WRITE": int(self._mine.ctypes.data)}
+            else:
+                metadata, self._address = peer[0], int(peer[1])
+                assert local is not None
+                self._local = {op.upper(): int(address) for op, address in local.items()}
+                if set(self._local) != {"READ", "WRITE"}:
+                    raise ConfigError("local must name the read and the write buffer")
             self._agent, _ = create_agent(f"raw-init-{tag}", self._opts)
-            self._mine = np.random.default_rng(seed).integers(0, 256, self.total, dtype=np.uint8)
-            self._agent.register_memory([(self._mine.ctypes.data, self.total, 0, "")], "DRAM")
-            peer = self._agent.add_remote_agent(self._target.hello["metadata"])
-            self._peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for address in set(self._local.values()):
+                self._agent.register_memory([(address, self.total, 0, "")], "DRAM")
+            name = self._agent.add_remote_agent(metadata)
+            self._peer = name.decode() if isinstance(name, bytes) else str(name)
         except BaseException:
             self.close()
             raise
 
-    def _prepare(self, block: int) -> tuple[Any, Any, Any, Any]:
-        hit = self._prepared.get(block)
-        if hit is not None:
+    def _prepare(self, kind: str, block: int,
+                 perm: npt.NDArray[np.int64] | None) -> tuple[Any, Any, Any, Any]:
+        key = (self._local[kind], block)
+        hit = self._prepared.get(key)
+        if hit is not None and (perm is None or np.array_equal(hit[3], perm)):
             return hit
-        perm = scattered_blocks(self.total, block, self._seed + 7)
+        if perm is None:
+            if self.shared:
+                raise ConfigError("a shared raw session moves the permutation it is given")
+            perm = scattered_blocks(self.total, block, self._seed + 7)
+        if hit is not None:  # another permutation for these blocks: prepare them again
+            self._discard()
+            hit[0].release()
+            hit[1].release()
         nblocks = perm.size
         ids = np.arange(nblocks, dtype=np.int64)
         zeros = np.zeros(nblocks, np.int64)
-        local = np.stack([self._mine.ctypes.data + ids * block, np.full(nblocks, block), zeros],
-                         axis=1)
+        local = np.stack([key[0] + ids * block, np.full(nblocks, block), zeros], axis=1)
         remote = np.stack([self._address + perm * block, np.full(nblocks, block), zeros], axis=1)
         lh = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
         rh = self._agent.prep_xfer_dlist(self._peer, remote, "DRAM")
-        hit = self._prepared[block] = (lh, rh, np.arange(nblocks, dtype=np.int32), perm)
+        hit = self._prepared[key] = (lh, rh, np.arange(nblocks, dtype=np.int32), perm.copy())
         return hit
 
-    def prepare(self, op: str, block_bytes: int, notify: bool | None = None) -> None:
-        """Make the next :meth:`run`'s request now (``make_prepped_xfer``), so that it times
-        only ``transfer`` + completion (``kvbridge bench transfer --ahead``)."""
-        self._discard()
-        self._pending = (op.upper(), block_bytes, self._make(op, block_bytes, notify))
-
-    def _make(self, op: str, block_bytes: int, notify: bool | None) -> Any:
+    @staticmethod
+    def _kind(op: str) -> str:
         kind = op.upper()
         if kind not in ("READ", "WRITE"):
             raise ConfigError(f"op must be read or write, got {op!r}")
-        lh, rh, idx, _ = self._prepare(block_bytes)
+        return kind
+
+    def prepare(self, op: str, block_bytes: int, notify: bool | None = None,
+                perm: npt.NDArray[np.int64] | None = None) -> None:
+        """Make the next :meth:`run`'s request now (``make_prepped_xfer``), so that it times
+        only ``transfer`` + completion (``kvbridge bench transfer --ahead``)."""
+        kind = self._kind(op)
+        lists = self._prepare(kind, block_bytes, perm)
+        self._discard()
+        self._pending = (kind, block_bytes, self._make(kind, block_bytes, lists, notify))
+
+    def _make(self, kind: str, block_bytes: int, lists: tuple[Any, Any, Any, Any],
+              notify: bool | None) -> Any:
+        lh, rh, idx, _ = lists
         with_note = (kind == "WRITE") if notify is None else notify
         self._reps += 1
         note = f"raw:{block_bytes}:{self._reps}".encode() if with_note else b""
@@ -112,16 +176,19 @@ class RawSession:
             self._agent.release_xfer_handle(self._pending[2])
             self._pending = None
 
-    def run(self, op: str, block_bytes: int, notify: bool | None = None) -> float:
-        """Seconds of one transfer of ``total_bytes`` in ``block_bytes`` blocks: request
-        creation included, unless :meth:`prepare` made it for this op and block size."""
-        kind = op.upper()
+    def run(self, op: str, block_bytes: int, notify: bool | None = None,
+            perm: npt.NDArray[np.int64] | None = None) -> float:
+        """Seconds of one transfer of ``total_bytes`` in ``block_bytes`` blocks (at ``perm``,
+        which a shared session needs): request creation included, unless :meth:`prepare` made
+        it for this op and block size."""
+        kind = self._kind(op)
+        lists = self._prepare(kind, block_bytes, perm)
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] != (kind, block_bytes):
             self._agent.release_xfer_handle(pending[2])
             pending = None
         t0 = time.perf_counter()
-        h = pending[2] if pending is not None else self._make(op, block_bytes, notify)
+        h = pending[2] if pending is not None else self._make(kind, block_bytes, lists, notify)
         state = self._agent.transfer(h)
         while state == "PROC":
             state = self._agent.check_xfer_state(h)
@@ -133,23 +200,31 @@ class RawSession:
             raise TransferFailed(f"raw nixl {kind} of {block_bytes}-byte blocks: {state}")
         return elapsed
 
+    def _own(self) -> RawTarget:
+        if self._target is None:
+            raise ConfigError("a shared raw session: the bench zeroes and checks the buffers")
+        return self._target
+
     def reset(self, op: str, block_bytes: int) -> None:
         """Zero the destination of the next ``op`` (untimed; see :meth:`RawTarget.reset`)."""
-        self._target.reset(op, self._mine)
+        self._own().reset(op, self._mine)
 
     def verify(self, op: str, block_bytes: int) -> None:
         """Raise :class:`TransferFailed` unless the last ``op`` left both buffers consistent."""
-        self._target.check(op, self._mine, self._prepare(block_bytes)[3], block_bytes)
+        target = self._own()
+        target.check(op, self._mine, self._prepare(self._kind(op), block_bytes, None)[3],
+                     block_bytes)
 
     def close(self) -> None:
-        """Release the lists, stop the target. Idempotent."""
+        """Release the lists, stop an own target. Idempotent."""
         if self._agent is not None:
             self._discard()
         for lh, rh, _, _ in self._prepared.values():
             lh.release()
             rh.release()
         self._prepared.clear()
-        self._target.close()
+        if self._target is not None:
+            self._target.close()
         self._agent = None
 
     def __enter__(self) -> RawSession:

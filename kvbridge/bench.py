@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -83,6 +84,8 @@ __all__ = [
     "memcpy_once",
     "format_transfer_report",
 ]
+
+log = logging.getLogger("kvbridge.bench")
 
 Bytes = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
@@ -388,6 +391,9 @@ def run_transfer_bench(
         target.call("peer", metadata=meta)
         if raw:
             shared: dict[str, Any] = {}
+            if "raw_error" in hello:
+                log.warning("bench transfer: the raw column moves its own buffers (the "
+                            "responder over kvbridge's failed: %s)", hello["raw_error"])
             if "raw" in hello:
                 shared = {"peer": (hello["raw"], int(hello["address"])),
                           "local": {"read": int(dst.ctypes.data), "write": int(src.ctypes.data)}}

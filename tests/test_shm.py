@@ -27,6 +27,7 @@ from kvbridge.testing.peer import PeerProcess, collect_notifications
 from kvbridge.transport import HandleState, MemoryRegion, Op
 from kvbridge.transports._notify import NotificationSender
 from kvbridge.transports.shm import (
+    DEFAULT_THREADS,
     IOV_MAX,
     ShmMetadata,
     ShmTransport,
@@ -110,6 +111,25 @@ def test_large_transfers_split_across_threads(threads: int) -> None:
         whole = np.array([[dst.ctypes.data, dst.nbytes, 0]])  # one range, split by bytes
         t.transfer(Op.READ, name, np.array([[back.ctypes.data, back.nbytes, 0]]), whole)
         np.testing.assert_array_equal(back, dst)
+    finally:
+        t.close()
+
+
+def test_by_default_a_large_transfer_is_split_where_there_are_two_cpus() -> None:
+    """``threads`` defaults to 2 (1 on a one-CPU host): a transfer of at least ``split_bytes``
+    (16 MiB) is copied by the worker and a helper, and every byte lands."""
+    t = ShmTransport("split-default", {})
+    try:
+        assert t._threads == DEFAULT_THREADS == min(2, os.cpu_count() or 1)
+        n, size = 68, 256 << 10  # 17 MiB
+        src = np.random.default_rng(8).integers(0, 256, n * size, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        name = _loopback(t, src, dst)
+        perm = np.random.default_rng(9).permutation(n)
+        t.transfer(Op.WRITE, name, _descs(src.ctypes.data, np.arange(n), size),
+                   _descs(dst.ctypes.data, perm, size))
+        np.testing.assert_array_equal(dst.reshape(n, size)[perm], src.reshape(n, size))
+        assert (t._helpers is not None) == (DEFAULT_THREADS > 1)
     finally:
         t.close()
 

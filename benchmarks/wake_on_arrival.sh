@@ -12,11 +12,14 @@
 # 3. kvbridge bench serve, kvbridge pull and push at rising rates, with wake on arrival on, then
 #    off: bar 2, push TTFT p50 <= 1/3 of pull's at the highest rate both sustain (last lines of
 #    each table), and where the time goes at each rate ("hand-off steps").
+# 4. kvbridge bench transfer and descriptors: item 3, kvbridge against raw NIXL on the same
+#    buffers, requests built ahead as the connector builds them (--ahead) and built in the timed
+#    call, 300 paired reps; shm against memcpy; item 2, the per-transfer descriptor cost.
 #
 # Every engine's whole process tree is pinned to its core (--pin-engines): on a 2-core host the
 # other engine's API server and threads otherwise run on P's core during its prefill, which is
 # host contention, not hand-off latency (docs/benchmarks.md, "Wake on arrival").
-# About 50 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
+# About 55 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
 set -uo pipefail  # a failed run is reported in its table; the others still run
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/kvbridge-wake-$(date +%Y%m%d-%H%M%S)}
@@ -40,4 +43,10 @@ KVBRIDGE_WAKE_ON_ARRIVAL=0 "$KVB" bench serve --setups kvbridge-pull,kvbridge-pu
   --rates "$RATES" --num-prompts 64 --pin-engines --no-progress --no-plots \
   --out "$OUT/serve-nowake" \
   | tee "$OUT/serve-nowake.txt"
+for ahead in --ahead ""; do
+  UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$KVB" bench transfer --backend nixl --block-kib 256 \
+    --total-mib 64 --reps 300 $ahead | tee "$OUT/transfer-nixl${ahead}.txt"
+done
+"$KVB" bench transfer --backend shm --block-kib 256 1024 --reps 120 | tee "$OUT/transfer-shm.txt"
+UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} "$KVB" bench descriptors | tee "$OUT/descriptors.txt"
 echo "done: $OUT; load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -70,7 +70,7 @@ import numpy.typing as npt
 from kvbridge import registry
 from kvbridge.bench_raw import scattered
 from kvbridge.bench_stats import MedianCI, median_ci, paired_ratios, size_label, table
-from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, prepare_blocks, submit_blocks
+from kvbridge.blocks import BlockPair, prepare_blocks, prepare_parts, submit_blocks
 from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
@@ -475,10 +475,9 @@ class _Side:
         notify = self.transport.capabilities.notifications and op is Op.WRITE
         note = f"kvbridge-bench:{block}:{self.transfers}".encode() if notify else None
         ids = np.arange(nblocks, dtype=np.int64)
-        prep = None
-        if self.ahead and isinstance(self.transport, BlockTransport):
-            req = BlockRequest.build(pair.local, pair.remote, ids, perm)
-            prep = self.transport.prepare_request(op, pair, req, note)
+        prep = (prepare_parts(self.transport, op, self.peer,
+                              [(pair.local, ids, pair.remote, perm)], note)
+                if self.ahead else None)  # None: this transport builds nothing ahead
         t0 = time.perf_counter()
         handle = (prep.post() if prep is not None
                   else submit_blocks(self.transport, op, pair, ids, perm, note))

@@ -462,7 +462,7 @@ def test_shared_raw_session_moves_the_callers_buffers_at_its_permutation() -> No
 
 
 @pytest.mark.timeout(300)
-def test_transfer_bench_ahead_posts_requests_built_ahead() -> None:
+def test_transfer_bench_ahead_posts_requests_built_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvbridge bench transfer --ahead`` over NIXL: every byte checked, both columns built
     ahead, and kvbridge's timed transfers were the prepared requests."""
     if not HAVE_NIXL:
@@ -478,11 +478,8 @@ def test_transfer_bench_ahead_posts_requests_built_ahead() -> None:
         real_init(self, *a, **k)
         made.append(self)
 
-    NixlTransport.__init__ = spy  # type: ignore[method-assign]
-    try:
-        report = bench.run_transfer_bench("nixl", 4 << 20, [65536], reps=3, ahead=True)
-    finally:
-        NixlTransport.__init__ = real_init  # type: ignore[method-assign]
+    monkeypatch.setattr(NixlTransport, "__init__", spy)
+    report = bench.run_transfer_bench("nixl", 4 << 20, [65536], reps=3, ahead=True)
     assert report.ahead and report.raw_ahead and report.to_dict()["ahead"] is True
     assert report.raw_shared and report.to_dict()["raw_shared"] is True  # kvbridge's buffers
     assert [r.op for r in report.rows] == ["read", "write"]

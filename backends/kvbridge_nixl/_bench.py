@@ -92,7 +92,9 @@ class RawSession:
         self.shared = peer is not None
         self._seed = seed
         self._opts = NixlOptions.parse(options)
-        self._prepared: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
+        #: (local address, block bytes, permutation bytes) -> (local list, remote list,
+        #: indices, permutation); b"" for an own session's fixed permutation
+        self._prepared: dict[tuple[int, int, bytes], tuple[Any, Any, Any, Any]] = {}
         self._reps = 0
         self._pending: tuple[str, int, Any] | None = None  # (op, block bytes, request)
         self._agent: Any = None
@@ -125,18 +127,14 @@ class RawSession:
 
     def _prepare(self, kind: str, block: int,
                  perm: npt.NDArray[np.int64] | None) -> tuple[Any, Any, Any, Any]:
-        key = (self._local[kind], block)
+        if perm is None and self.shared:
+            raise ConfigError("a shared raw session moves the permutation it is given")
+        key = (self._local[kind], block, b"" if perm is None else perm.tobytes())
         hit = self._prepared.get(key)
-        if hit is not None and (perm is None or np.array_equal(hit[3], perm)):
+        if hit is not None:
             return hit
         if perm is None:
-            if self.shared:
-                raise ConfigError("a shared raw session moves the permutation it is given")
             perm = scattered_blocks(self.total, block, self._seed + 7)
-        if hit is not None:  # another permutation for these blocks: prepare them again
-            self._discard()
-            hit[0].release()
-            hit[1].release()
         nblocks = perm.size
         ids = np.arange(nblocks, dtype=np.int64)
         zeros = np.zeros(nblocks, np.int64)

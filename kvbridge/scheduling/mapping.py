@@ -50,7 +50,7 @@ from kvbridge.layout import DescriptorArray, KVLayout, KVPlane, descriptor_pair
 
 __all__ = [
     "Shape", "Share", "Span", "SubTransfer", "sources", "consumers", "idle", "reads", "serves",
-    "side", "pair",
+    "side", "pair", "parts",
     "descriptors", "side_bytes", "side_descriptors", "check_block_sizes",
 ]
 
@@ -99,6 +99,12 @@ class SubTransfer:
     local_ids: Ids
     remote: KVLayout
     remote_ids: Ids
+
+
+def parts(subs: Sequence[SubTransfer]) -> list[tuple[KVLayout, Ids, KVLayout, Ids]]:
+    """``subs`` as the ``(local, local ids, remote, remote ids)`` parts
+    :func:`~kvbridge.blocks.submit_parts` and :func:`~kvbridge.blocks.prepare_parts` take."""
+    return [(x.local, x.local_ids, x.remote, x.remote_ids) for x in subs]
 
 
 # -- who ------------------------------------------------------------------------------------

@@ -430,23 +430,18 @@ class PullSink:
                                          block_size=core.layout.block_size, first_token=first))
         core.rpc.call(job.address, claim, core.config.control_timeout_s,
                       lambda reply: self._claimed(job, reply))
-        self._prepare(job)  # while the claim is in flight
+        if self._live(job):  # else the claim failed at once (its callback ran inside call)
+            self._prepare(job, result)  # while the claim is in flight
 
-    def _prepare(self, job: _Pull) -> None:
+    def _prepare(self, job: _Pull, peer: Peer) -> None:
         """Build the part's READ ahead (:func:`~kvbridge.blocks.prepare_parts`), so that an
         accepted claim only posts it; where the transport cannot (or the part is several
         sub-transfers), or building fails, :meth:`_claimed` submits as before and reports."""
-        if not self._live(job) or job.peer is None or job.handle is not None:
-            return  # the claim failed at once (its callback ran inside rpc.call)
         try:
-            job.prepared = prepare_parts(self.core.transport, Op.READ, job.peer.name,
-                                         self._parts(job))
+            job.prepared = prepare_parts(self.core.transport, Op.READ, peer.name,
+                                         mapping.parts(job.subs))
         except KVBridgeError as exc:
             log.debug("pull %s: READ not prepared ahead: %s", job.tid, exc)
-
-    @staticmethod
-    def _parts(job: _Pull) -> list[tuple[KVLayout, mapping.Ids, KVLayout, mapping.Ids]]:
-        return [(x.local, x.local_ids, x.remote, x.remote_ids) for x in job.subs]
 
     @staticmethod
     def _discard(job: _Pull) -> None:
@@ -477,7 +472,8 @@ class PullSink:
         prep, job.prepared = job.prepared, None
         try:
             job.handle = (prep.post() if prep is not None else
-                          submit_parts(core.transport, Op.READ, job.peer.name, self._parts(job)))
+                          submit_parts(core.transport, Op.READ, job.peer.name,
+                                       mapping.parts(job.subs)))
         except KVBridgeError as exc:
             self._fail(job, f"cannot post the READ: {exc}")
             return False

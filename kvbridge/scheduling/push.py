@@ -433,8 +433,7 @@ class PushSource:
         try:
             t.prepared = prepare_parts(
                 self.core.transport, Op.WRITE, t.peer.name,
-                [(x.local, x.local_ids, x.remote, x.remote_ids)
-                 for x in self._subs(out, t, list(range(len(self.core.layout.planes))))])
+                mapping.parts(self._subs(out, t, list(range(len(self.core.layout.planes))))))
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
 
@@ -460,8 +459,7 @@ class PushSource:
                     handle = prep.post()
                 else:
                     handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
-                                          [(x.local, x.local_ids, x.remote, x.remote_ids)
-                                           for x in self._subs(out, t, todo)])
+                                          mapping.parts(self._subs(out, t, todo)))
             except KVBridgeError as exc:
                 t.error = f"cannot post the WRITE: {exc}"
                 return

@@ -32,6 +32,13 @@ kvbridge validates the ids and builds the transport's request
 ``prepare(op, block_bytes)`` (nixl: ``make_prepped_xfer``), likewise times only the post and
 completion. Without it (the default) both columns time building too.
 
+``pages`` (``--pages``) picks the page size of the bench's buffers, in both processes and for
+the memcpy column: ``numpy`` (the default) as numpy allocates them — numpy asks for transparent
+huge pages for large arrays; ``small`` on 4 KiB pages, as torch's CPU allocator gives vLLM's KV
+cache where the kernel's THP mode is ``madvise``; ``kvbridge`` allocated as ``small``, then
+released to refault as huge pages the way the connector treats a fresh CPU KV cache
+(:mod:`kvbridge.hugepages`). A raw session with its own buffers (no responder) keeps numpy's.
+
 Every column zeroes its destination before each timed transfer (untimed), as kvbridge's must
 to check its bytes: writing into freshly dirtied cache lines costs more than into clean ones
 (seen: up to 10 % on a 64 MiB READ), so skipping it for one column would bias the ratio.
@@ -54,6 +61,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import mmap
 import multiprocessing as mp
 import os
 import statistics
@@ -72,6 +80,7 @@ from kvbridge.bench_raw import scattered
 from kvbridge.bench_stats import MedianCI, median_ci, paired_ratios, size_label, table
 from kvbridge.blocks import BlockPair, prepare_blocks, prepare_parts, submit_blocks
 from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
+from kvbridge.hugepages import back_with_huge_pages
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
 
@@ -90,6 +99,7 @@ log = logging.getLogger("kvbridge.bench")
 Bytes = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
 MODES = ("paired", "sequential")
+PAGES = ("numpy", "small", "kvbridge")
 _REPLY_TIMEOUT_S = 120.0
 
 
@@ -145,6 +155,7 @@ class TransferReport:
     ahead: bool = False  # requests built before the timer (kvbridge; raw where it can)
     raw_ahead: bool = False  # the raw session built its requests ahead too
     raw_shared: bool = False  # the raw column moved kvbridge's own buffers (raw_responder)
+    pages: str = "numpy"  # page size of the bench's buffers (PAGES)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +170,7 @@ class TransferReport:
             "ahead": self.ahead,
             "raw_ahead": self.raw_ahead,
             "raw_shared": self.raw_shared,
+            "pages": self.pages,
             "verified": True,
             "rows": [
                 {**asdict(r), "ratio_memcpy": r.ratio_memcpy, "ratio_raw": r.ratio_raw}
@@ -178,9 +190,26 @@ def _pattern(seed: int, nbytes: int) -> Bytes:
     return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
 
 
+def host_buffer(nbytes: int, pages: str = "numpy", fill: Bytes | None = None) -> Bytes:
+    """``nbytes`` of zeroed (or ``fill``'s) host memory on the pages ``pages`` names (see the
+    module docstring)."""
+    if pages == "numpy":
+        buf = np.zeros(nbytes, dtype=np.uint8)
+    else:
+        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages even where THP is "always"
+        buf = np.frombuffer(area, dtype=np.uint8)  # keeps the mapping alive
+        buf.fill(0)  # populated, as torch.zeros leaves a KV cache
+        if pages == "kvbridge":
+            back_with_huge_pages([(int(buf.ctypes.data), nbytes)])
+    if fill is not None:
+        np.copyto(buf, fill)
+    return buf
+
+
 def _target_main(
     conn: Connection, backend: str, options: dict[str, Any], total: int, seed: int,
-    raw: bool = False,
+    raw: bool = False, pages: str = "numpy",
 ) -> None:
     """Body of the target process: serve commands from the initiator until ``quit`` or EOF.
     With ``raw``, also a raw responder over the same buffer where the backend has one."""
@@ -191,7 +220,7 @@ def _target_main(
         return
     responder: Any = None
     try:
-        buf = _pattern(seed + 1, total)
+        buf = host_buffer(total, pages, _pattern(seed + 1, total))
         meta = transport.register_memory([MemoryRegion(int(buf.ctypes.data), total)])
         hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data)}
         hook = registry.backend_hook(backend, "raw_responder") if raw else None
@@ -264,12 +293,12 @@ class _Target:
     """The initiator's handle on the target process."""
 
     def __init__(self, backend: str, options: dict[str, Any], total: int, seed: int,
-                 raw: bool = False) -> None:
+                 raw: bool = False, pages: str = "numpy") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=_target_main,
-            args=(child, backend, options, total, seed, raw),
+            args=(child, backend, options, total, seed, raw, pages),
             name="kvbridge-bench-target",
             daemon=True,
         )
@@ -354,10 +383,13 @@ def run_transfer_bench(
     mode: str = "paired",
     confidence: float = 0.95,
     ahead: bool = False,
+    pages: str = "numpy",
 ) -> TransferReport:
     """Run the transfer bench (see the module docstring). Raises a :class:`KVBridgeError`."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if pages not in PAGES:
+        raise ConfigError(f"pages must be one of {', '.join(PAGES)}, got {pages!r}")
     if reps < 1:
         raise ConfigError(f"reps must be >= 1, got {reps}")
     if not 0.5 <= confidence < 1.0:
@@ -379,13 +411,13 @@ def run_transfer_bench(
     session: Any = None
     raw_error: str | None = None
     try:
-        src = _pattern(seed, total_bytes)
-        dst = np.zeros(total_bytes, dtype=np.uint8)
+        src = host_buffer(total_bytes, pages, _pattern(seed, total_bytes))
+        dst = host_buffer(total_bytes, pages)
         meta = transport.register_memory(
             [MemoryRegion(int(src.ctypes.data), total_bytes),
              MemoryRegion(int(dst.ctypes.data), total_bytes)]
         )
-        target = _Target(backend, opts, total_bytes, seed, raw)
+        target = _Target(backend, opts, total_bytes, seed, raw, pages)
         hello = target.reply()
         peer = transport.add_peer(hello["metadata"])
         target.call("peer", metadata=meta)
@@ -402,7 +434,8 @@ def run_transfer_bench(
             except Exception as exc:  # a failing raw column must not hide kvbridge's figures
                 raw_error = f"{type(exc).__name__}: {exc}"
         side = _Side(transport, target, peer, src, dst, int(hello["address"]),
-                     _pattern(seed + 1, total_bytes), timeout, ahead)
+                     host_buffer(total_bytes, pages, _pattern(seed + 1, total_bytes)), timeout,
+                     ahead, pages=pages)
         rng = np.random.default_rng(seed + 2)
         for block in block_sizes:
             perm = scattered(rng, total_bytes // block)
@@ -418,7 +451,7 @@ def run_transfer_bench(
     return TransferReport(backend, total_bytes, reps, mode, confidence,
                           (load_before, os.getloadavg()[0]), rows, ahead,
                           ahead and session is not None and hasattr(session, "prepare"),
-                          _shared(session))
+                          _shared(session), pages)
 
 
 def _shared(session: Any) -> bool:
@@ -440,6 +473,7 @@ class _Side:
     timeout: float
     ahead: bool = False
     transfers: int = 0
+    pages: str = "numpy"
 
     def pair(self, op: Op, block: int, nblocks: int) -> BlockPair:
         local = self.dst if op is Op.READ else self.src
@@ -504,7 +538,7 @@ def _bench_one(
     expected = (side.remote_data[:n].reshape(-1, block)[perm].reshape(-1) if op is Op.READ
                 else None)
     pair = side.pair(op, block, nblocks)
-    scratch = np.empty(n, dtype=np.uint8)
+    scratch = host_buffer(n, side.pages)
     mem_src = side.remote_data if op is Op.READ else side.src
     ranges = 0
 
@@ -598,6 +632,8 @@ def format_transfer_report(report: TransferReport) -> str:
                 (" and raw)" if report.raw_ahead else "; raw builds in its timed run)"))
     if report.raw_shared:
         how += "; raw moves kvbridge's own buffers, every transfer checked"
+    if report.pages != "numpy":
+        how += f"; buffers on {report.pages} pages"
     lines = [
         f"kvbridge bench transfer: backend={report.backend}, "
         f"{report.total_bytes / (1 << 20):g} MiB per transfer, {how}, GB/s = 1e9 bytes/s, "

@@ -301,6 +301,11 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="build each request before its timer starts (kvbridge, and the raw "
                    "library where it can: nixl), as the connector builds a push's WRITE during "
                    "the forward and a pull's READ while claiming; time post + completion only")
+    t.add_argument("--pages", choices=["numpy", "small", "kvbridge"], default="numpy",
+                   help="page size of the bench's buffers: numpy (as numpy allocates: huge "
+                   "pages where THP allows), small (4 KiB, as torch gives vLLM's CPU KV cache "
+                   "where THP is 'madvise'), kvbridge (small, then refaulted as huge pages as "
+                   "the connector does at registration)")
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -405,6 +410,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         mode=args.mode,
         confidence=args.confidence,
         ahead=args.ahead,
+        pages=args.pages,
     )
     if args.json:
         print_json(report.to_dict())

@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from kvbridge import _doctor_probes as probes
-from kvbridge import registry
+from kvbridge import hugepages, registry
 from kvbridge.config import Config, Preset
 from kvbridge.control import is_loopback
 from kvbridge.errors import ConfigError
@@ -286,6 +286,28 @@ def check_ptrace_scope(t: Target) -> Check:
     return Check("shm ptrace_scope", Status.WARN, f"unknown value {scope}")
 
 
+def check_huge_pages(t: Target) -> Check:
+    """Transparent huge pages: cross-memory attach (shm, and UCX's CMA under NIXL) moves about
+    twice as fast from and into a CPU KV cache on huge pages (kvbridge.hugepages)."""
+    mode = hugepages.thp_mode()
+    if not mode:
+        return Check("huge pages", Status.SKIP, "no transparent huge pages on this kernel")
+    if mode == "always":
+        return Check("huge pages", Status.OK, "THP 'always': CPU KV caches get huge pages")
+    fix = "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"
+    if mode == "never":
+        return Check("huge pages", Status.WARN,
+                     "THP 'never': CPU KV caches stay on 4 KiB pages and same-host transfers "
+                     f"run at about half speed; {fix}")
+    if not t.config.huge_pages:
+        return Check("huge pages", Status.WARN,
+                     f"THP '{mode}' but huge_pages is off: CPU KV caches stay on 4 KiB pages "
+                     "and same-host transfers run at about half speed; set "
+                     "KVBRIDGE_HUGE_PAGES=1")
+    return Check("huge pages", Status.OK,
+                 f"THP '{mode}': kvbridge refaults CPU KV caches as huge pages at registration")
+
+
 def check_cma(t: Target) -> Check:
     """``process_vm_readv`` from this process into a spawned child actually works."""
     used = "shm" in t.transports
@@ -467,6 +489,7 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
     ("tiers", check_tiers),
     ("shm ptrace_scope", check_ptrace_scope),
     ("shm cma", check_cma),
+    ("huge pages", check_huge_pages),
     ("nixl plugins", check_nixl_plugins),
     ("nixl ucx devices", check_ucx_devices),
     ("nixl efa", check_efa),

@@ -192,6 +192,17 @@ def test_bench_transfer_sequential_is_best_of() -> None:
     assert row["raw_gbps"] is None  # --no-raw
 
 
+@pytest.mark.parametrize("pages", ["small", "kvbridge"])
+def test_bench_transfer_on_small_or_refaulted_pages_checks_every_byte(pages: str) -> None:
+    res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8", "--block-kib",
+                   "256", "--reps", "2", "--no-raw", "--pages", pages, "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["pages"] == pages and report["verified"] is True
+    assert [r["op"] for r in report["rows"]] == ["read", "write"]
+    assert all(r["kvbridge_gbps"] > 0 and r["memcpy_gbps"] > 0 for r in report["rows"])
+
+
 def test_bench_transfer_shm_raw_column() -> None:
     res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "4", "--block-kib",
                    "64", "--op", "write", "--reps", "3")

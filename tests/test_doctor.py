@@ -100,6 +100,20 @@ def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Statu
     assert check.status is status, check.detail
 
 
+@pytest.mark.parametrize("mode, huge, status, says", [
+    ("madvise", True, Status.OK, "refaults CPU KV caches"),
+    ("madvise", False, Status.WARN, "KVBRIDGE_HUGE_PAGES=1"),
+    ("never", True, Status.WARN, "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"),
+    ("always", True, Status.OK, "get huge pages"),
+    ("", True, Status.SKIP, "no transparent huge pages"),
+])
+def test_huge_pages(monkeypatch: pytest.MonkeyPatch, mode: str, huge: bool, status: Status,
+                    says: str) -> None:
+    monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: mode)
+    check = _one(doctor.check_huge_pages(_target({"huge_pages": huge})))
+    assert check.status is status and says in check.detail, check.detail
+
+
 def _broken_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     real = registry._entry_points
 

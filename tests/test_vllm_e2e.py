@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import pytest
 from kvbridge import params, registry
 from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
+from kvbridge.hugepages import thp_mode
 from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.testing.engines import (
     EngineError,
@@ -293,6 +295,7 @@ def fallback_d(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[VllmServer, s
         pytest.skip("the fallback path does not depend on the backend: checked over shm")
     kv = _connector("kv_consumer", "e2e-D-nowake", backend)
     kv["kv_connector_extra_config"]["wake_on_arrival"] = False
+    kv["kv_connector_extra_config"]["huge_pages"] = False  # and P's huge pages into D's small
     d = VllmServer(build_tiny_model(), name="decode-nowake", kv_transfer_config=kv,
                    cpu_bind="1", env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"},
                    extra_args=["--block-size", "32"], log_path=tmp_path / "decode-nowake.log")
@@ -339,6 +342,19 @@ def test_without_the_wake_hook_decode_falls_back_to_polling(
     assert stats.get("wake_waits", 0) >= 1 and stats.get("wake_woken", 0) >= 1
     log = (d.log_path.read_text() if d.log_path else "")
     assert "wake-on-arrival hook installed" not in log
+    assert "huge pages:" not in log
+
+
+def test_the_cpu_kv_cache_refaults_on_huge_pages(cluster: Cluster) -> None:
+    """Both engines released their fresh, all-zero KV cache to refault as huge pages before
+    any transport registered it (kvbridge.hugepages); the outputs-match tests above ran on it."""
+    if thp_mode() != "madvise":
+        pytest.skip(f"transparent huge pages are {thp_mode() or 'unavailable'} here")
+    for server in (cluster.p, cluster.d):
+        log = server.log_path.read_text() if server.log_path else ""
+        found = re.findall(r"huge pages: (\d+) MiB of the KV cache will fault in", log)
+        assert found and all(int(n) > 0 for n in found), log[-2000:]
+        assert "held data and kept their pages" not in log
 
 
 def test_idle_engines_stay_idle(cluster: Cluster) -> None:

@@ -40,6 +40,7 @@ import kvbridge
 from kvbridge.config import Config, Preset
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.heads import HeadSplit
+from kvbridge.hugepages import back_with_huge_pages
 from kvbridge.integrations import names, vllm_idle
 from kvbridge.integrations.vllm_groups import (
     NULL_BLOCK,
@@ -589,11 +590,16 @@ class _WorkerSide:
             "dtype": str(mc.dtype).removeprefix("torch."),
             "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
         }
+        on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
+                     for t in kv_caches.values())
+        if self.config.huge_pages and not on_gpu:
+            # before any transport registers (and perhaps pins) the memory; vLLM has only
+            # just allocated it, zeroed, and nothing writes it yet
+            log.info("kvbridge rank %d: %s", self.rank,
+                     back_with_huge_pages(layout.regions()).describe())
         loop = TransferLoop(self.config, self.conn.engine_id, layout, rank=self.rank,
                             tp_size=self.conn.tp_size, compat=compat,
                             heads=self._head_split(kv_caches, layout))
-        on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
-                     for t in kv_caches.values())
         try:
             offload = self._offload(layout, on_gpu)
         except BaseException:

@@ -5,7 +5,10 @@ Two kvbridge engine pairs run at the same time on the same cores (the engines of
 and the baseline ``--against``: ``nowake`` with ``KVBRIDGE_WAKE_ON_ARRIVAL=0`` (no hook into
 vLLM's idle path, no early posting: the behaviour before the wake-up), or ``nodirect`` with
 ``KVBRIDGE_DIRECT_ARRIVAL=0`` (the wake-up, but vLLM learns of a finished receive from the
-workers' next step output). Per mode, ``--requests`` rounds each send one sequential
+workers' next step output), or ``nohuge`` with ``KVBRIDGE_HUGE_PAGES=0`` (the KV cache stays on
+the 4 KiB pages torch gave it: compare the wire time). ``--model bench`` runs the ~100 M-parameter
+bench model (24 KiB of KV per token) instead of the tiny one, so that a request's KV is tens of
+MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
 Idle engines cost next to nothing (measured in the ``idle`` rows), so the pair that is not being
 measured does not disturb the other.
@@ -38,7 +41,8 @@ __all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "for
            "summarize_pair", "paired_deltas", "add_arguments", "cli_main"]
 
 BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"},
-                                        "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
+                                        "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"},
+                                        "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none)."""
 MODES = ("push", "pull", "push-behind")
 """``push-behind``: a push sent while D already holds another push request that waits for its
@@ -57,10 +61,19 @@ class HandoffSettings:
     engine_spin_ms: float = 2.0
     pin_engines: bool = False
     against: str = "nowake"
+    model: str = "tiny"  # or "bench" (kvbridge.testing.tiny_model.build_bench_model)
     seed: int = 4321
     request_timeout: float = 120.0
     start_timeout: float = 900.0
     log_dir: Path | None = None
+
+
+def _prompts(settings: HandoffSettings, n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``settings.prompt_len`` token ids in the model's vocabulary."""
+    from kvbridge.testing.tiny_model import bench_prompts, random_prompts
+
+    fn = bench_prompts if settings.model == "bench" else random_prompts
+    return fn(n, settings.prompt_len, seed=seed)
 
 
 def pairs_of(settings: HandoffSettings) -> dict[str, dict[str, str]]:
@@ -90,8 +103,7 @@ def summarize_pair(cell: _Cell) -> dict[str, Any]:
     ok = [r for r in cell.records if r.ok]
     tids = [r.transfer_id for r in ok if r.transfer_id]
     p, d = cell.p_timings, cell.d_timings
-    wire = [p[t]["write_done"] - p[t]["write_posted"] for t in tids
-            if "write_posted" in p.get(t, {}) and "write_done" in p.get(t, {})]
+    wire = [w for w in (_wire(p, t) for t in tids) if w is not None]
     return {
         "pair": cell.pair, "mode": cell.mode, "ok": len(ok), "failed": len(cell.records) - len(ok),
         "ttft_p50_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
@@ -103,10 +115,20 @@ def summarize_pair(cell: _Cell) -> dict[str, Any]:
     }
 
 
+def _wire(p_timings: dict[str, dict[str, float]], tid: str) -> float | None:
+    """A push's WRITE, ``write_posted -> write_done`` (s), or None (a pull, or not recorded)."""
+    t = p_timings.get(tid, {})
+    if "write_posted" in t and "write_done" in t:
+        return t["write_done"] - t["write_posted"]
+    return None
+
+
 def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
-    """Median over rounds of (a - b) for TTFT and hand-off (ms); rounds where both succeeded."""
+    """Median over rounds of (a - b) for TTFT, hand-off and (push) wire time (ms); rounds where
+    both succeeded."""
     ttft: list[float] = []
     hand: list[float] = []
+    wire: list[float] = []
     for ra, rb in zip(a.records, b.records, strict=False):
         if not (ra.ok and rb.ok):
             continue
@@ -116,7 +138,11 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
         hb = e2e.handoff_times(b.p_timings, b.d_timings, [rb.transfer_id or ""])
         if ha and hb:
             hand.append(ha[0] - hb[0])
-    return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "rounds": float(len(ttft))}
+        wa, wb = _wire(a.p_timings, ra.transfer_id or ""), _wire(b.p_timings, rb.transfer_id or "")
+        if wa is not None and wb is not None:
+            wire.append(wa - wb)
+    return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "wire_ms": _ms(wire),
+            "rounds": float(len(ttft))}
 
 
 def _f(v: Any, nd: int = 2) -> str:
@@ -150,8 +176,9 @@ def format_handoff_report(report: dict[str, Any]) -> str:
         lines.append(f"  {r['pair']} {r['mode']}: {steps}")
     lines += ["", f"paired, wake - {s.get('against', 'nowake')} (median over rounds):"]
     for mode, delta in report["paired"].items():
+        wire = "" if delta.get("wire_ms") is None else f", wire {_f(delta['wire_ms'])} ms"
         lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms, hand-off "
-                     f"{_f(delta['handoff_ms'])} ms ({int(delta['rounds'] or 0)} rounds)")
+                     f"{_f(delta['handoff_ms'])} ms{wire} ({int(delta['rounds'] or 0)} rounds)")
     for r in report["rows"]:
         if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:
             v = r["beyond_wire_p50_ms"]
@@ -171,9 +198,9 @@ Say = Callable[[str], None]
 def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str, Any]:
     """Start both pairs at once (stopped by the caller) and connect the dispatchers."""
     from kvbridge.testing.engines import start_servers
-    from kvbridge.testing.tiny_model import build_tiny_model
+    from kvbridge.testing.tiny_model import build_bench_model, build_tiny_model
 
-    model = build_tiny_model()
+    model = build_bench_model() if settings.model == "bench" else build_tiny_model()
     config = f"kvbridge-{settings.backend}"
     servers: dict[str, tuple[Any, Any]] = {}
     for name, env in pairs_of(settings).items():
@@ -209,9 +236,8 @@ def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
     client then gives up, which aborts the request."""
     from kvbridge.proxy.routing import new_transfer_id, push_decode_params
     from kvbridge.testing.engines import EngineError, complete
-    from kvbridge.testing.tiny_model import random_prompts
 
-    prompt = random_prompts(1, settings.prompt_len, seed=settings.seed - 2)[0]
+    prompt = _prompts(settings, 1, settings.seed - 2)[0]
     timeout = settings.idle_s + 3.0
     with cf.ThreadPoolExecutor(len(pairs)) as ex:
         futs = [ex.submit(complete, pp.d.url, prompt, 4,
@@ -236,9 +262,8 @@ def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
         return e2e.dispatch(pair, mode, prompt, index)
     from kvbridge.proxy.routing import new_transfer_id, push_decode_params
     from kvbridge.testing.engines import complete
-    from kvbridge.testing.tiny_model import random_prompts
 
-    other = random_prompts(1, settings.prompt_len, seed=settings.seed * 7 + index)[0]
+    other = _prompts(settings, 1, settings.seed * 7 + index)[0]
     tid = new_transfer_id()
     waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_params(pair.probe, tid),
                                timeout=settings.request_timeout)
@@ -257,8 +282,6 @@ def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
 
 def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
     """Run the interleaved comparison; the JSON-able report."""
-    from kvbridge.testing.tiny_model import random_prompts
-
     log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-bench-handoff-"))
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -279,16 +302,14 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             e2e.connect(pairs[name])
         for pair in pairs.values():  # warm-up: the first transfer pays the handshakes
             for mode in ("push", "pull"):
-                e2e.dispatch(pair, mode, random_prompts(1, settings.prompt_len,
-                                                        seed=settings.seed - 1)[0], -1)
+                e2e.dispatch(pair, mode, _prompts(settings, 1, settings.seed - 1)[0], -1)
         time.sleep(1.0)
         report["idle"] = _idle_cpu(pairs, settings.idle_s)
         report["waiting"] = _waiting_cpu(pairs, settings)
         names = list(pairs)
         for mode in settings.modes:
             say(f"{mode}: {settings.requests} rounds")
-            prompts = random_prompts(settings.requests, settings.prompt_len,
-                                     seed=settings.seed + 100 * MODES.index(mode))
+            prompts = _prompts(settings, settings.requests, settings.seed + 100 * MODES.index(mode))
             cells = {n: _Cell(n, mode) for n in names}
             meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
             for i, prompt in enumerate(prompts):
@@ -332,8 +353,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KVBRIDGE_ENGINE_SPIN_MS of every engine (negative: vLLM default)")
     p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
     p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
-                   help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0) or nodirect "
-                        "(KVBRIDGE_DIRECT_ARRIVAL=0)")
+                   help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
+                        "(KVBRIDGE_DIRECT_ARRIVAL=0) or nohuge (KVBRIDGE_HUGE_PAGES=0)")
+    p.add_argument("--model", choices=("tiny", "bench"), default=d.model,
+                   help="tiny (the tests' model) or bench (~100 M parameters, 24 KiB of KV per "
+                        "token: a request's KV is tens of MiB; use --prompt-len up to ~1000)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
@@ -355,7 +379,7 @@ def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
                            prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                            idle_s=args.idle_s, engine_spin_ms=args.engine_spin_ms,
                            pin_engines=args.pin_engines, against=args.against,
-                           seed=args.seed, log_dir=args.log_dir)
+                           model=args.model, seed=args.seed, log_dir=args.log_dir)
 
 
 def cli_main(args: argparse.Namespace) -> int:

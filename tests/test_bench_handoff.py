@@ -35,6 +35,10 @@ def test_the_pairs_differ_only_by_one_switch() -> None:
         "wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
     assert bh.pairs_of(bh.settings_from_args(_args("--against", "nodirect"))) == {
         "wake": {}, "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
+    s = bh.settings_from_args(_args("--against", "nohuge", "--model", "bench"))
+    assert bh.pairs_of(s) == {"wake": {}, "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
+    assert s.model == "bench" and len(bh._prompts(s, 1, 0)[0]) == s.prompt_len
+    assert max(bh._prompts(s, 1, 0)[0]) >= 1024  # the bench model's vocabulary, not the tiny one's
 
 
 def _cell(pair: str, handoffs_ms: list[float], ttfts_ms: list[float]) -> bh._Cell:
@@ -61,6 +65,10 @@ def test_summary_and_paired_differences() -> None:
     delta = bh.paired_deltas(wake, nowake)
     assert delta["handoff_ms"] == pytest.approx(-3.0)  # median of -3, -4, -2
     assert delta["ttft_ms"] == pytest.approx(-3.0)  # median of -3, -5, -1
+    assert delta["wire_ms"] == pytest.approx(0.0)  # every WRITE took 1 ms
+    wake.p_timings["wake-0"]["write_done"] += 0.004
+    wake.p_timings["wake-2"]["write_done"] += 0.002
+    assert bh.paired_deltas(wake, nowake)["wire_ms"] == pytest.approx(2.0)  # of 4, 0, 2
     nowake.records[1].ok = False  # an unpaired round is left out
     assert bh.paired_deltas(wake, nowake)["rounds"] == 2
 
@@ -70,9 +78,13 @@ def test_report_text_names_the_bar() -> None:
             bh.summarize_pair(_cell("nowake", [5.0], [33.0]))]
     report = {"date": "d", "settings": {"backend": "shm", "requests": 1}, "load_start": "1",
               "load_end": "2", "rows": rows, "idle": {"wake": (0.01, 0.02)},
-              "paired": {"push": {"ttft_ms": -3.0, "handoff_ms": -3.0, "rounds": 1.0}},
+              "paired": {"push": {"ttft_ms": -3.0, "handoff_ms": -3.0, "wire_ms": -1.5,
+                                  "rounds": 1.0},
+                         "pull": {"ttft_ms": -1.0, "handoff_ms": -2.0, "wire_ms": None,
+                                  "rounds": 1.0}},
               "log_dir": "/tmp/x"}
     text = bh.format_handoff_report(report)
     assert "push hand-off minus wire p50 (wake): 1.00 ms (bar <= 2 ms: met)" in text
-    assert "push: TTFT -3.00 ms, hand-off -3.00 ms (1 rounds)" in text
+    assert "push: TTFT -3.00 ms, hand-off -3.00 ms, wire -1.50 ms (1 rounds)" in text
+    assert "pull: TTFT -1.00 ms, hand-off -2.00 ms (1 rounds)" in text
     assert "wake    idle" in text

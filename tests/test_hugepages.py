@@ -49,8 +49,9 @@ def test_a_zeroed_region_refaults_as_huge_pages() -> None:
     lo = -(-start // PAGE) * PAGE
     assert report.huge_bytes == (start + size) // PAGE * PAGE - lo
     assert report.kept_bytes == 0 and report.edge_bytes == size - report.huge_bytes
-    view[:] = 7  # the engine's first writes fault the pages in again
-    assert _anon_huge_kb(start, size) > 0
+    assert _anon_huge_kb(start, size) == report.huge_bytes >> 10  # faulted in already
+    assert not view.any()  # still all zero
+    view[:] = 7
     assert bool((view == 7).all())
     del view
     m.close()
@@ -81,6 +82,26 @@ def test_bench_buffers_sit_on_the_pages_asked_for(pages: str, huge: bool) -> Non
     buf = host_buffer(8 * PAGE, pages, fill)
     assert np.array_equal(buf, fill)
     assert (_anon_huge_kb(int(buf.ctypes.data), buf.size) > 0) is huge
+
+
+def test_without_populate_write_each_huge_page_is_touched_once() -> None:
+    m, view = _buffer(4 * PAGE)
+    lo = -(-int(view.ctypes.data) // PAGE) * PAGE
+    madvise = hugepages._madvise()
+    assert madvise is not None
+    calls: list[int] = []
+
+    def old_kernel(at: int, length: int, advice: int) -> int:
+        calls.append(advice)
+        return -1 if advice == hugepages.MADV_POPULATE_WRITE else madvise(at, length, advice)
+
+    assert madvise(lo, 2 * PAGE, hugepages.MADV_HUGEPAGE) == 0
+    assert madvise(lo, 2 * PAGE, hugepages.MADV_DONTNEED) == 0
+    hugepages._populate(old_kernel, lo, 2 * PAGE, PAGE)
+    assert calls == [hugepages.MADV_POPULATE_WRITE]
+    assert _anon_huge_kb(lo, 2 * PAGE) == 2 * PAGE >> 10 and not view.any()
+    del view
+    m.close()
 
 
 def test_bad_regions_are_skipped_or_reported_never_raised() -> None:

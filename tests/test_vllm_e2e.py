@@ -346,13 +346,13 @@ def test_without_the_wake_hook_decode_falls_back_to_polling(
 
 
 def test_the_cpu_kv_cache_refaults_on_huge_pages(cluster: Cluster) -> None:
-    """Both engines released their fresh, all-zero KV cache to refault as huge pages before
-    any transport registered it (kvbridge.hugepages); the outputs-match tests above ran on it."""
+    """Both engines moved their fresh, all-zero KV cache onto huge pages before any transport
+    registered it (kvbridge.hugepages); the outputs-match tests above ran on it."""
     if thp_mode() != "madvise":
         pytest.skip(f"transparent huge pages are {thp_mode() or 'unavailable'} here")
     for server in (cluster.p, cluster.d):
         log = server.log_path.read_text() if server.log_path else ""
-        found = re.findall(r"huge pages: (\d+) MiB of the KV cache will fault in", log)
+        found = re.findall(r"huge pages: (\d+) MiB of the KV cache now on", log)
         assert found and all(int(n) > 0 for n in found), log[-2000:]
         assert "held data and kept their pages" not in log
 

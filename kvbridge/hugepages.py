@@ -24,8 +24,8 @@ Contract: call it only while no other thread writes the regions — a write betw
 check and the release would be lost. The connector calls it from ``register_kv_caches``, right
 after vLLM allocated the KV cache (``torch.zeros``) and before the engine's first forward. Host
 memory only, never page-locked (pinned) memory. Blocking: reads every byte once (~0.1 s per GiB)
-and faults the released pages in again (see above); never raises; what happened is in the returned :class:`HugePageReport`. Thread-safe (no
-shared state).
+and faults the released pages in again (see above). Never raises: what happened is in the
+returned :class:`HugePageReport`. Thread-safe (no shared state).
 """
 
 from __future__ import annotations

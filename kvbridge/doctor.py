@@ -298,11 +298,11 @@ def check_huge_pages(t: Target) -> Check:
     if mode == "never":
         return Check("huge pages", Status.WARN,
                      "THP 'never': CPU KV caches stay on 4 KiB pages and same-host transfers "
-                     f"run at about half speed; {fix}")
+                     f"run at about 0.6× the speed; {fix}")
     if not t.config.huge_pages:
         return Check("huge pages", Status.WARN,
                      f"THP '{mode}' but huge_pages is off: CPU KV caches stay on 4 KiB pages "
-                     "and same-host transfers run at about half speed; set "
+                     "and same-host transfers run at about 0.6× the speed; set "
                      "KVBRIDGE_HUGE_PAGES=1")
     return Check("huge pages", Status.OK,
                  f"THP '{mode}': kvbridge refaults CPU KV caches as huge pages at registration")

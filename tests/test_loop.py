@@ -870,6 +870,31 @@ def test_push_prepared_ahead_writes_the_kv_as_it_is_at_ready(
         assert p.loop.transport._ahead == 0
 
 
+@pytest.mark.parametrize("local_pd", [{}], indirect=True)
+def test_write_posted_is_stamped_before_the_post(local_pd: PD,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_posted -> write_done`` is the transport's whole time, also where it copies inside
+    the post (NIXL over CMA does): the bench's "hand-off minus wire" depends on it."""
+    from kvbridge.scheduling import push
+
+    real = push.submit_parts
+
+    def slow_post(*args: object, **kwargs: object) -> object:
+        time.sleep(0.05)  # a transport copying synchronously
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(push, "submit_parts", slow_post)
+    p, d = local_pd
+    d.expect(expect("d", "tw", p, [3]))
+    time.sleep(0.2)
+    p.ready(send("p", "tw", [4]))
+    assert d.drain({"d"})["results"]["finished_recving"] == {"d"}
+    assert p.drain({"p"})["results"]["finished_sending"] == {"p"}
+    t = p.loop.timings["tw"]
+    assert t["write_done"] - t["write_posted"] >= 0.05, t
+    assert t["write_posted"] - t["ready_seen"] < 0.05, t  # nothing else waited that long
+
+
 @BACKENDS
 def test_a_prepared_push_that_is_cancelled_posts_nothing_and_frees_it(local_pd: PD) -> None:
     p, d = local_pd

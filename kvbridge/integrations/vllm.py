@@ -592,7 +592,8 @@ class _WorkerSide:
         }
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
-        if self.config.huge_pages and not on_gpu:
+        on_cpu = all(str(getattr(t, "device", "cpu")) == "cpu" for t in kv_caches.values())
+        if self.config.huge_pages and on_cpu:
             # before any transport registers (and perhaps pins) the memory; vLLM has only
             # just allocated it, zeroed, and nothing writes it yet
             log.info("kvbridge rank %d: %s", self.rank,

@@ -36,7 +36,7 @@ completion. Without it (the default) both columns time building too.
 the memcpy column: ``numpy`` (the default) as numpy allocates them — numpy asks for transparent
 huge pages for large arrays; ``small`` on 4 KiB pages, as torch's CPU allocator gives vLLM's KV
 cache where the kernel's THP mode is ``madvise``; ``kvbridge`` allocated as ``small``, then
-released to refault as huge pages the way the connector treats a fresh CPU KV cache
+released and faulted in again as huge pages, the way the connector treats a fresh CPU KV cache
 (:mod:`kvbridge.hugepages`). A raw session with its own buffers (no responder) keeps numpy's.
 
 Every column zeroes its destination before each timed transfer (untimed), as kvbridge's must

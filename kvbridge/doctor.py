@@ -299,13 +299,18 @@ def check_huge_pages(t: Target) -> Check:
         return Check("huge pages", Status.WARN,
                      "THP 'never': CPU KV caches stay on 4 KiB pages and same-host transfers "
                      f"run at about 0.6× the speed; {fix}")
+    if hugepages._disabled_here():
+        return Check("huge pages", Status.WARN,
+                     f"THP '{mode}', but this process runs with THP disabled "
+                     "(prctl PR_SET_THP_DISABLE, which engines started from it inherit: some "
+                     "container runtimes set it): CPU KV caches stay on 4 KiB pages")
     if not t.config.huge_pages:
         return Check("huge pages", Status.WARN,
                      f"THP '{mode}' but huge_pages is off: CPU KV caches stay on 4 KiB pages "
                      "and same-host transfers run at about 0.6× the speed; set "
                      "KVBRIDGE_HUGE_PAGES=1")
     return Check("huge pages", Status.OK,
-                 f"THP '{mode}': kvbridge refaults CPU KV caches as huge pages at registration")
+                 f"THP '{mode}': kvbridge moves CPU KV caches onto huge pages at registration")
 
 
 def check_cma(t: Target) -> Check:

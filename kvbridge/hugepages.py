@@ -47,6 +47,8 @@ __all__ = ["HugePageReport", "back_with_huge_pages", "thp_mode"]
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
+PR_GET_THP_DISABLE = 42
+PR_THP_DISABLE_EXCEPT_ADVISED = 1 << 1  # Linux 6.18: madvised ranges still get huge pages
 _SYSFS = "/sys/kernel/mm/transparent_hugepage"
 _CHECK_CHUNK = 64 << 20  # bytes of the zero check per numpy call (bounded temporaries)
 
@@ -112,6 +114,16 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
+def _disabled_here() -> bool:
+    """Whether ``prctl(PR_SET_THP_DISABLE)`` (set by some container runtimes and inherited)
+    keeps this process's madvised ranges off huge pages."""
+    try:
+        flags = int(ctypes.CDLL(None, use_errno=True).prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0))
+    except (OSError, AttributeError):
+        return False
+    return flags > 0 and bool(flags & 1) and not flags & PR_THP_DISABLE_EXCEPT_ADVISED
+
+
 def _zero_pages(start: int, count: int, page: int) -> np.ndarray:
     """One bool per huge page of ``[start, start + count * page)``: all bytes zero."""
     words = page // 8
@@ -138,6 +150,9 @@ def back_with_huge_pages(regions: Iterable[tuple[int, int]]) -> HugePageReport:
     madvise = _madvise()
     if madvise is None:
         return HugePageReport(skipped="libc has no madvise")
+    if _disabled_here():
+        return HugePageReport(skipped="this process runs with transparent huge pages disabled "
+                                      "(prctl PR_SET_THP_DISABLE)")
     page = _page_bytes()
     huge = kept = edge = 0
     error = ""

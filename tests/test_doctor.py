@@ -101,7 +101,7 @@ def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Statu
 
 
 @pytest.mark.parametrize("mode, huge, status, says", [
-    ("madvise", True, Status.OK, "refaults CPU KV caches"),
+    ("madvise", True, Status.OK, "moves CPU KV caches onto huge pages"),
     ("madvise", False, Status.WARN, "KVBRIDGE_HUGE_PAGES=1"),
     ("never", True, Status.WARN, "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"),
     ("always", True, Status.OK, "get huge pages"),
@@ -110,8 +110,16 @@ def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Statu
 def test_huge_pages(monkeypatch: pytest.MonkeyPatch, mode: str, huge: bool, status: Status,
                     says: str) -> None:
     monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: mode)
+    monkeypatch.setattr(doctor.hugepages, "_disabled_here", lambda: False)
     check = _one(doctor.check_huge_pages(_target({"huge_pages": huge})))
     assert check.status is status and says in check.detail, check.detail
+
+
+def test_huge_pages_disabled_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(doctor.hugepages, "_disabled_here", lambda: True)
+    check = _one(doctor.check_huge_pages(_target()))
+    assert check.status is Status.WARN and "PR_SET_THP_DISABLE" in check.detail
 
 
 def _broken_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mmap
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,6 +114,36 @@ def test_bad_regions_are_skipped_or_reported_never_raised() -> None:
     assert report.huge_bytes == 0
     assert "MADV_HUGEPAGE" in report.error and "ENOMEM" in report.error
     assert "failed" in report.describe()
+
+
+_UNDER_PRCTL = """
+import ctypes, mmap, sys
+import numpy as np
+from kvbridge.hugepages import back_with_huge_pages
+assert ctypes.CDLL(None).prctl(41, 1, int(sys.argv[1]), 0, 0) == 0  # PR_SET_THP_DISABLE
+m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+view = np.frombuffer(m, dtype=np.uint8)
+view[::4096] = 0
+report = back_with_huge_pages([(int(view.ctypes.data), view.size)])
+print(report.huge_bytes, report.skipped)
+"""
+
+
+@pytest.mark.parametrize("except_advised", [0, 2])
+def test_a_process_with_thp_disabled_is_left_alone(except_advised: int) -> None:
+    """PR_SET_THP_DISABLE (container runtimes set it) makes MADV_HUGEPAGE a no-op: releasing
+    and refaulting would only cost time, so it is skipped and said. With Linux 6.18's
+    PR_THP_DISABLE_EXCEPT_ADVISED, madvised ranges still get huge pages: it runs."""
+    res = subprocess.run([sys.executable, "-c", _UNDER_PRCTL, str(except_advised)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    if except_advised and "AssertionError" in res.stderr:
+        pytest.skip("this kernel has no PR_THP_DISABLE_EXCEPT_ADVISED")
+    assert res.returncode == 0, res.stderr
+    huge, _, skipped = res.stdout.strip().partition(" ")
+    if except_advised:
+        assert int(huge) > 0 and not skipped
+    else:
+        assert int(huge) == 0 and "PR_SET_THP_DISABLE" in skipped
 
 
 def test_the_report_says_why_nothing_happened(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,8 +108,8 @@ class Config:
     """Back a CPU engine's KV cache with transparent huge pages at registration (where the
     kernel's THP mode is ``madvise``): ``process_vm_readv/writev`` — the shm transport, and
     UCX's CMA under NIXL — moves 1.5-1.7x faster from and into huge pages
-    (kvbridge.hugepages).
-    Only all-zero memory is released, so no byte changes; GPU KV caches are never touched."""
+    (kvbridge.hugepages). Only all-zero memory is released, so no byte changes; GPU KV caches
+    are never touched."""
     engine_spin_ms: float = -1.0
     """vLLM workers busy-spin this long after each step before sleeping (vLLM: 1000 ms).
     Negative keeps vLLM's default. A few ms stops idle engines from burning a core each on

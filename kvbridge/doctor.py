@@ -287,8 +287,8 @@ def check_ptrace_scope(t: Target) -> Check:
 
 
 def check_huge_pages(t: Target) -> Check:
-    """Transparent huge pages: cross-memory attach (shm, and UCX's CMA under NIXL) moves about
-    twice as fast from and into a CPU KV cache on huge pages (kvbridge.hugepages)."""
+    """Transparent huge pages: cross-memory attach (shm, and UCX's CMA under NIXL) moves
+    1.5-1.7x as fast from and into a CPU KV cache on huge pages (kvbridge.hugepages)."""
     mode = hugepages.thp_mode()
     if not mode:
         return Check("huge pages", Status.SKIP, "no transparent huge pages on this kernel")
@@ -299,7 +299,7 @@ def check_huge_pages(t: Target) -> Check:
         return Check("huge pages", Status.WARN,
                      "THP 'never': CPU KV caches stay on 4 KiB pages and same-host transfers "
                      f"run at about 0.6× the speed; {fix}")
-    if hugepages._disabled_here():
+    if hugepages.thp_disabled_here():
         return Check("huge pages", Status.WARN,
                      f"THP '{mode}', but this process runs with THP disabled "
                      "(prctl PR_SET_THP_DISABLE, which engines started from it inherit: some "

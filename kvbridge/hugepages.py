@@ -42,7 +42,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HugePageReport", "back_with_huge_pages", "thp_mode"]
+__all__ = ["HugePageReport", "back_with_huge_pages", "thp_disabled_here", "thp_mode"]
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
@@ -114,7 +114,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-def _disabled_here() -> bool:
+def thp_disabled_here() -> bool:
     """Whether ``prctl(PR_SET_THP_DISABLE)`` (set by some container runtimes and inherited)
     keeps this process's madvised ranges off huge pages."""
     try:
@@ -150,7 +150,7 @@ def back_with_huge_pages(regions: Iterable[tuple[int, int]]) -> HugePageReport:
     madvise = _madvise()
     if madvise is None:
         return HugePageReport(skipped="libc has no madvise")
-    if _disabled_here():
+    if thp_disabled_here():
         return HugePageReport(skipped="this process runs with transparent huge pages disabled "
                                       "(prctl PR_SET_THP_DISABLE)")
     page = _page_bytes()

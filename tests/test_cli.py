@@ -192,6 +192,15 @@ def test_bench_transfer_sequential_is_best_of() -> None:
     assert row["raw_gbps"] is None  # --no-raw
 
 
+def test_bench_transfer_pages_choices_are_the_benchs() -> None:
+    """cli.py lists them without importing the bench (start-up time); they must agree."""
+    from kvbridge import bench
+
+    res = kvbridge("bench", "transfer", "--pages", "bogus")
+    assert res.returncode == 2
+    assert "choose from " + ", ".join(repr(p) for p in bench.PAGES) in res.stderr
+
+
 @pytest.mark.parametrize("pages", ["small", "kvbridge"])
 def test_bench_transfer_on_small_or_refaulted_pages_checks_every_byte(pages: str) -> None:
     res = kvbridge("bench", "transfer", "--backend", "shm", "--total-mib", "8", "--block-kib",

@@ -110,14 +110,14 @@ def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Statu
 def test_huge_pages(monkeypatch: pytest.MonkeyPatch, mode: str, huge: bool, status: Status,
                     says: str) -> None:
     monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: mode)
-    monkeypatch.setattr(doctor.hugepages, "_disabled_here", lambda: False)
+    monkeypatch.setattr(doctor.hugepages, "thp_disabled_here", lambda: False)
     check = _one(doctor.check_huge_pages(_target({"huge_pages": huge})))
     assert check.status is status and says in check.detail, check.detail
 
 
 def test_huge_pages_disabled_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: "madvise")
-    monkeypatch.setattr(doctor.hugepages, "_disabled_here", lambda: True)
+    monkeypatch.setattr(doctor.hugepages, "thp_disabled_here", lambda: True)
     check = _one(doctor.check_huge_pages(_target()))
     assert check.status is Status.WARN and "PR_SET_THP_DISABLE" in check.detail
 

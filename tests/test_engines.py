@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import socket
 import stat
 import sys
 import textwrap
@@ -101,8 +102,17 @@ def _gone(pgid: int) -> bool:
 
 @pytest.mark.timeout(60)
 def test_free_port() -> None:
-    p = free_port()
-    assert 1024 <= p < 65536
+    """Outside the ephemeral range, so no client connection is handed it before the server
+    binds it; bindable; and not the same port every time."""
+    from kvbridge.testing.engines import _ephemeral_range
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(8)}
+    assert len(ports) > 1
+    for p in ports:
+        assert (10000 <= p < low) if low > 11000 else (1024 <= p < 65536)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
 
 
 @pytest.mark.timeout(60)

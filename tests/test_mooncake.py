@@ -246,6 +246,26 @@ def test_dead_peer_fails_fast(local: Any) -> None:
         p.stop()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: the signal is delivered
+    asynchronously, and a peer thread still running could serve the next READ (once in
+    CI, the likely cause: the READ completed and the timeout never came)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # the thread ended
+        if states and all(st in "Tt" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"peer {pid} did not stop within 10 s")
+
+
 def test_hung_peer_is_a_timeout_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stopped (not dead) peer: the engine's timeout ends the transfer as FAILED, never DONE."""
     from kvbridge_mooncake import MooncakeTransport
@@ -259,7 +279,7 @@ def test_hung_peer_is_a_timeout_failure(monkeypatch: pytest.MonkeyPatch) -> None
         name = t.add_peer(p.meta)
         loc, rem = scattered(buf.ctypes.data, p.base, 256 << 10, 16)
         t.transfer(Op.READ, name, loc, rem, timeout=30)
-        os.kill(p.proc.pid, signal.SIGSTOP)
+        _stop(p.proc.pid)
         start = time.monotonic()
         h = t.submit(Op.READ, name, loc, rem, notification=b"never")
         with pytest.raises(TransferFailed):

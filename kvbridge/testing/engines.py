@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -96,12 +97,40 @@ class EngineError(KVBridgeError):
         self.body = body
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``), Linux's default elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that was free a moment ago (bind port 0, read it, close)."""
+    """A TCP port that was free a moment ago, for a server started later.
+
+    Picked below the kernel's ephemeral range where that leaves room (from 10000 up), so that
+    no outgoing connection is handed it in the meantime: a port from the ephemeral range (bind
+    port 0) was taken by some client between the pick and an engine's bind often enough to
+    fail a fleet test ("Address already in use"). Random, so that concurrent callers rarely
+    collide; falls back to an ephemeral port when nothing below is free.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    tries = 64 if low > 11000 else 0
+    for _ in range(tries):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        picked: int = s.getsockname()[1]
+        return picked
 
 
 def _tail(path: Path, lines: int = 40) -> str:

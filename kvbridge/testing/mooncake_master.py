@@ -40,6 +40,8 @@ from types import TracebackType
 
 import pytest
 
+from kvbridge.testing.engines import free_port as engines_free_port
+
 __all__ = ["MasterError", "MooncakeMaster", "find_master_binary", "free_port", "mooncake_master"]
 
 HOST = "127.0.0.1"
@@ -71,10 +73,9 @@ def find_master_binary() -> str | None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago
+    (:func:`kvbridge.testing.engines.free_port`)."""
+    return engines_free_port(HOST)
 
 
 def _die_with_parent() -> None:

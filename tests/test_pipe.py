@@ -174,8 +174,10 @@ def reap(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.stderr.close()
 
 
-def drain(rx: PipeReceiver, senders: int) -> dict[str, list[bytes]]:
-    """Receive until every sender reached end-of-stream."""
+def drain(rx: PipeReceiver, senders: int,
+          procs: list[subprocess.Popen[bytes]] | None = None) -> dict[str, list[bytes]]:
+    """Receive until every sender reached end-of-stream. On a timeout, fail with what the
+    sender processes said (a CI run once timed out here and showed nothing else)."""
     got: dict[str, list[bytes]] = {}
     ended = 0
     while ended < senders:
@@ -184,6 +186,18 @@ def drain(rx: PipeReceiver, senders: int) -> dict[str, list[bytes]]:
         except PipeClosed:
             ended += 1
             continue
+        except TimeoutError:
+            said = []
+            for proc in procs or []:
+                try:
+                    _, err = proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    _, err = proc.communicate()
+                said.append(f"rc={proc.returncode} stderr={err.decode(errors='replace')[-2000:]}")
+            counts = {k: len(v) for k, v in got.items()}
+            pytest.fail(f"nothing received for 30 s; got {counts}, {ended} ended; senders: "
+                        + " | ".join(said))
         got.setdefault(sender, []).append(payload)
     return got
 
@@ -191,7 +205,7 @@ def drain(rx: PipeReceiver, senders: int) -> dict[str, list[bytes]]:
 def test_zmq_pipe_order_and_eos_from_another_process(receiver: PipeReceiver) -> None:
     proc = start_sender(receiver.address, "p0", 200)
     try:
-        got = drain(receiver, 1)
+        got = drain(receiver, 1, [proc])
     finally:
         reap([proc])
     assert proc.returncode == 0
@@ -214,7 +228,7 @@ def test_zmq_pipe_multiple_senders_keep_per_sender_order(receiver: PipeReceiver)
     names = ["a", "b", "c"]
     procs = [start_sender(receiver.address, n, 100) for n in names]
     try:
-        got = drain(receiver, len(names))
+        got = drain(receiver, len(names), procs)
     finally:
         reap(procs)
     assert all(p.returncode == 0 for p in procs)

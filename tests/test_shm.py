@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from kvbridge import registry
+from kvbridge.blocks import BlockRequest, prepare_blocks, prepare_parts
 from kvbridge.errors import (
     DescriptorError,
     PeerUnreachable,
     TransferFailed,
     TransportClosed,
 )
+from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.messages import Codec
 from kvbridge.testing.peer import PeerProcess, collect_notifications
 from kvbridge.transport import HandleState, MemoryRegion, Op
@@ -130,6 +132,38 @@ def test_by_default_a_large_transfer_is_split_where_there_are_two_cpus() -> None
                    _descs(dst.ctypes.data, perm, size))
         np.testing.assert_array_equal(dst.reshape(n, size)[perm], src.reshape(n, size))
         assert (t._helpers is not None) == (DEFAULT_THREADS > 1)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prepared_request_is_built_at_prepare_and_only_queued_at_post(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prepare_request`` builds the iovecs (split across the copy threads when large); posting
+    builds nothing more, and every byte lands (the connector prepares a push during the
+    forward, so the hand-off only queues)."""
+    t = ShmTransport("prepared", {"threads": threads, "split_bytes": 4096})
+    try:
+        n, size = 64, 1000
+        src = np.random.default_rng(10).integers(0, 256, n * size, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        name = _loopback(t, src, dst)
+        src_plane, dst_plane = (KVLayout((KVPlane("p", a.ctypes.data, size, size),), n, 16, "uint8")
+                                for a in (src, dst))
+        pair = prepare_blocks(t, name, src_plane, dst_plane)
+        perm = np.random.default_rng(11).permutation(n)
+        prep = prepare_parts(t, Op.WRITE, name, [(pair.local, np.arange(n), pair.remote, perm)])
+        assert prep is not None and len(prep.native.parts) == threads
+
+        def no_building(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("iovecs built after prepare")
+
+        monkeypatch.setattr(BlockRequest, "descriptors", no_building)
+        monkeypatch.setattr("kvbridge.transports.shm.split_iovecs", no_building)
+        h = prep.post()
+        assert t.wait(h, 10) is HandleState.DONE, h.error
+        np.testing.assert_array_equal(dst.reshape(n, size)[perm], src.reshape(n, size))
     finally:
         t.close()
 

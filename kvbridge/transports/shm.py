@@ -42,6 +42,8 @@ Contract (on top of :mod:`kvbridge.transport`):
 * Transfers by block id (:class:`~kvbridge.blocks.BlockTransport`, the core's path): preparing
   checks both layouts against the registered and the proven regions once; ``submit_blocks``
   validates the ids (O(blocks)) and queues; the worker builds the iovecs from the plane tables.
+  A request prepared ahead (``prepare_request``, as the connector builds a push's WRITE during
+  the forward) has its iovecs built then, so posting it only queues.
   With the ``threads`` option, a transfer of at least ``split_bytes`` is copied in that many
   parts at once; it finishes (and notifies) when every part stopped.
 * The listener is one daemon thread answering each connection once: at most
@@ -91,7 +93,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
+from kvbridge.blocks import (
+    BlockPair,
+    BlockRequest,
+    BlockTransport,
+    PreparedRequest,
+    check_in_regions,
+)
 from kvbridge.errors import (
     BackendUnavailable,
     ConfigError,
@@ -668,12 +676,16 @@ class _Peer:
             self.pidfd = -1
 
 
+Parts = list[tuple[IovArray, IovArray]]
+
+
 @dataclass
 class _Job:
+    """A transfer whose iovecs are built: at submit (by descriptors) or ahead (prepared)."""
+
     handle: TransferHandle
     peer: _Peer
-    local: IovArray
-    remote: IovArray
+    parts: Parts
     notification: bytes | None
 
 
@@ -687,9 +699,13 @@ class _BlockJob:
     req: BlockRequest
     notification: bytes | None
 
-    def iovecs(self) -> tuple[IovArray, IovArray]:
-        loc, rem = self.req.descriptors(self.pair, columns=2)
-        return loc.view(np.uint64), rem.view(np.uint64)
+
+@dataclass
+class _Prepared:
+    """A request built ahead (:meth:`ShmTransport.prepare_request`): its parts, ready to copy."""
+
+    peer: _Peer
+    parts: Parts
 
 
 def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
@@ -1019,7 +1035,8 @@ class ShmTransport(BlockTransport):
         check_within(local, regions, "local")
         check_within(remote, p.regions, f"remote ({peer})")
         handle = TransferHandle(op, peer, int(local[:, 1].sum()), int(local.shape[0]))
-        job = _Job(handle, p, _iov(local), _iov(remote), notification)
+        job = _Job(handle, p, self._parts(_iov(local), _iov(remote), handle.nbytes),
+                   notification)
         log.debug("shm %r posting %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
                   op.value, handle.id, handle.nbytes, handle.count, peer)
         with self._lock:
@@ -1040,15 +1057,41 @@ class ShmTransport(BlockTransport):
     def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
                        notification: bytes | None) -> TransferHandle:
         """Queue the request; the worker builds its iovecs (O(blocks) here)."""
+        p = self._pair_peer(pair)
+        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
+        self._queue(_BlockJob(handle, p, pair, req, notification))
+        return handle
+
+    def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
+                         notification: bytes | None) -> _Prepared:
+        """Build the iovecs (and the parts the copy threads take) now, off the hand-off."""
+        p = self._pair_peer(pair)
+        loc, rem = req.descriptors(pair, columns=2)
+        return _Prepared(p, self._parts(loc.view(np.uint64), rem.view(np.uint64), req.nbytes))
+
+    def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
+        """Queue the prepared parts: nothing is built or validated on this path."""
+        handle = TransferHandle(prep.op, prep.pair.peer, prep.req.nbytes, prep.req.count)
+        self._queue(_Job(handle, native.peer, native.parts, prep.notification))
+        return handle
+
+    def _pair_peer(self, pair: BlockPair) -> _Peer:
         p: _Peer = pair.native
         if self._peer(pair.peer) is not p:
             raise UnknownPeer(f"shm {self.agent_name!r}: peer {pair.peer!r} was re-added")
-        handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
-        job = _BlockJob(handle, p, pair, req, notification)
+        return p
+
+    def _queue(self, job: _Job | _BlockJob) -> None:
         with self._lock:
             self._check_open()
             self._jobs.put(job)
-        return handle
+
+    def _parts(self, local: IovArray, remote: IovArray, nbytes: int) -> Parts:
+        """The pieces the copy threads take: the whole transfer below ``split_bytes`` (or with
+        one thread), else ``threads`` pieces of about equal bytes."""
+        if self._threads <= 1 or nbytes < self._split_bytes or local.shape[0] == 0:
+            return [(local, remote)]
+        return split_iovecs(local, remote, self._threads)
 
     def _work(self) -> None:
         while True:
@@ -1074,8 +1117,12 @@ class ShmTransport(BlockTransport):
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            local, remote = (job.local, job.remote) if isinstance(job, _Job) else job.iovecs()
-            self._copy(fn, peer.pid, local, remote, h.nbytes)
+            if isinstance(job, _Job):
+                parts = job.parts
+            else:
+                loc, rem = job.req.descriptors(job.pair, columns=2)
+                parts = self._parts(loc.view(np.uint64), rem.view(np.uint64), h.nbytes)
+            self._copy(fn, peer.pid, parts)
             if job.notification is not None:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -1084,18 +1131,17 @@ class ShmTransport(BlockTransport):
             return
         h._finish(HandleState.DONE)
 
-    def _copy(self, fn: Callable[..., int], pid: int, local: IovArray, remote: IovArray,
-              nbytes: int) -> None:
-        """Copy on the worker, split across the helper threads when the transfer is large
-        (every part is waited for, also when one fails: its bytes may be landing)."""
-        parts = self._threads if nbytes >= self._split_bytes else 1
-        if parts <= 1 or local.shape[0] == 0:
-            copy_iovecs(fn, pid, local, remote, self._iov_max, self._abort)
+    def _copy(self, fn: Callable[..., int], pid: int, parts: Parts) -> None:
+        """Copy the first part on the worker and the others on the helper threads; return once
+        every part stopped, also when one failed (its bytes may be landing), then raise the
+        first failure."""
+        if len(parts) == 1:
+            copy_iovecs(fn, pid, *parts[0], self._iov_max, self._abort)
             return
         if self._helpers is None:
             self._helpers = ThreadPoolExecutor(self._threads - 1,
                                                thread_name_prefix=f"kvbridge-shm-{self.agent_name}")
-        (loc0, rem0), *rest = split_iovecs(local, remote, parts)
+        (loc0, rem0), *rest = parts
         futures = [self._helpers.submit(copy_iovecs, fn, pid, loc, rem, self._iov_max,
                                         self._abort) for loc, rem in rest]
         errors: list[BaseException] = []

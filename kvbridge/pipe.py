@@ -139,7 +139,12 @@ class PipeSender:
             raise TimeoutError(f"pipe to {self.address} is full") from exc
 
     def close(self) -> None:
-        """Send end-of-stream (best effort) and release the socket. Idempotent."""
+        """Send end-of-stream (best effort) and release the socket. Idempotent.
+
+        Frames still queued keep going out for up to 2 s (the socket's linger) in ZeroMQ's I/O
+        thread, but only while the process lives: a process about to exit must call
+        ``zmq.Context.instance().term()`` first, which waits for them (pyzmq does not at exit).
+        """
         with self._lock:
             if self._closed:
                 return

@@ -14,6 +14,7 @@ import zmq
 from kvbridge.errors import AuthError, MessageError, PipeClosed
 from kvbridge.messages import Cancel, Codec, PipeFrame
 from kvbridge.pipe import PipeReceiver, PipeSender, memory_pipe
+from kvbridge.testing.engines import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,8 +134,13 @@ def test_memory_pipe_recv_timeout() -> None:
 
 # -- ZeroMQ pipe ----------------------------------------------------------------------------------
 
+# The sender terminates ZeroMQ's context before it exits: that waits (up to the socket's linger)
+# until the queued frames left. Without it a sender that queues everything and exits before its
+# connection is up loses them all: a loaded CI host once showed one of three senders exit 0 with
+# nothing delivered. PipeSender.close says so.
 _SENDER = """
 import sys
+import zmq
 from kvbridge.messages import Codec
 from kvbridge.pipe import PipeSender
 address, name, count, secret = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -142,6 +148,8 @@ tx = PipeSender(address, name, Codec(secret or None))
 for i in range(count):
     tx.send(f"{name}:{i}".encode(), timeout=20)
 tx.close()
+print("closed", flush=True)
+zmq.Context.instance().term()
 """
 
 
@@ -154,10 +162,11 @@ def receiver() -> Iterator[PipeReceiver]:
         rx.close()
 
 
-def start_sender(address: str, name: str, count: int, secret: str = "") -> subprocess.Popen[bytes]:
+def start_sender(address: str, name: str, count: int, secret: str = "",
+                 stdout: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", _SENDER, address, name, str(count), secret],
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
 
@@ -170,8 +179,9 @@ def reap(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
             proc.wait()
     for proc in procs:
-        if proc.stderr is not None:
-            proc.stderr.close()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def drain(rx: PipeReceiver, senders: int,
@@ -212,6 +222,27 @@ def test_zmq_pipe_order_and_eos_from_another_process(receiver: PipeReceiver) -> 
     assert got == {"p0": [b"p0:%d" % i for i in range(200)]}
     with pytest.raises(TimeoutError):
         receiver.recv(timeout=0.05)
+
+
+def test_zmq_pipe_a_sender_that_exits_before_the_receiver_binds_still_delivers() -> None:
+    """The sender queues everything and exits while nothing listens yet (its connection cannot
+    be up): terminating ZeroMQ's context at exit, as PipeSender.close asks, delivers every frame
+    once the receiver binds within the linger."""
+    port = free_port()
+    proc = start_sender(f"tcp://127.0.0.1:{port}", "early", 20, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"closed\n"  # queued and closed; exiting waits in term()
+        time.sleep(0.3)
+        rx = PipeReceiver("127.0.0.1", port)
+        try:
+            got = drain(rx, 1, [proc])
+        finally:
+            rx.close()
+    finally:
+        reap([proc])
+    assert proc.returncode == 0
+    assert got == {"early": [b"early:%d" % i for i in range(20)]}
 
 
 def test_zmq_pipe_eos_names_the_sender(receiver: PipeReceiver) -> None:

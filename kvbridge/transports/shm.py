@@ -1039,10 +1039,7 @@ class ShmTransport(BlockTransport):
                    notification)
         log.debug("shm %r posting %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
                   op.value, handle.id, handle.nbytes, handle.count, peer)
-        with self._lock:
-            if self._closed:
-                raise TransportClosed(f"shm transport {self.agent_name!r} is closed")
-            self._jobs.put(job)
+        self._queue(job)
         return handle
 
     def _prepare_blocks(self, pair: BlockPair) -> _Peer:

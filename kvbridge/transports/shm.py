@@ -1062,9 +1062,7 @@ class ShmTransport(BlockTransport):
     def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
                          notification: bytes | None) -> _Prepared:
         """Build the iovecs (and the parts the copy threads take) now, off the hand-off."""
-        p = self._pair_peer(pair)
-        loc, rem = req.descriptors(pair, columns=2)
-        return _Prepared(p, self._parts(loc.view(np.uint64), rem.view(np.uint64), req.nbytes))
+        return _Prepared(self._pair_peer(pair), self._block_parts(pair, req))
 
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""
@@ -1082,6 +1080,11 @@ class ShmTransport(BlockTransport):
         with self._lock:
             self._check_open()
             self._jobs.put(job)
+
+    def _block_parts(self, pair: BlockPair, req: BlockRequest) -> Parts:
+        """``req``'s iovecs, from the plane tables, cut into the copy threads' parts."""
+        loc, rem = req.descriptors(pair, columns=2)
+        return self._parts(loc.view(np.uint64), rem.view(np.uint64), req.nbytes)
 
     def _parts(self, local: IovArray, remote: IovArray, nbytes: int) -> Parts:
         """The pieces the copy threads take: the whole transfer below ``split_bytes`` (or with
@@ -1114,11 +1117,7 @@ class ShmTransport(BlockTransport):
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            if isinstance(job, _Job):
-                parts = job.parts
-            else:
-                loc, rem = job.req.descriptors(job.pair, columns=2)
-                parts = self._parts(loc.view(np.uint64), rem.view(np.uint64), h.nbytes)
+            parts = job.parts if isinstance(job, _Job) else self._block_parts(job.pair, job.req)
             self._copy(fn, peer.pid, parts)
             if job.notification is not None:
                 peer.sender.send(job.notification)

@@ -156,6 +156,9 @@ class TransferReport:
     raw_ahead: bool = False  # the raw session built its requests ahead too
     raw_shared: bool = False  # the raw column moved kvbridge's own buffers (raw_responder)
     pages: str = "numpy"  # page size of the bench's buffers (PAGES)
+    #: share of kvbridge's bytes copied through the peer's mapped memory (shm ``map_memory``;
+    #: the rest moved by cross-memory attach); None for transports that do not map
+    mapped: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,6 +174,7 @@ class TransferReport:
             "raw_ahead": self.raw_ahead,
             "raw_shared": self.raw_shared,
             "pages": self.pages,
+            "mapped": self.mapped,
             "verified": True,
             "rows": [
                 {**asdict(r), "ratio_memcpy": r.ratio_memcpy, "ratio_raw": r.ratio_raw}
@@ -451,7 +455,15 @@ def run_transfer_bench(
     return TransferReport(backend, total_bytes, reps, mode, confidence,
                           (load_before, os.getloadavg()[0]), rows, ahead,
                           ahead and session is not None and hasattr(session, "prepare"),
-                          _shared(session), pages)
+                          _shared(session), pages, _mapped(transport))
+
+
+def _mapped(transport: Transport) -> float | None:
+    """The share of the transport's bytes it copied through a peer's mapping (shm)."""
+    mapped, cma = getattr(transport, "mapped_bytes", None), getattr(transport, "cma_bytes", 0)
+    if mapped is None or not mapped + cma:
+        return None
+    return float(mapped / (mapped + cma))
 
 
 def _shared(session: Any) -> bool:
@@ -634,6 +646,9 @@ def format_transfer_report(report: TransferReport) -> str:
         how += "; raw moves kvbridge's own buffers, every transfer checked"
     if report.pages != "numpy":
         how += f"; buffers on {report.pages} pages"
+    if report.mapped is not None:
+        how += (f"; {report.mapped:.0%} of kvbridge's bytes copied through the peer's mapped "
+                "memory, the rest by cross-memory attach")
     lines = [
         f"kvbridge bench transfer: backend={report.backend}, "
         f"{report.total_bytes / (1 << 20):g} MiB per transfer, {how}, GB/s = 1e9 bytes/s, "

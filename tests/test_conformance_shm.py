@@ -9,3 +9,12 @@ class TestShmConformance(TransportConformance):
     backend = "shm"
     native_blocks = True
     options = {}
+
+
+class TestShmMappedConformance(TransportConformance):
+    """Both sides share their memory through a sealed memfd and map the other's: every case
+    moves the bytes the peer's mapping holds with the native range copy, the rest by CMA."""
+
+    backend = "shm"
+    native_blocks = True
+    options = {"map_memory": True}

@@ -61,10 +61,10 @@ import os, sys, msgspec
 from kvbridge.messages import Codec
 from kvbridge.transports.shm import _Listener, _Registration
 claim_pid, addr, length = (int(v) for v in sys.argv[1:4])
-def answer(challenge):
+def answer(challenge, want_fds):
     return msgspec.msgpack.encode(_Registration(
         agent="evil", pid=claim_pid or os.getpid(), version=1, regions=[(addr, length)],
-        notify_address="tcp://127.0.0.1:9", challenge=challenge))
+        notify_address="tcp://127.0.0.1:9", challenge=challenge)), []
 listener = _Listener(Codec(), answer, 5.0, 4, "attacker")
 print(listener.name.encode().hex(), os.getpid(), flush=True)
 sys.stdin.readline()
@@ -377,10 +377,10 @@ def test_hostile_listener_is_refused_in_bounded_time(
 
 
 def _lying_listener(**change: Any) -> _Listener:
-    def answer(challenge: bytes) -> bytes:
+    def answer(challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
         reg = _Registration(agent="evil", pid=os.getpid(), version=1, regions=[],
                             notify_address="tcp://127.0.0.1:9", challenge=challenge)
-        return msgspec.msgpack.encode(msgspec.structs.replace(reg, **change))
+        return msgspec.msgpack.encode(msgspec.structs.replace(reg, **change)), []
     return _Listener(Codec(), answer, 2.0, 4, "liar")
 
 

@@ -65,11 +65,24 @@ must agree), ``iov_max`` (iovecs per system call, default 1024), ``handshake_tim
 default 5), ``listener_timeout`` (seconds per inbound connection, default 2),
 ``listener_max_connections`` (default 16), ``max_notifications`` (default 4096),
 ``max_notification_bytes`` (default 4 MiB), ``threads`` (default 2, or 1 on a one-CPU host),
-``split_bytes`` (default 16 MiB).
+``split_bytes`` (default 16 MiB), ``map_memory`` (default false: see below), ``map_peers``
+(default true).
+
+Mapped copies (:mod:`._memfd`): with ``map_memory``, ``register_memory`` moves the whole pages
+of the regions onto one sealed memfd (same addresses, same bytes; the connector turns it on for
+a CPU engine's KV cache, which nothing writes yet and nothing pins) and the listener hands that
+memfd to a peer that asks, over the same Unix socket (``SCM_RIGHTS``). With ``map_peers``, the
+handshake asks for it, validates it (a sealed tmpfs memfd that the proven process maps at the
+claimed addresses, inside its regions; anything else is :class:`PeerUnreachable`) and maps it;
+a transfer then copies the ranges the mapping holds with ``memmove`` in this process, and the
+rest by CMA. Same bytes, same ordering and notification rules; a peer that exited fails the
+transfer as CMA would. :attr:`ShmTransport.mapped_bytes` / :attr:`ShmTransport.cma_bytes` count
+how each byte moved.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import errno
@@ -121,6 +134,17 @@ from kvbridge.transport import (
     TransferHandle,
     check_within,
 )
+from kvbridge.transports import _rangecopy as rangecopy
+from kvbridge.transports._memfd import (
+    MAX_FDS,
+    FdRefused,
+    FdUnverifiable,
+    PeerMapping,
+    Piece,
+    SharedArea,
+    close_all,
+    share,
+)
 from kvbridge.transports._notify import (
     DEFAULT_MAX_NOTIFICATION_BYTES,
     DEFAULT_MAX_NOTIFICATIONS,
@@ -169,6 +193,8 @@ _Pos = Annotated[int, msgspec.Meta(ge=1, le=_MAX_ADDR)]
 _Version = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 _Pid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
 _Challenge = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+_FdIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FDS)]
+_Offset = Annotated[int, msgspec.Meta(ge=0, le=_MAX_ADDR)]
 
 
 class ShmMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.v2"):
@@ -188,9 +214,11 @@ class ShmMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.v
 
 
 class _Query(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.query.v1"):
-    """Handshake request: send me your current registration and echo this challenge."""
+    """Handshake request: send me your current registration and echo this challenge (and,
+    with ``fds``, the memfds behind your shared memory)."""
 
     challenge: _Challenge
+    fds: bool = False
 
 
 class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.reg.v1"):
@@ -202,6 +230,9 @@ class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm
     regions: Annotated[list[tuple[_Pos, _Pos]], msgspec.Meta(max_length=MAX_REGIONS)]
     notify_address: Annotated[str, msgspec.Meta(max_length=256, pattern="^tcp://")]
     challenge: _Challenge
+    #: ``(address, length, fd index, offset)``: ranges backed by the memfds sent with the answer
+    shared: Annotated[list[tuple[_Pos, _Pos, _FdIndex, _Offset]],
+                      msgspec.Meta(max_length=MAX_REGIONS)] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -432,11 +463,28 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
         view = view[sock.send(view):]
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float,
+                fds: list[int] | None = None) -> bytes:
+    """``n`` bytes; with ``fds``, also the fds that come with them, appended there (closed
+    on exec; more than :data:`MAX_FDS` in all raises :class:`MessageError`: the caller closes
+    ``fds`` in any case)."""
     buf = bytearray()
     while len(buf) < n:
         sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-        chunk = sock.recv(min(n - len(buf), 1 << 16))
+        if fds is None:
+            chunk = sock.recv(min(n - len(buf), 1 << 16))
+        else:
+            chunk, anc, flags, _ = sock.recvmsg(min(n - len(buf), 1 << 16),
+                                                socket.CMSG_SPACE(4 * MAX_FDS),
+                                                socket.MSG_CMSG_CLOEXEC)
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(data[:len(data) - len(data) % got.itemsize])
+                    fds.extend(got)
+            # the kernel closes what did not fit and says so with MSG_CTRUNC
+            if len(fds) > MAX_FDS or flags & socket.MSG_CTRUNC:
+                raise MessageError(f"more than {MAX_FDS} fds sent with the answer")
         if not chunk:
             raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
         buf += chunk
@@ -452,6 +500,7 @@ class _Conn:
     size: int = -1
     buf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None
+    fds: list[int] = field(default_factory=list)  # sent with the answer's first bytes
 
 
 class _Listener:
@@ -467,7 +516,7 @@ class _Listener:
     def __init__(
         self,
         codec: Codec,
-        answer: Callable[[bytes], bytes],
+        answer: Callable[[bytes, bool], tuple[bytes, list[int]]],
         timeout: float,
         max_conns: int,
         thread_name: str,
@@ -584,19 +633,24 @@ class _Listener:
             if not 0 < c.size <= _MAX_REQUEST_BYTES:
                 raise MessageError(f"request of {c.size} bytes announced")
             return
-        reply = self._reply(bytes(c.buf))
+        reply, c.fds = self._reply(bytes(c.buf))
         c.out = memoryview(len(reply).to_bytes(4, "big") + reply)
         self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
         self._write(c)
 
     def _write(self, c: _Conn) -> None:
         assert c.out is not None
-        c.out = c.out[c.sock.send(c.out):]
+        if c.fds:  # the fds travel with the first bytes that go out (and stay ours)
+            sent = socket.send_fds(c.sock, [c.out], c.fds)
+            c.fds = []
+        else:
+            sent = c.sock.send(c.out)
+        c.out = c.out[sent:]
         if not c.out:
             self.served += 1
             self._drop(c)
 
-    def _reply(self, data: bytes) -> bytes:
+    def _reply(self, data: bytes) -> tuple[bytes, list[int]]:
         frame = self._codec.decode(data)
         if not isinstance(frame, PipeFrame):
             raise MessageError(f"expected a query frame, got {type(frame).__name__}")
@@ -604,7 +658,8 @@ class _Listener:
             query = _query_decoder.decode(frame.payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MessageError(f"malformed query: {exc}") from None
-        return self._codec.encode(PipeFrame(seq=0, payload=self._answer(query.challenge)))
+        payload, fds = self._answer(query.challenge, query.fds)
+        return self._codec.encode(PipeFrame(seq=0, payload=payload)), fds
 
     def _warn(self, what: str) -> None:
         """WARNING at most once a second (the rest at DEBUG): a flood must not flood the log."""
@@ -657,6 +712,7 @@ class _Peer:
     version: int
     regions: list[tuple[int, int]]
     sender: NotificationSender
+    mapping: PeerMapping | None = None
     retired: bool = False
 
     def __post_init__(self) -> None:
@@ -666,9 +722,12 @@ class _Peer:
         """False once the proven process exited (its pid may then belong to another one)."""
         return self._poller is None or not self._poller.poll(0)
 
-    def retire(self) -> None:
-        """Close the sender and the pidfd (on the worker, after every job queued before)."""
+    def retire(self, unmap: bool = True) -> None:
+        """Close the sender, the pidfd and (with ``unmap``) the mapping of its shared memory
+        (on the worker, after every job queued before: no copy uses the mapping then)."""
         self.retired = True
+        if unmap and self.mapping is not None:
+            self.mapping.close()
         self.sender.close()
         if self.pidfd >= 0:
             self._poller = None
@@ -676,7 +735,18 @@ class _Peer:
             self.pidfd = -1
 
 
-Parts = list[tuple[IovArray, IovArray]]
+@dataclass
+class _Part:
+    """One copy thread's share of a transfer: ``moves`` (rows of dst, src, length) to copy
+    through the peer's mapped memory, then the ``local <-> remote`` iovecs by CMA."""
+
+    moves: IovArray
+    local: IovArray
+    remote: IovArray
+    mapped_bytes: int = 0
+
+
+Parts = list[_Part]
 
 
 @dataclass
@@ -715,6 +785,16 @@ def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
         raise DescriptorError("descriptors hold an address or length above 2**62")
 
 
+def _flag(options: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = options.get(key, default)
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
+                                                    "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    if not isinstance(value, bool):
+        raise ConfigError(f"shm option {key} must be true or false, got {value!r}")
+    return value
+
+
 def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     try:
         value = float(options.get(key, default))
@@ -742,6 +822,15 @@ class ShmTransport(BlockTransport):
         opts = self.options
         self._threads = int(_option(opts, "threads", DEFAULT_THREADS, 1, 64))
         self._split_bytes = int(_option(opts, "split_bytes", 16 << 20, 1, 1 << 40))
+        self._map_memory = _flag(opts, "map_memory", False)
+        self._map_peers = _flag(opts, "map_peers", True)
+        self._rangecopy: rangecopy.RangeCopy | None = None  # loaded with the first mapping
+        self._stop = ctypes.c_int32(0)  # set with _abort: the native copy checks it
+        self._areas: list[SharedArea] = []
+        #: bytes copied through peers' mapped memory / by cross-memory attach (successful
+        #: transfers; updated on the worker)
+        self.mapped_bytes = 0
+        self.cma_bytes = 0
         self._helpers: ThreadPoolExecutor | None = None
         self._hs_timeout = _option(opts, "handshake_timeout", 5.0, 0.01, 600.0)
         listener_timeout = _option(opts, "listener_timeout", 2.0, 0.01, 600.0)
@@ -807,12 +896,39 @@ class ShmTransport(BlockTransport):
         with self._lock:
             if len(self._regions) + len(new) > MAX_REGIONS:
                 raise DescriptorError(f"more than {MAX_REGIONS} regions registered")
+            areas = len(self._areas)
+        area = self._share(new) if self._map_memory and areas < MAX_FDS else None
+        with self._lock:
             self._regions.extend(new)
+            if area is not None:
+                self._areas.append(area)
             self._version += 1
             meta = self._metadata()
         log.info("shm %r registered %d region(s), %d bytes", self.agent_name, len(new),
                  sum(n for _, n in new))
         return meta
+
+    def _share(self, regions: list[tuple[int, int]]) -> SharedArea | None:
+        """Back ``regions`` with a sealed memfd for peers to map (``map_memory``); not where
+        they overlap memory shared before (peers would then hold a stale mapping of it)."""
+        with self._lock:
+            old = [(p.address, p.address + p.length) for a in self._areas for p in a.pieces]
+        if any(a < hi and lo < a + n for a, n in regions for lo, hi in old):
+            log.info("shm %r: the new regions overlap memory shared before; they are not "
+                     "shared again and move by cross-memory attach", self.agent_name)
+            return None
+        t0 = time.monotonic()
+        area = share(regions, f"kvbridge-shm-{self.agent_name}"[:200])
+        total = sum(n for _, n in regions)
+        if area.error:
+            log.warning("shm %r: %d of %d registered bytes shared through a memfd (%s); "
+                        "the rest moves by cross-memory attach", self.agent_name, area.nbytes,
+                        total, area.error)
+        else:
+            log.info("shm %r: %d of %d registered bytes shared through a memfd (%d on huge "
+                     "pages) in %.2f s", self.agent_name, area.nbytes, total, area.huge_bytes,
+                     time.monotonic() - t0)
+        return area if area.pieces else None
 
     def _metadata(self) -> bytes:
         return _encoder.encode(
@@ -827,9 +943,11 @@ class ShmTransport(BlockTransport):
             )
         )
 
-    def _registration(self, challenge: bytes) -> bytes:
-        """The listener's answer: what this process registered, now."""
+    def _registration(self, challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
+        """The listener's answer: what this process registered, now (and, when asked, the
+        memfds behind its shared pieces)."""
         with self._lock:
+            areas = self._areas if want_fds else []
             reg = _Registration(
                 agent=self.agent_name,
                 pid=os.getpid(),
@@ -837,8 +955,11 @@ class ShmTransport(BlockTransport):
                 regions=list(self._regions),
                 notify_address=self._inbox.address,
                 challenge=challenge,
+                shared=[(p.address, p.length, i, p.offset)
+                        for i, a in enumerate(areas) for p in a.pieces],
             )
-        return _encoder.encode(reg)
+            fds = [a.fd for a in areas]
+        return _encoder.encode(reg), fds
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer after proving who it is (see the module docstring).
@@ -886,6 +1007,15 @@ class ShmTransport(BlockTransport):
         who = f"peer {meta.agent!r}"
         deadline = time.monotonic() + self._hs_timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds: list[int] = []
+        try:
+            return self._prove(meta, who, sock, deadline, fds)
+        finally:
+            sock.close()
+            close_all(fds)  # mapped or refused: the mappings keep what they need
+
+    def _prove(self, meta: ShmMetadata, who: str, sock: socket.socket, deadline: float,
+               fds: list[int]) -> _Peer:
         pidfd = -1
         try:
             sock.settimeout(self._hs_timeout)
@@ -917,15 +1047,16 @@ class ShmTransport(BlockTransport):
                 raise PeerUnreachable(f"{who}: process {pid} is gone") from None
             challenge = os.urandom(16)
             request = self._hs_codec.encode(
-                PipeFrame(seq=0, payload=_encoder.encode(_Query(challenge=challenge)))
+                PipeFrame(seq=0, payload=_encoder.encode(
+                    _Query(challenge=challenge, fds=self._map_peers)))
             )
             _send_all(sock, len(request).to_bytes(4, "big") + request, deadline)
-            size = int.from_bytes(_recv_exact(sock, 4, deadline), "big")
+            size = int.from_bytes(_recv_exact(sock, 4, deadline, fds), "big")
             if not 0 < size <= _MAX_REPLY_BYTES:
                 raise PeerUnreachable(
                     f"{who} announced a registration of {size} bytes (limit {_MAX_REPLY_BYTES})"
                 )
-            frame = self._hs_codec.decode(_recv_exact(sock, size, deadline))
+            frame = self._hs_codec.decode(_recv_exact(sock, size, deadline, fds))
             if not isinstance(frame, PipeFrame):
                 raise MessageError(f"a {type(frame).__name__} instead of a registration")
             reg = _reg_decoder.decode(frame.payload)
@@ -949,8 +1080,6 @@ class ShmTransport(BlockTransport):
         except OSError as exc:
             _close_fd(pidfd)
             raise PeerUnreachable(f"{who}'s shm socket failed during the handshake: {exc}") from exc
-        finally:
-            sock.close()
         problem = None
         if reg.challenge != challenge:
             problem = "did not echo the challenge"
@@ -967,14 +1096,44 @@ class ShmTransport(BlockTransport):
             _close_fd(pidfd)
             raise PeerUnreachable(f"the process behind {who}'s shm socket {problem}: refusing")
         try:
+            mapping = self._map(reg, fds, pid, who)
+        except PeerUnreachable:
+            _close_fd(pidfd)
+            raise
+        try:
             sender = NotificationSender(reg.notify_address, self.agent_name, self._codec)
         except Exception as exc:  # noqa: BLE001 - zmq refuses an unusable address
             _close_fd(pidfd)
+            if mapping is not None:
+                mapping.close()
             raise PeerUnreachable(
                 f"{who} answered an unusable notification address "
                 f"{reg.notify_address!r}: {exc}"
             ) from None
-        return _Peer(reg.agent, pid, pidfd, reg.version, list(reg.regions), sender)
+        return _Peer(reg.agent, pid, pidfd, reg.version, list(reg.regions), sender, mapping)
+
+    def _map(self, reg: _Registration, fds: list[int], pid: int, who: str) -> PeerMapping | None:
+        """Map the peer's shared memory, validated (:class:`PeerMapping`); None where it
+        shares none, where we do not map peers, or where ``/proc`` hides its mappings."""
+        if not self._map_peers or not (fds or reg.shared):
+            return None
+        self._rangecopy = self._rangecopy or rangecopy.load()
+        if self._rangecopy is None:
+            return None  # no native copy here: CMA it is (load() logged why, once)
+        pieces = [Piece(*s) for s in reg.shared]
+        try:
+            mapping = PeerMapping(fds, pieces, pid, reg.regions)
+        except FdUnverifiable as exc:
+            log.warning("shm %r: %s's shared memory is not mapped (%s); it moves by "
+                        "cross-memory attach", self.agent_name, who, exc)
+            return None
+        except FdRefused as exc:
+            raise PeerUnreachable(f"{who} sent shared memory that is refused: {exc}") from None
+        except OSError as exc:
+            raise PeerUnreachable(f"{who}'s shared memory cannot be checked: {exc}") from None
+        log.info("shm %r maps %d bytes of %s's memory (memcpy instead of cross-memory attach)",
+                 self.agent_name, mapping.nbytes, who)
+        return mapping
 
     def _probe(self, peer: _Peer) -> None:
         """Read one byte of the peer: a missing permission or process fails the handshake."""
@@ -1035,7 +1194,7 @@ class ShmTransport(BlockTransport):
         check_within(local, regions, "local")
         check_within(remote, p.regions, f"remote ({peer})")
         handle = TransferHandle(op, peer, int(local[:, 1].sum()), int(local.shape[0]))
-        job = _Job(handle, p, self._parts(_iov(local), _iov(remote), handle.nbytes),
+        job = _Job(handle, p, self._parts(p, op, _iov(local), _iov(remote), handle.nbytes),
                    notification)
         log.debug("shm %r posting %s #%d: %d bytes in %d descriptors to %r", self.agent_name,
                   op.value, handle.id, handle.nbytes, handle.count, peer)
@@ -1062,7 +1221,8 @@ class ShmTransport(BlockTransport):
     def _prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
                          notification: bytes | None) -> _Prepared:
         """Build the iovecs (and the parts the copy threads take) now, off the hand-off."""
-        return _Prepared(self._pair_peer(pair), self._block_parts(pair, req))
+        peer = self._pair_peer(pair)
+        return _Prepared(peer, self._block_parts(peer, op, pair, req))
 
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""
@@ -1081,17 +1241,21 @@ class ShmTransport(BlockTransport):
             self._check_open()
             self._jobs.put(job)
 
-    def _block_parts(self, pair: BlockPair, req: BlockRequest) -> Parts:
+    def _block_parts(self, peer: _Peer, op: Op, pair: BlockPair, req: BlockRequest) -> Parts:
         """``req``'s iovecs, from the plane tables, cut into the copy threads' parts."""
         loc, rem = req.descriptors(pair, columns=2)
-        return self._parts(loc.view(np.uint64), rem.view(np.uint64), req.nbytes)
+        return self._parts(peer, op, loc.view(np.uint64), rem.view(np.uint64), req.nbytes)
 
-    def _parts(self, local: IovArray, remote: IovArray, nbytes: int) -> Parts:
+    def _parts(self, peer: _Peer, op: Op, local: IovArray, remote: IovArray,
+               nbytes: int) -> Parts:
         """The pieces the copy threads take: the whole transfer below ``split_bytes`` (or with
-        one thread), else ``threads`` pieces of about equal bytes."""
+        one thread), else ``threads`` pieces of about equal bytes; in each, the ranges the
+        peer's mapped memory holds are moves, the others stay iovecs."""
         if self._threads <= 1 or nbytes < self._split_bytes or local.shape[0] == 0:
-            return [(local, remote)]
-        return split_iovecs(local, remote, self._threads)
+            pairs = [(local, remote)]
+        else:
+            pairs = split_iovecs(local, remote, self._threads)
+        return [_part(peer.mapping, op, loc, rem) for loc, rem in pairs]
 
     def _work(self) -> None:
         while True:
@@ -1117,8 +1281,14 @@ class ShmTransport(BlockTransport):
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
         try:
-            parts = job.parts if isinstance(job, _Job) else self._block_parts(job.pair, job.req)
+            parts = (job.parts if isinstance(job, _Job)
+                     else self._block_parts(peer, h.op, job.pair, job.req))
             self._copy(fn, peer.pid, parts)
+            mapped = sum(p.mapped_bytes for p in parts)
+            if mapped and not peer.alive():  # CMA would have failed with ESRCH
+                raise TransferFailed(_explain(errno.ESRCH, peer.pid))
+            self.mapped_bytes += mapped
+            self.cma_bytes += h.nbytes - mapped
             if job.notification is not None:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
@@ -1132,17 +1302,16 @@ class ShmTransport(BlockTransport):
         every part stopped, also when one failed (its bytes may be landing), then raise the
         first failure."""
         if len(parts) == 1:
-            copy_iovecs(fn, pid, *parts[0], self._iov_max, self._abort)
+            self._copy_part(fn, pid, parts[0])
             return
         if self._helpers is None:
             self._helpers = ThreadPoolExecutor(self._threads - 1,
                                                thread_name_prefix=f"kvbridge-shm-{self.agent_name}")
-        (loc0, rem0), *rest = parts
-        futures = [self._helpers.submit(copy_iovecs, fn, pid, loc, rem, self._iov_max,
-                                        self._abort) for loc, rem in rest]
+        first, *rest = parts
+        futures = [self._helpers.submit(self._copy_part, fn, pid, p) for p in rest]
         errors: list[BaseException] = []
         try:
-            copy_iovecs(fn, pid, loc0, rem0, self._iov_max, self._abort)
+            self._copy_part(fn, pid, first)
         except Exception as exc:  # noqa: BLE001 - reported once every part stopped
             errors.append(exc)
         for f in futures:
@@ -1151,6 +1320,16 @@ class ShmTransport(BlockTransport):
                 errors.append(failure)
         if errors:
             raise errors[0]
+
+    def _copy_part(self, fn: Callable[..., int], pid: int, part: _Part) -> None:
+        """Copy the part's mapped ranges in one native call (without the GIL), then the rest by
+        CMA; ``close`` stops either within 64 ranges."""
+        if part.moves.shape[0]:
+            assert self._rangecopy is not None  # there are moves only with a mapping
+            if self._rangecopy(part.moves, self._stop) < part.moves.shape[0]:
+                raise TransferFailed("transport closed during the transfer; abandoned")
+        if part.local.shape[0]:
+            copy_iovecs(fn, pid, part.local, part.remote, self._iov_max, self._abort)
 
     def poll(self, handle: TransferHandle) -> HandleState:
         """The handle's state (non-blocking; the worker thread makes progress)."""
@@ -1190,13 +1369,18 @@ class ShmTransport(BlockTransport):
                 log.warning("shm %r: transfers still queued after %.1f s; failing them",
                             self.agent_name, timeout)
                 self._abort.set()
+                self._stop.value = 1
                 self._worker.join(5.0)
             self._abort.set()
+            self._stop.value = 1
             self._fail_leftovers()
             if self._helpers is not None:
                 self._helpers.shutdown(wait=True)
+            stuck = self._worker.is_alive()  # a copy may still read a mapping: keep them
             for p in peers:
-                p.retire()
+                p.retire(unmap=not stuck)
+            for area in self._areas:
+                area.close()
             self._inbox.close()
             log.info("shm transport %r closed", self.agent_name)
 
@@ -1210,6 +1394,26 @@ class ShmTransport(BlockTransport):
                 job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
             elif job is not None:
                 job()
+
+
+def _part(mapping: PeerMapping | None, op: Op, local: IovArray, remote: IovArray) -> _Part:
+    """Split one thread's iovecs into moves through ``mapping`` and the rest (vectorised)."""
+    if mapping is None or local.shape[0] == 0:
+        return _Part(_NO_MOVES, local, remote)
+    length = remote[:, 1].astype(np.int64)
+    inside, here = mapping.translate(remote[:, 0].astype(np.int64), length)
+    if not inside.any():
+        return _Part(_NO_MOVES, local, remote)
+    mine = local[inside, 0].astype(np.int64)
+    dst, src = (mine, here[inside]) if op is Op.READ else (here[inside], mine)
+    sizes = length[inside]
+    moves = np.ascontiguousarray(np.stack([dst, src, sizes], axis=1)).view(np.uint64)
+    outside = ~inside
+    return _Part(moves, np.ascontiguousarray(local[outside]),
+                 np.ascontiguousarray(remote[outside]), int(sizes.sum()))
+
+
+_NO_MOVES: IovArray = np.zeros((0, 3), dtype=np.uint64)
 
 
 def _close_fd(fd: int) -> None:

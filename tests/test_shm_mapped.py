@@ -1,0 +1,389 @@
+"""shm's mapped copies: registered memory on a sealed memfd, peers copy it with the native range
+copy (kvbridge.transports._memfd, _rangecopy). The conformance suite runs with it too
+(tests/test_conformance_shm.py::TestShmMappedConformance); here: what it maps and how each byte
+moved, that a registration keeps every byte, and hostile fds and pieces from a peer."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import re
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbridge.blocks import prepare_blocks, prepare_parts
+from kvbridge.errors import PeerUnreachable
+from kvbridge.testing.peer import PeerProcess, kv_buffer
+from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transports import _memfd as memfd
+from kvbridge.transports import _rangecopy
+from kvbridge.transports._memfd import MAX_FDS
+from kvbridge.transports.shm import ShmTransport, _encoder, _Registration
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(_rangecopy.load() is None, reason="no C compiler: no mapped copies"),
+]
+
+PAGE = mmap.PAGESIZE
+MiB = 1 << 20
+
+
+def _buffer(nbytes: int, seed: int | None = None) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Page-aligned host memory (an anonymous mapping, as a large torch.zeros gets)."""
+    area = mmap.mmap(-1, nbytes)
+    buf = np.frombuffer(area, dtype=np.uint8)
+    if seed is not None:
+        buf[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+def _registered(owner: ShmTransport, nbytes: int,
+                seed: int) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], bytes]:
+    """A random buffer ``owner`` registered (and shared), and its metadata."""
+    buf = _buffer(nbytes, seed=seed)
+    return buf, owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+
+
+def _descs(base: int, offsets: np.ndarray[Any, Any], length: int) -> np.ndarray[Any, Any]:
+    n = offsets.size
+    return np.stack([base + offsets.astype(np.int64) * length, np.full(n, length),
+                     np.zeros(n, np.int64)], 1).astype(np.int64)
+
+
+def _received() -> list[str]:
+    """What this process holds open of the kinds the forged answers send."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "forged" in target or target in _PIPES or target.endswith("/plain"):
+            out.append(target)
+    return sorted(out)
+
+
+_PIPES: set[str] = set()
+
+
+def _pipe() -> int:
+    r, w = os.pipe()
+    os.close(w)
+    _PIPES.add(f"pipe:[{os.fstat(r).st_ino}]")
+    return r
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ShmTransport, ShmTransport]]:
+    tag = uuid.uuid4().hex[:6]
+    a = ShmTransport(f"own-{tag}", {"map_memory": True})
+    b = ShmTransport(f"map-{tag}", {"map_memory": True})
+    try:
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+
+
+def test_registration_keeps_every_byte_and_seals_the_memfd() -> None:
+    buf = _buffer(8 * MiB, seed=1)
+    ref = buf.copy()
+    start = buf.ctypes.data + 100  # partial pages at both ends stay as they were
+    t = ShmTransport("seal", {"map_memory": True})
+    try:
+        t.register_memory([MemoryRegion(start, buf.nbytes - 300)])
+        np.testing.assert_array_equal(buf, ref)
+        (area,) = t._areas
+        (piece,) = area.pieces
+        assert piece.address == buf.ctypes.data + PAGE
+        assert piece.length == buf.nbytes - 2 * PAGE
+        seals = fcntl.fcntl(area.fd, memfd.F_GET_SEALS)
+        assert seals & memfd.F_SEAL_SHRINK and seals & memfd.F_SEAL_GROW
+        assert seals & memfd.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(area.fd, PAGE)
+        maps = memfd._maps_of(os.getpid(), {os.fstat(area.fd).st_ino})
+        assert maps and maps[0][0] == piece.address
+        buf[PAGE:PAGE + 4] = 7  # the memory still works as memory
+        assert bytes(buf[PAGE:PAGE + 4]) == b"\x07" * 4
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_mapped_ranges_move_by_memcpy_and_the_edges_by_cma(
+    pair: tuple[ShmTransport, ShmTransport], op: Op
+) -> None:
+    """The owner registers a region with partial pages at its ends: ranges inside the mapped
+    pages are copied through the mapping, the two that touch an edge page by CMA."""
+    owner, mapper = pair
+    n, size = 64, 64 << 10
+    theirs = _buffer(n * size + 2 * PAGE, seed=2)
+    mine = _buffer(n * size, seed=3 if op is Op.WRITE else None)
+    base = theirs.ctypes.data + 1000
+    name = mapper.add_peer(owner.register_memory([MemoryRegion(base, n * size)]))
+    mapper.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
+    assert mapper._peers[name].mapping is not None
+    perm = np.random.default_rng(4).permutation(n)
+    h = mapper.submit(op, name, _descs(mine.ctypes.data, np.arange(n), size),
+                      _descs(base, perm, size))
+    assert mapper.wait(h, 20) is HandleState.DONE, h.error
+    view = theirs[1000:1000 + n * size].reshape(n, size)
+    np.testing.assert_array_equal(view[perm], mine.reshape(n, size))
+    edges = 2 * size  # the first and the last block each touch a partial page
+    assert (mapper.mapped_bytes, mapper.cma_bytes) == (n * size - edges, edges)
+
+
+def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
+    """The connector's path: the peer in another process, a READ by block ids prepared ahead;
+    every block lands, and all but the blocks on the peer's partial edge pages are copied
+    through the mapping."""
+    layers, blocks, size = 2, 32, 64 << 10
+    with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
+            ShmTransport("mapper", {"map_memory": True}) as t:
+        mem = peer.setup(layers, blocks, size, 6)
+        name = t.add_peer(mem.metadata)
+        local, lay = kv_buffer(layers, blocks, size, 99)
+        t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
+        pair_ = prepare_blocks(t, name, lay, mem.layout)
+        lids, rids = np.arange(blocks), np.random.default_rng(7).permutation(blocks)
+        prep = prepare_parts(t, Op.READ, name, [(pair_.local, lids, pair_.remote, rids)])
+        assert prep is not None
+        h = prep.post()
+        assert t.wait(h, 20) is HandleState.DONE, h.error
+        theirs = peer.buffer(mem.index).reshape(layers, 2, blocks, size)
+        np.testing.assert_array_equal(local[:, :, lids], theirs[:, :, rids])
+        assert t.mapped_bytes + t.cma_bytes == local.nbytes
+        assert t.mapped_bytes >= local.nbytes - 2 * size  # at most the two edge blocks by CMA
+
+
+# -- hostile fds and pieces -----------------------------------------------------------------------
+
+
+def _forge(owner: ShmTransport, shared: list[tuple[int, int, int, int]],
+           fds: Callable[[], list[int]]) -> None:
+    """Make ``owner``'s listener answer its true registration, but with ``shared`` pieces and
+    the fds ``fds()`` returns (opened per answer, closed after sending)."""
+
+    def answer(challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
+        payload, _ = owner._registration(challenge, False)
+        reg = msgspec.msgpack.decode(payload, type=_Registration)
+        reg = msgspec.structs.replace(reg, shared=shared)
+        sent = fds()
+        owner._forged.extend(sent)  # type: ignore[attr-defined]
+        return _encoder.encode(reg), sent
+
+    owner._forged = []  # type: ignore[attr-defined]
+    owner._listener._answer = answer
+
+
+def _new_memfd(size: int, seals: int = memfd.F_SEAL_SHRINK | memfd.F_SEAL_GROW,
+           flags: int = os.MFD_ALLOW_SEALING) -> int:
+    fd = os.memfd_create("forged", flags)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, memfd.F_ADD_SEALS, seals)
+    return fd
+
+
+def _tmpfile(tmp_path: Any) -> int:
+    path = tmp_path / "plain"
+    path.write_bytes(b"\0" * (1 << 20))
+    return os.open(path, os.O_RDWR)
+
+
+HOSTILE: dict[str, tuple[Callable[[int, int, Any], tuple[list[Any], Callable[[], list[int]]]],
+                         str]] = {
+    "a regular file": (lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_tmpfile(tmp)]),
+                       "is not a memfd"),
+    "a pipe": (lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_pipe()]),
+               "is not a regular file"),
+    "an unsealed memfd": (lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_new_memfd(n, seals=0)]),
+                          "not sealed against shrinking"),
+    "a write-sealed memfd": (
+        lambda a, n, tmp: ([(a, n, 0, 0)],
+                           lambda: [_new_memfd(n, memfd.F_SEAL_SHRINK | memfd.F_SEAL_WRITE)]),
+        "sealed against writing"),
+    "a memfd too small": (lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_new_memfd(n // 2)]),
+                          "past the end"),
+    "a memfd the process does not map there": (
+        lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_new_memfd(n)]), "does not map"),
+    "a piece outside the regions": (
+        lambda a, n, tmp: ([(a + n, n, 0, 0)], lambda: [_new_memfd(2 * n)]),
+        "not inside one of the peer's registered regions"),
+    "an unaligned piece": (lambda a, n, tmp: ([(a + 1, PAGE, 0, 0)], lambda: [_new_memfd(n)]),
+                           "not page-aligned"),
+    "an fd no piece uses": (lambda a, n, tmp: ([], lambda: [_new_memfd(n)]), "pieces use fds []"),
+    "a piece without its fd": (lambda a, n, tmp: ([(a, n, 0, 0)], lambda: []),
+                               "pieces use fds [0]"),
+    "more fds than allowed": (
+        lambda a, n, tmp: ([(a, n, 0, 0)], lambda: [_new_memfd(n) for _ in range(MAX_FDS + 1)]),
+        f"more than {MAX_FDS} fds sent"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_fds_and_pieces_are_refused_and_closed(
+    pair: tuple[ShmTransport, ShmTransport], tmp_path: Any, case: str
+) -> None:
+    """Each forged answer fails the handshake with PeerUnreachable naming what is wrong; no fd
+    and no mapping is left behind, and the transports go on working."""
+    owner, mapper = pair
+    buf, meta = _registered(owner, 1 * MiB, 8)
+    shared, fds = HOSTILE[case][0](buf.ctypes.data, buf.nbytes, tmp_path)
+    _forge(owner, shared, fds)
+    with pytest.raises(PeerUnreachable, match=re.escape(HOSTILE[case][1])):
+        mapper.add_peer(meta)
+    for fd in owner._forged:  # type: ignore[attr-defined]
+        os.close(fd)  # the test's own copies (the listener sent them, it does not own them)
+    assert _received() == [], "the mapper kept a received fd"
+    owner._listener._answer = owner._registration  # behave again: the peer is added, works
+    name = mapper.add_peer(meta)
+    got = np.zeros(4096, np.uint8)
+    mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+    h = mapper.submit(Op.READ, name, np.array([[got.ctypes.data, 4096, 0]]),
+                      np.array([[buf.ctypes.data, 4096, 0]]))
+    assert mapper.wait(h, 10) is HandleState.DONE, h.error
+    np.testing.assert_array_equal(got, buf[:4096])
+
+
+def test_a_peer_that_does_not_map_gets_no_fds_and_moves_by_cma(
+    pair: tuple[ShmTransport, ShmTransport]
+) -> None:
+    owner, _ = pair
+    buf, meta = _registered(owner, 1 * MiB, 9)
+    with ShmTransport("cma-only", {"map_peers": False}) as t:
+        name = t.add_peer(meta)
+        assert t._peers[name].mapping is None
+        got = np.zeros(buf.nbytes, np.uint8)
+        t.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+        t.transfer(Op.READ, name, np.array([[got.ctypes.data, got.nbytes, 0]]),
+                   np.array([[buf.ctypes.data, buf.nbytes, 0]]))
+        np.testing.assert_array_equal(got, buf)
+        assert (t.mapped_bytes, t.cma_bytes) == (0, buf.nbytes)
+
+
+def test_fds_nobody_asked_for_are_closed_and_ignored(
+    pair: tuple[ShmTransport, ShmTransport]
+) -> None:
+    owner, _ = pair
+    buf, meta = _registered(owner, 1 * MiB, 10)
+    _forge(owner, [], lambda: [_new_memfd(PAGE), _new_memfd(PAGE)])
+    with ShmTransport("cma-only", {"map_peers": False}) as t:
+        name = t.add_peer(meta)
+        for fd in owner._forged:  # type: ignore[attr-defined]
+            os.close(fd)
+        assert t._peers[name].mapping is None and _received() == []
+
+
+def test_a_mapped_write_to_a_peer_that_exited_fails() -> None:
+    """A mapping outlives its process; the transfer must not report DONE into it."""
+    with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
+            ShmTransport("survivor", {"map_memory": True}) as t:
+        mem = peer.setup(1, 4, 1 << 20, 5)
+        name = t.add_peer(mem.metadata)
+        assert t._peers[name].mapping is not None
+        src = _buffer(1 << 20, seed=11)
+        t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        peer.kill()
+        rem = np.array([[mem.layout.planes[0].base + (1 << 20), 1 << 20, 0]])
+        h = t.submit(Op.WRITE, name, np.array([[src.ctypes.data, 1 << 20, 0]]), rem)
+        assert t.wait(h, 10) is HandleState.FAILED
+        assert h.error is not None and "No such process" in h.error
+
+
+def test_remove_peer_unmaps_its_memory(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    owner, mapper = pair
+    buf = _buffer(2 * MiB, seed=12)
+    name = mapper.add_peer(owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)]))
+    ino = os.fstat(owner._areas[0].fd).st_ino
+    assert len(memfd._maps_of(os.getpid(), {ino})) >= 2  # the owner's and the mapper's
+    mapper.remove_peer(name)
+    mapper.close()  # the worker ran the retirement
+    assert len(memfd._maps_of(os.getpid(), {ino})) == 1
+
+
+# -- the native range copy ------------------------------------------------------------------------
+
+
+def test_range_copy_copies_rows_and_stops_when_told() -> None:
+    copy = _rangecopy.load()
+    assert copy is not None
+    src = np.random.default_rng(13).integers(0, 256, 200 * 100, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    perm = np.random.default_rng(14).permutation(200)
+    rows = np.stack([dst.ctypes.data + perm * 100, src.ctypes.data + np.arange(200) * 100,
+                     np.full(200, 100)], 1).astype(np.uint64)
+    stop = ctypes.c_int32(0)
+    assert copy(rows, stop) == 200
+    np.testing.assert_array_equal(dst.reshape(200, 100)[perm], src.reshape(200, 100))
+    stop.value = 1
+    assert copy(rows, stop) == 0
+
+
+def test_range_copy_refuses_a_cache_directory_others_may_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "native").mkdir(mode=0o700)
+    os.chmod(tmp_path / "native", 0o777)
+    monkeypatch.setenv("KVBRIDGE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PermissionError, match="not private"):
+        _rangecopy._load()
+    os.chmod(tmp_path / "native", 0o700)
+    assert _rangecopy._load() is not None  # built there, private
+    (built,) = (tmp_path / "native").glob("rangecopy-*.so")
+    assert not stat.S_IMODE(built.stat().st_mode) & 0o022
+
+
+def test_a_hugetlbfs_memfd_is_refused(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    """A hugetlbfs file faults with SIGBUS when its pool runs dry: never mapped."""
+    owner, mapper = pair
+    huge = 2 * MiB
+    try:
+        probe = os.memfd_create("forged-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        pytest.skip(f"no hugetlbfs memfd here: {exc}")
+    os.close(probe)
+    buf = _buffer(huge, seed=15)
+    meta = owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+
+    def hugetlb() -> list[int]:
+        fd = os.memfd_create("forged-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, huge)
+        fcntl.fcntl(fd, memfd.F_ADD_SEALS, memfd.F_SEAL_SHRINK)
+        return [fd]
+
+    _forge(owner, [(buf.ctypes.data, huge, 0, 0)], hugetlb)
+    with pytest.raises(PeerUnreachable, match="not on tmpfs"):
+        mapper.add_peer(meta)
+    for fd in owner._forged:  # type: ignore[attr-defined]
+        os.close(fd)
+    assert _received() == []
+
+
+def test_registering_shared_memory_again_does_not_share_it_twice(
+    pair: tuple[ShmTransport, ShmTransport]
+) -> None:
+    """A second registration overlapping the first stays as it is (a second memfd would leave
+    peers a stale mapping); peers still map the first and every byte moves."""
+    owner, mapper = pair
+    buf = _buffer(2 * MiB, seed=16)
+    owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+    meta = owner.register_memory([MemoryRegion(buf.ctypes.data + MiB, MiB)])
+    assert len(owner._areas) == 1
+    name = mapper.add_peer(meta)
+    got = _buffer(buf.nbytes)
+    mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+    mapper.transfer(Op.READ, name, np.array([[got.ctypes.data, got.nbytes, 0]]),
+                    np.array([[buf.ctypes.data, buf.nbytes, 0]]))
+    np.testing.assert_array_equal(got, buf)
+    assert mapper.mapped_bytes == buf.nbytes

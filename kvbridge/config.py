@@ -110,6 +110,12 @@ class Config:
     UCX's CMA under NIXL — moves 1.5-1.7x faster from and into huge pages
     (kvbridge.hugepages). Only all-zero memory is released, so no byte changes; GPU KV caches
     are never touched."""
+    map_kv_cache: bool = True
+    """With the shm backend, move a CPU engine's KV cache onto a sealed memfd at registration
+    (same addresses, same bytes) and hand it to same-host peers over the handshake socket, so
+    they copy it with memcpy instead of cross-memory attach (kvbridge.transports._memfd;
+    docs/backends/shm.md). Needs a C compiler once per host for the copy loop; without one,
+    transfers keep using cross-memory attach. GPU KV caches are never touched."""
     engine_spin_ms: float = -1.0
     """vLLM workers busy-spin this long after each step before sleeping (vLLM: 1000 ms).
     Negative keeps vLLM's default. A few ms stops idle engines from burning a core each on

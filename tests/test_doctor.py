@@ -122,6 +122,20 @@ def test_huge_pages_disabled_for_the_process(monkeypatch: pytest.MonkeyPatch) ->
     assert check.status is Status.WARN and "PR_SET_THP_DISABLE" in check.detail
 
 
+def test_mapped_copies_here_and_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.transports import _rangecopy
+
+    if _rangecopy.load() is None:
+        pytest.skip("no C compiler on this host")
+    check = _one(doctor.check_mapped_copies(_target({"backend": "shm"})))
+    assert check.status is Status.OK and "range copy built" in check.detail, check.detail
+    monkeypatch.setattr(_rangecopy, "load", lambda: None)
+    check = _one(doctor.check_mapped_copies(_target({"backend": "shm"})))
+    assert check.status is Status.WARN and "no C compiler" in check.detail, check.detail
+    check = _one(doctor.check_mapped_copies(_target({"backend": "shm", "map_kv_cache": False})))
+    assert check.status is Status.WARN and "KVBRIDGE_MAP_KV_CACHE=1" in check.detail
+
+
 def _broken_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     real = registry._entry_points
 

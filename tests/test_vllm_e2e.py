@@ -37,6 +37,7 @@ from kvbridge.testing.engines import (
 )
 from kvbridge.testing.proxies import ProxyThread
 from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.transports import _rangecopy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -355,6 +356,21 @@ def test_the_cpu_kv_cache_refaults_on_huge_pages(cluster: Cluster) -> None:
         found = re.findall(r"huge pages: (\d+) MiB of the KV cache now on", log)
         assert found and all(int(n) > 0 for n in found), log[-2000:]
         assert "held data and kept their pages" not in log
+
+
+def test_shm_engines_share_their_kv_cache_and_map_each_others(cluster: Cluster) -> None:
+    """Over shm, each engine moved its CPU KV cache onto a sealed memfd at registration
+    (map_kv_cache) and mapped the other's at the handshake, so the outputs-match tests above
+    copied KV with the native range copy (kvbridge.transports._memfd)."""
+    if cluster.backend != "shm":
+        pytest.skip("mapped copies are the shm transport's")
+    if _rangecopy.load() is None:
+        pytest.skip("no C compiler here: shm keeps cross-memory attach")
+    for server in (cluster.p, cluster.d):
+        log = server.log_path.read_text() if server.log_path else ""
+        shared = re.findall(r"(\d+) of (\d+) registered bytes shared through a memfd", log)
+        assert shared and all(int(a) > 0.99 * int(b) for a, b in shared), log[-2000:]
+        assert re.search(r"maps \d+ bytes of peer", log), log[-2000:]
 
 
 def test_idle_engines_stay_idle(cluster: Cluster) -> None:

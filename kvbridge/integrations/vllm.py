@@ -598,9 +598,14 @@ class _WorkerSide:
             # just allocated it, zeroed, and nothing writes it yet
             log.info("kvbridge rank %d: %s", self.rank,
                      back_with_huge_pages(layout.regions()).describe())
+        # a fresh CPU KV cache may move onto a memfd for shm peers to map (nothing pins or
+        # writes it yet); the operator's own backend_options win
+        mapped = {"map_memory": True} if (
+            on_cpu and self.config.map_kv_cache and self.config.backend == "shm") else {}
         loop = TransferLoop(self.config, self.conn.engine_id, layout, rank=self.rank,
                             tp_size=self.conn.tp_size, compat=compat,
-                            heads=self._head_split(kv_caches, layout))
+                            heads=self._head_split(kv_caches, layout),
+                            transport_defaults=mapped)
         try:
             offload = self._offload(layout, on_gpu)
         except BaseException:

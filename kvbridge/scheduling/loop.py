@@ -58,11 +58,14 @@ log = logging.getLogger("kvbridge.loop")
 
 
 class TransferLoop(PeerEvents):
-    """See the module docstring."""
+    """See the module docstring. ``transport_defaults``: transport options the caller derives
+    from the engine (the connector: ``map_memory`` for a CPU KV cache over shm), under the
+    operator's ``backend_options``, which win."""
 
     def __init__(self, config: Config, engine_id: str, layout: KVLayout, *, rank: int = 0,
                  tp_size: int = 1, compat: dict[str, str] | None = None,
-                 transport: Transport | None = None, heads: HeadSplit | None = None) -> None:
+                 transport: Transport | None = None, heads: HeadSplit | None = None,
+                 transport_defaults: dict[str, Any] | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
@@ -76,7 +79,7 @@ class TransferLoop(PeerEvents):
         self.generation = uuid.uuid4().hex[:12]
         self.codec = Codec(config.secret, config.max_message_bytes,
                            window_s=config.replay_window_s)
-        options = dict(config.backend_options)
+        options = {**(transport_defaults or {}), **config.backend_options}
         if config.secret:
             options.setdefault("secret", config.secret)
         self.transport = transport or registry.create(

@@ -387,3 +387,41 @@ def test_registering_shared_memory_again_does_not_share_it_twice(
                     np.array([[buf.ctypes.data, buf.nbytes, 0]]))
     np.testing.assert_array_equal(got, buf)
     assert mapper.mapped_bytes == buf.nbytes
+
+
+def test_close_gives_heap_memory_private_pages_again_and_fork_works() -> None:
+    """What broke a CI run: numpy buffers from the heap were shared (and MADV_DONTFORK) when
+    their transport registered them, freed, and reused by the allocator for Python objects;
+    a later fork's child (Python's preexec_fn) touched them and died of SIGSEGV. close()
+    gives the pages back private ones with the same bytes, so a forked child can read them
+    and its writes stay its own."""
+    buf = np.random.default_rng(17).integers(0, 256, 4 * MiB, dtype=np.uint8)  # malloc'd
+    ref = buf.copy()
+    t = ShmTransport("restore", {"map_memory": True})
+    t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+    (area,) = t._areas
+    ino = os.fstat(area.fd).st_ino
+    assert memfd._maps_of(os.getpid(), {ino})
+    t.close()
+    assert memfd._maps_of(os.getpid(), {ino}) == [], "still mapped from the memfd"
+    np.testing.assert_array_equal(buf, ref)
+    pid = os.fork()
+    if pid == 0:  # the child reads and writes every page, then exits without cleanup
+        ok = int(buf[::PAGE].sum() == ref[::PAGE].sum())
+        buf[::PAGE] = 0
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    np.testing.assert_array_equal(buf, ref)  # the child's writes were its own
+
+
+def test_close_leaves_alone_memory_the_owner_unmapped() -> None:
+    lib = memfd._Sys.lib()
+    base = lib.mmap(None, 2 * MiB, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    t = ShmTransport("unmapped", {"map_memory": True})
+    t.register_memory([MemoryRegion(base, 2 * MiB)])
+    assert lib.munmap(base, 2 * MiB) == 0  # the owner broke the contract and unmapped it
+    t.close()  # must not map anything there again
+    with open("/proc/self/maps") as f:
+        assert not any(int(line.split("-")[0], 16) == base for line in f)

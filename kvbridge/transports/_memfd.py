@@ -23,7 +23,10 @@ the engine's first forward — and only on ordinary host memory, never on page-l
 ``cudaHostRegister``) memory: the remap gives the range new pages. Blocking (copies every byte
 once, ~0.1-0.3 s per GiB). Never raises for what the kernel refuses: the pieces that were
 remapped are in the returned :class:`SharedArea` (the rest stays as it was), the reason in
-``error``. Not thread-safe against itself on overlapping regions.
+``error``. Not thread-safe against itself on overlapping regions. The memory must stay
+allocated until :meth:`SharedArea.close` (the transport's ``close``), which gives it private
+pages again: heap memory the allocator reuses must not stay shared (see
+:meth:`SharedArea.restore`).
 
 The peer side, :class:`PeerMapping`: a peer's fds are hostile input. Each must be a memfd on
 tmpfs (not hugetlbfs, whose faults can raise ``SIGBUS`` when its pool is empty), sealed against
@@ -59,6 +62,8 @@ MAX_FDS = 16
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 1, 2, 4, 8, 16
 MADV_DONTFORK, MADV_COLLAPSE = 10, 25
+_MADV_HUGEPAGE = 14
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FIXED = 0x10
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HUGE = 2 << 20
@@ -100,11 +105,43 @@ class SharedArea:
     def nbytes(self) -> int:
         return sum(p.length for p in self.pieces)
 
-    def close(self) -> None:
-        """Close the fd (the mappings stay: they are the registered memory now)."""
+    def close(self, restore: bool = True) -> None:
+        """Give the pieces private pages again (:meth:`restore`, unless told not to: a copy
+        may still be running), then close the fd."""
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            try:
+                if restore:
+                    self.restore()
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+
+    def restore(self) -> int:
+        """Back the pieces with private anonymous pages again (same bytes, same addresses),
+        where this process still maps the memfd there; the bytes restored.
+
+        Why: the allocator may reuse the memory once its owner frees it, and a shared,
+        ``MADV_DONTFORK`` mapping under ordinary heap memory breaks ``fork`` (a child crashes
+        touching it, as Python's ``preexec_fn`` does) or, without ``MADV_DONTFORK``, lets a
+        child write into the parent. Call it only when no transfer and no other thread uses the
+        pieces (the transport's ``close``). Ranges the process unmapped or remapped since are
+        left alone (read from ``/proc/self/maps``).
+        """
+        if self.fd < 0 or not self.pieces:
+            return 0
+        try:
+            maps = _maps_of(os.getpid(), {os.fstat(self.fd).st_ino})
+        except OSError as exc:
+            log.warning("cannot read /proc/self/maps to restore shared memory: %s", exc)
+            return 0
+        done = 0
+        for start, stop, off, _, _ in maps:
+            for p in self.pieces:
+                lo, hi = max(start, p.address), min(stop, p.address + p.length)
+                if lo < hi and off + (lo - start) == p.offset + (lo - p.address):
+                    done += _privatize(lo, hi)
+        self.pieces = []
+        return done
 
 
 class _Sys:
@@ -122,6 +159,9 @@ class _Sys:
             lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             lib.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            lib.mremap.restype = ctypes.c_void_p
+            lib.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.c_int, ctypes.c_void_p]
             cls._lib = lib
         return cls._lib
 
@@ -129,6 +169,29 @@ class _Sys:
 def _err(what: str) -> str:
     e = ctypes.get_errno()
     return f"{what}: {os.strerror(e)} (errno {e})"
+
+
+def _privatize(lo: int, hi: int) -> int:
+    """Replace the mapping of ``[lo, hi)`` by private anonymous pages holding the same bytes,
+    a chunk at a time (copy into a fresh mapping, then ``mremap`` it over the range: the
+    range is never unmapped in between); the bytes done."""
+    lib = _Sys.lib()
+    at = lo
+    while at < hi:
+        n = min(_CHUNK, hi - at)
+        tmp = lib.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                       mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if tmp in (None, _MAP_FAILED):
+            log.warning("%s", _err(f"restoring 0x{at:x}: mmap"))
+            break
+        lib.madvise(tmp, n, _MADV_HUGEPAGE)
+        ctypes.memmove(tmp, at, n)
+        if lib.mremap(tmp, n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, at) != at:
+            log.warning("%s", _err(f"restoring 0x{at:x}: mremap"))
+            lib.munmap(tmp, n)
+            break
+        at += n
+    return at - lo
 
 
 def _collapse(lib: ctypes.CDLL, lo: int, hi: int) -> int:

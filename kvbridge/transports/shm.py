@@ -77,7 +77,9 @@ claimed addresses, inside its regions; anything else is :class:`PeerUnreachable`
 a transfer then copies the ranges the mapping holds with ``memmove`` in this process, and the
 rest by CMA. Same bytes, same ordering and notification rules; a peer that exited fails the
 transfer as CMA would. :attr:`ShmTransport.mapped_bytes` / :attr:`ShmTransport.cma_bytes` count
-how each byte moved.
+how each byte moved. Registered memory must stay allocated until ``close``, which gives the
+shared pages back private ones (same bytes), so that heap memory reused after it is freed is
+never shared with a forked child.
 """
 
 from __future__ import annotations
@@ -1379,8 +1381,8 @@ class ShmTransport(BlockTransport):
             stuck = self._worker.is_alive()  # a copy may still read a mapping: keep them
             for p in peers:
                 p.retire(unmap=not stuck)
-            for area in self._areas:
-                area.close()
+            for area in self._areas:  # private pages again, unless a copy may still run
+                area.close(restore=not stuck)
             self._inbox.close()
             log.info("shm transport %r closed", self.agent_name)
 

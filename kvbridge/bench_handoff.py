@@ -6,7 +6,9 @@ and the baseline ``--against``: ``nowake`` with ``KVBRIDGE_WAKE_ON_ARRIVAL=0`` (
 vLLM's idle path, no early posting: the behaviour before the wake-up), or ``nodirect`` with
 ``KVBRIDGE_DIRECT_ARRIVAL=0`` (the wake-up, but vLLM learns of a finished receive from the
 workers' next step output), or ``nohuge`` with ``KVBRIDGE_HUGE_PAGES=0`` (the KV cache stays on
-the 4 KiB pages torch gave it: compare the wire time). ``--model bench`` runs the ~100 M-parameter
+the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
+``KVBRIDGE_MAP_KV_CACHE=0`` (shm moves KV by cross-memory attach instead of copying through the
+peer's mapped cache: compare the wire time). ``--model bench`` runs the ~100 M-parameter
 bench model (24 KiB of KV per token) instead of the tiny one, so that a request's KV is tens of
 MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
@@ -42,7 +44,8 @@ __all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "for
 
 BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"},
                                         "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"},
-                                        "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
+                                        "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"},
+                                        "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none)."""
 MODES = ("push", "pull", "push-behind")
 """``push-behind``: a push sent while D already holds another push request that waits for its
@@ -354,7 +357,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
     p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
                    help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
-                        "(KVBRIDGE_DIRECT_ARRIVAL=0) or nohuge (KVBRIDGE_HUGE_PAGES=0)")
+                        "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0) or nomap "
+                        "(KVBRIDGE_MAP_KV_CACHE=0)")
     p.add_argument("--model", choices=("tiny", "bench"), default=d.model,
                    help="tiny (the tests' model) or bench (~100 M parameters, 24 KiB of KV per "
                         "token: a request's KV is tens of MiB; use --prompt-len up to ~1000)")

@@ -35,6 +35,8 @@ def test_the_pairs_differ_only_by_one_switch() -> None:
         "wake": {}, "nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"}}
     assert bh.pairs_of(bh.settings_from_args(_args("--against", "nodirect"))) == {
         "wake": {}, "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
+    assert bh.pairs_of(bh.settings_from_args(_args("--against", "nomap"))) == {
+        "wake": {}, "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"}}
     s = bh.settings_from_args(_args("--against", "nohuge", "--model", "bench"))
     assert bh.pairs_of(s) == {"wake": {}, "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
     assert s.model == "bench" and len(bh._prompts(s, 1, 0)[0]) == s.prompt_len

@@ -425,3 +425,32 @@ def test_close_leaves_alone_memory_the_owner_unmapped() -> None:
     t.close()  # must not map anything there again
     with open("/proc/self/maps") as f:
         assert not any(int(line.split("-")[0], 16) == base for line in f)
+
+
+def _smaps_rss_kib(start: int) -> int:
+    """Rss of the mapping of this process that starts at ``start``."""
+    text = open("/proc/self/smaps").read()
+    found = False
+    for line in text.splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Size")):
+            found = int(line.split("-", 1)[0], 16) == start
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping at 0x{start:x}")
+
+
+def test_the_peer_mapping_is_huge_page_aligned_and_populated(
+    pair: tuple[ShmTransport, ShmTransport]
+) -> None:
+    """The first engine run with mapped copies took 15.6 ms for a 22.5 MiB push WRITE against
+    4.5 ms by CMA: every page of the peer's mapping faulted on its first touch. The mapping is
+    now 2 MiB-aligned (the memfd's huge pages map whole) and populated at the handshake."""
+    owner, mapper = pair
+    buf, meta = _registered(owner, 8 * MiB, 18)
+    name = mapper.add_peer(meta)
+    mapping = mapper._peers[name].mapping
+    assert mapping is not None
+    ((base, size),) = mapping._maps
+    assert base % (2 * MiB) == 0
+    (piece,) = owner._areas[0].pieces
+    assert _smaps_rss_kib(base) * 1024 >= piece.length  # mapped before any transfer

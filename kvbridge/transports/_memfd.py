@@ -62,9 +62,9 @@ MAX_FDS = 16
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 1, 2, 4, 8, 16
 MADV_DONTFORK, MADV_COLLAPSE = 10, 25
-_MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
-_MAP_FIXED = 0x10
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HUGE = 2 << 20
 _CHUNK = 64 << 20
@@ -194,6 +194,28 @@ def _privatize(lo: int, hi: int) -> int:
     return at - lo
 
 
+def _map_aligned(lib: ctypes.CDLL, fd: int, size: int) -> int | None:
+    """Map ``size`` bytes of ``fd`` shared, at a 2 MiB-aligned address, so that the file's
+    huge pages can be mapped whole (a misaligned mapping falls back to 4 KiB entries: a page
+    fault on each first touch and a TLB entry per 4 KiB); None on failure (errno set)."""
+    span = size + _HUGE
+    area = lib.mmap(None, span, 0,  # PROT_NONE: a reservation
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if area in (None, _MAP_FAILED):
+        return None
+    base = (area + _HUGE - 1) & ~(_HUGE - 1)
+    got = lib.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
+                   fd, 0)
+    if got != base:
+        lib.munmap(area, span)
+        return None
+    if base > area:
+        lib.munmap(area, base - area)
+    if area + span > base + size:
+        lib.munmap(base + size, area + span - base - size)
+    return base
+
+
 def _collapse(lib: ctypes.CDLL, lo: int, hi: int) -> int:
     """``MADV_COLLAPSE`` the whole huge pages of ``[lo, hi)``; the bytes it collapsed."""
     a, b = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
@@ -255,6 +277,7 @@ def share(regions: Sequence[tuple[int, int]], name: str = "kvbridge-shm") -> Sha
             if lib.madvise(lo, done - lo, MADV_DONTFORK) != 0:
                 log.debug("%s", _err("MADV_DONTFORK"))
             area.huge_bytes += _collapse(lib, lo, done)
+            lib.madvise(lo, done - lo, _MADV_POPULATE_WRITE)  # no first-touch faults later
             area.pieces.append(Piece(lo, done - lo, 0, off))
         if area.error:
             break
@@ -358,12 +381,19 @@ class PeerMapping:
         for i, fd in enumerate(fds):
             size = max(p.offset + p.length for p in pieces if p.fd == i)
             size = -(-size // _PAGE) * _PAGE
-            base = lib.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-            if base in (None, _MAP_FAILED):
+            base = _map_aligned(lib, fd, size)
+            if base is None:
                 raise FdRefused(_err(f"mapping fd #{i} ({size} bytes)"))
             self._maps.append((base, size))
             lib.madvise(base, size, MADV_DONTFORK)
             _collapse(lib, base, base + size)
+            mine = [p for p in pieces if p.fd == i]
+            # map every page now (no fault on a transfer's first touch), where the file holds
+            # as many bytes as the pieces (an honest owner wrote them all), so that populating
+            # cannot make this process allocate a sparse file's holes
+            if stats[i].st_blocks * 512 >= sum(p.length for p in mine):
+                for p in mine:
+                    lib.madvise(base + p.offset, p.length, _MADV_POPULATE_WRITE)
             bases.append(base)
         ps = sorted(pieces, key=lambda p: p.address)
         self.starts: I64 = np.array([p.address for p in ps], dtype=np.int64)

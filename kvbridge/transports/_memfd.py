@@ -199,10 +199,11 @@ def _map_aligned(lib: ctypes.CDLL, fd: int, size: int) -> int | None:
     huge pages can be mapped whole (a misaligned mapping falls back to 4 KiB entries: a page
     fault on each first touch and a TLB entry per 4 KiB); None on failure (errno set)."""
     span = size + _HUGE
-    area = lib.mmap(None, span, 0,  # PROT_NONE: a reservation
-                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-    if area in (None, _MAP_FAILED):
+    got_area = lib.mmap(None, span, 0,  # PROT_NONE: a reservation
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if got_area in (None, _MAP_FAILED):
         return None
+    area = int(got_area)
     base = (area + _HUGE - 1) & ~(_HUGE - 1)
     got = lib.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
                    fd, 0)

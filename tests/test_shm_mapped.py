@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvbridge.blocks import prepare_blocks, prepare_parts
-from kvbridge.errors import PeerUnreachable
+from kvbridge.errors import ConfigError, PeerUnreachable
 from kvbridge.testing.peer import PeerProcess, kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
 from kvbridge.transports import _memfd as memfd
@@ -454,3 +454,9 @@ def test_the_peer_mapping_is_huge_page_aligned_and_populated(
     assert base % (2 * MiB) == 0
     (piece,) = owner._areas[0].pieces
     assert _smaps_rss_kib(base) * 1024 >= piece.length  # mapped before any transfer
+
+
+@pytest.mark.parametrize("key", ["map_memory", "map_peers"])
+def test_a_bad_switch_is_a_config_error_naming_it(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"shm option {key}"):
+        ShmTransport("bad", {key: "maybe"})

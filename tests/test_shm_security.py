@@ -391,6 +391,14 @@ def _lying_listener(**change: Any) -> _Listener:
         ({"agent": "someone-else"}, "is agent 'someone-else'"),
         ({"version": 0}, "older than the metadata's 1"),
         ({"notify_address": "tcp://no such host"}, "unusable notification address"),
+        # the shared-memory pieces (shm mapped copies): out of the field's bounds
+        ({"shared": [(4096, 4096, 16, 0)]}, "malformed registration"),
+        ({"shared": [(4096, 4096, 0, -1)]}, "malformed registration"),
+        ({"shared": [(0, 4096, 0, 0)]}, "malformed registration"),
+        ({"shared": [(4096, 4096, 0)]}, "malformed registration"),
+        ({"shared": [(4096, 4096, 0, 0)] * 16385}, "malformed registration"),
+        # well-formed, but no fd came with it
+        ({"shared": [(4096, 4096, 0, 0)]}, "pieces use fds"),
     ],
 )
 def test_answers_that_do_not_match_are_refused(

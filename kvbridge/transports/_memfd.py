@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.hugepages import MADV_HUGEPAGE, MADV_POPULATE_WRITE
+
 log = logging.getLogger("kvbridge.transport.shm")
 
 __all__ = ["FdRefused", "FdUnverifiable", "Piece", "SharedArea", "PeerMapping", "share",
@@ -62,7 +64,6 @@ MAX_FDS = 16
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 1, 2, 4, 8, 16
 MADV_DONTFORK, MADV_COLLAPSE = 10, 25
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -184,7 +185,7 @@ def _privatize(lo: int, hi: int) -> int:
         if tmp in (None, _MAP_FAILED):
             log.warning("%s", _err(f"restoring 0x{at:x}: mmap"))
             break
-        lib.madvise(tmp, n, _MADV_HUGEPAGE)
+        lib.madvise(tmp, n, MADV_HUGEPAGE)
         ctypes.memmove(tmp, at, n)
         if lib.mremap(tmp, n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, at) != at:
             log.warning("%s", _err(f"restoring 0x{at:x}: mremap"))
@@ -278,7 +279,7 @@ def share(regions: Sequence[tuple[int, int]], name: str = "kvbridge-shm") -> Sha
             if lib.madvise(lo, done - lo, MADV_DONTFORK) != 0:
                 log.debug("%s", _err("MADV_DONTFORK"))
             area.huge_bytes += _collapse(lib, lo, done)
-            lib.madvise(lo, done - lo, _MADV_POPULATE_WRITE)  # no first-touch faults later
+            lib.madvise(lo, done - lo, MADV_POPULATE_WRITE)  # no first-touch faults later
             area.pieces.append(Piece(lo, done - lo, 0, off))
         if area.error:
             break
@@ -394,7 +395,7 @@ class PeerMapping:
             # cannot make this process allocate a sparse file's holes
             if stats[i].st_blocks * 512 >= sum(p.length for p in mine):
                 for p in mine:
-                    lib.madvise(base + p.offset, p.length, _MADV_POPULATE_WRITE)
+                    lib.madvise(base + p.offset, p.length, MADV_POPULATE_WRITE)
             bases.append(base)
         ps = sorted(pieces, key=lambda p: p.address)
         self.starts: I64 = np.array([p.address for p in ps], dtype=np.int64)

@@ -127,6 +127,7 @@ from kvbridge.errors import (
     UnknownPeer,
 )
 from kvbridge.messages import Codec, PipeFrame
+from kvbridge.offload.config import parse_bool
 from kvbridge.transport import (
     Capabilities,
     DescriptorArray,
@@ -787,16 +788,6 @@ def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
         raise DescriptorError("descriptors hold an address or length above 2**62")
 
 
-def _flag(options: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = options.get(key, default)
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
-                                                    "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    if not isinstance(value, bool):
-        raise ConfigError(f"shm option {key} must be true or false, got {value!r}")
-    return value
-
-
 def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     try:
         value = float(options.get(key, default))
@@ -824,8 +815,8 @@ class ShmTransport(BlockTransport):
         opts = self.options
         self._threads = int(_option(opts, "threads", DEFAULT_THREADS, 1, 64))
         self._split_bytes = int(_option(opts, "split_bytes", 16 << 20, 1, 1 << 40))
-        self._map_memory = _flag(opts, "map_memory", False)
-        self._map_peers = _flag(opts, "map_peers", True)
+        self._map_memory = parse_bool(opts.get("map_memory", False), "shm option map_memory")
+        self._map_peers = parse_bool(opts.get("map_peers", True), "shm option map_peers")
         self._rangecopy: rangecopy.RangeCopy | None = None  # loaded with the first mapping
         self._stop = ctypes.c_int32(0)  # set with _abort: the native copy checks it
         self._areas: list[SharedArea] = []

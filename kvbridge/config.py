@@ -73,18 +73,32 @@ class Config:
     control_timeout_s: float = 5.0
     """Upper bound on one control-channel round trip."""
     secret: str | None = None
-    """Shared secret of the fleet: every control message is HMAC-authenticated with it and
-    replays are refused. Without one the control channel binds loopback addresses only."""
+    """Shared secret of the fleet: every control message, notification and shm handshake is
+    HMAC-authenticated with it and replays are refused. Needed for a routable control address.
+    Without one, engines on a loopback address use the per-user secret (``secret_file``)."""
+    secret_file: str | None = None
+    """Where the per-user secret of this host lives when no ``secret`` is set (created on
+    first use, mode 0600, in a private directory; kvbridge.trust). Default:
+    ``$XDG_RUNTIME_DIR/kvbridge/secret``, else ``~/.local/state/kvbridge/secret``, else
+    ``/tmp/kvbridge-<uid>/secret``."""
     allow_insecure_control: bool = False
-    """Allow binding a routable control address without a secret (trusted networks only)."""
+    """Run without any secret: no per-user secret, and a routable control address may be bound
+    unauthenticated. Anyone who reaches the control address can then steer transfers (trusted
+    networks only)."""
     replay_window_s: float = 30.0
     """With a secret: how far a message's timestamp may be from now (clock skew allowance)."""
     max_message_bytes: int = 4 << 20
     """Largest control message accepted."""
     max_pending: int = 4096
-    """Most push registrations P holds at once (all decode engines together)."""
+    """Push registrations P holds at once (all decode engines together) before it admits only
+    fair shares: past this total, a registration is admitted only while its decode control
+    address holds fewer than ``max_pending // addresses`` (at least 1; ``addresses`` holding
+    registrations, its own included), so a flood cannot starve another decode engine. Hard
+    bound: 2 × ``max_pending`` registrations in all."""
     max_pending_per_peer: int = 512
-    """Most push registrations P holds for one decode connection."""
+    """Most push registrations P holds for one decode control address (the address P dials and
+    handshakes before writing) and for one control connection; at most 2 × ``max_pending`` in
+    all (see ``max_pending``)."""
     max_peers: int = 1024
     """Most peers one engine rank keeps handshaken (least recently used are forgotten)."""
     gone_grace_s: float = 1.0

@@ -38,7 +38,7 @@ from kvbridge import _doctor_probes as probes
 from kvbridge import hugepages, registry
 from kvbridge.config import Config, Preset
 from kvbridge.control import is_loopback
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
 
 __all__ = ["Status", "Check", "Target", "CHECKS", "run_checks", "diagnose", "failed",
            "VLLM_HINT", "add_arguments", "cli_main"]
@@ -477,27 +477,28 @@ def check_ports(t: Target) -> Check:
 
 
 def check_security(t: Target) -> Check:
-    """A routable side_channel_host needs the shared secret (or allow_insecure_control)."""
+    """Which secret the engines would authenticate with (kvbridge.trust), and whether it can be
+    used: a routable side_channel_host needs the fleet secret (or allow_insecure_control); on
+    loopback the per-user secret file must be safe to use."""
+    from kvbridge import trust
+
     c = t.config
     host = c.side_channel_host
-    if is_loopback(host):
-        if c.secret:
-            return Check("security", Status.OK, f"loopback {host}; control messages "
-                                                "authenticated with the shared secret")
-        return Check("security", Status.OK,
-                     f"loopback {host} without a secret: fine on one host (any local process "
-                     "can reach it); set KVBRIDGE_SECRET on every engine for a multi-host fleet")
-    if c.secret:
-        return Check("security", Status.OK,
-                     f"{host} is routable; control messages authenticated with the shared secret")
-    if c.allow_insecure_control:
+    if c.allow_insecure_control and not c.secret:
+        reach = "any local process" if is_loopback(host) else "anyone who reaches it"
         return Check("security", Status.WARN,
-                     f"{host} is routable with no secret (allow_insecure_control): anyone who "
-                     "reaches it can steer transfers; set KVBRIDGE_SECRET on every engine")
-    return Check("security", Status.FAIL,
-                 f"{host} is routable and no secret is set: engines refuse to start; set "
-                 "KVBRIDGE_SECRET (same on every engine), or side_channel_host 127.0.0.1, or on a "
-                 "trusted network KVBRIDGE_ALLOW_INSECURE_CONTROL=1 (docs/security.md)")
+                     f"{host} with no secret at all (allow_insecure_control): {reach} can steer "
+                     "transfers; unset it, and set KVBRIDGE_SECRET on every engine of a "
+                     "multi-host fleet")
+    try:
+        used = trust.resolve(c)
+    except KVBridgeError as exc:
+        return Check("security", Status.FAIL,
+                     f"{exc}; or side_channel_host 127.0.0.1 (docs/security.md)")
+    where = "loopback" if is_loopback(host) else "routable"
+    more = "" if c.secret else "; set KVBRIDGE_SECRET on every engine for a multi-host fleet"
+    return Check("security", Status.OK,
+                 f"{where} {host}; control messages {used.describe()}{more}")
 
 
 # -- running -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +68,18 @@ def test_security_levels() -> None:
                                           "allow_insecure_control": True})).status is Status.WARN
     assert doctor.check_security(_target({"side_channel_host": "10.1.2.3",
                                           "secret": "s3"})).status is Status.OK
+
+
+def test_security_names_the_per_user_secret_and_refuses_an_unsafe_one(tmp_path: Path) -> None:
+    path = tmp_path / "kv" / "secret"
+    ok = doctor.check_security(_target({"secret_file": str(path)}))
+    assert ok.status is Status.OK and f"per-user secret {path}" in ok.detail
+    assert path.read_bytes().strip().decode() not in ok.detail
+    (tmp_path / "kv").chmod(0o755)
+    bad = doctor.check_security(_target({"secret_file": str(path)}))
+    assert bad.status is Status.FAIL and str(tmp_path / "kv") in bad.detail
+    insecure = doctor.check_security(_target({"allow_insecure_control": True}))
+    assert insecure.status is Status.WARN and "no secret at all" in insecure.detail
 
 
 def test_a_bound_port_fails() -> None:

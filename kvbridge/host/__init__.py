@@ -1,0 +1,1 @@
+"""What kvbridge needs from the host it runs on: checked local files (:mod:`.files`)."""

@@ -4,7 +4,8 @@
     .venv/bin/python examples/transfer_two_processes.py --backend compose --members memory,shm,nixl
 
 The parent registers a "prefill" cache, a spawned child registers a "decode" cache; they swap
-metadata over a pipe (in kvbridge proper, the control channel does this), the parent WRITEs
+metadata over a pipe (in kvbridge proper, the control channel does this) with a proof each side
+attested (``invite``: a transport loads only a peer whose data plane shows one), the parent WRITEs
 scattered blocks into the child with a notification, and the child checks every byte. With
 ``compose`` the first member that reaches the child carries the WRITE (``memory`` cannot: the
 child is another process) and the output names it.
@@ -35,9 +36,10 @@ def _cache(seed: int) -> tuple[dict[str, np.ndarray], KVLayout]:
 def decode_side(conn: Any, backend: str, options: dict[str, Any]) -> None:
     caches, layout = _cache(seed=2)
     transport = registry.create(backend, "decode", options)
-    conn.send((transport.register_memory([MemoryRegion(a, n) for a, n in layout.regions()]),
-               layout.to_dict()))
-    transport.add_peer(conn.recv())
+    meta = transport.register_memory([MemoryRegion(a, n) for a, n in layout.regions()])
+    conn.send((meta, layout.to_dict(), transport.invite()))
+    peer_meta, proof = conn.recv()
+    transport.add_peer(peer_meta, proof)
     dst = conn.recv()
     while not transport.get_notifications():  # the WRITE's notification: the bytes are here
         if conn.poll(0.01):
@@ -61,9 +63,9 @@ def main() -> int:
     child = ctx.Process(target=decode_side, args=(child_conn, args.backend, options))
     child.start()
     try:
-        peer_meta, peer_layout = conn.recv()
-        peer = transport.add_peer(peer_meta)
-        conn.send(mine)
+        peer_meta, peer_layout, proof = conn.recv()
+        peer = transport.add_peer(peer_meta, proof)
+        conn.send((mine, transport.invite(peer_meta)))
         src, dst = [3, 4, 5, 10, 11], [40, 41, 42, 7, 8]  # two runs -> 2 descriptors per plane
         conn.send(dst)
         local, remote = descriptor_pair(layout, src, KVLayout.from_dict(peer_layout), dst)

@@ -226,7 +226,8 @@ def _target_main(
     try:
         buf = host_buffer(total, pages, _pattern(seed + 1, total))
         meta = transport.register_memory([MemoryRegion(int(buf.ctypes.data), total)])
-        hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data)}
+        hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data),
+                                 "proof": transport.invite()}
         hook = registry.backend_hook(backend, "raw_responder") if raw else None
         if hook is not None:
             try:
@@ -248,7 +249,8 @@ def _target_main(
                     _send(conn, {"ok": True})
                     return
                 if cmd == "peer":
-                    _send(conn, {"ok": True, "peer": transport.add_peer(msg["metadata"])})
+                    _send(conn, {"ok": True, "peer": transport.add_peer(msg["metadata"],
+                                                                        msg["proof"])})
                 elif cmd == "fill":
                     np.copyto(buf, _pattern(seed + 1, total))
                     _send(conn, {"ok": True})
@@ -423,8 +425,8 @@ def run_transfer_bench(
         )
         target = _Target(backend, opts, total_bytes, seed, raw, pages)
         hello = target.reply()
-        peer = transport.add_peer(hello["metadata"])
-        target.call("peer", metadata=meta)
+        peer = transport.add_peer(hello["metadata"], hello["proof"])
+        target.call("peer", metadata=meta, proof=transport.invite(hello["metadata"]))
         if raw:
             shared: dict[str, Any] = {}
             if "raw_error" in hello:

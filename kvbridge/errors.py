@@ -25,6 +25,7 @@ __all__ = [
     "PeerError",
     "UnknownPeer",
     "PeerUnreachable",
+    "PeerForged",
     "TransferFailed",
     "TransferTimeout",
     "TransportClosed",
@@ -112,6 +113,12 @@ class UnknownPeer(PeerError, KeyError):
 
 class PeerUnreachable(PeerError):
     """The peer did not answer in time or its process is gone."""
+
+
+class PeerForged(PeerError):
+    """A peer's claimed identity is not proven: its handshake answer names another address, its
+    data plane did not show this handshake's proof (relayed, replayed or stale metadata), or its
+    transport is another engine, generation or rank than it claims."""
 
 
 class TransferFailed(TransportError):

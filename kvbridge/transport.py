@@ -9,7 +9,12 @@ checks it):
 
 * ``register_memory`` may be called once or several times; it returns the *local metadata* the
   peer needs (opaque bytes, exchanged by the core over its control channel).
-* ``add_peer(metadata)`` returns the peer's name; unknown names raise :class:`UnknownPeer`.
+* Peers are proven, not believed (:mod:`kvbridge.identity`): ``attest(proof)`` on the side that
+  answered a handshake lets in the dialler that shows ``proof``; ``add_peer(metadata, proof)``
+  on the dialler loads the peer only if *its* data plane shows ``proof`` (else
+  :class:`PeerForged`, and nothing is loaded), and returns the peer's name; unknown names raise
+  :class:`UnknownPeer`. A peer found gone on the transport's own (its process exited) is
+  forgotten and reported through :meth:`Transport.on_peer_lost`.
 * ``submit`` never blocks on the data path: it validates, posts, and returns a
   :class:`TransferHandle`. Descriptor arrays are ``int64`` of shape ``(N, 3)`` (address, length,
   device), both of the same length with equal lengths row by row, else :class:`DescriptorError`.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -45,12 +51,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.errors import DescriptorError, TransferFailed, TransferTimeout, TransportClosed
+from kvbridge.identity import PROOF_BYTES
 
 __all__ = [
     "Capabilities",
     "HandleState",
     "MemoryRegion",
     "Op",
+    "PROOF_BYTES",
     "Transport",
     "TransferHandle",
     "as_descriptors",
@@ -213,6 +221,7 @@ class Transport(ABC):
         self.agent_name = agent_name
         self.options: dict[str, Any] = dict(options or {})
         self._closed = False
+        self._lost_callback: Callable[[str], None] | None = None
 
     # -- memory and peers -----------------------------------------------------------------------
 
@@ -221,15 +230,60 @@ class Transport(ABC):
         """Register ``regions`` for transfers and return this side's metadata for peers."""
 
     @abstractmethod
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer from its metadata; return its name. Re-adding replaces the old entry.
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Responder side of a handshake: a dialler that shows ``proof`` (:data:`PROOF_BYTES`
+        bytes, :mod:`kvbridge.identity`) may load this transport as its peer.
 
-        Raises :class:`MessageError` for malformed metadata.
+        The core calls it when its control plane answers a :class:`~kvbridge.messages.Hello`,
+        before the reply leaves. A token stays valid for about a minute; at most a few hundred
+        are held (the oldest are dropped). ``peer_metadata`` is the dialler's own metadata from
+        that authenticated handshake: a transport that hands out memory may bind the token to
+        the process it names (shm does; malformed metadata is ignored there, the token then
+        admits no one). Non-blocking; raises :class:`DescriptorError` for a token of another
+        length.
+        """
+
+    def invite(self, peer_metadata: bytes | None = None) -> bytes:
+        """Attest a fresh random proof and return it: for callers that hand this transport's
+        metadata to a peer over a private channel of their own (tests, benches, a program's own
+        two processes) instead of kvbridge's handshake. Send the proof with the metadata; the
+        peer passes both to :meth:`add_peer`."""
+        token = os.urandom(PROOF_BYTES)
+        self.attest(token, peer_metadata)
+        return token
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        """Load a peer from its metadata once its data plane showed ``proof``; return its name.
+        Re-adding replaces the old entry.
+
+        ``proof`` is the token the peer's own transport was told to :meth:`attest`. A peer that
+        cannot show it — metadata relayed from or replayed by another endpoint, another process
+        than the metadata names, a generation that ended — raises :class:`PeerForged` and is not
+        loaded (a peer of that name loaded before may have been removed). Raises
+        :class:`MessageError` for malformed metadata and :class:`PeerUnreachable` when the
+        peer cannot be reached to prove anything.
         """
 
     @abstractmethod
     def remove_peer(self, peer: str) -> None:
         """Forget a peer (no-op if unknown). Transfers already posted still complete or fail."""
+
+    def on_peer_lost(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(name)`` when the transport finds a peer gone on its own (shm: the
+        peer's process exited) and has forgotten it — memory of the peer it mapped is unmapped
+        by then. Runs on a transport thread: it must be quick and must not call back into the
+        transport. Transports that cannot tell never call it."""
+        self._lost_callback = callback
+
+    def _peer_lost(self, name: str) -> None:
+        """Report ``name`` lost (implementations call this after forgetting the peer)."""
+        callback = self._lost_callback
+        if callback is not None:
+            try:
+                callback(name)
+            except Exception:  # noqa: BLE001 - a callback bug must not break a transport thread
+                pass
 
     # -- data path ------------------------------------------------------------------------------
 

@@ -121,8 +121,8 @@ def connected() -> Iterator[tuple[Any, ...]]:
     bb, lb = kv_buffer(2, 16, 256, 2)
     ma = a.register_memory([MemoryRegion(ba.ctypes.data, ba.nbytes)])
     mb = b.register_memory([MemoryRegion(bb.ctypes.data, bb.nbytes)])
-    a.add_peer(mb)
-    b.add_peer(ma)
+    a.add_peer(mb, b.invite(ma))
+    b.add_peer(ma, a.invite(mb))
     try:
         yield a, b, ba, la, bb, lb, mb
     finally:
@@ -177,7 +177,7 @@ def test_a_pair_prepared_while_its_peer_is_re_added_is_not_cached(
         connected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """add_peer (forgetting the peer's pairs) overlapping a preparation: the pair prepared for
     the replaced peer must not stay cached, or every later transfer would be refused."""
-    a, _, ba, la, bb, lb, mb = connected
+    a, b, ba, la, bb, lb, mb = connected
     real = MemoryTransport._prepare_blocks
     calls = []
 
@@ -185,7 +185,7 @@ def test_a_pair_prepared_while_its_peer_is_re_added_is_not_cached(
         native = real(self, pair)
         calls.append(native)
         if len(calls) == 1:
-            self.add_peer(mb)  # the peer is replaced while this preparation runs
+            self.add_peer(mb, b.invite())  # the peer is replaced while this preparation runs
         return native
 
     monkeypatch.setattr(MemoryTransport, "_prepare_blocks", racing)
@@ -248,8 +248,8 @@ def test_hybrid_transfer_moves_each_groups_blocks() -> None:
     try:
         ma = a.register_memory([MemoryRegion(x.ctypes.data, x.nbytes) for x in caches_a.values()])
         mb = b.register_memory([MemoryRegion(x.ctypes.data, x.nbytes) for x in caches_b.values()])
-        a.add_peer(mb)
-        b.add_peer(ma)
+        a.add_peer(mb, b.invite(ma))
+        b.add_peer(ma, a.invite(mb))
         before = {k: v.copy() for k, v in caches_b.items()}
         pair = a.prepare_blocks("hb", la, lb)
         lrefs = to_refs(0, [3], 3) + to_refs(2, [10, 11], 3)

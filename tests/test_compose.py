@@ -112,8 +112,8 @@ def pair() -> Iterator[tuple[Side, Side]]:
 
 
 def connect(here: Side, there: Side) -> str:
-    name = here.t.add_peer(there.meta)
-    assert there.t.add_peer(here.meta) == "here"
+    name = here.t.add_peer(there.meta, there.t.invite(here.meta))
+    assert there.t.add_peer(here.meta, here.t.invite(there.meta)) == "here"
     return name
 
 
@@ -280,22 +280,22 @@ def _envelope(**kw: Any) -> bytes:
 ])
 def test_hostile_envelope_is_a_message_error(pair: tuple[Side, Side], blob: bytes,
                                              needle: str) -> None:
-    here, _ = pair
+    here, there = pair
     with pytest.raises(MessageError) as err:
-        here.t.add_peer(blob)
+        here.t.add_peer(blob, there.t.invite(here.meta))
     assert needle in str(err.value)
 
 
 def test_oversized_envelope_refused_before_decoding(pair: tuple[Side, Side]) -> None:
-    here, _ = pair
+    here, there = pair
     with pytest.raises(MessageError, match="bytes"):
-        here.t.add_peer(b"\x00" * (MAX_MEMBERS * (8 << 20) + 1))
+        here.t.add_peer(b"\x00" * (MAX_MEMBERS * (8 << 20) + 1), there.t.invite(here.meta))
 
 
 def test_no_shared_member_names_each_reason(pair: tuple[Side, Side]) -> None:
-    here, _ = pair
+    here, there = pair
     with pytest.raises(PeerUnreachable) as err:
-        here.t.add_peer(_envelope(members=[("nixl", b"x")]))
+        here.t.add_peer(_envelope(members=[("nixl", b"x")]), there.t.invite(here.meta))
     assert "a: the peer has no such member" in str(err.value)
     assert "b: the peer has no such member" in str(err.value)
 

@@ -39,9 +39,9 @@ def _connect(ft: FaultyTransport, peer: PeerProcess, seed: int) -> Pair:
     buf, layout = kv_buffer(2, 16, 4096, seed)
     meta = ft.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
     remote = peer.setup(2, 16, 4096, seed + 1)
-    peer_name = ft.add_peer(remote.metadata)
-    local_name = peer.add_peer(meta)
-    return Pair(ft, peer, buf, layout, remote, peer_name, local_name)
+    peer_name = ft.add_peer(remote.metadata, peer.invite(meta))
+    local_name = peer.add_peer(meta, ft.invite(remote.metadata))
+    return Pair(ft, peer, buf, layout, remote, peer_name, local_name, meta)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from kvbridge.errors import (
 from kvbridge.testing.conformance import TransportConformance
 from kvbridge.testing.inprocess import InProcessPeer
 from kvbridge.testing.peer import collect_notifications
-from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transport import PROOF_BYTES, HandleState, MemoryRegion, Op
 from kvbridge.transports.memory import (
     MAX_METADATA_BYTES,
     MemoryMetadata,
@@ -144,29 +144,30 @@ def test_refuses_another_process(make: Any) -> None:
     a, b = _pair(make)
     meta = _reg(b, np.zeros(64, np.uint8))
     with pytest.raises(PeerUnreachable, match="same process"):
-        a.add_peer(_forge(meta, pid=os.getpid() + 1))
+        a.add_peer(_forge(meta, pid=os.getpid() + 1), b.invite())
 
 
 def test_refuses_unknown_token(make: Any) -> None:
     a, b = _pair(make)
     meta = _reg(b, np.zeros(64, np.uint8))
     with pytest.raises(PeerUnreachable, match="no live memory transport"):
-        a.add_peer(_forge(meta, token="0" * 32))
+        a.add_peer(_forge(meta, token="0" * 32), b.invite())
 
 
 def test_refuses_closed_peer_token(make: Any) -> None:
     a, b = _pair(make)
     meta = _reg(b, np.zeros(64, np.uint8))
+    proof = b.invite()  # a valid proof: the closed peer is refused all the same
     b.close()
     with pytest.raises(PeerUnreachable, match="no live memory transport"):
-        a.add_peer(meta)
+        a.add_peer(meta, proof)
 
 
 def test_refuses_agent_that_does_not_own_the_token(make: Any) -> None:
     a, b = _pair(make)
     meta = _reg(b, np.zeros(64, np.uint8))
     with pytest.raises(MessageError, match="'agent'"):
-        a.add_peer(_forge(meta, agent="impostor"))
+        a.add_peer(_forge(meta, agent="impostor"), b.invite())
 
 
 def test_forged_regions_are_never_reachable(
@@ -181,7 +182,7 @@ def test_forged_regions_are_never_reachable(
     _reg(a, src)
     forged = _forge(meta, regions=[(victim.ctypes.data, 8192), (0x1000, 1 << 40)])
     with caplog.at_level(logging.WARNING, "kvbridge.transport.memory"):
-        name = a.add_peer(forged)
+        name = a.add_peer(forged, b.invite())
     assert "never registered" in caplog.text
     for op in (Op.WRITE, Op.READ):
         with pytest.raises(DescriptorError, match="outside registered memory"):
@@ -199,7 +200,7 @@ def test_forged_regions_are_never_reachable(
 def test_local_descriptors_checked_against_our_regions(make: Any) -> None:
     a, b = _pair(make)
     dst, mine, stray = np.zeros(4096, np.uint8), np.ones(4096, np.uint8), np.ones(4096, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, mine)
     with pytest.raises(DescriptorError, match="local"):
         a.submit(Op.WRITE, name, _row(stray), _row(dst))
@@ -212,7 +213,7 @@ def test_peer_regions_registered_later_are_live(make: Any) -> None:
     """Reach follows what the peer registered now, not the (older) metadata we hold."""
     a, b = _pair(make)
     first, later, src = np.zeros(64, np.uint8), np.zeros(64, np.uint8), np.full(64, 9, np.uint8)
-    name = a.add_peer(_reg(b, first))
+    name = a.add_peer(_reg(b, first), b.invite())
     _reg(a, src)
     with pytest.raises(DescriptorError):
         a.submit(Op.WRITE, name, _row(src), _row(later))
@@ -234,7 +235,7 @@ def test_peer_regions_registered_later_are_live(make: Any) -> None:
 )
 def test_malformed_metadata_bytes(make: Any, blob: bytes) -> None:
     with pytest.raises(MessageError):
-        make().add_peer(blob)
+        make().add_peer(blob, os.urandom(PROOF_BYTES))
 
 
 @pytest.mark.parametrize(
@@ -259,14 +260,14 @@ def test_out_of_bounds_metadata_fields(make: Any, change: dict[str, Any]) -> Non
     fields = {f: getattr(real, f) for f in real.__struct_fields__} | change
     blob = msgspec.msgpack.encode({"type": "kvbridge.memory.v1", **fields})
     with pytest.raises(MessageError):
-        a.add_peer(blob)
+        a.add_peer(blob, b.invite())
 
 
 def test_oversized_metadata_is_message_too_large(make: Any) -> None:
     with pytest.raises(MessageTooLarge, match="exceeds"):
-        make().add_peer(b"\x00" * (MAX_METADATA_BYTES + 1))
+        make().add_peer(b"\x00" * (MAX_METADATA_BYTES + 1), os.urandom(PROOF_BYTES))
     with pytest.raises(MessageError, match="must be bytes"):
-        make().add_peer("text")
+        make().add_peer("text", os.urandom(PROOF_BYTES))
 
 
 # -- every byte -----------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def test_every_byte_arrives_scattered(make: Any, size: int) -> None:
     src = rng.integers(0, 256, n * size, dtype=np.uint8)
     other = rng.integers(0, 256, n * size, dtype=np.uint8)
     dst, back = np.zeros_like(src), np.zeros_like(src)
-    name = a.add_peer(_reg(b, dst, other))
+    name = a.add_peer(_reg(b, dst, other), b.invite())
     _reg(a, src, back)
     perm = rng.permutation(n)
     loc, rem = _descs(src.ctypes.data, np.arange(n), size), _descs(dst.ctypes.data, perm, size)
@@ -299,7 +300,7 @@ def test_large_contiguous_transfer_is_chunked_and_exact(make: Any) -> None:
     size, n = 4096, 10240
     src = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
     dst = np.zeros_like(src)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     a.transfer(Op.WRITE, name, _descs(src.ctypes.data, np.arange(n), size),
                _descs(dst.ctypes.data, np.arange(n), size))
@@ -309,7 +310,7 @@ def test_large_contiguous_transfer_is_chunked_and_exact(make: Any) -> None:
 def test_loopback_and_empty_transfer(make: Any) -> None:
     t = make("loop")
     src, dst = np.full(256, 3, np.uint8), np.zeros(256, np.uint8)
-    name = t.add_peer(_reg(t, src, dst))
+    name = t.add_peer(_reg(t, src, dst), t.invite())
     assert name == "loop"
     t.transfer(Op.WRITE, name, _row(src), _row(dst), notification=b"self")
     np.testing.assert_array_equal(dst, src)
@@ -323,7 +324,7 @@ def test_submit_does_not_copy_on_the_caller_thread(make: Any) -> None:
     """submit returns before a 64 MiB copy finishes: the worker thread does the copy."""
     a, b = _pair(make)
     src, dst = np.ones(64 << 20, np.uint8), np.zeros(64 << 20, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     handles = [a.submit(Op.WRITE, name, _row(src), _row(dst)) for _ in range(8)]
     assert a.poll(handles[-1]) is HandleState.PENDING  # 512 MiB cannot be done by now
@@ -337,7 +338,7 @@ def test_submit_does_not_copy_on_the_caller_thread(make: Any) -> None:
 def test_transfer_to_closed_peer_fails_cleanly(make: Any) -> None:
     a, b = _pair(make)
     src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     b.close()
     for op in (Op.WRITE, Op.READ):
@@ -353,7 +354,7 @@ def test_transfer_to_closed_peer_fails_cleanly(make: Any) -> None:
     # the worker survived: a live peer still works
     c = make()
     dst2 = np.zeros(4096, np.uint8)
-    a.transfer(Op.WRITE, a.add_peer(_reg(c, dst2)), _row(src), _row(dst2))
+    a.transfer(Op.WRITE, a.add_peer(_reg(c, dst2), c.invite()), _row(src), _row(dst2))
     assert dst2.all()
 
 
@@ -361,7 +362,7 @@ def test_nothing_lands_after_peer_close_returns(make: Any) -> None:
     """The peer closes while our big WRITEs into it are queued: its memory is quiet afterwards."""
     a, b = _pair(make)
     src, dst = np.ones(32 << 20, np.uint8), np.zeros(32 << 20, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     handles = [a.submit(Op.WRITE, name, _row(src), _row(dst), b"n") for _ in range(30)]
     time.sleep(0.01)
@@ -379,14 +380,15 @@ def test_collected_peer_is_unreachable(make: Any) -> None:
     b = MemoryTransport("ephemeral")  # dropped without close
     dst, src = np.zeros(64, np.uint8), np.ones(64, np.uint8)
     meta = _reg(b, dst)
-    name = a.add_peer(meta)
+    name = a.add_peer(meta, b.invite())
+    late = b.invite()  # a valid proof: the collected peer is refused all the same
     _reg(a, src)
     del b
     gc.collect()
     h = a.submit(Op.WRITE, name, _row(src), _row(dst))
     assert a.wait(h, 5) is HandleState.FAILED
     with pytest.raises(PeerUnreachable, match="no live memory transport"):
-        a.add_peer(meta)
+        a.add_peer(meta, late)
     def new_threads() -> list[threading.Thread]:
         return [th for th in threading.enumerate() if th.ident not in before]
 
@@ -402,7 +404,7 @@ def test_dropped_transport_fails_its_queued_work() -> None:
     t, peer = MemoryTransport("dropped"), MemoryTransport("dropped-peer")
     try:
         src, dst = np.ones(32 << 20, np.uint8), np.zeros(32 << 20, np.uint8)
-        name = t.add_peer(_reg(peer, dst))
+        name = t.add_peer(_reg(peer, dst), peer.invite())
         _reg(t, src)
         handles = [t.submit(Op.WRITE, name, _row(src), _row(dst)) for _ in range(30)]
         del t
@@ -416,7 +418,7 @@ def test_dropped_transport_fails_its_queued_work() -> None:
 def test_remove_peer_lets_posted_transfers_finish(make: Any) -> None:
     a, b = _pair(make)
     src, dst = np.full(1 << 20, 5, np.uint8), np.zeros(1 << 20, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     handles = [a.submit(Op.WRITE, name, _row(src), _row(dst), b"n%d" % i) for i in range(4)]
     a.remove_peer(name)
@@ -431,7 +433,7 @@ def test_remove_peer_lets_posted_transfers_finish(make: Any) -> None:
 def test_inbox_is_bounded_in_count(make: Any, caplog: pytest.LogCaptureFixture) -> None:
     a = make()
     b = make()
-    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)))
+    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)), b.invite())
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "kvbridge.transport.memory"):
         for i in range(10_000):
@@ -450,7 +452,7 @@ def test_inbox_is_bounded_in_count(make: Any, caplog: pytest.LogCaptureFixture) 
 def test_inbox_is_bounded_in_bytes(make: Any) -> None:
     """A flood of 1 MiB messages keeps at most 4 MiB queued; the rest is counted as dropped."""
     a, b = make(), make()
-    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)))
+    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)), b.invite())
     big = bytes(1 << 20)
     for _ in range(200):
         a.send_notification(name, big)
@@ -464,7 +466,7 @@ def test_inbox_bounds_are_options_and_cover_attached_notifications(make: Any) ->
     a = make()
     b = make(max_notifications=3, max_notification_bytes=10)
     src, dst = np.ones(64, np.uint8), np.zeros(64, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     for m in (b"aaaa", b"bbbb", b"cccc"):  # the third would pass 10 bytes
         a.send_notification(name, m)
@@ -481,7 +483,7 @@ def test_inbox_bounds_are_options_and_cover_attached_notifications(make: Any) ->
 def test_attached_then_standalone_keep_order(make: Any) -> None:
     a, b = make(), make()
     src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     for i in range(5):
         a.transfer(Op.WRITE, name, _row(src), _row(dst), notification=b"xfer-%d" % i)
@@ -493,7 +495,7 @@ def test_attached_then_standalone_keep_order(make: Any) -> None:
 
 def test_wait_notification_blocks_until_one_arrives(make: Any) -> None:
     a, b = make(), make()
-    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)))
+    name = a.add_peer(_reg(b, np.zeros(8, np.uint8)), b.invite())
     threading.Timer(0.2, a.send_notification, (name, b"wake")).start()
     t0 = time.monotonic()
     assert b.wait_notification(5.0) is True
@@ -516,7 +518,7 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
     before = {th.ident for th in threading.enumerate()}
     t, peer = MemoryTransport("closer"), MemoryTransport("closer-peer")
     src, dst = np.ones(8 << 20, np.uint8), np.zeros(8 << 20, np.uint8)
-    name = t.add_peer(_reg(peer, dst))
+    name = t.add_peer(_reg(peer, dst), peer.invite())
     _reg(t, src)
     loc = _descs(src.ctypes.data, np.arange(2048), 4096)
     rem = _descs(dst.ctypes.data, np.random.default_rng(0).permutation(2048), 4096)
@@ -531,7 +533,7 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
     with pytest.raises(TransportClosed):
         t.send_notification(name, b"x")
     with pytest.raises(TransportClosed):
-        t.add_peer(b"")
+        t.add_peer(b"", os.urandom(PROOF_BYTES))
     with pytest.raises(TransportClosed):
         t.register_memory([])
     peer.close()
@@ -542,7 +544,7 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
 def test_close_waits_for_queued_transfers(make: Any) -> None:
     a, b = _pair(make)
     src, dst = np.full(16 << 20, 4, np.uint8), np.zeros(16 << 20, np.uint8)
-    name = a.add_peer(_reg(b, dst))
+    name = a.add_peer(_reg(b, dst), b.invite())
     _reg(a, src)
     handles = [a.submit(Op.WRITE, name, _row(src), _row(dst), b"n") for _ in range(4)]
     a.close(timeout=30.0)
@@ -556,7 +558,7 @@ def test_in_process_peer_helper() -> None:
         InProcessPeer("memory", env={"X": "1"})
     with InProcessPeer("memory", timeout=5) as peer, MemoryTransport("helper") as t:
         mem = peer.setup(1, 4, 64, seed=3)
-        assert t.add_peer(mem.metadata) == peer.name
+        assert t.add_peer(mem.metadata, peer.invite()) == peer.name
         assert peer.pid == os.getpid()
         src = np.full(64, 1, np.uint8)
         t.register_memory([MemoryRegion(src.ctypes.data, 64)])

@@ -25,6 +25,7 @@ from kvbridge.errors import (
     ConfigError,
     DescriptorError,
     MessageError,
+    PeerUnreachable,
     TransferFailed,
     TransportClosed,
     UnknownPeer,
@@ -67,7 +68,9 @@ def _peer_main(cmd_q: Any, res_q: Any, options: dict[str, Any], seed: int) -> No
         elif cmd == "digest":
             res_q.put(hashlib.blake2b(buf.tobytes()).hexdigest())
         elif cmd == "add_peer":
-            res_q.put(t.add_peer(arg))
+            res_q.put(t.add_peer(*arg))
+        elif cmd == "invite":
+            res_q.put(t.invite(arg))
         elif cmd == "notify":
             peer, msg = arg
             t.send_notification(peer, msg)
@@ -95,6 +98,10 @@ class Peer:
     def call(self, cmd: str, arg: Any = None, timeout: float = 30) -> Any:
         self.cmd_q.put((cmd, arg))
         return self.res_q.get(timeout=timeout)
+
+    def invite(self, peer_metadata: bytes | None = None) -> bytes:
+        """A fresh proof the peer's transport attested (:meth:`Transport.invite`)."""
+        return bytes(self.call("invite", peer_metadata))
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -145,7 +152,7 @@ def scattered(
 
 def test_read_every_byte_and_notification(local: Any, peer: Peer) -> None:
     t, buf = local
-    name = t.add_peer(peer.meta)
+    name = t.add_peer(peer.meta, peer.invite())
     assert name == "peer"
     loc, rem = scattered(buf.ctypes.data, peer.base, 64 << 10, 100)
     h = t.transfer(Op.READ, name, loc, rem, notification=b"read-done", timeout=30)
@@ -159,7 +166,7 @@ def test_read_every_byte_and_notification(local: Any, peer: Peer) -> None:
 def test_write_every_byte(local: Any, peer: Peer) -> None:
     t, buf = local
     buf[:] = pattern(99)
-    name = t.add_peer(peer.meta)
+    name = t.add_peer(peer.meta, peer.invite())
     loc, rem = scattered(buf.ctypes.data, peer.base, 32 << 10, 120)
     t.transfer(Op.WRITE, name, loc, rem, notification=b"w", timeout=30)
     expected = peer.data.copy()
@@ -177,7 +184,7 @@ def test_lists_beyond_the_engine_batch_limit_are_split(peer: Peer, options: dict
     with MooncakeTransport("local", options) as t:
         buf = np.zeros(SIZE, dtype=np.uint8)
         t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
-        name = t.add_peer(peer.meta)
+        name = t.add_peer(peer.meta, peer.invite())
         loc, rem = scattered(buf.ctypes.data, peer.base, 4096, 1500, seed=3)
         h = t.transfer(Op.READ, name, loc, rem, timeout=60)
         assert h.count == 1500
@@ -188,8 +195,8 @@ def test_lists_beyond_the_engine_batch_limit_are_split(peer: Peer, options: dict
 
 def test_notifications_both_ways(local: Any, peer: Peer) -> None:
     t, _ = local
-    name = t.add_peer(peer.meta)
-    assert peer.call("add_peer", t._metadata()) == "local"
+    name = t.add_peer(peer.meta, peer.invite(t._metadata()))
+    assert peer.call("add_peer", (t._metadata(), t.invite(peer.meta))) == "local"
     for i in range(5):
         t.send_notification(name, b"to-peer-%d" % i)
     assert peer.call("notifs", 5) == [("local", b"to-peer-%d" % i) for i in range(5)]
@@ -205,7 +212,7 @@ def test_notifications_both_ways(local: Any, peer: Peer) -> None:
 
 def test_validation_before_anything_is_posted(local: Any, peer: Peer) -> None:
     t, buf = local
-    name = t.add_peer(peer.meta)
+    name = t.add_peer(peer.meta, peer.invite())
     good = [[buf.ctypes.data, 4096, 0]]
     with pytest.raises(DescriptorError, match="outside registered memory"):
         t.submit(Op.READ, name, good, [[peer.base + SIZE - 100, 4096, 0]])
@@ -214,7 +221,7 @@ def test_validation_before_anything_is_posted(local: Any, peer: Peer) -> None:
     with pytest.raises(UnknownPeer):
         t.submit(Op.READ, "nobody", good, [[peer.base, 4096, 0]])
     with pytest.raises(MessageError):
-        t.add_peer(b"\x00not metadata")
+        t.add_peer(b"\x00not metadata", peer.invite())
     assert peer.call("notifs", 0) == []  # nothing was sent
 
 
@@ -222,7 +229,8 @@ def test_dead_peer_fails_fast(local: Any) -> None:
     t, buf = local
     p = Peer(seed=5)
     try:
-        name = t.add_peer(p.meta)
+        name = t.add_peer(p.meta, p.invite())
+        proof = p.invite()  # for the handshake below, attested while p lived
         loc, rem = scattered(buf.ctypes.data, p.base, 64 << 10, 16)
         t.transfer(Op.READ, name, loc, rem, timeout=30)  # the session works first
         p.proc.kill()
@@ -231,17 +239,18 @@ def test_dead_peer_fails_fast(local: Any) -> None:
         with pytest.raises(TransferFailed, match="peer"):
             t.transfer(Op.WRITE, name, loc, rem, notification=b"never", timeout=20)
         assert time.monotonic() - start < 15
-        # a fresh transport that never talked to it fails fast too (handshake refused)
+        # a fresh transport that never talked to it fails fast too: the handshake (a READ of
+        # the dead peer's proof board) finds it unreachable, and nothing is loaded
         from kvbridge_mooncake import MooncakeTransport
 
         with MooncakeTransport("other", {}) as t2:
             t2.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
-            t2.add_peer(p.meta)
             start = time.monotonic()
-            h = t2.submit(Op.READ, name, loc, rem)
-            assert t2.wait(h, 20) is HandleState.FAILED
-            assert "unreachable" in (h.error or "")
+            with pytest.raises(PeerUnreachable, match="unreachable"):
+                t2.add_peer(p.meta, proof)
             assert time.monotonic() - start < 15
+            with pytest.raises(UnknownPeer):
+                t2.submit(Op.READ, name, loc, rem)
     finally:
         p.stop()
 
@@ -276,7 +285,7 @@ def test_hung_peer_is_a_timeout_failure(monkeypatch: pytest.MonkeyPatch) -> None
     try:
         buf = np.zeros(SIZE, dtype=np.uint8)
         t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
-        name = t.add_peer(p.meta)
+        name = t.add_peer(p.meta, p.invite())
         loc, rem = scattered(buf.ctypes.data, p.base, 256 << 10, 16)
         t.transfer(Op.READ, name, loc, rem, timeout=30)
         _stop(p.proc.pid)
@@ -303,7 +312,7 @@ def test_close_is_idempotent_and_final(peer: Peer) -> None:
     t = MooncakeTransport("local", {})
     buf = np.zeros(1 << 20, dtype=np.uint8)
     t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
-    name = t.add_peer(peer.meta)
+    name = t.add_peer(peer.meta, peer.invite())
     h = t.submit(Op.READ, name, [[buf.ctypes.data, 1 << 20, 0]], [[peer.base, 1 << 20, 0]])
     t.close()
     t.close()

@@ -236,8 +236,8 @@ class TestAgent:
         bufs = [np.ones(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)]
         ma = a.register_memory([MemoryRegion(bufs[0].ctypes.data, bufs[0].nbytes)])  # type: ignore[attr-defined]
         mb = b.register_memory([MemoryRegion(bufs[1].ctypes.data, bufs[1].nbytes)])  # type: ignore[attr-defined]
-        peer_b = a.add_peer(mb)  # type: ignore[attr-defined]
-        b.add_peer(ma)  # type: ignore[attr-defined]
+        peer_b = a.add_peer(mb, b.invite(ma))  # type: ignore[attr-defined]
+        b.add_peer(ma, a.invite(mb))  # type: ignore[attr-defined]
         loc = [[bufs[0].ctypes.data, 4096, 0]]
         rem = [[bufs[1].ctypes.data, 4096, 0]]
         a.transfer(Op.WRITE, peer_b, loc, rem, b"hi", timeout=30)  # type: ignore[attr-defined]
@@ -264,8 +264,8 @@ def pair(transports: list[object], request: pytest.FixtureRequest) -> tuple[obje
     dst = np.zeros(1 << 20, np.uint8)
     ma = a.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])  # type: ignore[attr-defined]
     mb = b.register_memory([MemoryRegion(dst.ctypes.data, dst.nbytes)])  # type: ignore[attr-defined]
-    name_b = a.add_peer(mb)  # type: ignore[attr-defined]
-    b.add_peer(ma)  # type: ignore[attr-defined]
+    name_b = a.add_peer(mb, b.invite(ma))  # type: ignore[attr-defined]
+    b.add_peer(ma, a.invite(mb))  # type: ignore[attr-defined]
     return a, b, src, dst, name_b
 
 
@@ -329,7 +329,7 @@ class TestInProcess:
         with pytest.raises(UnknownPeer):
             a.send_notification("nobody", b"x")  # type: ignore[attr-defined]
         with pytest.raises(MessageError):
-            a.add_peer(b"\x00")  # type: ignore[attr-defined]
+            a.add_peer(b"\x00", b.invite())  # type: ignore[attr-defined]
 
 
 # -- a peer process that vanishes -------------------------------------------------------------
@@ -352,8 +352,8 @@ def test_vanished_peer_fails_not_hangs(
     meta = a.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])  # type: ignore[attr-defined]
     with PeerProcess("nixl", {}, env, timeout=60) as peer:
         mem = peer.setup(1, 16, 65536, 3)
-        name = a.add_peer(mem.metadata)  # type: ignore[attr-defined]
-        peer.add_peer(meta)
+        name = a.add_peer(mem.metadata, peer.invite(meta))  # type: ignore[attr-defined]
+        peer.add_peer(meta, a.invite(mem.metadata))  # type: ignore[attr-defined]
         loc, rem = [[buf.ctypes.data, 65536, 0]], [[mem.layout.planes[0].base, 65536, 0]]
         a.transfer(Op.READ, name, loc, rem, timeout=30)  # type: ignore[attr-defined]
         peer.kill()

@@ -26,7 +26,7 @@ from kvbridge.errors import (
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.messages import Codec
 from kvbridge.testing.peer import PeerProcess, collect_notifications
-from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transport import PROOF_BYTES, HandleState, MemoryRegion, Op
 from kvbridge.transports._notify import NotificationSender
 from kvbridge.transports.shm import (
     DEFAULT_THREADS,
@@ -58,7 +58,7 @@ def _descs(base: int, offsets: np.ndarray[Any, Any], length: int) -> np.ndarray[
 
 def _loopback(t: ShmTransport, *arrays: np.ndarray[Any, Any]) -> str:
     meta = t.register_memory([MemoryRegion(a.ctypes.data, a.nbytes) for a in arrays])
-    return t.add_peer(meta)
+    return t.add_peer(meta, t.invite(meta))
 
 
 def test_entry_point_and_capabilities() -> None:
@@ -230,7 +230,7 @@ def test_system_error_names_the_problem() -> None:
         src = np.ones(page, dtype=np.uint8)
         meta = t.register_memory([MemoryRegion(src.ctypes.data, page),
                                   MemoryRegion(base, 2 * page)])
-        name = t.add_peer(meta)
+        name = t.add_peer(meta, t.invite(meta))
         loc = np.array([[src.ctypes.data, page, 0]])
         h = t.submit(Op.WRITE, name, loc, np.array([[base + page, page, 0]]), b"must-not-arrive")
         assert t.wait(h, 10) is HandleState.FAILED
@@ -248,9 +248,19 @@ def test_system_error_names_the_problem() -> None:
 def test_vanished_peer_fails_transfer() -> None:
     with PeerProcess("shm", timeout=20) as peer, ShmTransport("survivor") as t:
         mem = peer.setup(1, 4, 4096, 5)
-        name = t.add_peer(mem.metadata)
         src = np.ones(4096, np.uint8)
-        t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        own = t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        name = t.add_peer(mem.metadata, peer.invite(own))
+        # hold off the pidfd watcher (it forgets an exited peer at once, tests/test_shm_trust.py)
+        # as in the moment between the exit and the watcher seeing it: the transfer still fails
+        listener, key = t._peers[name].watch or (None, 0)
+        assert listener is not None
+        t._peers[name].watch = None
+        listener.unwatch(key)
+        deadline = time.monotonic() + 5
+        while key in listener._watched:  # the listener thread applies it
+            assert time.monotonic() < deadline, "the listener did not stop watching"
+            time.sleep(0.001)
         peer.kill()
         rem = np.array([[mem.layout.planes[0].base, 4096, 0]])
         h = t.submit(Op.WRITE, name, np.array([[src.ctypes.data, 4096, 0]]), rem)
@@ -268,9 +278,10 @@ def _meta(t: ShmTransport, **change: Any) -> bytes:
 
 def test_refuses_other_host(shm: ShmTransport) -> None:
     with pytest.raises(PeerUnreachable, match="another host.*same host"):
-        shm.add_peer(_meta(shm, agent="far", boot_id="0000-other", hostname="elsewhere"))
+        shm.add_peer(_meta(shm, agent="far", boot_id="0000-other", hostname="elsewhere"),
+                     shm.invite())
     with pytest.raises(PeerUnreachable, match="PID namespace"):
-        shm.add_peer(_meta(shm, agent="boxed", pid_ns=1))
+        shm.add_peer(_meta(shm, agent="boxed", pid_ns=1), shm.invite())
 
 
 def test_rejects_device_memory(shm: ShmTransport) -> None:
@@ -305,13 +316,13 @@ def test_notification_secret() -> None:
     c = ShmTransport("c", {"secret": "other"})
     try:
         mem = np.zeros(8, np.uint8)
-        for t in (a, b, c):
-            t.register_memory([MemoryRegion(mem.ctypes.data, 8)])
+        meta_a, _, meta_c = (t.register_memory([MemoryRegion(mem.ctypes.data, 8)])
+                             for t in (a, b, c))
         meta_b = b.register_memory([])
-        a.add_peer(meta_b)
-        # the handshake is authenticated too: c cannot even add b
+        a.add_peer(meta_b, b.invite(meta_a))
+        # the handshake is authenticated too: c cannot even add b (even with a proof b attested)
         with pytest.raises(PeerUnreachable, match="another shared secret"):
-            c.add_peer(meta_b)
+            c.add_peer(meta_b, b.invite(meta_c))
         forger = NotificationSender(b._inbox.address, "c", Codec("other"))
         try:
             forger.send(b"forged")
@@ -354,7 +365,7 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
     with pytest.raises(TransportClosed):
         t.send_notification(name, b"x")
     with pytest.raises(TransportClosed):
-        t.add_peer(b"")
+        t.add_peer(b"", os.urandom(PROOF_BYTES))
     left = [th for th in threading.enumerate() if th.ident not in before and th.is_alive()]
     assert left == []
 
@@ -362,18 +373,20 @@ def test_close_fails_queued_work_and_joins_threads() -> None:
 def test_handshake_refuses_a_pid_the_socket_does_not_prove(shm: ShmTransport) -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
+    own = shm.register_memory([])  # proofs attested for this very process: only the claim fails
     with pytest.raises(PeerUnreachable, match=f"claims pid {proc.pid}.*is pid {os.getpid()}"):
-        shm.add_peer(_meta(shm, pid=proc.pid))
+        shm.add_peer(_meta(shm, pid=proc.pid), shm.invite(own))
     with pytest.raises(PeerUnreachable, match="is agent .* but the metadata names agent 'ghost'"):
-        shm.add_peer(_meta(shm, agent="ghost"))
+        shm.add_peer(_meta(shm, agent="ghost"), shm.invite(own))
 
 
 def test_handshake_refuses_a_dead_process(shm: ShmTransport) -> None:
     with PeerProcess("shm", timeout=20) as peer:
         mem = peer.setup(1, 4, 4096, 5)
+        proof = peer.invite(shm.register_memory([]))
         peer.kill()
         with pytest.raises(PeerUnreachable, match="gone"):
-            shm.add_peer(mem.metadata)
+            shm.add_peer(mem.metadata, proof)
 
 
 def test_metadata_names_the_listener_and_a_version(shm: ShmTransport) -> None:
@@ -398,21 +411,22 @@ def test_re_adding_fetches_the_current_registration() -> None:
     metadata: the answer is the current one); metadata newer than the answer is refused."""
     with PeerProcess("shm", timeout=20) as peer, ShmTransport("readd") as t:
         mine = np.random.default_rng(9).integers(0, 256, 8192, dtype=np.uint8)
-        t.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
+        own = t.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
         first = peer.setup(1, 2, 4096, 1)
-        name = t.add_peer(first.metadata)
+        name = t.add_peer(first.metadata, peer.invite(own))
         second = peer.setup(1, 2, 4096, 2)
         loc = np.array([[mine.ctypes.data, 4096, 0]])
         rem = np.array([[second.layout.planes[0].base, 4096, 0]])
         with pytest.raises(DescriptorError, match="outside registered memory"):
             t.submit(Op.WRITE, name, loc, rem)
-        assert t.add_peer(first.metadata) == name  # stale metadata, current answer
+        # stale metadata, current answer (a new handshake: proofs are one-time)
+        assert t.add_peer(first.metadata, peer.invite(own)) == name
         t.transfer(Op.WRITE, name, loc, rem, timeout=10)
         np.testing.assert_array_equal(peer.buffer(second.index)[:4096], mine[:4096])
         meta = msgspec.msgpack.decode(second.metadata, type=ShmMetadata)
         future = msgspec.msgpack.encode(msgspec.structs.replace(meta, version=meta.version + 5))
         with pytest.raises(PeerUnreachable, match="older than the metadata's"):
-            t.add_peer(future)
+            t.add_peer(future, peer.invite(own))
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ import mmap
 import os
 import re
 import stat
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 
 from kvbridge.blocks import prepare_blocks, prepare_parts
 from kvbridge.errors import ConfigError, PeerUnreachable
+from kvbridge.host.files import UnsafePath
 from kvbridge.testing.peer import PeerProcess, kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
 from kvbridge.transports import _memfd as memfd
@@ -51,6 +53,12 @@ def _registered(owner: ShmTransport, nbytes: int,
     """A random buffer ``owner`` registered (and shared), and its metadata."""
     buf = _buffer(nbytes, seed=seed)
     return buf, owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+
+
+def _proof(owner: ShmTransport, dialler: ShmTransport) -> bytes:
+    """A proof ``owner`` attested for ``dialler``'s process, as the engine's handshake does
+    (one-time: every ``add_peer`` needs a new one)."""
+    return owner.invite(dialler.register_memory([]))
 
 
 def _descs(base: int, offsets: np.ndarray[Any, Any], length: int) -> np.ndarray[Any, Any]:
@@ -130,8 +138,9 @@ def test_mapped_ranges_move_by_memcpy_and_the_edges_by_cma(
     theirs = _buffer(n * size + 2 * PAGE, seed=2)
     mine = _buffer(n * size, seed=3 if op is Op.WRITE else None)
     base = theirs.ctypes.data + 1000
-    name = mapper.add_peer(owner.register_memory([MemoryRegion(base, n * size)]))
-    mapper.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
+    own = mapper.register_memory([MemoryRegion(mine.ctypes.data, mine.nbytes)])
+    name = mapper.add_peer(owner.register_memory([MemoryRegion(base, n * size)]),
+                           owner.invite(own))
     assert mapper._peers[name].mapping is not None
     perm = np.random.default_rng(4).permutation(n)
     h = mapper.submit(op, name, _descs(mine.ctypes.data, np.arange(n), size),
@@ -151,9 +160,9 @@ def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
     with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
             ShmTransport("mapper", {"map_memory": True}) as t:
         mem = peer.setup(layers, blocks, size, 6)
-        name = t.add_peer(mem.metadata)
         local, lay = kv_buffer(layers, blocks, size, 99)
-        t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
+        own = t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
+        name = t.add_peer(mem.metadata, peer.invite(own))
         pair_ = prepare_blocks(t, name, lay, mem.layout)
         lids, rids = np.arange(blocks), np.random.default_rng(7).permutation(blocks)
         prep = prepare_parts(t, Op.READ, name, [(pair_.local, lids, pair_.remote, rids)])
@@ -171,11 +180,12 @@ def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
 
 def _forge(owner: ShmTransport, shared: list[tuple[int, int, int, int]],
            fds: Callable[[], list[int]]) -> None:
-    """Make ``owner``'s listener answer its true registration, but with ``shared`` pieces and
-    the fds ``fds()`` returns (opened per answer, closed after sending)."""
+    """Make ``owner``'s listener answer its true registration (to a query it lets in), but
+    with ``shared`` pieces and the fds ``fds()`` returns (opened per answer, closed after
+    sending)."""
 
-    def answer(challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
-        payload, _ = owner._registration(challenge, False)
+    def answer(proof: bytes, want_fds: bool, pid: int) -> tuple[bytes, list[int]]:
+        payload, _ = owner._registration(proof, False, pid)
         reg = msgspec.msgpack.decode(payload, type=_Registration)
         reg = msgspec.structs.replace(reg, shared=shared)
         sent = fds()
@@ -239,17 +249,17 @@ def test_hostile_fds_and_pieces_are_refused_and_closed(
     and no mapping is left behind, and the transports go on working."""
     owner, mapper = pair
     buf, meta = _registered(owner, 1 * MiB, 8)
+    got = np.zeros(4096, np.uint8)
+    own = mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
     shared, fds = HOSTILE[case][0](buf.ctypes.data, buf.nbytes, tmp_path)
     _forge(owner, shared, fds)
     with pytest.raises(PeerUnreachable, match=re.escape(HOSTILE[case][1])):
-        mapper.add_peer(meta)
+        mapper.add_peer(meta, owner.invite(own))
     for fd in owner._forged:  # type: ignore[attr-defined]
         os.close(fd)  # the test's own copies (the listener sent them, it does not own them)
     assert _received() == [], "the mapper kept a received fd"
     owner._listener._answer = owner._registration  # behave again: the peer is added, works
-    name = mapper.add_peer(meta)
-    got = np.zeros(4096, np.uint8)
-    mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+    name = mapper.add_peer(meta, owner.invite(own))  # a new handshake: proofs are one-time
     h = mapper.submit(Op.READ, name, np.array([[got.ctypes.data, 4096, 0]]),
                       np.array([[buf.ctypes.data, 4096, 0]]))
     assert mapper.wait(h, 10) is HandleState.DONE, h.error
@@ -262,10 +272,10 @@ def test_a_peer_that_does_not_map_gets_no_fds_and_moves_by_cma(
     owner, _ = pair
     buf, meta = _registered(owner, 1 * MiB, 9)
     with ShmTransport("cma-only", {"map_peers": False}) as t:
-        name = t.add_peer(meta)
-        assert t._peers[name].mapping is None
         got = np.zeros(buf.nbytes, np.uint8)
-        t.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+        own = t.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+        name = t.add_peer(meta, owner.invite(own))
+        assert t._peers[name].mapping is None
         t.transfer(Op.READ, name, np.array([[got.ctypes.data, got.nbytes, 0]]),
                    np.array([[buf.ctypes.data, buf.nbytes, 0]]))
         np.testing.assert_array_equal(got, buf)
@@ -279,21 +289,37 @@ def test_fds_nobody_asked_for_are_closed_and_ignored(
     buf, meta = _registered(owner, 1 * MiB, 10)
     _forge(owner, [], lambda: [_new_memfd(PAGE), _new_memfd(PAGE)])
     with ShmTransport("cma-only", {"map_peers": False}) as t:
-        name = t.add_peer(meta)
+        name = t.add_peer(meta, _proof(owner, t))
         for fd in owner._forged:  # type: ignore[attr-defined]
             os.close(fd)
         assert t._peers[name].mapping is None and _received() == []
 
 
+def _hold_off_the_exit_watcher(t: ShmTransport, name: str) -> None:
+    """Stop ``t`` watching peer ``name``'s pidfd (it would forget the peer when it exits)."""
+    peer = t._peers[name]
+    assert peer.watch is not None
+    listener, key = peer.watch
+    peer.watch = None
+    listener.unwatch(key)
+    deadline = time.monotonic() + 5
+    while key in listener._watched:  # the listener thread applies it
+        assert time.monotonic() < deadline, "the listener did not stop watching"
+        time.sleep(0.001)
+
+
 def test_a_mapped_write_to_a_peer_that_exited_fails() -> None:
-    """A mapping outlives its process; the transfer must not report DONE into it."""
+    """A mapping outlives its process; the transfer must not report DONE into it. (The pidfd
+    watcher forgets such a peer at once, tests/test_shm_trust.py; here it is held off, as in
+    the moment between the exit and the watcher seeing it.)"""
     with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
             ShmTransport("survivor", {"map_memory": True}) as t:
         mem = peer.setup(1, 4, 1 << 20, 5)
-        name = t.add_peer(mem.metadata)
-        assert t._peers[name].mapping is not None
         src = _buffer(1 << 20, seed=11)
-        t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        own = t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
+        name = t.add_peer(mem.metadata, peer.invite(own))
+        assert t._peers[name].mapping is not None
+        _hold_off_the_exit_watcher(t, name)
         peer.kill()
         rem = np.array([[mem.layout.planes[0].base + (1 << 20), 1 << 20, 0]])
         h = t.submit(Op.WRITE, name, np.array([[src.ctypes.data, 1 << 20, 0]]), rem)
@@ -304,7 +330,8 @@ def test_a_mapped_write_to_a_peer_that_exited_fails() -> None:
 def test_remove_peer_unmaps_its_memory(pair: tuple[ShmTransport, ShmTransport]) -> None:
     owner, mapper = pair
     buf = _buffer(2 * MiB, seed=12)
-    name = mapper.add_peer(owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)]))
+    name = mapper.add_peer(owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)]),
+                           _proof(owner, mapper))
     ino = os.fstat(owner._areas[0].fd).st_ino
     assert len(memfd._maps_of(os.getpid(), {ino})) >= 2  # the owner's and the mapper's
     mapper.remove_peer(name)
@@ -336,7 +363,7 @@ def test_range_copy_refuses_a_cache_directory_others_may_write(
     (tmp_path / "native").mkdir(mode=0o700)
     os.chmod(tmp_path / "native", 0o777)
     monkeypatch.setenv("KVBRIDGE_CACHE_DIR", str(tmp_path))
-    with pytest.raises(PermissionError, match="not private"):
+    with pytest.raises(UnsafePath, match="native.*may be written by other users"):
         _rangecopy._load()
     os.chmod(tmp_path / "native", 0o700)
     assert _rangecopy._load() is not None  # built there, private
@@ -364,7 +391,7 @@ def test_a_hugetlbfs_memfd_is_refused(pair: tuple[ShmTransport, ShmTransport]) -
 
     _forge(owner, [(buf.ctypes.data, huge, 0, 0)], hugetlb)
     with pytest.raises(PeerUnreachable, match="not on tmpfs"):
-        mapper.add_peer(meta)
+        mapper.add_peer(meta, _proof(owner, mapper))
     for fd in owner._forged:  # type: ignore[attr-defined]
         os.close(fd)
     assert _received() == []
@@ -380,9 +407,9 @@ def test_registering_shared_memory_again_does_not_share_it_twice(
     owner.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
     meta = owner.register_memory([MemoryRegion(buf.ctypes.data + MiB, MiB)])
     assert len(owner._areas) == 1
-    name = mapper.add_peer(meta)
     got = _buffer(buf.nbytes)
-    mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+    own = mapper.register_memory([MemoryRegion(got.ctypes.data, got.nbytes)])
+    name = mapper.add_peer(meta, owner.invite(own))
     mapper.transfer(Op.READ, name, np.array([[got.ctypes.data, got.nbytes, 0]]),
                     np.array([[buf.ctypes.data, buf.nbytes, 0]]))
     np.testing.assert_array_equal(got, buf)
@@ -447,7 +474,7 @@ def test_the_peer_mapping_is_huge_page_aligned_and_populated(
     now 2 MiB-aligned (the memfd's huge pages map whole) and populated at the handshake."""
     owner, mapper = pair
     buf, meta = _registered(owner, 8 * MiB, 18)
-    name = mapper.add_peer(meta)
+    name = mapper.add_peer(meta, _proof(owner, mapper))
     mapping = mapper._peers[name].mapping
     assert mapping is not None
     ((base, size),) = mapping._maps

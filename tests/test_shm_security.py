@@ -31,14 +31,18 @@ from kvbridge.errors import (
 from kvbridge.messages import Ack, Codec, PipeFrame
 from kvbridge.pipe import PipeReceiver, PipeSender
 from kvbridge.testing.peer import PeerProcess, collect_notifications
-from kvbridge.transport import HandleState, MemoryRegion, Op
+from kvbridge.transport import PROOF_BYTES, HandleState, MemoryRegion, Op
 from kvbridge.transports.shm import (
     MAX_METADATA_BYTES,
     ShmMetadata,
     ShmTransport,
     _boot_id,
+    _encoder,
     _Listener,
     _pid_ns,
+    _Query,
+    _Refused,
+    _reg_decoder,
     _Registration,
 )
 
@@ -61,10 +65,10 @@ import os, sys, msgspec
 from kvbridge.messages import Codec
 from kvbridge.transports.shm import _Listener, _Registration
 claim_pid, addr, length = (int(v) for v in sys.argv[1:4])
-def answer(challenge, want_fds):
+def answer(proof, want_fds, pid):  # lets anyone in: it echoes whatever proof it is shown
     return msgspec.msgpack.encode(_Registration(
         agent="evil", pid=claim_pid or os.getpid(), version=1, regions=[(addr, length)],
-        notify_address="tcp://127.0.0.1:9", challenge=challenge)), []
+        notify_address="tcp://127.0.0.1:9", proof=proof)), []
 listener = _Listener(Codec(), answer, 5.0, 4, "attacker")
 print(listener.name.encode().hex(), os.getpid(), flush=True)
 sys.stdin.readline()
@@ -173,6 +177,13 @@ def meta_of(blob: bytes) -> ShmMetadata:
     return msgspec.msgpack.decode(blob, type=ShmMetadata)
 
 
+def any_proof() -> bytes:
+    """A proof for a peer that is not a kvbridge transport (an attacker's listener echoes
+    whatever it is shown, a raw server never reads it) or for metadata refused before any
+    handshake."""
+    return os.urandom(PROOF_BYTES)
+
+
 def assert_no_transfer_reaches(
     t: ShmTransport, peer: str, local: np.ndarray[Any, Any], addr: int
 ) -> None:
@@ -199,10 +210,11 @@ def test_attacker_socket_with_victim_pid(
         sock = bytes.fromhex(name_hex).decode()
         with pytest.raises(PeerUnreachable, match=f"claims pid {victim.pid}.*is pid {pid}"):
             shm.add_peer(forged(pid=victim.pid, socket=sock,
-                                regions=[(victim.addr, SIZE)]))
+                                regions=[(victim.addr, SIZE)]), any_proof())
         assert_no_transfer_reaches(shm, "evil", local_buf, victim.addr)
-        # the truthful attacker: accepted, but every CMA call targets the attacker itself
-        assert shm.add_peer(forged(pid=int(pid), socket=sock)) == "evil"
+        # the truthful attacker (it answers the proof of a handshake it took part in):
+        # accepted, but every CMA call targets the attacker itself
+        assert shm.add_peer(forged(pid=int(pid), socket=sock), any_proof()) == "evil"
         assert shm._peer("evil").pid == int(pid) != victim.pid
         loc = np.array([[local_buf.ctypes.data, SIZE, 0]])
         rem = np.array([[victim.addr, SIZE, 0]])
@@ -223,9 +235,9 @@ def test_attacker_listener_answering_for_the_victim(
         name_hex, pid = attacker.line().split()
         sock = bytes.fromhex(name_hex).decode()
         with pytest.raises(PeerUnreachable, match=f"answers as pid {victim.pid}.*pid {pid}"):
-            shm.add_peer(forged(pid=int(pid), socket=sock))
+            shm.add_peer(forged(pid=int(pid), socket=sock), any_proof())
         with pytest.raises(PeerUnreachable, match="claims pid"):
-            shm.add_peer(forged(pid=victim.pid, socket=sock))
+            shm.add_peer(forged(pid=victim.pid, socket=sock), any_proof())
         assert_no_transfer_reaches(shm, "evil", local_buf, victim.addr)
     finally:
         attacker.close()
@@ -237,18 +249,22 @@ def test_real_peer_socket_with_victim_pid_or_regions(
 ) -> None:
     """(b) The socket of a real kvbridge transport in another process, with the victim's pid
     and regions in the metadata: a wrong pid or agent is refused; the real pid is accepted, but
-    only the regions the real peer answered are reachable — the victim's are refused."""
+    only the regions the real peer answered are reachable — the victim's are refused. Each
+    handshake shows a proof the real peer attested for this process: only the claim is forged."""
+    own = shm.register_memory([])
     with PeerProcess("shm", timeout=20) as peer:
         mem = peer.setup(1, 4, SIZE, 3)
         real = meta_of(mem.metadata)
         evil = {**msgspec.structs.asdict(real), "type": "kvbridge.shm.v2"}
         with pytest.raises(PeerUnreachable, match=f"claims pid {victim.pid}"):
-            shm.add_peer(forged(**{**evil, "pid": victim.pid, "regions": [(victim.addr, SIZE)]}))
+            shm.add_peer(forged(**{**evil, "pid": victim.pid, "regions": [(victim.addr, SIZE)]}),
+                         peer.invite(own))
         with pytest.raises(PeerUnreachable, match="but the metadata names agent 'victim'"):
-            shm.add_peer(forged(**{**evil, "agent": "victim"}))
+            shm.add_peer(forged(**{**evil, "agent": "victim"}), peer.invite(own))
         assert_no_transfer_reaches(shm, peer.name, local_buf, victim.addr)
         # right pid, forged regions: the regions are not even read from the metadata
-        name = shm.add_peer(forged(**{**evil, "regions": [(victim.addr, SIZE)]}))
+        name = shm.add_peer(forged(**{**evil, "regions": [(victim.addr, SIZE)]}),
+                            peer.invite(own))
         assert name == peer.name
         assert shm._peer(name).pid == peer.pid
         assert_no_transfer_reaches(shm, name, local_buf, victim.addr)
@@ -272,31 +288,39 @@ def test_listener_of_another_user_is_refused(shm: ShmTransport) -> None:
     try:
         name_hex, pid = other.line().split()
         with pytest.raises(PeerUnreachable, match="belongs to uid 65534"):
-            shm.add_peer(forged(pid=int(pid), socket=bytes.fromhex(name_hex).decode()))
+            shm.add_peer(forged(pid=int(pid), socket=bytes.fromhex(name_hex).decode()),
+                         any_proof())
     finally:
         other.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
 def test_client_of_another_user_gets_no_answer(shm: ShmTransport) -> None:
+    """A client of another uid is refused before a byte is read, even with a well-formed query
+    showing a proof the engine attested for no particular process (so only the uid check stands
+    in its way): the very same query from this uid is answered."""
     sock = meta_of(shm.register_memory([])).socket
+    proof = shm.invite()
+    request = _request(shm, proof)
     before = shm._listener.refused
     client = Child(
         "import socket, sys\n"
         "s = socket.socket(socket.AF_UNIX); s.settimeout(5)\n"
         "s.connect(bytes.fromhex(sys.argv[1]).decode())\n"
         "try:\n"
-        "    s.sendall(b'\\0\\0\\0\\1x'); n = len(s.recv(100))\n"
+        "    s.sendall(bytes.fromhex(sys.argv[2])); n = len(s.recv(100))\n"
         "except OSError:\n"
         "    n = 0\n"
         "print(n, flush=True)\n",
-        sock.encode().hex(), user=65534,
+        sock.encode().hex(), request.hex(), user=65534,
     )
     try:
         assert client.line() == "0"
     finally:
         client.close()
     assert shm._listener.refused == before + 1
+    reply, _ = _ask(shm, sock, request)  # the control: the proof was valid, and is unused
+    assert isinstance(reply, _Registration) and reply.proof == proof
 
 
 # -- hostile listeners: add_peer fails in bounded time ---------------------------------------------
@@ -366,20 +390,21 @@ def test_hostile_listener_is_refused_in_bounded_time(
     try:
         t0 = time.monotonic()
         with pytest.raises(PeerUnreachable):
-            t.add_peer(forged(socket=server.name))
+            t.add_peer(forged(socket=server.name), any_proof())
         assert time.monotonic() - t0 < 3.0
         # the transport still works
         buf = np.zeros(64, np.uint8)
-        assert t.add_peer(t.register_memory([MemoryRegion(buf.ctypes.data, 64)])) == "client"
+        meta = t.register_memory([MemoryRegion(buf.ctypes.data, 64)])
+        assert t.add_peer(meta, t.invite(meta)) == "client"
     finally:
         server.close()
         t.close()
 
 
 def _lying_listener(**change: Any) -> _Listener:
-    def answer(challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
+    def answer(proof: bytes, want_fds: bool, pid: int) -> tuple[bytes, list[int]]:
         reg = _Registration(agent="evil", pid=os.getpid(), version=1, regions=[],
-                            notify_address="tcp://127.0.0.1:9", challenge=challenge)
+                            notify_address="tcp://127.0.0.1:9", proof=proof)
         return msgspec.msgpack.encode(msgspec.structs.replace(reg, **change)), []
     return _Listener(Codec(), answer, 2.0, 4, "liar")
 
@@ -387,7 +412,7 @@ def _lying_listener(**change: Any) -> _Listener:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"challenge": b"\0" * 16}, "did not echo the challenge"),
+        ({"proof": b"\0" * PROOF_BYTES}, "did not echo the proof"),
         ({"agent": "someone-else"}, "is agent 'someone-else'"),
         ({"version": 0}, "older than the metadata's 1"),
         ({"notify_address": "tcp://no such host"}, "unusable notification address"),
@@ -407,7 +432,7 @@ def test_answers_that_do_not_match_are_refused(
     liar = _lying_listener(**change)
     try:
         with pytest.raises(PeerUnreachable, match=match):
-            shm.add_peer(forged(socket=liar.name))
+            shm.add_peer(forged(socket=liar.name), any_proof())
     finally:
         liar.close()
 
@@ -431,6 +456,33 @@ def _connect(name: str) -> socket.socket:
             time.sleep(0.01)
 
 
+def _request(t: ShmTransport, proof: bytes) -> bytes:
+    """A well-formed handshake query to ``t``'s listener (asking for memfds too)."""
+    frame = t._hs_codec.encode(
+        PipeFrame(seq=0, payload=_encoder.encode(_Query(proof=proof, fds=True))))
+    return len(frame).to_bytes(4, "big") + frame
+
+
+def _ask(t: ShmTransport, name: str, request: bytes) -> tuple[_Registration | _Refused, int]:
+    """Send ``request`` to the listener ``name`` of ``t``: its decoded answer and how many
+    fds came with it (closed here)."""
+    data, fds = b"", []
+    with _connect(name) as s:
+        s.sendall(request)
+        while True:
+            msg, got, _, _ = socket.recv_fds(s, 1 << 16, 16)
+            fds += got
+            if not msg:
+                break
+            data += msg
+    for fd in fds:
+        os.close(fd)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    frame = t._hs_codec.decode(data[4:])
+    assert isinstance(frame, PipeFrame)
+    return _reg_decoder.decode(frame.payload), len(fds)
+
+
 def _closed_without_answer(s: socket.socket) -> bool:
     """True if the listener closed the connection (a reset counts: it left bytes unread)."""
     try:
@@ -440,7 +492,8 @@ def _closed_without_answer(s: socket.socket) -> bool:
 
 
 def test_garbage_on_the_socket_does_not_stop_transfers() -> None:
-    t = ShmTransport("srv", {"listener_timeout": 2.0, "listener_max_connections": 8})
+    t = ShmTransport("srv", {"listener_timeout": 2.0, "listener_max_connections": 8,
+                             "map_memory": True})
     buf = np.random.default_rng(1).integers(0, 256, 4 * SIZE, dtype=np.uint8)
     meta = t.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
     name = meta_of(meta).socket
@@ -465,10 +518,16 @@ def test_garbage_on_the_socket_does_not_stop_transfers() -> None:
                 s.sendall(blob)
                 assert _closed_without_answer(s), blob
                 s.close()
+            # a well-formed query from a process of this user that no handshake let in (a
+            # made-up proof): a refusal, and nothing else — no registration, no memfd
+            for _ in range(2):
+                reply, fds = _ask(t, name, _request(t, any_proof()))
+                assert isinstance(reply, _Refused) and fds == 0, reply
+                assert "no handshake of this engine attested the proof" in reply.reason
             # the legit peer handshakes with us and moves every byte meanwhile
             mem = peer.setup(1, 4, SIZE, 2)
-            pname = t.add_peer(mem.metadata)
-            assert peer.add_peer(meta) == "srv"
+            pname = t.add_peer(mem.metadata, peer.invite(meta))
+            assert peer.add_peer(meta, t.invite(mem.metadata)) == "srv"
             base = mem.layout.planes[0].base
             state, error = peer.transfer(
                 Op.READ, "srv", np.array([[base, 4 * SIZE, 0]]),
@@ -497,10 +556,10 @@ def test_garbage_on_the_socket_does_not_stop_transfers() -> None:
                 for s in flood:
                     s.close()
             assert t._listener._thread.is_alive()
-            assert t._listener.refused >= 6 + 3 + 20
-            # and handshakes keep working afterwards
-            assert peer.add_peer(meta) == "srv"
-            assert t.add_peer(mem.metadata) == pname
+            assert t._listener.refused >= 6 + 2 + 3 + 20
+            # and handshakes keep working afterwards (new handshakes: new proofs)
+            assert peer.add_peer(meta, t.invite(mem.metadata)) == "srv"
+            assert t.add_peer(mem.metadata, peer.invite(meta)) == pname
     finally:
         for s in idle:
             s.close()
@@ -602,27 +661,28 @@ def _valid() -> dict[str, Any]:
 )
 def test_malformed_metadata_raises_message_error(shm: ShmTransport, blob: bytes) -> None:
     with pytest.raises(MessageError):
-        shm.add_peer(blob)
+        shm.add_peer(blob, any_proof())
 
 
 @pytest.mark.parametrize("blob", [None, "text", 42, ["x"]])
 def test_metadata_of_the_wrong_type_raises_message_error(shm: ShmTransport, blob: Any) -> None:
     with pytest.raises(MessageError):
-        shm.add_peer(blob)
+        shm.add_peer(blob, any_proof())
 
 
 def test_oversized_metadata_raises_before_decoding(shm: ShmTransport) -> None:
     with pytest.raises(MessageTooLarge):
-        shm.add_peer(forged(hostname="h" * (MAX_METADATA_BYTES + 1)))
+        shm.add_peer(forged(hostname="h" * (MAX_METADATA_BYTES + 1)), any_proof())
     with pytest.raises(MessageTooLarge):
-        shm.add_peer(b"\x00" * (MAX_METADATA_BYTES + 1))
+        shm.add_peer(b"\x00" * (MAX_METADATA_BYTES + 1), any_proof())
 
 
 def test_descriptor_lengths_that_overflow_are_refused(shm: ShmTransport) -> None:
     """``address + length`` wrapping around int64 must not pass the range check."""
     src, dst = np.ones(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
-    name = shm.add_peer(shm.register_memory([MemoryRegion(src.ctypes.data, SIZE),
-                                             MemoryRegion(dst.ctypes.data, SIZE)]))
+    meta = shm.register_memory([MemoryRegion(src.ctypes.data, SIZE),
+                                MemoryRegion(dst.ctypes.data, SIZE)])
+    name = shm.add_peer(meta, shm.invite(meta))
     low = min(src.ctypes.data, dst.ctypes.data)
     wrap = 2**63 - low + 8  # low + wrap (and anything above) overflows to a negative end
     for op in (Op.WRITE, Op.READ):

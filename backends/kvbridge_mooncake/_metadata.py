@@ -8,12 +8,12 @@ from kvbridge.errors import MessageError
 
 __all__ = ["METADATA_VERSION", "MooncakeMetadata", "encode_metadata", "decode_metadata"]
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 
 
 class MooncakeMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge-mooncake"):
-    """Agent name, Transfer Engine session (``host:rpc_port``), registered regions and the
-    address of the agent's notification pipe."""
+    """Agent name, Transfer Engine session (``host:rpc_port``), registered regions, the
+    address of the agent's notification pipe and of its proof board."""
 
     agent: str
     session: str
@@ -21,6 +21,9 @@ class MooncakeMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge-
     notify_address: str
     protocol: str = "tcp"
     version: int = METADATA_VERSION
+    #: ``(address, length)`` of the agent's proof board (registered, not part of ``regions``:
+    #: :class:`kvbridge.transports.proofs.ProofBoard`)
+    board: tuple[int, int] = (0, 0)
 
 
 _encoder = msgspec.msgpack.Encoder()

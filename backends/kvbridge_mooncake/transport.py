@@ -21,7 +21,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, check_in_regions
-from kvbridge.errors import ConfigError, DescriptorError, TransportClosed, UnknownPeer
+from kvbridge.errors import (
+    ConfigError,
+    DescriptorError,
+    KVBridgeError,
+    PeerForged,
+    PeerUnreachable,
+    TransportClosed,
+    TransportError,
+    UnknownPeer,
+)
 from kvbridge.messages import Codec
 from kvbridge.transport import (
     Capabilities,
@@ -33,6 +42,7 @@ from kvbridge.transport import (
     check_within,
 )
 from kvbridge.transports._notify import NotificationInbox, NotificationSender
+from kvbridge.transports.proofs import ProofBoard, check_proof
 from kvbridge_mooncake import _engine
 from kvbridge_mooncake._lane import Job, Lane
 from kvbridge_mooncake._metadata import MooncakeMetadata, decode_metadata, encode_metadata
@@ -99,6 +109,11 @@ class MooncakeTransport(BlockTransport):
         self.session = f"{self.host}:{self._engine.get_rpc_port()}"
         self._lock = threading.RLock()
         self._regions: list[tuple[int, int]] = []
+        self._board = ProofBoard()
+        for region in self._board.regions():
+            rc = self._engine.register_memory(region.address, region.length)
+            if rc != 0:
+                raise TransportError(f"mooncake could not register the proof board (rc {rc})")
         self._peers: dict[str, _Peer] = {}
         self._retired: list[Lane] = []
         self._closing = False
@@ -127,6 +142,7 @@ class MooncakeTransport(BlockTransport):
                 regions=list(self._regions),
                 notify_address=self._inbox.address,
                 protocol=self.protocol,
+                board=self._board.board,
             )
         )
 
@@ -158,8 +174,23 @@ class MooncakeTransport(BlockTransport):
                 known.add(key)
             return self._metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Write ``proof`` on this engine's proof board, where the dialler READs it."""
+        self._board.attest(proof)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        """Load the peer once a READ of its proof board found ``proof`` there (else
+        :class:`PeerForged`, and an earlier peer of that name is removed)."""
+        proof = check_proof(proof)
         meta = decode_metadata(metadata)
+        with self._lock:
+            self._check_open()
+        try:
+            self._board.verify(lambda loc, rem, n: self._read_board(meta, loc, rem, n),
+                               meta.board, proof, f"mooncake peer {meta.agent!r}")
+        except KVBridgeError:
+            self.remove_peer(meta.agent)
+            raise
         with self._lock:
             self._check_open()
             old = self._peers.pop(meta.agent, None)
@@ -175,6 +206,22 @@ class MooncakeTransport(BlockTransport):
         self._forget_blocks(meta.agent)
         log.info("mooncake transport %r: peer %r at %s", self.agent_name, meta.agent, meta.session)
         return meta.agent
+
+    def _read_board(self, meta: MooncakeMetadata, local: int, remote: int, n: int) -> None:
+        """One synchronous READ of the peer's proof board (the engine bounds it)."""
+        try:
+            rc = int(self._engine.transfer_sync_read(meta.session, local, remote, n))
+        except Exception as exc:  # noqa: BLE001 - the engine's own exceptions
+            raise PeerForged(f"READ of the proof board of {meta.agent!r} at {meta.session} "
+                             f"failed: {exc!r}") from exc
+        if rc != 0:
+            why = self._probe_session(meta.session)
+            if why is not None:
+                raise PeerUnreachable(f"mooncake peer {meta.agent!r} at {meta.session} is "
+                                      f"unreachable ({why})")
+            raise PeerForged(f"READ of the proof board of {meta.agent!r} at {meta.session} "
+                             f"failed (rc {rc}): the advertised board is not memory it "
+                             "registered")
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -290,8 +337,11 @@ class MooncakeTransport(BlockTransport):
             return
         for address, _length in self._regions:
             self._engine.unregister_memory(address)
+        for region in self._board.regions():
+            self._engine.unregister_memory(region.address)
         self._regions = []
         self._engine = None
+        self._board.close()
         log.info("mooncake transport %r closed", self.agent_name)
 
     def _check_open(self) -> None:

@@ -287,7 +287,7 @@ def block_cost(
                                                   block_bytes) for i in range(planes)),
                                     num_blocks, 16, "uint8"))
         a, b = made
-        a.add_peer(bufs[1][1])
+        a.add_peer(bufs[1][1], b.invite(bufs[0][1]))
         pair = a.prepare_blocks(b.agent_name, layouts[0], layouts[1])
         for case, (lids, rids) in cases.items():
             rows = out[case] = []

@@ -7,9 +7,13 @@ Contract (on top of :mod:`kvbridge.transport`'s):
   with :class:`BackendUnavailable` (one line) if any configured backend cannot load. It blocks for
   plugin loading (~0.3–2 s, longer on a loaded host).
 * Metadata is exchanged by kvbridge's control channel: :meth:`register_memory` returns
-  msgpack bytes holding the NIXL agent metadata, the registered regions and the memory kind;
-  :meth:`add_peer` decodes them (:class:`MessageError` if malformed) and calls
-  ``add_remote_agent``.
+  msgpack bytes holding the NIXL agent metadata, the registered regions, the memory kind and
+  the address of the agent's proof board; :meth:`add_peer` decodes them (:class:`MessageError`
+  if malformed), calls ``add_remote_agent`` and READs the peer's proof board
+  (:class:`~kvbridge.transports.proofs.ProofBoard`, 16 KiB of host DRAM registered at
+  construction, never part of the KV regions): a peer whose board does not hold the handshake's
+  proof (:meth:`attest` writes it there) is unloaded and refused with :class:`PeerForged`. The
+  READ also makes UCX connect at handshake time rather than on the first transfer.
 * Block path (:class:`~kvbridge.blocks.BlockTransport`, what the core uses): a local layout is
   prepared once (``prep_xfer_dlist`` of a strided list: one row per plane covering every block,
   cached by the layout's key) and a peer's layout once per pair (cached with the peer, released
@@ -58,6 +62,7 @@ from kvbridge.errors import (
     DescriptorError,
     KVBridgeError,
     MessageError,
+    PeerForged,
     PeerUnreachable,
     TransferFailed,
     TransferTimeout,
@@ -75,6 +80,7 @@ from kvbridge.transport import (
     TransferHandle,
     check_within,
 )
+from kvbridge.transports.proofs import ProofBoard, check_proof
 from kvbridge_nixl._agent import NixlOptions, create_agent, import_nixl
 from kvbridge_nixl._efa import detect_efa_devices, efa_advice
 from kvbridge_nixl._grid import Grid, granule_of, region_table
@@ -85,7 +91,7 @@ __all__ = ["NixlTransport", "NixlPeerInfo"]
 
 log = logging.getLogger("kvbridge.transport.nixl")
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
 _MAX_GRIDS = 4
@@ -94,6 +100,8 @@ _AUTO_GRANULE_MIN = 1 << 10
 _MAX_LAYOUT_DLISTS = 16
 #: the block path posts coalesced ranges directly when runs <= blocks / this
 _DIRECT_RUN_FACTOR = 4
+#: bound of the proof-board READ of a handshake (UCX connects on the first transfer)
+_BOARD_TIMEOUT_S = 10.0
 
 
 class NixlPeerInfo(msgspec.Struct, frozen=True, tag="kvbridge-nixl"):
@@ -104,6 +112,9 @@ class NixlPeerInfo(msgspec.Struct, frozen=True, tag="kvbridge-nixl"):
     mem_type: str
     regions: list[tuple[int, int, int]]
     nixl: bytes
+    #: ``(address, length)`` of the agent's proof board (host DRAM, registered with NIXL, not
+    #: part of ``regions``: :class:`kvbridge.transports.proofs.ProofBoard`)
+    board: tuple[int, int] = (0, 0)
 
 
 _info_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)
@@ -182,6 +193,12 @@ class NixlTransport(BlockTransport):
         self._agent, self.agent_config = create_agent(agent_name, self.settings)
         self._regions: list[tuple[int, int, int]] = []
         self._reg_descs: list[Any] = []
+        self._board = ProofBoard()
+        try:
+            self._reg_descs.append(self._agent.register_memory(
+                [(r.address, r.length, 0, "") for r in self._board.regions()], "DRAM"))
+        except Exception as exc:
+            raise TransportError(f"NIXL could not register the proof board: {exc!r}") from exc
         self._mem_type: str | None = None
         self._peers: dict[str, _Peer] = {}
         self._retired_peers: list[_Peer] = []
@@ -268,12 +285,20 @@ class NixlTransport(BlockTransport):
                 mem_type=self._mem_type or "DRAM",
                 regions=list(self._regions),
                 nixl=bytes(self._agent.get_agent_metadata()),
+                board=self._board.board,
             )
         log.debug("nixl %r registered %d region(s), %d total", self.agent_name, len(new),
                   len(self._regions))
         return _info_encoder.encode(info)
 
-    def add_peer(self, metadata: bytes) -> str:
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Write ``proof`` on this agent's proof board, where the dialler READs it."""
+        self._board.attest(proof)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        """Load the peer's agent, READ its proof board and keep it only if ``proof`` is there
+        (else :class:`PeerForged`; the agent is unloaded, with any earlier peer of that name)."""
+        proof = check_proof(proof)
         try:
             info = _info_decoder.decode(metadata)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
@@ -287,11 +312,26 @@ class NixlTransport(BlockTransport):
             try:
                 raw = self._agent.add_remote_agent(info.nixl)
             except Exception as exc:
+                if type(exc).__name__ in ("nixlBackendError", "nixlRemoteDisconnectError"):
+                    raise PeerUnreachable(f"NIXL cannot connect to the agent of {info.agent!r} "
+                                          f"(gone, or unreachable from here): {exc!r}") from exc
                 raise MessageError(f"NIXL rejected peer metadata of {info.agent!r}: {exc!r}") \
                     from exc
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
             if name != info.agent:
                 raise MessageError(f"peer metadata names {info.agent!r} but NIXL says {name!r}")
+        try:
+            self._board.verify(lambda loc, rem, n: self._read_board(name, loc, rem, n),
+                               info.board, proof, f"nixl peer {name!r}")
+        except KVBridgeError:
+            self.remove_peer(name)
+            with self._lock:
+                if name not in self._peers and not any(p.name == name
+                                                       for p in self._retired_peers):
+                    self._unload(name)
+            raise
+        with self._lock:
+            self._check_open()
             old = self._peers.get(name)
             if old is not None:
                 self._retire(old.grids)
@@ -305,6 +345,53 @@ class NixlTransport(BlockTransport):
         self._forget_blocks(name)
         log.info("nixl %r added peer %r (%d region(s))", self.agent_name, name, len(info.regions))
         return name
+
+    def _read_board(self, peer: str, local: int, remote: int, nbytes: int) -> None:
+        """READ ``nbytes`` of the peer's proof board into our scratch area (blocking, at most
+        ``_BOARD_TIMEOUT_S``); raises :class:`PeerForged` when it cannot be read."""
+        what = f"READ of the proof board of {peer!r}"
+        with self._lock:
+            self._check_open()
+            agent = self._agent
+            try:
+                native = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs([(local, nbytes, 0)], "DRAM"),
+                    agent.get_xfer_descs([(remote, nbytes, 0)], "DRAM"), peer, b"")
+            except Exception as exc:
+                raise PeerForged(f"{what}: NIXL refused it ({exc!r}): the advertised board is "
+                                 "not memory that agent registered") from exc
+        deadline = time.monotonic() + _BOARD_TIMEOUT_S
+        delay = 20e-6
+        try:
+            step = agent.transfer  # posts it; then check_xfer_state until it stopped
+            while True:
+                with self._lock:
+                    if self._agent is None:
+                        raise TransportClosed(f"nixl transport {self.agent_name!r} is closed")
+                    try:
+                        status = step(native)
+                    except Exception as exc:
+                        raise PeerForged(f"{what} failed: {exc!r}") from exc
+                step = agent.check_xfer_state
+                if status == "DONE":
+                    return
+                if status == "ERR":
+                    raise PeerForged(f"{what} failed (NIXL state ERR)")
+                if time.monotonic() >= deadline:
+                    raise PeerUnreachable(f"{what} did not finish in {_BOARD_TIMEOUT_S} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 5e-3)
+        finally:
+            with self._lock:
+                if self._agent is not None:
+                    self._release(native)
+
+    def _unload(self, name: str) -> None:
+        """Drop a remote agent that never became a peer (its proof failed)."""
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.debug("nixl: remove_remote_agent(%r) failed: %r", name, exc)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -832,6 +919,7 @@ class NixlTransport(BlockTransport):
                     log.warning("nixl: deregister_memory failed: %r", exc)
             self._reg_descs.clear()
             self._agent = None
+            self._board.close()
             self._cv.notify_all()
         if self._progress is not None and self._progress is not threading.current_thread():
             self._progress.join(timeout=5.0)

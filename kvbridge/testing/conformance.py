@@ -20,9 +20,11 @@ capability (``Capabilities.read`` …) has the matching tests skipped.
 
 By default every test uses a REAL second process (:class:`kvbridge.testing.peer.PeerProcess`,
 spawn context) holding registered memory; metadata goes both ways over its command pipe
-(``add_peer`` on both sides). A backend that only reaches its own process (``memory``) sets
-``in_process_peer = True`` and gets an :class:`kvbridge.testing.inprocess.InProcessPeer` (a
-second transport object in this process, same methods) instead. Bytes are checked on both
+(``add_peer`` on both sides, each with a proof the other side attested:
+:meth:`~kvbridge.transport.Transport.invite`). A backend that only reaches its own process
+(``memory``) sets ``in_process_peer = True`` and gets an
+:class:`kvbridge.testing.inprocess.InProcessPeer` (a second transport object in this process,
+same methods) instead. Bytes are checked on both
 sides after every transfer: the blocks moved, the blocks not moved, and the source. Tests are
 bounded (``pytest.mark.timeout`` plus per-call timeouts) and the peer is closed (its process
 killed) in teardown even when a test fails.
@@ -35,7 +37,8 @@ peer; attached to a transfer, visible only once the bytes landed); many concurre
 errors: unequal descriptor lists and sizes, descriptors outside registered memory (local and
 remote) → :class:`DescriptorError`, unknown or removed peer → :class:`UnknownPeer`, malformed
 metadata → :class:`MessageError`, a layout of the wrong geometry → :class:`LayoutMismatch`;
-and the block path the core uses (:mod:`kvbridge.testing.conformance_blocks`). Set
+the block path the core uses (:mod:`kvbridge.testing.conformance_blocks`); and hostile peers
+— relayed, forged, stale — refused (:mod:`kvbridge.testing.hostile_peer`). Set
 ``native_blocks = True`` when the backend is a :class:`kvbridge.blocks.BlockTransport`.
 """
 
@@ -62,6 +65,7 @@ from kvbridge.errors import (
 )
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
 from kvbridge.testing.conformance_blocks import BlockConformance
+from kvbridge.testing.hostile_peer import HostilePeerConformance
 from kvbridge.testing.inprocess import InProcessPeer
 from kvbridge.testing.peer import (
     Peer,
@@ -89,14 +93,19 @@ class Pair:
     remote: PeerMemory
     peer_name: str
     local_name: str
+    local_meta: bytes = b""
     keep: list[Any] = field(default_factory=list)
+
+    def readd(self) -> str:
+        """Add the peer again, with a fresh proof (what a new handshake does)."""
+        return self.local.add_peer(self.remote.metadata, self.peer.invite(self.local_meta))
 
     def remote_buf(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The peer's buffer now, shaped like ``local_buf``."""
         return self.peer.buffer(self.remote.index).reshape(self.local_buf.shape)
 
 
-class TransportConformance(BlockConformance):
+class TransportConformance(BlockConformance, HostilePeerConformance):
     """Base class of every backend's conformance tests (not collected itself: no ``Test``)."""
 
     backend: ClassVar[str] = ""
@@ -173,15 +182,16 @@ class TransportConformance(BlockConformance):
         layers: int = 2,
         seed: int = 0,
     ) -> Pair:
-        """Register one random KV buffer per side and add each side as the other's peer."""
+        """Register one random KV buffer per side and add each side as the other's peer, each
+        with a proof the other side attested (:meth:`Transport.invite`)."""
         buf, layout = kv_buffer(layers, num_blocks, block_bytes, seed)
         meta = local.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
         remote = peer.setup(layers, num_blocks, block_bytes, seed + 1000)
-        peer_name = local.add_peer(remote.metadata)
-        local_name = peer.add_peer(meta)
+        peer_name = local.add_peer(remote.metadata, peer.invite(meta))
+        local_name = peer.add_peer(meta, local.invite(remote.metadata))
         assert peer_name == peer.name, "add_peer must return the peer's agent name"
         assert local_name == local.agent_name
-        return Pair(local, peer, buf, layout, remote, peer_name, local_name)
+        return Pair(local, peer, buf, layout, remote, peer_name, local_name, meta)
 
     def _wait_all(self, t: Transport, handles: list[Any]) -> list[HandleState]:
         return [t.wait(h, self.timeout) for h in handles]
@@ -200,8 +210,8 @@ class TransportConformance(BlockConformance):
     def test_register_and_handshake(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer)
         assert isinstance(pair.remote.metadata, bytes)
-        # re-adding a peer replaces it and keeps the name
-        assert local.add_peer(pair.remote.metadata) == pair.peer_name
+        # re-adding a peer (a new handshake, a new proof) replaces it and keeps the name
+        assert pair.readd() == pair.peer_name
 
     def test_register_after_handshake(self, local: Transport, peer: Peer) -> None:
         """Memory registered later is reachable once the new metadata was re-sent."""
@@ -209,7 +219,7 @@ class TransportConformance(BlockConformance):
         self._require(local, "write")
         extra, extra_layout = kv_buffer(1, 8, 4096, 77)
         meta = local.register_memory([MemoryRegion(extra.ctypes.data, extra.nbytes)])
-        assert peer.add_peer(meta) == pair.local_name
+        assert peer.add_peer(meta, local.invite(pair.remote.metadata)) == pair.local_name
         remote_layout = pair.remote.layout
         small = KVLayout(remote_layout.planes[:2], remote_layout.num_blocks, 16, "uint8")
         ids = [3, 1, 6]
@@ -443,7 +453,7 @@ class TransportConformance(BlockConformance):
     )
     def test_malformed_metadata(self, local: Transport, blob: bytes) -> None:
         with pytest.raises(MessageError):
-            local.add_peer(blob)
+            local.add_peer(blob, bytes(32))
 
     def test_layout_of_wrong_geometry(self, local: Transport, peer: Peer) -> None:
         pair = self.connect(local, peer, 4096)

@@ -242,7 +242,7 @@ class BlockConformance:
         self._require(local, "write")
         pair = self.connect(local, peer)
         old = prepare_blocks(local, pair.peer_name, pair.local_layout, pair.remote.layout)
-        assert local.add_peer(pair.remote.metadata) == pair.peer_name
+        assert pair.readd() == pair.peer_name
         if isinstance(local, BlockTransport):
             with pytest.raises(UnknownPeer):
                 submit_blocks(local, Op.WRITE, old, [0], [0])

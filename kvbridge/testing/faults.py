@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,8 +132,14 @@ class FaultyTransport(Transport):
     def register_memory(self, regions: Sequence[MemoryRegion]) -> bytes:
         return self.inner.register_memory(regions)
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self.inner.add_peer(metadata)
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        self.inner.attest(proof, peer_metadata)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return self.inner.add_peer(metadata, proof)
+
+    def on_peer_lost(self, callback: Callable[[str], None] | None) -> None:
+        self.inner.on_peer_lost(callback)
 
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)

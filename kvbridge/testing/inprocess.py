@@ -14,7 +14,7 @@ Example::
 
     with InProcessPeer("memory") as peer:
         mem = peer.setup(layers=2, num_blocks=16, block_bytes=4096, seed=1)
-        name = transport.add_peer(mem.metadata)
+        name = transport.add_peer(mem.metadata, peer.invite(my_metadata))
 """
 
 from __future__ import annotations
@@ -81,8 +81,14 @@ class InProcessPeer:
         self._buffers.append(arr)
         return PeerMemory(meta, layout, len(self._buffers) - 1)
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self.transport.add_peer(metadata)
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return self.transport.add_peer(metadata, proof)
+
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        self.transport.attest(proof, peer_metadata)
+
+    def invite(self, peer_metadata: bytes | None = None) -> bytes:
+        return self.transport.invite(peer_metadata)
 
     def remove_peer(self, name: str) -> None:
         self.transport.remove_peer(name)

@@ -20,7 +20,7 @@ Example::
 
     with PeerProcess("shm") as peer:
         mem = peer.setup(layers=2, num_blocks=16, block_bytes=4096, seed=1)
-        name = transport.add_peer(mem.metadata)
+        name = transport.add_peer(mem.metadata, peer.invite(my_metadata))
 """
 
 from __future__ import annotations
@@ -111,8 +111,14 @@ class _PeerServer:
         meta = self.transport.register_memory([MemoryRegion(arr.ctypes.data, arr.nbytes)])
         return meta, layout.to_dict(), len(self.buffers) - 1
 
-    def cmd_add_peer(self, metadata: bytes) -> str:
-        return self.transport.add_peer(metadata)
+    def cmd_add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return self.transport.add_peer(metadata, proof)
+
+    def cmd_attest(self, proof: bytes, peer_metadata: bytes | None) -> None:
+        self.transport.attest(proof, peer_metadata)
+
+    def cmd_invite(self, peer_metadata: bytes | None) -> bytes:
+        return self.transport.invite(peer_metadata)
 
     def cmd_remove_peer(self, name: str) -> None:
         self.transport.remove_peer(name)
@@ -201,7 +207,11 @@ class Peer(Protocol):
 
     def setup(self, layers: int, num_blocks: int, block_bytes: int, seed: int) -> PeerMemory: ...
 
-    def add_peer(self, metadata: bytes) -> str: ...
+    def add_peer(self, metadata: bytes, proof: bytes) -> str: ...
+
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None: ...
+
+    def invite(self, peer_metadata: bytes | None = None) -> bytes: ...
 
     def remove_peer(self, name: str) -> None: ...
 
@@ -304,8 +314,16 @@ class PeerProcess:
         meta, layout, index = self.call("setup", layers, num_blocks, block_bytes, seed)
         return PeerMemory(meta, KVLayout.from_dict(layout), index)
 
-    def add_peer(self, metadata: bytes) -> str:
-        return str(self.call("add_peer", metadata))
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return str(self.call("add_peer", metadata, proof))
+
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """The peer's transport attests ``proof`` (for the process ``peer_metadata`` names)."""
+        self.call("attest", proof, peer_metadata)
+
+    def invite(self, peer_metadata: bytes | None = None) -> bytes:
+        """A fresh proof the peer's transport attested (see :meth:`Transport.invite`)."""
+        return bytes(self.call("invite", peer_metadata))
 
     def remove_peer(self, name: str) -> None:
         self.call("remove_peer", name)

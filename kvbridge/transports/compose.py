@@ -73,6 +73,7 @@ from kvbridge.errors import (
     DescriptorError,
     KVBridgeError,
     MessageError,
+    PeerForged,
     PeerUnreachable,
     TransportClosed,
     TransportError,
@@ -279,6 +280,8 @@ class ComposeTransport(BlockTransport):
                 raise
         if not self._members:
             raise ConfigError("compose: no transport member")
+        for m in self._members:
+            m.transport.on_peer_lost(self._member_lost)
         setattr(self, "capabilities", self._derive())  # noqa: B010 - per instance, not class
         log.info("compose %r: members %s", agent_name, ", ".join(self.member_names))
 
@@ -344,26 +347,50 @@ class ComposeTransport(BlockTransport):
             _VERSION, self.agent_name,
             [(m.name, m.metadata) for m in kept if m.metadata is not None]))
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Load the peer into every member it shares with us; the first one carries it."""
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Attest ``proof`` in every member, each with the dialler's blob for it (metadata that
+        is not a compose envelope gives each member an empty blob: admits no one there)."""
+        blobs: dict[str, bytes] = {}
+        if peer_metadata is not None:
+            try:
+                blobs = dict(_decode(peer_metadata).members)
+            except MessageError:
+                blobs = {}
+        for m in self._members:
+            m.transport.attest(proof, None if peer_metadata is None else blobs.get(m.name, b""))
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        """Load the peer into every member it shares with us; the first one carries it. A
+        member whose peer does not show ``proof`` refuses the whole peer (:class:`PeerForged`):
+        its metadata was tampered with."""
         self._check_open()
         meta = _decode(metadata)
         theirs = dict(meta.members)
         names: dict[int, str] = {}
         reasons: list[str] = []
         malformed = 0
+        forged: PeerForged | None = None
         for i, m in enumerate(self._members):
             blob = theirs.get(m.name)
             if blob is None:
                 reasons.append(f"{m.name}: the peer has no such member")
                 continue
             try:
-                names[i] = m.transport.add_peer(blob)
+                names[i] = m.transport.add_peer(blob, proof)
+            except PeerForged as exc:
+                forged = exc
+                reasons.append(f"{m.name}: {exc}")
+                break
             except MessageError as exc:
                 malformed += 1
                 reasons.append(f"{m.name}: {exc}")
             except TransportError as exc:
                 reasons.append(f"{m.name}: {exc}")
+        if forged is not None:  # nothing of this peer stays loaded, an older route included
+            self.remove_peer(meta.agent)
+            for i, pname in names.items():
+                self._members[i].transport.remove_peer(pname)
+            raise PeerForged(f"compose peer {meta.agent!r}: {'; '.join(reasons)}") from forged
         if not names:
             detail = "; ".join(reasons)
             if malformed and malformed == len([m for m in self._members if m.name in theirs]):
@@ -385,6 +412,14 @@ class ComposeTransport(BlockTransport):
         else:
             log.info("compose %r reaches %r through %s", self.agent_name, meta.agent, chosen)
         return meta.agent
+
+    def _member_lost(self, name: str) -> None:
+        """A member found the peer's process gone: it is gone for every member."""
+        with self._lock:
+            known = name in self._routes
+        if known:
+            self.remove_peer(name)
+            self._peer_lost(name)
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:

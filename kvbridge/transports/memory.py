@@ -6,6 +6,8 @@ process. Bytes move with :func:`ctypes.memmove` (which releases the GIL) on a ba
 
 Contract (on top of :mod:`kvbridge.transport`):
 
+* Proof: ``add_peer(metadata, proof)`` loads a transport only if it attested ``proof``
+  (:meth:`MemoryTransport.attest`), once; else :class:`PeerForged`.
 * Reach: transports of this process only. Every live instance sits in a process-global registry
   of weak references under a random token it created; ``register_memory`` returns msgpack
   metadata (:class:`MemoryMetadata`: agent name, pid, token, regions). ``add_peer`` decodes it
@@ -61,6 +63,7 @@ from kvbridge.errors import (
     DescriptorError,
     MessageError,
     MessageTooLarge,
+    PeerForged,
     PeerUnreachable,
     TransferFailed,
     TransportClosed,
@@ -75,6 +78,7 @@ from kvbridge.transport import (
     TransferHandle,
     check_within,
 )
+from kvbridge.transports.proofs import Attestations, check_proof
 
 __all__ = [
     "MemoryTransport",
@@ -325,6 +329,7 @@ class MemoryTransport(BlockTransport):
             _positive(self.options, "max_notification_bytes", DEFAULT_MAX_NOTIFICATION_BYTES),
         )
         self.token = secrets.token_hex(16)
+        self._attested = Attestations()
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
@@ -368,9 +373,15 @@ class MemoryTransport(BlockTransport):
             agent=self.agent_name, pid=os.getpid(), token=self.token, regions=every
         ))
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a live transport of this process; see the module docstring for what is refused."""
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Let in the transport of this process that shows ``proof`` (once)."""
+        self._attested.add(proof)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        """Load a live transport of this process that attested ``proof``; see the module
+        docstring for what is refused."""
         self._check_open()
+        proof = check_proof(proof)
         meta = _decode(metadata)
         if meta.pid != os.getpid():
             raise PeerUnreachable(
@@ -387,6 +398,9 @@ class MemoryTransport(BlockTransport):
         if target.agent_name != meta.agent:
             raise MessageError(f"memory peer metadata field 'agent' is {meta.agent!r}, but its "
                                f"token belongs to {target.agent_name!r}")
+        why = target._attested.take(proof)
+        if why is not None:
+            raise PeerForged(f"memory peer {meta.agent!r} did not attest this handshake: {why}")
         endpoint = target._endpoint
         del target  # hold the endpoint only: a peer must not keep the other transport alive
         self._warn_if_overclaimed(meta, endpoint)

@@ -7,16 +7,22 @@ descriptor arrays become ``struct iovec`` arrays with one vectorised numpy copy 
 time; nothing loops over descriptors in Python.
 
 Trust: a peer's metadata arrives over the network and is never believed. It only says where to
-ask: each transport listens on an abstract Unix socket with a random name. ``add_peer`` connects
-there, lets the kernel say who listens (``SO_PEERCRED``: pid and uid, which the listener cannot
-choose), refuses another user, a pid other than the one the metadata claims, or an agent name other
-than the one the process itself answers with, and then asks that process, over the same
-connection, for its *current* registration (agent, regions, notification address), echoing a
-fresh random challenge. Every CMA call uses the kernel-proven pid, and every remote descriptor is
-checked against the regions the proven process answered (local ones against ours) before any
-byte moves. A forged blob can therefore only point us at memory some kvbridge ``shm`` transport
-of our own user registered for transfers; telling peers apart beyond that is the control plane's
-job (its shared secret). See ``docs/backends/shm.md``.
+ask: each transport listens on an abstract Unix socket with a random name. ``add_peer(metadata,
+proof)`` connects there, lets the kernel say who listens (``SO_PEERCRED``: pid and uid, which the
+listener cannot choose), refuses another user, a pid other than the one the metadata claims, or
+an agent name other than the one the process itself answers with, and then asks that process,
+over the same connection, for its *current* registration (agent, regions, notification address),
+showing the ``proof`` of this handshake (:mod:`kvbridge.identity`). The listener answers only a
+query whose proof its own engine attested (:meth:`ShmTransport.attest`, when its control plane
+answered the dialler's authenticated Hello) for the very process that connects (the pid the
+Hello's metadata names, checked against ``SO_PEERCRED``), once; anyone else — a process of the
+same user in another container or PID namespace, a relayed or replayed handshake — gets a
+refusal and nothing else: no regions, no memfd. Every CMA call uses the kernel-proven pid, and
+every remote descriptor is checked against the regions the proven process answered (local ones
+against ours) before any byte moves. The listener also watches each peer's pidfd: the moment a
+peer's process exits it is forgotten, its mapped memory unmapped, and the core told
+(:meth:`~kvbridge.transport.Transport.on_peer_lost`). See ``docs/backends/shm.md`` and
+``docs/security.md``.
 
 Contract (on top of :mod:`kvbridge.transport`):
 
@@ -121,11 +127,13 @@ from kvbridge.errors import (
     DescriptorError,
     MessageError,
     MessageTooLarge,
+    PeerForged,
     PeerUnreachable,
     TransferFailed,
     TransportClosed,
     UnknownPeer,
 )
+from kvbridge.identity import PROOF_BYTES
 from kvbridge.messages import Codec, PipeFrame
 from kvbridge.offload.config import parse_bool
 from kvbridge.transport import (
@@ -154,6 +162,7 @@ from kvbridge.transports._notify import (
     NotificationInbox,
     NotificationSender,
 )
+from kvbridge.transports.proofs import Attestations, check_proof
 
 __all__ = [
     "ShmTransport",
@@ -195,7 +204,7 @@ _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _Pos = Annotated[int, msgspec.Meta(ge=1, le=_MAX_ADDR)]
 _Version = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 _Pid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
-_Challenge = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+_Proof = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
 _FdIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FDS)]
 _Offset = Annotated[int, msgspec.Meta(ge=0, le=_MAX_ADDR)]
 
@@ -216,15 +225,15 @@ class ShmMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.v
     version: _Version
 
 
-class _Query(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.query.v1"):
-    """Handshake request: send me your current registration and echo this challenge (and,
-    with ``fds``, the memfds behind your shared memory)."""
+class _Query(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.query.v2"):
+    """Handshake request: here is the proof your engine attested for this handshake; send me
+    your current registration (and, with ``fds``, the memfds behind your shared memory)."""
 
-    challenge: _Challenge
+    proof: _Proof
     fds: bool = False
 
 
-class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.reg.v1"):
+class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.reg.v2"):
     """Handshake answer: what the process behind the socket registered, as it says itself."""
 
     agent: _Name
@@ -232,16 +241,22 @@ class _Registration(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm
     version: _Version
     regions: Annotated[list[tuple[_Pos, _Pos]], msgspec.Meta(max_length=MAX_REGIONS)]
     notify_address: Annotated[str, msgspec.Meta(max_length=256, pattern="^tcp://")]
-    challenge: _Challenge
+    proof: _Proof
     #: ``(address, length, fd index, offset)``: ranges backed by the memfds sent with the answer
     shared: Annotated[list[tuple[_Pos, _Pos, _FdIndex, _Offset]],
                       msgspec.Meta(max_length=MAX_REGIONS)] = []
 
 
+class _Refused(msgspec.Struct, frozen=True, kw_only=True, tag="kvbridge.shm.refused.v1"):
+    """Handshake answer to a query the listener does not let in (nothing else is sent)."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=512)]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ShmMetadata)
 _query_decoder = msgspec.msgpack.Decoder(_Query)
-_reg_decoder = msgspec.msgpack.Decoder(_Registration)
+_reg_decoder = msgspec.msgpack.Decoder(_Registration | _Refused)
 
 
 def decode_metadata(data: object) -> ShmMetadata:
@@ -494,12 +509,17 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float,
     return bytes(buf)
 
 
+class _NotLetIn(Exception):
+    """A query the listener answers with a refusal (its message says why)."""
+
+
 @dataclass
 class _Conn:
     """One inbound connection of the listener."""
 
     sock: socket.socket
     deadline: float
+    pid: int
     size: int = -1
     buf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None
@@ -513,13 +533,18 @@ class _Listener:
     are closed at once), each for at most ``timeout`` seconds; a request is one 4-byte big-endian
     length and at most 4 KiB of :class:`Codec` frame. Clients of another user, garbage, oversized
     or unauthenticated requests close the connection and count in :attr:`refused`; nothing a
-    client sends can raise out of the thread or block it.
+    client sends can raise out of the thread or block it. ``answer(proof, fds, pid)`` gets the
+    query's proof, whether it asks for memfds and the kernel-proven pid of the client; it returns
+    the payload and the fds to send, or raises :class:`_NotLetIn` to answer a refusal.
+
+    The same thread watches peers' pidfds (:meth:`watch`): the moment a watched process exits,
+    its callback runs (on this thread).
     """
 
     def __init__(
         self,
         codec: Codec,
-        answer: Callable[[bytes, bool], tuple[bytes, list[int]]],
+        answer: Callable[[bytes, bool, int], tuple[bytes, list[int]]],
         timeout: float,
         max_conns: int,
         thread_name: str,
@@ -546,6 +571,11 @@ class _Listener:
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._conns: dict[int, _Conn] = {}
+        self._watch_lock = threading.Lock()
+        self._watch_changes: list[tuple[int, Callable[[], None] | None]] = []
+        self._watched: dict[int, tuple[int, Callable[[], None]]] = {}  # key -> (dup fd, cb)
+        self._watched_dups: dict[int, int] = {}  # key -> dup fd, until the thread takes it
+        self._watch_keys = iter(range(1, 1 << 62))
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
@@ -561,12 +591,75 @@ class _Listener:
         finally:
             for c in list(self._conns.values()):
                 self._drop(c)
+            for key in list(self._watched):
+                self._unwatch_now(key)
+
+    def watch(self, pidfd: int, on_exit: Callable[[], None]) -> int:
+        """Run ``on_exit()`` on the listener thread once the process of ``pidfd`` exited (the
+        listener watches a duplicate: the caller may close ``pidfd`` at any time). Returns a key
+        for :meth:`unwatch`. Thread-safe."""
+        dup = os.dup(pidfd)
+        os.set_inheritable(dup, False)
+        with self._watch_lock:
+            key = next(self._watch_keys)
+            self._watch_changes.append((key, on_exit))
+            self._watched_dups[key] = dup
+        self._wake()
+        return key
+
+    def unwatch(self, key: int) -> None:
+        """Stop watching (no-op if the callback already ran). Thread-safe."""
+        with self._watch_lock:
+            self._watch_changes.append((key, None))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"w")
+        except OSError:
+            pass
+
+    def _apply_watch_changes(self) -> None:
+        with self._watch_lock:
+            changes, self._watch_changes = self._watch_changes, []
+            dups = {key: self._watched_dups.pop(key) for key, cb in changes
+                    if cb is not None and key in self._watched_dups}
+        for key, cb in changes:
+            if cb is None:
+                self._unwatch_now(key)
+                continue
+            dup = dups.get(key)
+            if dup is None:
+                continue
+            self._watched[key] = (dup, cb)
+            self._sel.register(dup, selectors.EVENT_READ, ("pidfd", key))
+
+    def _unwatch_now(self, key: int) -> None:
+        entry = self._watched.pop(key, None)
+        if entry is None:
+            with self._watch_lock:
+                dup = self._watched_dups.pop(key, None)
+            if dup is not None:
+                os.close(dup)
+            return
+        try:
+            self._sel.unregister(entry[0])
+        except (KeyError, ValueError):
+            pass
+        os.close(entry[0])
+
+    def _exited(self, key: int) -> None:
+        entry = self._watched.get(key)
+        self._unwatch_now(key)
+        if entry is not None:
+            entry[1]()
 
     def _step(self) -> None:
         timeout = 1.0
         if self._conns:
             first = min(c.deadline for c in self._conns.values())
             timeout = min(max(first - time.monotonic(), 0.0), 1.0)
+        self._apply_watch_changes()
         for key, _ in self._sel.select(timeout):
             if key.fileobj is self._sock:
                 self._accept()
@@ -575,6 +668,8 @@ class _Listener:
                     self._wake_r.recv(64)
                 except OSError:
                     pass
+            elif isinstance(key.data, tuple):
+                self._exited(key.data[1])
             else:
                 self._service(key.data)
         now = time.monotonic()
@@ -598,7 +693,7 @@ class _Listener:
                 continue
             try:
                 conn.setblocking(False)
-                _, uid, _ = _peercred(conn)
+                pid, uid, _ = _peercred(conn)
             except OSError:
                 conn.close()
                 continue
@@ -607,7 +702,7 @@ class _Listener:
                 self._warn(f"refused a client of uid {uid} (this transport runs as {self._uid})")
                 conn.close()
                 continue
-            c = _Conn(conn, time.monotonic() + self._timeout)
+            c = _Conn(conn, time.monotonic() + self._timeout, pid)
             self._conns[conn.fileno()] = c
             self._sel.register(conn, selectors.EVENT_READ, c)
 
@@ -636,7 +731,7 @@ class _Listener:
             if not 0 < c.size <= _MAX_REQUEST_BYTES:
                 raise MessageError(f"request of {c.size} bytes announced")
             return
-        reply, c.fds = self._reply(bytes(c.buf))
+        reply, c.fds = self._reply(bytes(c.buf), c.pid)
         c.out = memoryview(len(reply).to_bytes(4, "big") + reply)
         self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
         self._write(c)
@@ -653,7 +748,7 @@ class _Listener:
             self.served += 1
             self._drop(c)
 
-    def _reply(self, data: bytes) -> tuple[bytes, list[int]]:
+    def _reply(self, data: bytes, pid: int) -> tuple[bytes, list[int]]:
         frame = self._codec.decode(data)
         if not isinstance(frame, PipeFrame):
             raise MessageError(f"expected a query frame, got {type(frame).__name__}")
@@ -661,7 +756,12 @@ class _Listener:
             query = _query_decoder.decode(frame.payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MessageError(f"malformed query: {exc}") from None
-        payload, fds = self._answer(query.challenge, query.fds)
+        try:
+            payload, fds = self._answer(query.proof, query.fds, pid)
+        except _NotLetIn as exc:
+            self.refused += 1
+            self._warn(f"did not let in process {pid}: {exc}")
+            payload, fds = _encoder.encode(_Refused(reason=str(exc)[:512])), []
         return self._codec.encode(PipeFrame(seq=0, payload=payload)), fds
 
     def _warn(self, what: str) -> None:
@@ -700,6 +800,10 @@ class _Listener:
         if self._thread.is_alive():
             log.warning("shm listener %r did not stop in %.1f s", self.name[1:], timeout)
             return
+        with self._watch_lock:
+            for dup in self._watched_dups.values():
+                os.close(dup)
+            self._watched_dups.clear()
         self._sel.close()
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()
@@ -717,6 +821,8 @@ class _Peer:
     sender: NotificationSender
     mapping: PeerMapping | None = None
     retired: bool = False
+    #: the listener's watch of the pidfd (None: not watched)
+    watch: tuple[_Listener, int] | None = None
 
     def __post_init__(self) -> None:
         self._poller = _poller(self.pidfd)
@@ -729,6 +835,10 @@ class _Peer:
         """Close the sender, the pidfd and (with ``unmap``) the mapping of its shared memory
         (on the worker, after every job queued before: no copy uses the mapping then)."""
         self.retired = True
+        if self.watch is not None:
+            listener, key = self.watch
+            self.watch = None
+            listener.unwatch(key)
         if unmap and self.mapping is not None:
             self.mapping.close()
         self.sender.close()
@@ -840,6 +950,7 @@ class ShmTransport(BlockTransport):
         self._regions: list[tuple[int, int]] = []
         self._version = 0
         self._peers: dict[str, _Peer] = {}
+        self._attested = Attestations()
         self._jobs: queue.SimpleQueue[_Job | _BlockJob | Callable[[], None] | None] = (
             queue.SimpleQueue())
         self._abort = threading.Event()
@@ -936,9 +1047,27 @@ class ShmTransport(BlockTransport):
             )
         )
 
-    def _registration(self, challenge: bytes, want_fds: bool) -> tuple[bytes, list[int]]:
-        """The listener's answer: what this process registered, now (and, when asked, the
-        memfds behind its shared pieces)."""
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        """Let in the dialler that queries with ``proof`` — only the process ``peer_metadata``
+        names, when given (metadata that does not decode, or names another host or PID
+        namespace, admits no one)."""
+        pid: int | None = None
+        if peer_metadata is not None:
+            try:
+                meta = decode_metadata(peer_metadata)
+                ok = meta.boot_id == self._boot_id and meta.pid_ns == self._pid_ns
+                pid = meta.pid if ok else -1
+            except MessageError:
+                pid = -1
+        self._attested.add(proof, pid)
+
+    def _registration(self, proof: bytes, want_fds: bool, pid: int) -> tuple[bytes, list[int]]:
+        """The listener's answer to a query with ``proof`` from process ``pid``: what this
+        process registered, now (and, when asked, the memfds behind its shared pieces) — only
+        for a proof this engine attested for that process; else :class:`_NotLetIn`."""
+        why = self._attested.take(proof, pid)
+        if why is not None:
+            raise _NotLetIn(why)
         with self._lock:
             areas = self._areas if want_fds else []
             reg = _Registration(
@@ -947,20 +1076,22 @@ class ShmTransport(BlockTransport):
                 version=self._version,
                 regions=list(self._regions),
                 notify_address=self._inbox.address,
-                challenge=challenge,
+                proof=proof,
                 shared=[(p.address, p.length, i, p.offset)
                         for i, a in enumerate(areas) for p in a.pieces],
             )
             fds = [a.fd for a in areas]
         return _encoder.encode(reg), fds
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
         """Load a peer after proving who it is (see the module docstring).
 
-        Raises :class:`MessageError` (metadata) or :class:`PeerUnreachable` (other host, PID
+        Raises :class:`MessageError` (metadata), :class:`PeerForged` (the process behind the
+        socket did not let us in with ``proof``) or :class:`PeerUnreachable` (other host, PID
         namespace or user; nothing listening; a claim the socket disproves; no memory access).
         """
         self._check_open()
+        proof = check_proof(proof)
         meta = decode_metadata(metadata)
         if meta.boot_id != self._boot_id:
             raise PeerUnreachable(
@@ -973,7 +1104,7 @@ class ShmTransport(BlockTransport):
                 f"peer {meta.agent!r} (pid {meta.pid}) lives in another PID namespace (another "
                 "container?): the shm transport needs both processes in one PID namespace"
             )
-        peer = self._handshake(meta)
+        peer = self._handshake(meta, proof)
         try:
             if peer.regions:
                 self._probe(peer)
@@ -988,6 +1119,9 @@ class ShmTransport(BlockTransport):
         if closed:
             peer.retire()
             self._check_open()
+        if peer.pidfd >= 0:
+            peer.watch = (self._listener, self._listener.watch(
+                peer.pidfd, lambda: self._exited(peer)))
         self._forget_blocks(peer.agent)
         if old is not None:
             self._retire(old)
@@ -995,20 +1129,33 @@ class ShmTransport(BlockTransport):
                  self.agent_name, peer.agent, peer.pid, peer.version, len(peer.regions))
         return peer.agent
 
-    def _handshake(self, meta: ShmMetadata) -> _Peer:
+    def _exited(self, peer: _Peer) -> None:
+        """The listener saw ``peer``'s process exit: forget it and unmap its memory now (behind
+        the transfers already queued for it, which fail: the process is gone)."""
+        with self._lock:
+            if self._peers.get(peer.agent) is not peer:
+                return
+            del self._peers[peer.agent]
+        self._forget_blocks(peer.agent)
+        self._retire(peer)
+        log.info("shm %r: peer %r (pid %d) exited; forgotten and unmapped", self.agent_name,
+                 peer.agent, peer.pid)
+        self._peer_lost(peer.agent)
+
+    def _handshake(self, meta: ShmMetadata, proof: bytes) -> _Peer:
         """Connect to the peer's socket, prove its pid and uid, fetch its registration."""
         who = f"peer {meta.agent!r}"
         deadline = time.monotonic() + self._hs_timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         try:
-            return self._prove(meta, who, sock, deadline, fds)
+            return self._prove(meta, proof, who, sock, deadline, fds)
         finally:
             sock.close()
             close_all(fds)  # mapped or refused: the mappings keep what they need
 
-    def _prove(self, meta: ShmMetadata, who: str, sock: socket.socket, deadline: float,
-               fds: list[int]) -> _Peer:
+    def _prove(self, meta: ShmMetadata, proof: bytes, who: str, sock: socket.socket,
+               deadline: float, fds: list[int]) -> _Peer:
         pidfd = -1
         try:
             sock.settimeout(self._hs_timeout)
@@ -1038,10 +1185,9 @@ class ShmTransport(BlockTransport):
                 pidfd = _peer_pidfd(sock, pid)
             except ProcessLookupError:
                 raise PeerUnreachable(f"{who}: process {pid} is gone") from None
-            challenge = os.urandom(16)
             request = self._hs_codec.encode(
                 PipeFrame(seq=0, payload=_encoder.encode(
-                    _Query(challenge=challenge, fds=self._map_peers)))
+                    _Query(proof=proof, fds=self._map_peers)))
             )
             _send_all(sock, len(request).to_bytes(4, "big") + request, deadline)
             size = int.from_bytes(_recv_exact(sock, 4, deadline, fds), "big")
@@ -1073,9 +1219,13 @@ class ShmTransport(BlockTransport):
         except OSError as exc:
             _close_fd(pidfd)
             raise PeerUnreachable(f"{who}'s shm socket failed during the handshake: {exc}") from exc
+        if isinstance(reg, _Refused):
+            _close_fd(pidfd)
+            raise PeerForged(f"the process behind {who}'s shm socket (pid {pid}) did not let "
+                             f"this handshake in: {reg.reason}")
         problem = None
-        if reg.challenge != challenge:
-            problem = "did not echo the challenge"
+        if reg.proof != proof:
+            problem = "did not echo the proof"
         elif reg.pid != pid:
             problem = f"answers as pid {reg.pid}, but the kernel says its socket is pid {pid}"
         elif reg.agent != meta.agent:

@@ -816,17 +816,9 @@ def via_proxy(pair: Pair, url: str, mode: str, prompt: list[int], index: int) ->
 
 def control_stats(address: str) -> Any:
     """One engine rank's :class:`~kvbridge.messages.StatsReply` (counters and timings)."""
-    from kvbridge.control import ControlClient
-    from kvbridge.messages import Codec, StatsQuery, StatsReply
+    from kvbridge.testing.engines import stats_reply
 
-    client = ControlClient(Codec(), 10.0)
-    try:
-        reply = client.request(address, StatsQuery())
-    finally:
-        client.close()
-    if not isinstance(reply, StatsReply):
-        raise EngineError(f"{address} answered StatsQuery with {type(reply).__name__}")
-    return reply
+    return stats_reply(address, 10.0)
 
 
 def control_addresses(p_url: str, d_url: str, timeout: float) -> tuple[str, str, Any]:

@@ -115,7 +115,8 @@ def add_stats_parser(subparsers: Any) -> None:
     )
     p.add_argument("address", help="control address, tcp://HOST:PORT or HOST:PORT")
     p.add_argument("--secret", default=None,
-                   help="shared secret of the engines (default: $KVBRIDGE_SECRET)")
+                   help="shared secret of the engines (default: $KVBRIDGE_SECRET, else the "
+                   "per-user secret local engines use, $KVBRIDGE_SECRET_FILE or its default)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.add_argument("--timings", action="store_true", help="also print per-transfer timings")
     p.add_argument("--transfer", action="append", default=[], metavar="TRANSFER_ID",
@@ -126,14 +127,13 @@ def add_stats_parser(subparsers: Any) -> None:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    import os
-
+    from kvbridge import trust
     from kvbridge.control import ControlClient
     from kvbridge.errors import MessageError
     from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 
     address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
-    client = ControlClient(Codec(args.secret or os.environ.get("KVBRIDGE_SECRET")), args.timeout)
+    client = ControlClient(Codec(trust.for_tools(args.secret).secret), args.timeout)
     outcomes: dict[str, str] = {}
     try:
         reply = client.request(address, StatsQuery())
@@ -360,6 +360,19 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_handoff.add_arguments(h)
     h.set_defaults(func=bench_handoff.cli_main)
+
+    from kvbridge import bench_handshake
+
+    hs = sub.add_parser(
+        "handshake",
+        help="what one peer handshake costs (Hello, checks, the data plane's proof), this code "
+        "against a checkout of another commit, interleaved",
+        description="Time repeated handshakes between two transfer loops (one in a child "
+        "process) of this code and, with --baseline-code, of another checkout, alternating "
+        "rounds; print p50/p90/max per code version and the paired difference.",
+    )
+    bench_handshake.add_arguments(hs)
+    hs.set_defaults(func=bench_handshake.cli_main)
 
     from kvbridge import bench_offload
 

@@ -5,8 +5,9 @@ Three pieces, none of which ever blocks on a peer:
 * :class:`ControlServer` — a ROUTER socket bound on the configured host. It does not run a
   thread: its owner (the transfer loop) polls :attr:`ControlServer.socket` and calls
   :meth:`~ControlServer.receive`, which decodes up to a batch of requests. A frame that fails
-  authentication is dropped and counted; a malformed one is answered with ``Ack(kind=MALFORMED)``
-  (without a secret) or dropped (with one). Replies go out with :meth:`~ControlServer.reply`,
+  authentication (or is replayed) is dropped and counted, never answered; an authentic (or,
+  without a secret, any) frame that does not parse is answered with ``Ack(kind=MALFORMED)``
+  naming what is wrong. Replies go out with :meth:`~ControlServer.reply`,
   once or several times per request (a :class:`~kvbridge.messages.PushRegister` gets an
   immediate ``Ack`` and, later, its :class:`~kvbridge.messages.PushResult`).
 * :class:`RpcClient` — asynchronous calls from the owner's thread to many peers: one DEALER
@@ -141,14 +142,11 @@ class ControlServer:
             ctx = RequestContext(frames[0], frames[1])
             try:
                 msg = self._codec.decode(frames[2], request_context(ctx.rid))
-            except MessageError as exc:
-                if isinstance(exc, AuthError) or self._codec.authenticated:
-                    if isinstance(exc, AuthError):
-                        self.dropped_auth += 1
-                    else:  # authenticated, yet not a message we know: a peer's bug
-                        self.dropped_malformed += 1
-                    self._warn("dropping a control request: %s", exc)
-                    continue
+            except AuthError as exc:  # not the secret's holder: never answered
+                self.dropped_auth += 1
+                self._warn("dropping a control request: %s", exc)
+                continue
+            except MessageError as exc:  # a peer that may talk to us sent what we cannot read
                 self.dropped_malformed += 1
                 self._warn("refusing a malformed control request: %s", exc)
                 self.reply(ctx, Ack(ok=False, kind=ErrorKind.MALFORMED, error=str(exc)[:4000]))

@@ -72,7 +72,7 @@ __all__ = [
     "decode_info",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 #: Most transfer ids one heartbeat or query may carry.
 MAX_IDS_PER_MESSAGE = 4096
@@ -137,6 +137,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)] = 1
     protocol: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = PROTOCOL_VERSION
     backend: Annotated[str, msgspec.Meta(max_length=64)]
+    #: the rank's transport agent name (what ``add_peer`` of its metadata returns); proven
+    #: with the rest of the identity (kvbridge.identity)
+    agent: Ident
     transport_metadata: Annotated[bytes, msgspec.Meta(max_length=2 << 20)]
     layout: LayoutWire
     layout_fingerprint: Digest
@@ -152,10 +155,12 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Handshake request. The receiver answers with its own info; it never adds the sender as
-    a peer from this (peers are only learnt from answers at addresses one dialled)."""
+    """Handshake request. The receiver answers with its own info and has its transport attest
+    the proof of ``challenge`` (:mod:`kvbridge.identity`); it never adds the sender as a peer
+    from this (peers are only learnt from answers at addresses one dialled)."""
 
     info: EngineInfo
+    challenge: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 
 
 class HelloReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):

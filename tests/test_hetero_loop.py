@@ -10,6 +10,7 @@ forged claims, confirmations and handshakes are refused with a message naming th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from kvbridge.scheduling.planner import prompt_digest
 from kvbridge.scheduling.pull import PullSpec, SendPlan, Source
 from kvbridge.scheduling.push import PushSpec
 from kvbridge.scheduling.rank import RankSide
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.testing.handoffs import FAST
 from kvbridge.testing.hetero import HeteroAgent, engine, expected_decode
@@ -276,7 +278,7 @@ def test_a_consumer_that_gives_up_ends_the_transfer_for_every_consumer(
     decode[0].pull(_pull("d", "t", [p], decode[0], d_ids, p_ids, prompt))
     assert decode[0].drain({"d"})["results"]["failed_recving"] == set()
     # decode rank 1 gives up before it claimed (its connection never claimed): accepted
-    client = ControlClient(Codec(), 5.0)
+    client = engine_client(5.0)
     try:
         reply = client.request(p.address, Cancel(transfer_id="t", reason="rank 1 failed"))
     finally:
@@ -338,8 +340,11 @@ class _FinishesWhilePolled(Transport):
     def register_memory(self, regions: Any) -> bytes:
         return self.inner.register_memory(regions)
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self.inner.add_peer(metadata)
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        self.inner.attest(proof, peer_metadata)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return self.inner.add_peer(metadata, proof)
 
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
@@ -413,7 +418,7 @@ def test_forged_claims_are_refused_naming_the_problem(closing: list[HeteroAgent]
     p = prefill[1]
     prompt = _prompt(64)
     p.stage(_send("t", [1, 2], prompt))
-    client = ControlClient(Codec(), 5.0)
+    client = engine_client(5.0)
     try:
         reply = _claim(p, part, [1, 2], prompt, client)
     finally:
@@ -428,7 +433,7 @@ def test_claims_are_bound_to_one_connection_and_one_tp_size(closing: list[Hetero
     closing.append(p)
     prompt = _prompt(64)
     p.stage(_send("t", [1, 2], prompt))
-    a, b = ControlClient(Codec(), 5.0), ControlClient(Codec(), 5.0)
+    a, b = engine_client(5.0), engine_client(5.0)
     try:
         ok = _claim(p, ClaimPart(tp_size=2, rank=0, block_size=32, first_token=0), [1, 2],
                     prompt, a)
@@ -457,7 +462,7 @@ def test_push_confirmation_naming_another_prefill_rank_is_refused(
     prompt = _prompt(64)
     d.expect(_expect("d", "t", prefill, d, [5, 6], prompt))
     time.sleep(0.3)  # registered with both ranks
-    client = ControlClient(Codec(), 5.0)
+    client = engine_client(5.0)
     try:
         for rank in (None, 5):  # ambiguous (two parts wait) / no such rank
             reply = client.request(d.address, PushConfirm(
@@ -480,7 +485,8 @@ def _info(tp: int, rank: int, block: int, heads: HeadSplit | None | str = "auto"
     split = r.shape.heads if heads == "auto" else heads
     assert not isinstance(split, str)
     return make_info(engine_id=f"e-tp{tp}-b{block}", generation="g", rank=rank, tp_size=tp,
-                     backend="memory", transport_metadata=b"", layout=r.layout,
+                     backend="memory", agent=f"e-tp{tp}-b{block}:g:{rank}",
+                     transport_metadata=b"", layout=r.layout,
                      control_address="tcp://127.0.0.1:1", compat={"model": "m"},
                      checksum=False, heads=split)
 
@@ -537,8 +543,9 @@ def test_malformed_head_split_on_the_wire_is_refused(heads: Any) -> None:
     codec = Codec()
     info = msgspec.to_builtins(_info(1, 0, 32))
     info["heads"] = heads
-    body = msgspec.msgpack.encode({"type": "Hello", "info": info})
-    frame = codec.encode(Hello(info=_info(1, 0, 32)))
+    challenge = os.urandom(32)
+    body = msgspec.msgpack.encode({"type": "Hello", "info": info, "challenge": challenge})
+    frame = codec.encode(Hello(info=_info(1, 0, 32), challenge=challenge))
     frame = frame[:25] + body  # same header, hostile body
     with pytest.raises(MessageError):
         codec.decode(frame)

@@ -6,6 +6,7 @@ Each test names the issue item (core v2) whose defect it would have caught.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from kvbridge.messages import (
 )
 from kvbridge.scheduling.planner import prompt_digest
 from kvbridge.testing.agents import LocalAgent
+from kvbridge.testing.clients import engine_client, engine_codec
 from kvbridge.testing.handoffs import FAST, expect, pull, send, tokens
 from kvbridge.transport import HandleState, Op, TransferHandle, Transport
 
@@ -139,14 +141,14 @@ def test_push_registration_for_another_prompt_is_refused(local_pd: PD) -> None:
 
 
 def _client() -> ControlClient:
-    return ControlClient(Codec(), 5.0)
+    return engine_client(5.0)
 
 
 def test_unsolicited_hello_adds_no_peer(local_pd: PD) -> None:
     p, d = local_pd
     c = _client()
     try:
-        reply = c.request(p.address, Hello(info=d.loop.info))
+        reply = c.request(p.address, Hello(info=d.loop.info, challenge=os.urandom(32)))
         assert isinstance(reply, HelloReply)
     finally:
         c.close()
@@ -236,25 +238,28 @@ def test_hostile_frames_do_not_stop_the_control_plane(local_pd: PD) -> None:
 
 def test_oversized_heartbeat_is_refused_not_processed(local_pd: PD) -> None:
     p, _ = local_pd
-    c = ControlClient(Codec(max_bytes=64 << 20), 5.0)
+    c = engine_client(5.0, max_bytes=64 << 20)
     try:
-        # more ids than a heartbeat may carry: the encoder of a hostile peer ignores the bound
-        import msgspec
-
-        body = msgspec.msgpack.encode({"type": "Heartbeat", "generation": "*",
-                                       "transfer_ids": [f"t{i}" for i in range(50_000)]})
+        # more ids than a heartbeat may carry (constructing a struct does not check bounds: a
+        # hostile peer's encoder ignores them), signed with the secret: only the parser refuses
         import zmq
 
+        from kvbridge.control import request_context
+
+        codec = engine_codec()
+        frame = codec.encode(Heartbeat(generation="*",
+                                       transfer_ids=[f"t{i}" for i in range(50_000)]),
+                             request_context(b"12345678"))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(p.address)
         try:
-            sock.send_multipart([b"12345678", b"\x01" + b"\0" * 24 + body])
+            sock.send_multipart([b"12345678", frame])
             assert sock.poll(5000)
             _rid, data = sock.recv_multipart()
         finally:
             sock.close()
-        reply = Codec().decode(data, b"A12345678")
+        reply = codec.decode(data, b"A12345678")
         assert isinstance(reply, Ack) and reply.kind is ErrorKind.MALFORMED
         assert isinstance(c.request(p.address, StatsQuery()), StatsReply)
     finally:
@@ -299,7 +304,7 @@ def test_hello_flood_does_not_grow_peer_tables(local_pd: PD) -> None:
     c = _client()
     try:
         for _ in range(200):
-            c.request(p.address, Hello(info=d.loop.info))
+            c.request(p.address, Hello(info=d.loop.info, challenge=os.urandom(32)))
     finally:
         c.close()
     assert len(p.loop.peers) == 0
@@ -358,8 +363,11 @@ class _SlowWrites(Transport):
     def register_memory(self, regions: Any) -> bytes:
         return self.inner.register_memory(regions)
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self.inner.add_peer(metadata)
+    def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
+        self.inner.attest(proof, peer_metadata)
+
+    def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        return self.inner.add_peer(metadata, proof)
 
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
@@ -427,6 +435,7 @@ def test_push_timeout_before_confirmation_is_safe_at_once() -> None:
     p = LocalAgent("prefill", extra=FAST)
     d = LocalAgent("decode", extra={**FAST, "push_timeout_s": 1})
     try:
+        d.loop.observe.admit("prefill")  # as D's handshake with P does (peer table)
         d.expect(expect("d", "t", p, [5, 6]))  # P's request never comes
         time.sleep(0.2)
         rd = d.drain({"d"}, timeout=10)
@@ -638,6 +647,7 @@ def test_lease_expiry_releases_and_fences_a_late_reader(local_pd: PD) -> None:
     assert rp["results"]["finished_sending"] == {"p"}
     assert rp["stats"]["lease_expired"] == 1
     assert ["lease_expired", "pull", "memory", "-", 1] in p.loop.observe.drain()["events"]
+    d.loop.observe.admit("prefill")  # as D's handshake with P does (peer table)
     d.pull(pull("d", "t", p, [5, 6], [1, 2]))
     assert d.drain({"d"})["results"]["failed_recving"] == {"d"}
     events = {tuple(e[:4]): e[4] for e in d.loop.observe.drain().get("events", [])}
@@ -953,3 +963,139 @@ def test_a_pull_whose_claim_is_refused_frees_the_read_built_ahead(local_pd: PD) 
     assert unposted == 0  # built ahead (nixl), never posted, released
     if hasattr(d.loop.transport, "_ahead"):
         assert built == 1
+
+
+# -- issue 25 item 5: fair limits -----------------------------------------------------------------
+
+
+def _junk(p: LocalAgent, i: int, control_address: str) -> PushRegister:
+    """A registration naming ``control_address`` (a silent one: its handshake never ends)."""
+    return PushRegister(
+        transfer_id=f"junk-{i}", generation="*", engine_id="x", sender_generation="g",
+        control_address=control_address, block_ids=[1], num_tokens=16,
+        prompt_digest=prompt_digest(tokens(1)), layout_fingerprint=p.loop.info.layout_fingerprint)
+
+
+def _silent_ports(n: int) -> tuple[Any, list[str]]:
+    """One ROUTER that accepts connections on ``n`` ports and never answers."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    ports = [sock.bind_to_random_port("tcp://127.0.0.1") for _ in range(n)]
+    return sock, [f"tcp://127.0.0.1:{port}" for port in ports]
+
+
+def _held(p: LocalAgent) -> dict[str, int]:
+    """P's registration counts (:meth:`PushSource.held`), read on its loop thread."""
+    from concurrent.futures import Future
+
+    fut: Future[dict[str, int]] = Future()
+    p.loop.submit(lambda: fut.set_result(p.loop.push_source.held()))
+    return fut.result(10)
+
+
+def _answered(p: LocalAgent, n: int, timeout: float = 30.0) -> dict[str, int]:
+    """Wait until P answered ``n`` registrations (admitted or refused); its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = p.loop.snapshot()["stats"]
+        done = stats.get("push_registrations", 0) + stats.get("register_refused_busy", 0)
+        if done >= n or time.monotonic() > deadline:
+            assert done >= n, f"P answered {done} of {n} registrations"
+            return stats
+        time.sleep(0.05)
+
+
+def test_registration_flood_from_many_connections_does_not_starve_a_decode() -> None:
+    """poc_flood_bigframe.py (I): 9 connections x 512 junk registrations naming silent control
+    addresses filled the global 4096, and a real decode engine's registration was refused BUSY
+    for as long as the junk was held (here: longer than the whole test)."""
+    import zmq
+
+    from kvbridge.control import request_context
+
+    silent, addresses = _silent_ports(9)
+    held = {"control_timeout_s": 60, "prefill_wait_s": 60, "push_timeout_s": 60}
+    p = LocalAgent("prefill", extra={**FAST, **held})
+    d = LocalAgent("decode", extra=FAST)
+    codec, socks = engine_codec(), []
+    try:
+        for c, address in enumerate(addresses):  # 9 x 512 = 4608 > max_pending (4096)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(p.address)
+            socks.append(sock)
+            for j in range(512):
+                rid = f"{c:02d}{j:06d}".encode()
+                sock.send_multipart([rid, codec.encode(_junk(p, c * 1000 + j, address),
+                                                       request_context(rid))])
+        before = _answered(p, 9 * 512)
+        assert before["push_registrations"] >= 4096  # the junk is held: the global bound is full
+        src, dst = [1, 2, 3, 4], [40, 41, 42, 50]
+        t0 = time.monotonic()
+        d.expect(expect("d", "legit", p, dst))
+        p.ready(send("p", "legit", src))
+        rd = d.drain({"d"})
+        assert rd["results"]["finished_recving"] == {"d"}, rd
+        assert not rd["results"]["failed_recving"]
+        assert time.monotonic() - t0 < 10  # at once, not when the junk expires (60 s)
+        np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+        after = p.loop.snapshot()["stats"]
+        assert after["register_refused_busy"] == before["register_refused_busy"]  # not BUSY
+        assert after["push_registrations"] == before["push_registrations"] + 1
+        held_now = _held(p)
+        assert held_now["total"] <= 2 * p.config.max_pending  # the hard bound
+        assert held_now["peers"] == 9  # the junk is still held; the legit push ended
+    finally:
+        p.close()
+        d.close()
+        for sock in socks:
+            sock.close()
+        silent.close()
+
+
+def test_registration_limits_are_fair_and_given_back() -> None:
+    """Per control address (across connections) and per connection ``max_pending_per_peer``;
+    past ``max_pending``, a fair share per control address; never more than 2 x max_pending;
+    every slot comes back when the registrations fail (their handshakes time out)."""
+    silent, addresses = _silent_ports(20)
+    p = LocalAgent("prefill", extra={**FAST, "max_pending": 8, "max_pending_per_peer": 4,
+                                     "control_timeout_s": 3})
+    clients = [_client() for _ in range(16)]
+    seq = iter(range(10_000))
+
+    def register(client: ControlClient, address: str) -> ErrorKind | None:
+        ack = client.request(p.address, _junk(p, next(seq), address))
+        assert isinstance(ack, Ack)
+        assert ack.ok or ack.kind is ErrorKind.BUSY, ack
+        return None if ack.ok else ack.kind
+
+    def outcomes(client: ControlClient, address: str, n: int) -> list[bool]:
+        return [register(client, address) is None for _ in range(n)]
+
+    try:
+        s1, s2, s3, *rest = addresses
+        assert outcomes(clients[0], s1, 6) == [True] * 4 + [False] * 2  # per address/connection
+        assert outcomes(clients[1], s1, 2) == [False] * 2  # keyed by address, not connection
+        assert outcomes(clients[1], s2, 4) == [True] * 4  # 8 held: max_pending reached
+        # past max_pending: a fresh address gets its fair share, 8 // 3 addresses = 2
+        assert outcomes(clients[2], s3, 4) == [True] * 2 + [False] * 2
+        assert _held(p) == {"total": 10, "peers": 3, "connections": 3}
+        # many addresses, one registration each (share >= 1) until 2 x max_pending = 16
+        got = [register(clients[3 + i], rest[i]) is None for i in range(12)]
+        assert got == [True] * 6 + [False] * 6
+        assert _held(p)["total"] == 16
+        assert p.loop.snapshot()["stats"]["register_refused_busy"] == 2 + 2 + 2 + 6
+        # the handshakes with the silent addresses time out (3 s): every slot comes back
+        deadline = time.monotonic() + 15
+        while _held(p)["total"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _held(p) == {"total": 0, "peers": 0, "connections": 0}
+        assert p.loop.snapshot()["stats"]["push_registrations"] == 16
+        assert outcomes(clients[0], s1, 4) == [True] * 4
+    finally:
+        for client in clients:
+            client.close()
+        p.close()
+        silent.close()

@@ -40,20 +40,22 @@ LAYOUT = LayoutWire(planes=[PlaneWire("l0#0", 4096, 128, 128)], num_blocks=8, bl
                     dtype="bfloat16")
 INFO = EngineInfo(
     engine_id="engine-p", generation="gen-1", rank=1, tp_size=2, backend="shm",
-    transport_metadata=b"\x00\x01meta", layout=LAYOUT, layout_fingerprint="0123456789abcdef",
+    agent="engine-p:gen-1:1", transport_metadata=b"\x00\x01meta", layout=LAYOUT,
+    layout_fingerprint="0123456789abcdef",
     control_address="tcp://127.0.0.1:5555", compat={"model": "tiny", "dtype": "bfloat16"},
 )
 
 INFO_HEADS = EngineInfo(
     engine_id="engine-p", generation="gen-1", rank=1, tp_size=2, backend="shm",
-    transport_metadata=b"", layout=LAYOUT, layout_fingerprint="0123456789abcdef",
+    agent="engine-p:gen-1:1", transport_metadata=b"", layout=LAYOUT,
+    layout_fingerprint="0123456789abcdef",
     control_address="tcp://127.0.0.1:5555",
     heads=HeadSplit(total_heads=8, first_head=4, heads=4, head_dim=128, order="dt",
                     interior="vllm-cpu:vec:auto"),
 )
 
 ALL_MESSAGES: list[Message] = [
-    Hello(info=INFO),
+    Hello(info=INFO, challenge=b"c" * 32),
     HelloReply(info=INFO),
     Heartbeat(generation="*", transfer_ids=["t-1", "t-2"]),
     HeartbeatReply(generation="gen-1", unknown=["t-2"]),
@@ -62,7 +64,7 @@ ALL_MESSAGES: list[Message] = [
     PullClaim(transfer_id="t-1", generation="gen-1", skip_blocks=2, block_ids=[6],
               num_tokens=48, prompt_digest="ab",
               part=ClaimPart(tp_size=2, rank=1, block_size=32, first_token=32)),
-    Hello(info=INFO_HEADS),
+    Hello(info=INFO_HEADS, challenge=b"c" * 16),
     PullDone(transfer_id="t-1", nbytes=1 << 20, checksum="abcd"),
     PushRegister(transfer_id="t-1", generation="*", engine_id="engine-d",
                  sender_generation="gen-2", control_address="tcp://127.0.0.1:6000",
@@ -99,7 +101,7 @@ def test_every_kind_is_covered() -> None:
 
 
 def test_defaults_and_protocol_version() -> None:
-    assert INFO.protocol == PROTOCOL_VERSION == 2
+    assert INFO.protocol == PROTOCOL_VERSION == 3
     assert Ack().ok is True
     assert PipeFrame(seq=0).payload == b"" and PipeFrame(seq=0).eos is False
 

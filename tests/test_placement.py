@@ -17,7 +17,8 @@ from kvbridge.transport import Capabilities
 
 INFO = EngineInfo(
     engine_id="engine-p", generation="gen-1", rank=0, tp_size=1, backend="nixl",
-    transport_metadata=b"meta", layout=LayoutWire(planes=[PlaneWire("l0#0", 4096, 128, 128)],
+    agent="engine-p:gen-1:0", transport_metadata=b"meta",
+    layout=LayoutWire(planes=[PlaneWire("l0#0", 4096, 128, 128)],
                                                   num_blocks=8, block_size=16, dtype="bfloat16"),
     layout_fingerprint="0123456789abcdef", control_address="tcp://127.0.0.1:5555",
 )

@@ -35,10 +35,11 @@ from aiohttp import web
 
 from kvbridge.control import ControlServer
 from kvbridge.errors import ConfigError
-from kvbridge.messages import Ack, Codec, TransferQuery, TransferReply
+from kvbridge.messages import Ack, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.testing import prom
+from kvbridge.testing.clients import engine_codec
 
 P = "kvbridge_proxy_"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -247,7 +248,7 @@ class FakeControl:
     """
 
     def __init__(self, default: str | None = None, *, refuse: bool = False) -> None:
-        self.server = ControlServer(Codec(), "127.0.0.1", 0)
+        self.server = ControlServer(engine_codec(), "127.0.0.1", 0)  # as a local engine
         self.port = self.server.port
         self.default = default
         self.refuse = refuse

@@ -24,9 +24,9 @@ import pytest
 
 from kvbridge import params, registry
 from kvbridge.config import TransferMode
-from kvbridge.control import ControlClient
 from kvbridge.hugepages import thp_mode
-from kvbridge.messages import Codec, StatsQuery, StatsReply
+from kvbridge.messages import StatsQuery, StatsReply
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
@@ -57,7 +57,7 @@ class Cluster:
 
     def stats(self, address: str) -> StatsReply:
         # generous: on a loaded 2-core host a busy engine process can be slow to answer
-        client = ControlClient(Codec(), 30.0)
+        client = engine_client(30.0)
         try:
             reply = client.request(address, StatsQuery())
         finally:

@@ -17,9 +17,16 @@ from typing import Any
 
 import pytest
 
-from kvbridge.control import ControlClient
-from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
+from kvbridge.messages import (
+    Ack,
+    PushRegister,
+    StatsQuery,
+    StatsReply,
+    TransferQuery,
+    TransferReply,
+)
 from kvbridge.params import push_decode_request
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
@@ -82,7 +89,7 @@ class Cluster:
                           log_path=self.logs / f"{role}-{time.monotonic_ns()}.log")
 
     def stats(self, address: str) -> StatsReply:
-        client = ControlClient(Codec(), 30.0)
+        client = engine_client(30.0)
         try:
             reply = client.request(address, StatsQuery())
         finally:
@@ -91,7 +98,7 @@ class Cluster:
         return reply
 
     def outcome(self, address: str, tid: str) -> str | None:
-        client = ControlClient(Codec(), 10.0)
+        client = engine_client(10.0)
         try:
             reply = client.request(address, TransferQuery(transfer_ids=[tid]))
         finally:
@@ -214,6 +221,90 @@ def test_forged_hand_offs_never_produce_wrong_tokens(cluster: Cluster) -> None:
     assert status == 200 and out == ref_b
     _post(cluster.d.url, a, params_a)
     _healthy(cluster, 6)
+
+
+def _probe_info() -> Any:
+    """Some engine's info for the rogue's own Hellos (a transfer loop in this process)."""
+    from kvbridge.testing.agents import LocalAgent
+
+    agent = LocalAgent("relay-probe")
+    try:
+        return agent.loop.info
+    finally:
+        agent.close()
+
+
+def test_a_relayed_prefill_identity_is_refused_and_tokens_stay_right(cluster: Cluster) -> None:
+    """Issue 25 on real engines (../shared/security-pocs/poc_relay_metadata.py, pull): D is
+    sent to a "prefill engine" that is a rogue holding the user's secret and presenting the
+    real P. D refuses the forged peer and counts it; its answer is never 200 with wrong tokens;
+    the rightful decode then gets P's KV, and nothing stays pinned."""
+    from kvbridge.testing.clients import engine_codec
+    from kvbridge.testing.rogue import MODES, Rogue
+
+    assert cluster.p is not None and cluster.d is not None
+    prompt = random_prompts(1, 150, seed=30)[0]
+    ref = cluster.reference(prompt)
+    staged = complete(cluster.p.url, prompt, 1, {"do_remote_decode": True,
+                                                 "transfer_id": "relay-pull"})
+    params = staged["kv_transfer_params"]
+    me = _probe_info()
+    before = cluster.stats(cluster.d_ctl).stats.get("peer_forged", 0)
+    for mode in MODES:
+        rogue = Rogue(cluster.p_ctl, me, engine_codec(), mode)
+        try:
+            port = int(rogue.address.rsplit(":", 1)[1])
+            forged = {**params, "remote_port": port, "kvbridge_peers": [
+                {"address": rogue.address, "generation": peer["generation"]}
+                for peer in params["kvbridge_peers"]]}
+            status, out = _post(cluster.d.url, prompt, forged)
+            assert status != 200 or out == ref, (mode, status, out)
+            assert "PullClaim" not in rogue.seen, mode
+        finally:
+            rogue.close()
+    after = cluster.stats(cluster.d_ctl).stats.get("peer_forged", 0)
+    assert after - before >= len(MODES)
+    assert _post(cluster.d.url, prompt, params) == (200, ref)  # the real hand-off still works
+    _healthy(cluster, 31)
+
+
+def test_a_relayed_decode_identity_gets_no_push_from_prefill(cluster: Cluster) -> None:
+    """The push half: a rogue registers a push at P in the real D's name, at its own address.
+    P refuses the forged peer before writing a byte (push_sent does not move) and counts it;
+    D serves right answers afterwards."""
+    from kvbridge.scheduling.planner import prompt_digest
+    from kvbridge.testing.clients import engine_client, engine_codec
+    from kvbridge.testing.rogue import Rogue
+
+    assert cluster.p is not None and cluster.d is not None
+    prompt = random_prompts(1, 150, seed=32)[0]
+    me = _probe_info()
+    stats = cluster.stats(cluster.p_ctl).stats
+    forged_before, sent_before = stats.get("peer_forged", 0), stats.get("push_sent", 0)
+    for i, mode in enumerate(("rewrite", "relay-rewrite")):
+        rogue = Rogue(cluster.d_ctl, me, engine_codec(), mode)
+        client = engine_client(10.0)
+        tid = f"relay-push-{i}"
+        try:
+            ack = client.request(cluster.p_ctl, PushRegister(
+                transfer_id=tid, generation="*", engine_id=rogue.info.engine_id,
+                sender_generation=rogue.info.generation, control_address=rogue.address,
+                block_ids=[1, 2, 3, 4, 5], num_tokens=len(prompt),
+                prompt_digest=prompt_digest(prompt),
+                layout_fingerprint=rogue.info.layout_fingerprint))
+            assert isinstance(ack, Ack) and ack.ok, ack
+            status, _ = _post(cluster.p.url, prompt, {"do_remote_decode": True,
+                                                      "transfer_id": tid,
+                                                      "transfer_mode": "push"}, max_tokens=1)
+            assert status == 200
+            assert "PushConfirm" not in rogue.seen
+        finally:
+            client.close()
+            rogue.close()
+    stats = cluster.stats(cluster.p_ctl).stats
+    assert stats.get("peer_forged", 0) - forged_before >= 2
+    assert stats.get("push_sent", 0) == sent_before
+    _healthy(cluster, 33)
 
 
 def test_decode_leg_for_another_prompt_is_prefilled_locally(cluster: Cluster) -> None:

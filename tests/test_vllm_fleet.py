@@ -32,11 +32,11 @@ from typing import Any
 
 import pytest
 
-from kvbridge.control import ControlClient
-from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
+from kvbridge.messages import StatsQuery, StatsReply, TransferQuery, TransferReply
 from kvbridge.params import push_decode_request
 from kvbridge.placement import fleet_cores
 from kvbridge.testing import prom
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
@@ -117,7 +117,7 @@ class Fleet:
         return int(engine_stats(self.address(name)).get(key, 0))
 
     def pending(self, name: str) -> int:
-        client = ControlClient(Codec(), 30.0)
+        client = engine_client(30.0)
         try:
             reply = client.request(self.address(name), StatsQuery())
         finally:
@@ -293,7 +293,7 @@ def _direct(url: str, prompt: list[int], params: dict[str, Any]) -> tuple[int, A
 
 
 def outcome(address: str, tid: str) -> str:
-    client = ControlClient(Codec(), 10.0)
+    client = engine_client(10.0)
     try:
         reply = client.request(address, TransferQuery(transfer_ids=[tid]))
     finally:

@@ -26,6 +26,7 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.scheduling.mapping import sources
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.engines import (
     VllmServer,
     complete,
@@ -66,12 +67,11 @@ class Fleet:
         return [engine_stats(a) for a in self.ranks[engine]]
 
     def pending(self, engine: str) -> int:
-        from kvbridge.control import ControlClient
-        from kvbridge.messages import Codec, StatsQuery, StatsReply
+        from kvbridge.messages import StatsQuery, StatsReply
 
         total = 0
         for address in self.ranks[engine]:
-            client = ControlClient(Codec(), 30.0)
+            client = engine_client(30.0)
             try:
                 reply = client.request(address, StatsQuery())
             finally:

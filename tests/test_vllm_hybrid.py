@@ -29,9 +29,9 @@ import pytest
 
 from kvbridge import params
 from kvbridge.config import TransferMode
-from kvbridge.control import ControlClient
 from kvbridge.errors import ConfigError
-from kvbridge.messages import Codec, StatsQuery, StatsReply
+from kvbridge.messages import StatsQuery, StatsReply
+from kvbridge.testing.clients import engine_client
 from kvbridge.testing.engines import (
     EngineError,
     VllmServer,
@@ -85,7 +85,7 @@ class Hybrid:
     def stats(self, engine: VllmServer) -> dict[str, int]:
         ref = probe(engine.url).peer(0)
         assert ref is not None
-        client = ControlClient(Codec(), 30.0)
+        client = engine_client(30.0)
         try:
             reply = client.request(str(ref.address), StatsQuery())
         finally:

@@ -31,6 +31,7 @@ ENGINE0 = {"model_name": "tiny", "engine": "0"}
 def test_observations_are_bounded() -> None:
     obs = Observations("shm")
     for i in range(MAX_PEERS + 5):
+        obs.admit(f"P-{i}")  # each handshaken in turn
         obs.transfer("pull", f"P-{i}", True, 0.001, 4096, 2)
     obs.handoff("push", "P-0", 0.002, backend="nixl")
     got = obs.drain()
@@ -148,8 +149,30 @@ def test_label_sets_are_bounded() -> None:
     assert len(names) == MAX_LABEL_SETS + 1
 
 
+def test_peer_labels_only_for_admitted_peers() -> None:
+    """Issue 25 item 5: ids seen in messages before any handshake do not take the labels."""
+    obs = Observations("shm")
+    for i in range(MAX_PEERS + 5):  # junk ids from registrations/claims: never handshaken
+        obs.transfer("push", f"junk-{i}", False, 0.001, 1, 1)
+        obs.event("push_failed", "push", f"junk-{i}")
+    obs.admit("P-real")
+    obs.admit("P-real")  # a second handshake takes no second label
+    obs.transfer("push", "P-real", True, 0.001, 4096, 2)
+    got = obs.drain()
+    assert {s[2] for s in got["transfers"][:-1]} == {OTHER}
+    assert got["transfers"][-1][2] == "P-real"
+    assert got["events"] == [["push_failed", "push", "shm", OTHER, MAX_PEERS + 5]]
+    assert obs.peer_label("junk-0") == OTHER and obs.peer_label("P-real") == "P-real"
+    for i in range(MAX_PEERS + 5):
+        obs.admit(f"P-{i}")
+    labelled = {p for p in ["P-real", *(f"P-{i}" for i in range(MAX_PEERS + 5))]
+                if obs.peer_label(p) != OTHER}
+    assert labelled == {"P-real", *(f"P-{i}" for i in range(MAX_PEERS - 1))}  # first 16
+
+
 def test_events_are_counted_with_labels_and_refused_when_forged() -> None:
     obs = Observations("nixl")
+    obs.admit("P-1")
     obs.event("lease_expired", "push")
     obs.event("lease_expired", "push")
     obs.event("checksum_mismatch", "pull", "P-1", "shm")

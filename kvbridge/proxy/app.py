@@ -108,7 +108,8 @@ class ProxySettings:
     """Upper bound on one control-channel query (and on the probe that finds the address) made
     to explain a failed leg."""
     control_secret: str | None = None
-    """The fleet's control-channel secret (``KVBRIDGE_SECRET``), to query engines that use one."""
+    """The fleet's control-channel secret (``KVBRIDGE_SECRET``), to query engines that use one;
+    None: the per-user secret engines on this host use (kvbridge.trust)."""
     max_retries: int = 1
     """How many times one client request may be dispatched again after an engine failed it
     before any byte reached the client (``--retries``; 0: never)."""

@@ -20,7 +20,9 @@ import enum
 import logging
 from collections.abc import Iterable
 
+from kvbridge import trust
 from kvbridge.control import ControlClient
+from kvbridge.errors import KVBridgeError
 from kvbridge.messages import Codec, TransferQuery, TransferReply
 
 __all__ = ["QueryOutcome", "ReasonFinder", "pick_reason"]
@@ -46,7 +48,12 @@ class ReasonFinder:
 
     def _get_client(self) -> ControlClient:
         if self._client is None:
-            self._client = ControlClient(Codec(self._secret), self.timeout_s)
+            try:  # no fleet secret: the per-user secret local engines use (kvbridge.trust)
+                key = trust.for_tools(self._secret).secret
+            except KVBridgeError as exc:
+                log.warning("cannot read the engines' secret (%s); asking unauthenticated", exc)
+                key = None
+            self._client = ControlClient(Codec(key), self.timeout_s)
         return self._client
 
     async def query(self, address: str, transfer_id: str) -> tuple[QueryOutcome, str | None]:

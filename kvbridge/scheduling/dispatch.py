@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvbridge import identity
 from kvbridge.control import RequestContext
 from kvbridge.messages import (
     Ack,
@@ -56,6 +57,10 @@ def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | N
         return reply
     if isinstance(msg, Hello):
         core.stats["hello_answered"] += 1
+        # the dialler's transport loads ours only if ours shows this proof (kvbridge.identity)
+        core.transport.attest(identity.proof(msg.challenge, core.control_address, core.engine_id,
+                                             core.generation, core.rank, core.info.agent),
+                              msg.info.transport_metadata)
         return HelloReply(info=core.info)
     if isinstance(msg, StatsQuery):
         with core.timing_lock:

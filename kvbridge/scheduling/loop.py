@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from kvbridge import registry
+from kvbridge import identity, registry, trust
 from kvbridge.config import Config
 from kvbridge.control import ControlServer, RpcClient
 from kvbridge.errors import KVBridgeError
@@ -77,27 +77,32 @@ class TransferLoop(PeerEvents):
         #: this rank's geometry for the heterogeneous mapping (kvbridge.scheduling.mapping)
         self.shape = Shape(tp_size, rank, layout.block_size, heads)
         self.generation = uuid.uuid4().hex[:12]
-        self.codec = Codec(config.secret, config.max_message_bytes,
+        #: the secret authenticating this rank, and where it came from (kvbridge.trust)
+        self.trust = trust.resolve(config)
+        self.codec = Codec(self.trust.secret, config.max_message_bytes,
                            window_s=config.replay_window_s)
         options = {**(transport_defaults or {}), **config.backend_options}
-        if config.secret:
-            options.setdefault("secret", config.secret)
+        if self.trust.secret is not None:
+            options.setdefault("secret", self.trust.secret)
         self.transport = transport or registry.create(
-            config.backend, f"{engine_id}:{self.generation}:{rank}", options)
+            config.backend, identity.agent_name(engine_id, self.generation, rank), options)
         metadata = self.transport.register_memory(
             [MemoryRegion(a, n, layout.device) for a, n in layout.regions()])
         port = config.side_channel_port + rank if config.side_channel_port else 0
         self.server = ControlServer(self.codec, config.side_channel_host, port,
                                     allow_insecure=config.allow_insecure_control)
         if not self.codec.authenticated:
-            who = ("any local process" if not config.allow_insecure_control
-                   else "anyone who can reach it (allow_insecure_control)")
-            log.warning("kvbridge control channel %s has no shared secret: it accepts %s; "
+            log.warning("kvbridge control channel %s is unauthenticated (%s): anyone who can "
+                        "reach it can steer transfers; unset KVBRIDGE_ALLOW_INSECURE_CONTROL or "
                         "set KVBRIDGE_SECRET on every engine (docs/security.md)",
-                        self.server.address, who)
+                        self.server.address, self.trust.source)
+        else:
+            log.info("kvbridge control channel %s is %s", self.server.address,
+                     self.trust.describe())
         self.info = make_info(
             engine_id=engine_id, generation=self.generation, rank=rank, tp_size=tp_size,
-            backend=self.transport.name, transport_metadata=metadata, layout=layout,
+            backend=self.transport.name, agent=self.transport.agent_name,
+            transport_metadata=metadata, layout=layout,
             control_address=self.server.address, compat=dict(compat or {}),
             checksum=config.checksum, heads=heads)
         self.stats: Counter[str] = Counter()
@@ -118,8 +123,11 @@ class TransferLoop(PeerEvents):
         self.peers = PeerTable(self.info, self.transport, self.rpc, self.submit,
                                timeout=config.control_timeout_s, capacity=config.max_peers,
                                prober=self.prober,
-                               loopback_only=not (self.codec.authenticated
+                               loopback_only=not (config.secret
                                                   or config.allow_insecure_control))
+        self.peers.on_proven = self.observe.admit
+        self.peers.on_forged = lambda: self.stats.update(peer_forged=1)
+        self.transport.on_peer_lost(lambda name: self.submit(self._peer_lost, name))
         self.heartbeats = HeartbeatBook(self.rpc, self, self.prober,
                                         interval=config.heartbeat_s, lease=config.lease_s)
         self.pull_source = PullSource(self)
@@ -399,6 +407,12 @@ class TransferLoop(PeerEvents):
         self.pull_sink.peer_gone(address, why)
         self.push_sink.peer_gone(address, why)
         self.peers.forget(address)
+
+    def _peer_lost(self, name: str) -> None:
+        """The transport found peer ``name``'s process gone (and unmapped its memory)."""
+        address = self.peers.address_of(name)
+        if address is not None:
+            self.peer_gone(address, f"its process exited ({name})")
 
     def transfers_unknown(self, address: str, transfer_ids: list[str], asked: int) -> None:
         self.pull_sink.transfers_unknown(address, transfer_ids)

@@ -6,13 +6,18 @@ the KV usable, for pull the claim, READ and confirmation together; for push the 
 until P's DONE). The worker's stats hook drains them once per engine step.
 
 Bounded twice: at most :data:`MAX_SAMPLES` samples wait between two drains (more are counted
-in ``dropped`` and lost), and peer labels are the first :data:`MAX_PEERS` distinct peer engine
-ids this rank met; every later peer is ``other``. Label values are therefore a fixed set per
-deployment, whatever peers or clients send.
+in ``dropped`` and lost), and peer labels are the first :data:`MAX_PEERS` peer engine ids
+*admitted* (:meth:`Observations.admit`: the peer table calls it when a handshake with a proven
+peer completed, i.e. the engine answered on the control address this rank dialled); every other
+id, never admitted or admitted past the first 16, is ``other``. An id that only appears in a
+message (a registration, a claim) never gets a label of its own, so junk ids cannot take the
+labels from real peers. Label values are therefore a fixed set per deployment, whatever peers
+or clients send.
 
-Thread safety: :meth:`Observations.transfer` and :meth:`Observations.handoff` are called from
-the loop thread, :meth:`Observations.drain` from the model-runner thread; one lock guards the
-buffers (a few appends per transfer, one swap per step).
+Thread safety: :meth:`Observations.admit`, :meth:`Observations.transfer` and
+:meth:`Observations.handoff` are called from the loop thread, :meth:`Observations.drain` from
+the model-runner thread; one lock guards the buffers (a few appends per transfer, one swap per
+step).
 """
 
 from __future__ import annotations
@@ -45,14 +50,17 @@ class Observations:
         self._events: dict[tuple[str, str, str, str], int] = {}
         self._dropped = 0
 
+    def admit(self, engine_id: str) -> None:
+        """A handshake with the proven peer ``engine_id`` completed: it gets a label of its own
+        if fewer than :data:`MAX_PEERS` peers have one (labels are never reassigned)."""
+        with self._lock:
+            if engine_id not in self._peers and len(self._peers) < MAX_PEERS:
+                self._peers[engine_id] = engine_id[:64]
+
     def peer_label(self, engine_id: str) -> str:
-        """The bounded label of peer ``engine_id`` (its id, or ``other`` past the first 16)."""
-        label = self._peers.get(engine_id)
-        if label is None:
-            if len(self._peers) >= MAX_PEERS:
-                return OTHER
-            label = self._peers[engine_id] = engine_id[:64]
-        return label
+        """The bounded label of peer ``engine_id``: its id if it is one of the first
+        :data:`MAX_PEERS` admitted (:meth:`admit`), else ``other``."""
+        return self._peers.get(engine_id, OTHER)
 
     def transfer(self, mode: str, peer: str, ok: bool, seconds: float, nbytes: int,
                  descriptors: int, backend: str | None = None) -> None:

@@ -8,6 +8,13 @@ unsolicited Hello never adds or replaces anything, so nobody can slip their memo
 another engine's name. Identity is ``(engine_id, generation, rank)``: when the address answers
 with a new generation (the engine restarted), the old entry and its transport peer are dropped.
 
+The identity in the reply is proven, not believed (:mod:`kvbridge.identity`): the reply must
+name the dialled address as its control address; the transport loads the peer only if the
+peer's data plane shows the proof of this handshake's challenge for the dialled address and the
+claimed identity; and the transport's name for it must be that identity's agent name. A reply
+that fails any of these is a :class:`~kvbridge.errors.PeerForged`, counted in :attr:`forged`
+and logged at WARNING (at most once a second); nothing of it is kept.
+
 Handshakes are asynchronous (through the loop's :class:`~kvbridge.control.RpcClient`), and
 loading a peer into the transport (which may itself take a round trip, e.g. shm proving the
 peer's process) runs on a helper thread, so a hung peer never stalls the loop. Concurrent
@@ -18,17 +25,20 @@ bounded (least recently used peers are forgotten first). Owned by the loop threa
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvbridge import identity
 from kvbridge.control import RpcClient, is_loopback
 from kvbridge.errors import (
     KVBridgeError,
     LayoutError,
     LayoutMismatch,
     PeerError,
+    PeerForged,
     PeerUnreachable,
     RemoteError,
 )
@@ -157,7 +167,17 @@ class PeerTable:
         self._capacity = capacity
         self._by_address: OrderedDict[str, Peer] = OrderedDict()
         self._waiting: dict[str, list[tuple[str, PeerCallback]]] = {}
+        self._challenges: dict[str, bytes] = {}  # address -> challenge of its handshake
         self.handshakes = 0
+        #: replies refused as forged: another address, an unproven data plane, another name
+        self.forged = 0
+        #: seconds each recent handshake spent in ``add_peer`` (the data-plane proof)
+        self.proof_seconds: deque[float] = deque(maxlen=256)
+        #: called with the engine id of each proven peer (the metrics label only those)
+        self.on_proven: Callable[[str], None] | None = None
+        #: called for each refused forged peer (the loop counts ``peer_forged``)
+        self.on_forged: Callable[[], None] | None = None
+        self._last_warning = float("-inf")
 
     def cached(self, address: str) -> Peer | None:
         return self._by_address.get(address)
@@ -184,7 +204,8 @@ class PeerTable:
         waiters = self._waiting.setdefault(address, [])
         waiters.append((generation, callback))
         if len(waiters) == 1:
-            call = self._rpc.call(address, Hello(info=self.me), self._timeout,
+            nonce = self._challenges[address] = identity.challenge()
+            call = self._rpc.call(address, Hello(info=self.me, challenge=nonce), self._timeout,
                                   lambda reply: self._answered(address, reply))
             if self._prober is not None:  # a dead address fails now, not after the timeout
                 self._prober.check(address, lambda refused: self._refused(address, call, refused))
@@ -208,15 +229,26 @@ class PeerTable:
         if old is not None and old.key == (info.engine_id, info.generation, info.rank):
             self._notify(address, old)
             return False
+        nonce = self._challenges.get(address, b"")
+        proof = identity.proof(nonce, address, info.engine_id, info.generation, info.rank,
+                               info.agent)
+        expected = info.agent
 
         def add() -> None:  # on the helper thread: a transport may need a round trip here
+            started = time.perf_counter()
             try:
-                name: str | KVBridgeError = self._transport.add_peer(info.transport_metadata)
+                name: str | KVBridgeError = self._transport.add_peer(info.transport_metadata,
+                                                                     proof)
             except KVBridgeError as exc:
                 name = exc
             except Exception as exc:  # noqa: BLE001 - a backend bug must not lose the waiters
                 name = PeerError(f"{type(exc).__name__}: {exc}")
-            self._submit(self._added, address, info, layout, name)
+            if isinstance(name, str) and name != expected:
+                self._transport.remove_peer(name)
+                name = PeerForged(f"the transport peer at {address} is {name!r}, the handshake "
+                                  f"answer claims {expected!r}")
+            self._submit(self._added, address, info, layout, name,
+                         time.perf_counter() - started)
 
         try:
             self._pool.submit(add)
@@ -232,13 +264,34 @@ class PeerTable:
                               f"handshake with {address} refused: {reply.error}")
         if not isinstance(reply, HelloReply):
             raise PeerError(f"unexpected handshake reply {type(reply).__name__} from {address}")
+        if reply.info.control_address != address:
+            raise self._forged(address, PeerForged(
+                f"the engine answering at {address} says its control address is "
+                f"{reply.info.control_address}: a relayed handshake (or an engine reached "
+                "through an address it does not advertise); refused"))
         return reply.info, check_compatible(self.me, reply.info)
 
+    def _forged(self, address: str, exc: PeerForged) -> PeerForged:
+        """Count and log (at most once a second) a refused, forged peer."""
+        self.forged += 1
+        if self.on_forged is not None:
+            self.on_forged()
+        now = time.monotonic()
+        if now - self._last_warning >= 1.0:
+            self._last_warning = now
+            log.warning("refused the peer at %s (%d so far): %s", address, self.forged, exc)
+        return exc
+
     def _added(self, address: str, info: EngineInfo, layout: KVLayout,
-               name: str | KVBridgeError) -> None:
+               name: str | KVBridgeError, seconds: float = 0.0) -> None:
+        if isinstance(name, PeerForged):
+            self._notify(address, self._forged(address, PeerForged(
+                f"cannot add the peer at {address}: {name}")))
+            return
         if isinstance(name, KVBridgeError):
             self._notify(address, PeerError(f"cannot add the peer at {address}: {name}"))
             return
+        self.proof_seconds.append(seconds)
         peer = Peer(info, layout, name, address)
         old = self._by_address.get(address)
         if old is not None:
@@ -249,8 +302,10 @@ class PeerTable:
         self._by_address[address] = peer
         self._by_address.move_to_end(address)
         self.handshakes += 1
-        log.info("handshake with %s (%s gen %s rank %d) done", address, info.engine_id,
-                 info.generation, info.rank)
+        log.info("handshake with %s (%s gen %s rank %d) done, proven in %.1f ms", address,
+                 info.engine_id, info.generation, info.rank, seconds * 1e3)
+        if self.on_proven is not None:
+            self.on_proven(info.engine_id)
         warning = shared_core_warning(self.me, info, self._transport.name,
                                       self._transport.capabilities)
         if warning:
@@ -261,6 +316,7 @@ class PeerTable:
         self._notify(address, peer)
 
     def _notify(self, address: str, result: Peer | KVBridgeError) -> None:
+        self._challenges.pop(address, None)
         for generation, callback in self._waiting.pop(address, []):
             outcome = result
             if isinstance(result, Peer) and generation not in (ANY_GENERATION,
@@ -282,19 +338,27 @@ class PeerTable:
         if peer is not None:
             self._transport.remove_peer(peer.name)
 
+    def address_of(self, name: str) -> str | None:
+        """The dialled address of the peer the transport calls ``name`` (None: unknown)."""
+        for address, peer in self._by_address.items():
+            if peer.name == name:
+                return address
+        return None
+
 
 def _host_of(address: str) -> str:
     return address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
 
 
 def make_info(*, engine_id: str, generation: str, rank: int, tp_size: int, backend: str,
-              transport_metadata: bytes, layout: KVLayout, control_address: str,
+              agent: str, transport_metadata: bytes, layout: KVLayout, control_address: str,
               compat: dict[str, str], checksum: bool,
               heads: HeadSplit | None = None) -> EngineInfo:
     """Build this rank's :class:`EngineInfo`."""
     return EngineInfo(
         engine_id=engine_id, generation=generation, rank=rank, tp_size=tp_size,
-        protocol=PROTOCOL_VERSION, backend=backend, transport_metadata=transport_metadata,
+        protocol=PROTOCOL_VERSION, backend=backend, agent=agent,
+        transport_metadata=transport_metadata,
         layout=layout.to_wire(), layout_fingerprint=layout.fingerprint(),
         control_address=control_address, compat=compat, checksum=checksum, heads=heads,
         placement=local_placement(),

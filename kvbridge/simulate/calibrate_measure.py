@@ -28,7 +28,6 @@ Everything runs from this process; engines are stopped at the end, also on error
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 import urllib.request
@@ -37,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbridge.errors import ConfigError
 from kvbridge.simulate.calibrate_cpu import (
     CpuMeasurements,
     ProcSet,
@@ -179,16 +177,9 @@ def _control(url: str) -> str:
 
 
 def _timings(address: str) -> dict[str, dict[str, float]]:
-    from kvbridge.control import ControlClient
-    from kvbridge.messages import Codec, StatsQuery, StatsReply
+    from kvbridge.testing.engines import stats_reply
 
-    client = ControlClient(Codec(os.environ.get("KVBRIDGE_SECRET")), 10.0)
-    try:
-        reply = client.request(address, StatsQuery())
-    finally:
-        client.close()
-    if not isinstance(reply, StatsReply):
-        raise ConfigError(f"{address} did not answer a stats query")
+    reply = stats_reply(address, 10.0)
     return {k: dict(v) for k, v in reply.timings.items()}
 
 

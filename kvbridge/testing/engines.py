@@ -676,19 +676,26 @@ def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
         raise EngineError(f"POST {req.full_url} failed: {e}") from e
 
 
-def engine_stats(address: str, timeout: float = 30.0) -> dict[str, int]:
-    """The counters of the KVBridgeConnector rank whose control channel is ``address``."""
-    from kvbridge.control import ControlClient
-    from kvbridge.messages import Codec, StatsQuery, StatsReply
+def stats_reply(address: str, timeout: float = 30.0) -> Any:
+    """The :class:`~kvbridge.messages.StatsReply` (counters, timings) of the KVBridgeConnector
+    rank whose control channel is ``address``, asked with the secret local engines use
+    (``KVBRIDGE_SECRET``, else the per-user secret: :func:`kvbridge.trust.for_tools`)."""
+    from kvbridge.messages import StatsQuery, StatsReply
+    from kvbridge.testing.clients import engine_client
 
-    client = ControlClient(Codec(), timeout)
+    client = engine_client(timeout)
     try:
         reply = client.request(address, StatsQuery())
     finally:
         client.close()
     if not isinstance(reply, StatsReply):
         raise EngineError(f"stats from {address}: unexpected reply {type(reply).__name__}")
-    return dict(reply.stats)
+    return reply
+
+
+def engine_stats(address: str, timeout: float = 30.0) -> dict[str, int]:
+    """The counters of the KVBridgeConnector rank whose control channel is ``address``."""
+    return dict(stats_reply(address, timeout).stats)
 
 
 def wait_stats(address: str, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:

@@ -62,14 +62,15 @@ def test_leftover_temporary_files_are_removed_on_start(tmp_path: Path) -> None:
     assert again.contains([k]) == 1
 
 
-def test_file_under_another_key_name_is_a_miss(tmp_path: Path) -> None:
+def test_file_under_another_key_name_is_a_miss(tmp_path: Path, caplog: Any) -> None:
     tier = _disk(tmp_path)
     a, b = uuid.uuid4().hex, uuid.uuid4().hex
     tier.store([(a, chunk_of(a))])
     dst = tier._path(b)
-    dst.parent.mkdir(exist_ok=True)
+    dst.parent.mkdir(mode=0o700, exist_ok=True)  # prefix directories must be private
     dst.write_bytes(tier._path(a).read_bytes())  # a's file renamed to b: the key inside differs
     assert tier.load([b]) == []
+    assert "key inside does not match" in caplog.text
 
 
 @pytest.mark.parametrize("key", ["../../etc/passwd", "ABCDEF0123456789", "x" * 200, ""])

@@ -669,7 +669,10 @@ class _WorkerSide:
         seed = seed_key(model_identity(self._vllm_config))
         namespace = namespace_of(seed, layout.fingerprint())
         io = BlockIO(layout)
-        tiers = build_tiers(cfg, io.chunk_bytes, namespace)
+        from kvbridge import trust  # the disk tier's MAC is keyed by the engine's secret
+
+        tiers = build_tiers(cfg, io.chunk_bytes, namespace,
+                            secret=trust.resolve(self.config).secret)
         return OffloadManager(cfg, tiers, io, layout_fingerprint=layout.fingerprint(),
                               rank=self.rank, tp_size=self.conn.tp_size)
 

@@ -57,13 +57,17 @@ STAGE_TTL_S = 120.0
 KNOWN_KEYS = 1 << 16
 
 
-def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str) -> list[Tier]:
-    """Construct the configured tiers in order (raises ConfigError/BackendUnavailable)."""
+def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
+                secret: bytes | None = None) -> list[Tier]:
+    """Construct the configured tiers in order (raises ConfigError/BackendUnavailable).
+    ``secret`` is the engine's (:func:`kvbridge.trust.resolve`): tiers that authenticate their
+    chunks (``disk``) key their MAC with it."""
     tiers: list[Tier] = []
     try:
         for spec in config.tiers:
             cls = registry.load_tier_class(spec.name)
-            tiers.append(cls(TierContext(spec.name, chunk_bytes, namespace, spec.options)))
+            tiers.append(cls(TierContext(spec.name, chunk_bytes, namespace, spec.options,
+                                         secret=secret)))
     except BaseException:
         for t in tiers:
             t.close()

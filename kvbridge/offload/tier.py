@@ -13,8 +13,10 @@ Contract every tier implements (the conformance suite :mod:`kvbridge.testing.tie
 - **All or nothing per chunk.** A chunk is either stored whole or absent: a crash, a full disk
   or a failed network call must never leave a short or mixed chunk that a later ``load``
   returns. ``load`` returns only chunks that are complete and verified (a tier that can be
-  corrupted behind its back checks a checksum); a corrupted or truncated chunk is a *miss*,
-  logged once at WARNING and removed.
+  corrupted behind its back checks a checksum; one that others may write to checks a MAC keyed
+  by :attr:`TierContext.secret`); a corrupted or truncated chunk is a *miss*, logged once at
+  WARNING and removed. A chunk the tier cannot prove it wrote (its MAC is keyed by another
+  secret: another fleet's, on a shared store) is a miss too, never KV, and is left in place.
 - **Partial failure.** ``contains`` and ``load`` work on a key sequence and stop at the first
   miss (a prefix is only useful up to its first hole). ``store`` stores what it can and returns
   the keys it stored; ``evict`` of an absent key is not an error. Exceptions are allowed (the
@@ -54,6 +56,9 @@ class TierContext:
     namespace: str
     #: the tier's options from the ``offload`` configuration (``capacity_bytes``, ``path``, …)
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: the engine's secret (:func:`kvbridge.trust.resolve`), for tiers that authenticate what
+    #: they store (the ``disk`` tier's per-chunk MAC); None: the engine runs without one
+    secret: bytes | None = field(default=None, repr=False)
 
     def option(self, key: str, default: Any, kind: Callable[[Any], Any]) -> Any:
         """``options[key]`` converted to ``kind``; a bad value is a :class:`ConfigError`."""

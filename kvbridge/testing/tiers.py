@@ -63,6 +63,8 @@ class TierConformance:
     tier_name: ClassVar[str] = ""
     persistent: ClassVar[bool] = False
     chunk_bytes: ClassVar[int] = CHUNK
+    #: the engine secret the tiers are built with (:attr:`TierContext.secret`)
+    secret: ClassVar[bytes | None] = None
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -85,7 +87,7 @@ class TierConformance:
         def make(namespace: str | None = None, **extra: Any) -> Tier:
             cls = registry.load_tier_class(self.tier_name)
             ctx = TierContext(self.tier_name, self.chunk_bytes, namespace or default_ns,
-                              {**opts, **extra})
+                              {**opts, **extra}, secret=self.secret)
             tier: Tier = cls(ctx)
             made.append(tier)
             return tier

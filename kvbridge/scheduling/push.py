@@ -22,8 +22,23 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    side asks for one), which D checks against what it expected.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
-``PushResult`` follows when the WRITEs stopped. Registrations are bounded per connection and in
-total; one that P cannot serve (prefill aborted, never ready, mismatch) is failed at once.
+``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
+ready, mismatch) is failed at once.
+
+Fair limits: registrations are counted per *decode control address* (the address P dials and
+handshakes, identity checked, before it writes anything: the registrations naming an address
+that does not answer as the registering engine all fail together) and per control connection;
+each may hold ``max_pending_per_peer``. Up to ``max_pending`` in all, that is the only bound.
+Past it, a registration is admitted only if its control address holds fewer than its fair share,
+``max_pending // addresses`` (at least 1; ``addresses`` counts those holding registrations, its
+own included), so a flood from many connections cannot starve a decode engine that holds little:
+its registrations still get in. Hard bound: at most ``2 × max_pending`` registrations in all
+(refused beyond it whatever the share); a flood reaches it only by naming many distinct control
+addresses that accept connections and stay silent, from at least ``2 × max_pending /
+max_pending_per_peer`` connections, and holds it for at most ``control_timeout_s`` (then the
+handshakes fail). Every refusal is an ``Ack`` of kind ``BUSY``, counted in
+``register_refused_busy``; every registration gives its slot back when it ends (answered,
+failed, cancelled, expired), once.
 
 Heterogeneous TP: every decode rank that reads heads from this rank
 (:func:`~kvbridge.scheduling.mapping.consumers`, known from the first registering rank's
@@ -40,7 +55,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
@@ -71,6 +86,8 @@ if TYPE_CHECKING:
 __all__ = ["Fence", "PushSpec", "PushSource"]
 
 log = logging.getLogger("kvbridge.push")
+
+_K = TypeVar("_K", bytes, str)
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,7 @@ class _Target:
     reg: PushRegister
     ctx: RequestContext
     stage: _Stage = _Stage.CONFIRMING
+    held: bool = False  # counted in PushSource's bounds (given back once, when it ends)
     peer: Peer | None = None
     shape: mapping.Shape | None = None  # the decode rank's, from its handshake
     share: mapping.Share | None = None  # the heads this rank writes it
@@ -137,17 +155,34 @@ class _Out:
         return self.expected is not None and self.expected <= self.registered()
 
 
+def _decrement(counts: dict[_K, int], key: _K) -> None:
+    n = counts.get(key, 1) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
 class PushSource:
     """P side of pushes (see the module docstring)."""
 
     def __init__(self, core: TransferLoop) -> None:
         self.core = core
         self.outs: dict[str, _Out] = {}
+        # registrations held now, per control connection, per decode control address, in all
         self._regs_by_conn: dict[bytes, int] = {}
+        self._regs_by_peer: dict[str, int] = {}
+        self._regs_total = 0
         self._announced: dict[str, None] = {}  # bounded, oldest first
 
     def __len__(self) -> int:
         return len(self.outs)
+
+    def held(self) -> dict[str, int]:
+        """Registrations held now: ``{"total": n, "peers": control addresses holding some,
+        "connections": connections holding some}`` (what the fair limits count)."""
+        return {"total": self._regs_total, "peers": len(self._regs_by_peer),
+                "connections": len(self._regs_by_conn)}
 
     def fenced(self) -> bool:
         """Some push waits for a device fence nobody waits on (the loop keeps polling while
@@ -249,15 +284,15 @@ class PushSource:
         if core.heads is None and msg.layout_fingerprint != core.info.layout_fingerprint:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error="decode's KV layout differs from this engine's")
-        if self._regs_by_conn.get(ctx.conn, 0) >= cfg.max_pending_per_peer or \
-                sum(self._regs_by_conn.values()) >= cfg.max_pending:
+        busy = self._refusal(ctx.conn, msg.control_address)
+        if busy is not None:
             core.stats["register_refused_busy"] += 1
-            return Ack(ok=False, kind=ErrorKind.BUSY, error="too many pending registrations")
+            return Ack(ok=False, kind=ErrorKind.BUSY, error=busy)
         if out is None:
             out = self.outs[tid] = _Out(tid)
         t = _Target(msg, ctx)
         out.targets.append(t)
-        self._regs_by_conn[ctx.conn] = self._regs_by_conn.get(ctx.conn, 0) + 1
+        self._take(t)
         wait = cfg.push_timeout_s if tid in self._announced else min(cfg.push_timeout_s,
                                                                      cfg.prefill_wait_s)
         core.timers.set(("register", tid), wait, lambda: self._never_ready(tid))
@@ -270,6 +305,46 @@ class PushSource:
         core.peers.ensure(msg.control_address, msg.sender_generation,
                           functools.partial(self._dialled, out, t))
         return None
+
+    def _refusal(self, conn: bytes, peer: str) -> str | None:
+        """Why a registration from ``conn`` naming control address ``peer`` is refused now
+        (None: admitted). See "Fair limits" in the module docstring."""
+        cfg = self.core.config
+        per, limit = cfg.max_pending_per_peer, cfg.max_pending
+        if self._regs_by_conn.get(conn, 0) >= per:
+            return f"too many pending registrations on this connection ({per})"
+        held = self._regs_by_peer.get(peer, 0)
+        if held >= per:
+            return f"too many pending registrations for {peer[:200]} ({per})"
+        if self._regs_total < limit:
+            return None
+        if self._regs_total >= 2 * limit:
+            return f"too many pending registrations ({self._regs_total}, the hard bound)"
+        peers = len(self._regs_by_peer) + (peer not in self._regs_by_peer)
+        share = max(1, limit // peers)
+        if held < share:
+            return None
+        return (f"too many pending registrations ({self._regs_total}); {peer[:200]} holds "
+                f"{held}, its fair share of {limit} among {peers} decode engines")
+
+    def _take(self, t: _Target) -> None:
+        """Count ``t`` in the bounds (it was admitted)."""
+        if t.held:
+            return
+        t.held = True
+        conn, peer = t.ctx.conn, t.reg.control_address
+        self._regs_by_conn[conn] = self._regs_by_conn.get(conn, 0) + 1
+        self._regs_by_peer[peer] = self._regs_by_peer.get(peer, 0) + 1
+        self._regs_total += 1
+
+    def _give_back(self, t: _Target) -> None:
+        """``t`` ended: its slot is free again (once)."""
+        if not t.held:
+            return
+        t.held = False
+        self._regs_total -= 1
+        _decrement(self._regs_by_conn, t.ctx.conn)
+        _decrement(self._regs_by_peer, t.reg.control_address)
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
         out = self.outs.get(msg.transfer_id)
@@ -546,11 +621,7 @@ class PushSource:
         out.targets.remove(t)
         self._discard(t)
         core.timers.cancel(("write", out.tid, id(t)))
-        n = self._regs_by_conn.get(t.ctx.conn, 1) - 1
-        if n > 0:
-            self._regs_by_conn[t.ctx.conn] = n
-        else:
-            self._regs_by_conn.pop(t.ctx.conn, None)
+        self._give_back(t)
         if t.shape is not None:
             out.served.add(t.shape.rank)
         if t.handles and t.peer is not None:

@@ -15,11 +15,20 @@ Trust: the inbox listens on the control network, so every frame is hostile until
 shared secret (transports take it from their ``secret`` option, and the core must pass its
 ``secret`` there): with a secret, frames that are not authenticated with it are dropped. Frames the
 codec refuses (authentication, replay, size, malformed) and frames out of sequence are dropped and
-counted in :attr:`NotificationInbox.dropped_invalid`. The queue is bounded (``max_messages``,
-default 4096, and ``max_bytes`` of payload, default 4 MiB): beyond either bound the *newest*
-message is dropped and counted in :attr:`NotificationInbox.dropped_full`, so an owner that never
-drains holds at most that much. Drops are logged at WARNING at most once a second. Without a
-secret, anyone who can reach the address can queue messages under any agent name.
+counted in :attr:`NotificationInbox.dropped_invalid`.
+
+Fair limits: the queue is bounded (``max_messages``, default 4096, and ``max_bytes`` of payload,
+default 4 MiB) and shared fairly among the sending agents (the agent of the authenticated sender
+identity, :func:`agent_of`). Below both bounds every message is queued. Past either, a message
+is still queued if its agent holds fewer than its fair share of messages, ``max_messages //
+senders``, and of bytes, ``max_bytes // senders`` (at least 1 each; ``senders``: the agents
+holding messages, its own included), so one sender flooding the inbox cannot starve another.
+Hard bound: at most 2 × ``max_messages`` messages and 2 × ``max_bytes`` bytes are held, and a
+single message larger than ``max_bytes`` is never queued. Every other message is dropped (the
+*newest*, on arrival) and counted in :attr:`NotificationInbox.dropped_full`, so an owner that
+never drains holds at most that much. Drops are logged at WARNING at most once a second.
+Without a secret, anyone who can reach the address can queue messages under any agent name
+(and so claim any number of fair shares, within the hard bound).
 
 Ordering: messages from one sender instance arrive in the order they were sent. Thread safety:
 every public method may be called from any thread. Nothing is pickled; frames are msgspec.
@@ -64,7 +73,9 @@ class NotificationInbox:
     """Receives ``(agent, message)`` pairs on ``tcp://host:port`` (port 0 = any free port).
 
     ``codec`` must carry the shared secret when one is configured (see the module docstring);
-    ``max_messages`` and ``max_bytes`` bound what is held until :meth:`drain`.
+    ``max_messages`` and ``max_bytes`` bound what is held until :meth:`drain`, shared fairly per
+    sending agent (past them, an agent under its fair share is still admitted; hard bound: 2 ×
+    each, see "Fair limits" in the module docstring).
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class NotificationInbox:
         self.address = self._receiver.address
         self._items: collections.deque[tuple[str, bytes]] = collections.deque()
         self._bytes = 0
+        self._by_agent: dict[str, list[int]] = {}  # agent -> [messages, bytes] held now
         #: frames refused by the codec (authentication, replay, size, malformed) or out of order
         self.dropped_invalid = 0
         #: valid messages dropped because the inbox was full
@@ -129,20 +141,36 @@ class NotificationInbox:
                 self._warn("dropped an unreadable notification frame", exc)
                 time.sleep(1e-3)  # never spin on an error that repeats
                 continue
+            agent = agent_of(sender)
             with self._cond:
-                if (
-                    len(self._items) >= self.max_messages
-                    or self._bytes + len(payload) > self.max_bytes
-                ):
+                if not self._admits(agent, len(payload)):
                     self.dropped_full += 1
                     full = True
                 else:
-                    self._items.append((agent_of(sender), payload))
+                    self._items.append((agent, payload))
                     self._bytes += len(payload)
+                    held = self._by_agent.setdefault(agent, [0, 0])
+                    held[0] += 1
+                    held[1] += len(payload)
                     self._cond.notify_all()
                     full = False
             if full:
-                self._warn("notification inbox full; dropped the newest message", None)
+                self._warn("notification inbox full; dropped the newest message (past the bounds "
+                           "and its sender's fair share)", None)
+
+    def _admits(self, agent: str, size: int) -> bool:
+        """Whether a message of ``size`` bytes from ``agent`` is queued now (caller holds the
+        lock; see "Fair limits" in the module docstring)."""
+        count, total = len(self._items), self._bytes + size
+        if count < self.max_messages and total <= self.max_bytes:
+            return True
+        if size > self.max_bytes or count >= 2 * self.max_messages or total > 2 * self.max_bytes:
+            return False
+        held = self._by_agent.get(agent)
+        senders = len(self._by_agent) + (held is None)
+        messages, nbytes = held if held is not None else (0, 0)
+        return (messages < max(1, self.max_messages // senders)
+                and nbytes < max(1, self.max_bytes // senders))
 
     def _warn(self, what: str, exc: BaseException | None) -> None:
         """Log a drop at WARNING at most once a second (with the running counts), else DEBUG."""
@@ -163,6 +191,7 @@ class NotificationInbox:
             out = list(self._items)
             self._items.clear()
             self._bytes = 0
+            self._by_agent.clear()
             return out
 
     def wait(self, timeout: float | None = None) -> bool:

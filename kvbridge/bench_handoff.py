@@ -8,7 +8,9 @@ vLLM's idle path, no early posting: the behaviour before the wake-up), or ``nodi
 workers' next step output), or ``nohuge`` with ``KVBRIDGE_HUGE_PAGES=0`` (the KV cache stays on
 the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
 ``KVBRIDGE_MAP_KV_CACHE=0`` (shm moves KV by cross-memory attach instead of copying through the
-peer's mapped cache: compare the wire time). ``--model bench`` runs the ~100 M-parameter
+peer's mapped cache: compare the wire time), or ``code``: the same configuration running the
+kvbridge of ``--baseline-code``, a checkout of another commit (what a change costs), with one
+fleet secret for all four engines. ``--model bench`` runs the ~100 M-parameter
 bench model (24 KiB of KV per token) instead of the tiny one, so that a request's KV is tens of
 MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
@@ -27,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,8 +48,10 @@ __all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "for
 BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "0"},
                                         "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"},
                                         "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"},
-                                        "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"}}
-"""Baseline pair name → extra environment of both its engines (``wake`` has none)."""
+                                        "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"},
+                                        "code": {}}
+"""Baseline pair name → extra environment of both its engines (``wake`` has none). ``code``:
+the engines import kvbridge from ``--baseline-code``, a checkout of another commit."""
 MODES = ("push", "pull", "push-behind")
 """``push-behind``: a push sent while D already holds another push request that waits for its
 KV (its P leg comes :data:`BEHIND_S` later): what D's idle wait does to a new arrival."""
@@ -64,6 +69,7 @@ class HandoffSettings:
     engine_spin_ms: float = 2.0
     pin_engines: bool = False
     against: str = "nowake"
+    baseline_code: Path | None = None  # with against "code"
     model: str = "tiny"  # or "bench" (kvbridge.testing.tiny_model.build_bench_model)
     seed: int = 4321
     request_timeout: float = 120.0
@@ -81,7 +87,14 @@ def _prompts(settings: HandoffSettings, n: int, seed: int) -> list[list[int]]:
 
 def pairs_of(settings: HandoffSettings) -> dict[str, dict[str, str]]:
     """Pair name → extra environment of both its engines: ``wake`` and the baseline."""
-    return {"wake": {}, settings.against: BASELINES[settings.against]}
+    env = dict(BASELINES[settings.against])
+    if settings.against == "code":
+        from kvbridge.bench_handshake import code_path
+
+        if settings.baseline_code is None:
+            raise ConfigError("--against code needs --baseline-code DIR")
+        env["PYTHONPATH"] = code_path(settings.baseline_code, os.environ.get("PYTHONPATH"))
+    return {"wake": {}, settings.against: env}
 
 
 @dataclass
@@ -297,6 +310,11 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
                                      request_timeout=settings.request_timeout)
     legs = cf.ThreadPoolExecutor(4, thread_name_prefix="handoff-leg")
     servers: dict[str, tuple[Any, Any]] = {}
+    saved_secret = os.environ.get("KVBRIDGE_SECRET")
+    if settings.against == "code" and not saved_secret:
+        # one fleet secret for all four engines and this process: the baseline may predate
+        # the per-user secret, and both versions then authenticate alike
+        os.environ["KVBRIDGE_SECRET"] = os.urandom(16).hex()
     try:
         servers = _open_pairs(settings, log_dir, say)
         pairs: dict[str, e2e.Pair] = {}
@@ -339,6 +357,8 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
         for p, d in servers.values():
             p.stop()
             d.stop()
+        if saved_secret is None:
+            os.environ.pop("KVBRIDGE_SECRET", None)
         report["load_end"] = e2e.loadavg()
     return report
 
@@ -357,8 +377,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
     p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
                    help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
-                        "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0) or nomap "
-                        "(KVBRIDGE_MAP_KV_CACHE=0)")
+                        "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0), nomap "
+                        "(KVBRIDGE_MAP_KV_CACHE=0) or code (the code of --baseline-code)")
+    p.add_argument("--baseline-code", type=Path, default=None,
+                   help="with --against code: a checkout of another commit (git worktree add "
+                        "DIR COMMIT) whose kvbridge the baseline pair's engines run")
     p.add_argument("--model", choices=("tiny", "bench"), default=d.model,
                    help="tiny (the tests' model) or bench (~100 M parameters, 24 KiB of KV per "
                         "token: a request's KV is tens of MiB; use --prompt-len up to ~1000)")
@@ -383,6 +406,7 @@ def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
                            prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                            idle_s=args.idle_s, engine_spin_ms=args.engine_spin_ms,
                            pin_engines=args.pin_engines, against=args.against,
+                           baseline_code=args.baseline_code,
                            model=args.model, seed=args.seed, log_dir=args.log_dir)
 
 

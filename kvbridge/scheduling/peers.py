@@ -11,7 +11,7 @@ with a new generation (the engine restarted), the old entry and its transport pe
 The identity in the reply is proven, not believed (:mod:`kvbridge.identity`): the reply must
 name the dialled address as its control address; the transport loads the peer only if the
 peer's data plane shows the proof of this handshake's challenge for the dialled address and the
-claimed identity; and the transport's name for it must be that identity's agent name. A reply
+claimed identity; and the transport's name for it must be the agent the reply claims. A reply
 that fails any of these is a :class:`~kvbridge.errors.PeerForged`, counted in :attr:`forged`
 and logged at WARNING (at most once a second); nothing of it is kept.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,8 +171,6 @@ class PeerTable:
         self.handshakes = 0
         #: replies refused as forged: another address, an unproven data plane, another name
         self.forged = 0
-        #: seconds each recent handshake spent in ``add_peer`` (the data-plane proof)
-        self.proof_seconds: deque[float] = deque(maxlen=256)
         #: called with the engine id of each proven peer (the metrics label only those)
         self.on_proven: Callable[[str], None] | None = None
         #: called for each refused forged peer (the loop counts ``peer_forged``)
@@ -291,7 +289,6 @@ class PeerTable:
         if isinstance(name, KVBridgeError):
             self._notify(address, PeerError(f"cannot add the peer at {address}: {name}"))
             return
-        self.proof_seconds.append(seconds)
         peer = Peer(info, layout, name, address)
         old = self._by_address.get(address)
         if old is not None:

@@ -572,9 +572,9 @@ class _Listener:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._conns: dict[int, _Conn] = {}
         self._watch_lock = threading.Lock()
-        self._watch_changes: list[tuple[int, Callable[[], None] | None]] = []
+        #: watch (key, dup fd, callback) and unwatch (key, -1, None) requests, in order
+        self._watch_changes: list[tuple[int, int, Callable[[], None] | None]] = []
         self._watched: dict[int, tuple[int, Callable[[], None]]] = {}  # key -> (dup fd, cb)
-        self._watched_dups: dict[int, int] = {}  # key -> dup fd, until the thread takes it
         self._watch_keys = iter(range(1, 1 << 62))
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
@@ -602,15 +602,14 @@ class _Listener:
         os.set_inheritable(dup, False)
         with self._watch_lock:
             key = next(self._watch_keys)
-            self._watch_changes.append((key, on_exit))
-            self._watched_dups[key] = dup
+            self._watch_changes.append((key, dup, on_exit))
         self._wake()
         return key
 
     def unwatch(self, key: int) -> None:
         """Stop watching (no-op if the callback already ran). Thread-safe."""
         with self._watch_lock:
-            self._watch_changes.append((key, None))
+            self._watch_changes.append((key, -1, None))
         self._wake()
 
     def _wake(self) -> None:
@@ -622,31 +621,18 @@ class _Listener:
     def _apply_watch_changes(self) -> None:
         with self._watch_lock:
             changes, self._watch_changes = self._watch_changes, []
-            dups = {key: self._watched_dups.pop(key) for key, cb in changes
-                    if cb is not None and key in self._watched_dups}
-        for key, cb in changes:
+        for key, dup, cb in changes:
             if cb is None:
                 self._unwatch_now(key)
-                continue
-            dup = dups.get(key)
-            if dup is None:
-                continue
-            self._watched[key] = (dup, cb)
-            self._sel.register(dup, selectors.EVENT_READ, ("pidfd", key))
+            else:
+                self._watched[key] = (dup, cb)
+                self._sel.register(dup, selectors.EVENT_READ, ("pidfd", key))
 
     def _unwatch_now(self, key: int) -> None:
         entry = self._watched.pop(key, None)
-        if entry is None:
-            with self._watch_lock:
-                dup = self._watched_dups.pop(key, None)
-            if dup is not None:
-                os.close(dup)
-            return
-        try:
+        if entry is not None:
             self._sel.unregister(entry[0])
-        except (KeyError, ValueError):
-            pass
-        os.close(entry[0])
+            os.close(entry[0])
 
     def _exited(self, key: int) -> None:
         entry = self._watched.get(key)
@@ -800,10 +786,11 @@ class _Listener:
         if self._thread.is_alive():
             log.warning("shm listener %r did not stop in %.1f s", self.name[1:], timeout)
             return
-        with self._watch_lock:
-            for dup in self._watched_dups.values():
-                os.close(dup)
-            self._watched_dups.clear()
+        with self._watch_lock:  # watches the thread never took
+            for _, dup, _ in self._watch_changes:
+                if dup >= 0:
+                    os.close(dup)
+            self._watch_changes.clear()
         self._sel.close()
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()

@@ -224,6 +224,8 @@ def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str,
                                 settings.pin_engines)
         for server in (p, d):
             server.env.update(env)
+            if "PYTHONPATH" in env and settings.baseline_code is not None:
+                server.cwd = settings.baseline_code  # ``python -m`` imports from the cwd first
             assert server.kv_transfer_config is not None
             server.kv_transfer_config["engine_id"] += f"-{name}"
         servers[name] = (p, d)

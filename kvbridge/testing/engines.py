@@ -184,7 +184,8 @@ class VllmServer:
     (:data:`GUARD_MIDDLEWARE`), so malformed ``kv_transfer_params`` are answered with HTTP 400.
     ``pin_cpus`` restricts the whole process tree (API server, engine core, workers, every
     thread; not only vLLM's OpenMP threads) to the ``cpu_bind`` cores, so two engines on one
-    small host do not run on each other's cores.
+    small host do not run on each other's cores. ``cwd`` is the working directory of the
+    process (``python -m`` imports from it first: a checkout there is the code that runs).
     """
 
     def __init__(
@@ -203,8 +204,10 @@ class VllmServer:
         stop_grace: float = 8.0,
         guard: bool = True,
         pin_cpus: bool = False,
+        cwd: str | Path | None = None,
     ) -> None:
         self.model = str(model)
+        self.cwd = cwd
         self.served_model_name = served_model_name
         self.port = port
         self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config else None
@@ -297,6 +300,7 @@ class VllmServer:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=self.environment(),
+            cwd=self.cwd,
             start_new_session=True,
         )
         if self.pin_cpus:

@@ -422,6 +422,11 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
         f"KVBridgeConnector, backend {args.backend}"
     )  # fmt: skip
     _say(f"[2/5] starting P (core 0) and D (core 1): {what}; logs in {work}")
+    if not args.no_connector:
+        from kvbridge import trust
+
+        _say(f"      control channels {trust.for_tools().describe()} (no set-up needed on "
+             "one host: docs/security.md)")
     proxies: _ProxyHost | None = None
     try:
         start_servers(

@@ -5,8 +5,8 @@
         [--kill-at 0.3] [--input-len 200] [--output-len 32] [--out DIR]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model
-(:func:`kvbridge.bench_e2e.fleet_specs`) and one kvbridge proxy per mode in front of all four
-(:class:`kvbridge.testing.proxies.ProxyThread`, health checks every second). Then, per (mode,
+(:func:`kvbridge.tools.bench.e2e.fleet_specs`) and one kvbridge proxy per mode in front of all four
+(:class:`kvbridge.tools.proxies.ProxyThread`, health checks every second). Then, per (mode,
 role), it runs vLLM's ``bench serve`` (random dataset, streamed, ``--ignore-eos``, Poisson
 arrivals) through that mode's proxy, SIGKILLs the process group of P0 (role prefill) or D0
 (role decode) once the proxy has dispatched ``--kill-at`` of the prompts and holds a request on
@@ -38,12 +38,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench_e2e import fleet_specs
-from kvbridge.bench_serve import bench_serve_command, result_metrics
-from kvbridge.testing import prom
-from kvbridge.testing.engines import VllmServer, start_servers
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model
+from kvbridge.tools import prom
+from kvbridge.tools.bench.e2e import fleet_specs
+from kvbridge.tools.bench.serve import bench_serve_command, result_metrics
+from kvbridge.tools.engines import VllmServer, start_servers
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model
 
 MODES = ("pull", "push", "auto")
 

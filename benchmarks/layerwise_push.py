@@ -18,8 +18,8 @@ from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.params import prefill_request, push_decode_request
-from kvbridge.testing.engines import VllmServer, complete, probe, start_servers, stream_complete
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.engines import VllmServer, complete, probe, start_servers, stream_complete
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 N = 12
 

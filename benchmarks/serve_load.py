@@ -5,9 +5,9 @@
         [--input-len 200] [--output-len 16] [--out DIR]
 
 Starts one P and one D ``vllm serve`` engine on the tiny random-weight model
-(:func:`kvbridge.testing.tiny_model.build_tiny_model`; P on core 0, D on core 1, ``--block-size
+(:func:`kvbridge.tools.tiny_model.build_tiny_model`; P on core 0, D on core 1, ``--block-size
 32``, the KVBridgeConnector config of ``kvbridge bench e2e``), one kvbridge proxy per mode
-(:class:`kvbridge.testing.proxies.ProxyThread`), then runs vLLM's own ``bench serve`` (random
+(:class:`kvbridge.tools.proxies.ProxyThread`), then runs vLLM's own ``bench serve`` (random
 dataset, streamed ``/v1/completions``, ``--ignore-eos``) against each proxy ``--runs`` times and
 prints one row per run: TTFT p50 / p99 / max, TPOT p50 / p99, E2E p99, ``TTFT p99/p50`` and a
 verdict, ``freeze`` when TTFT p99 > ``--freeze-ratio`` x p50 or any request took longer than
@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge.bench_e2e import cpu_seconds, group_cpu_ticks
-from kvbridge.bench_serve import bench_serve_command, result_metrics, run_bench_process
 from kvbridge.params import push_decode_request
-from kvbridge.testing.engines import EngineError, VllmServer, complete, probe, start_servers
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.bench.e2e import cpu_seconds, group_cpu_ticks
+from kvbridge.tools.bench.serve import bench_serve_command, result_metrics, run_bench_process
+from kvbridge.tools.engines import EngineError, VllmServer, complete, probe, start_servers
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 MODES = ("pull", "push", "auto")
 BACKENDS = ("shm", "nixl", "mooncake", "compose")
@@ -125,7 +125,7 @@ def bench_command(args: argparse.Namespace, url: str, model: Path, out: Path, na
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The row of one run, from ``bench serve``'s saved JSON (times in ms): the figures of
-    :func:`kvbridge.bench_serve.result_metrics`, the p99/p50 ratio and the verdict."""
+    :func:`kvbridge.tools.bench.serve.result_metrics`, the p99/p50 ratio and the verdict."""
     row: dict[str, Any] = result_metrics(result)
     lat = [t * 1000 for t, e in zip(result.get("latencies") or [], result.get("errors") or [],
                                     strict=False) if e in (None, "")]

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 backend="${1:-shm}"
 py="${PYTHON:-.venv/bin/python}"
 port="${PORT:-8000}"
-model="$($py -c 'from kvbridge.testing.tiny_model import build_tiny_model; print(build_tiny_model())')"
+model="$($py -c 'from kvbridge.tools.tiny_model import build_tiny_model; print(build_tiny_model())')"
 common=(--served-model-name tiny --host 127.0.0.1 --enforce-eager --dtype float32
         --max-model-len 1024 --block-size 32 --kv-cache-memory-bytes 268435456)
 cfg() {  # role engine_id

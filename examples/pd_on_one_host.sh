@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 backend="${1:-shm}"
 py=.venv/bin/python
-model="$($py -c 'from kvbridge.testing.tiny_model import build_tiny_model; print(build_tiny_model())')"
+model="$($py -c 'from kvbridge.tools.tiny_model import build_tiny_model; print(build_tiny_model())')"
 common=(--served-model-name tiny --host 127.0.0.1 --enforce-eager --dtype float32
         --max-model-len 1024 --block-size 32 --kv-cache-memory-bytes 268435456)
 cfg() {  # role engine_id

@@ -1,5 +1,5 @@
-"""Plugin discovery through stevedore: transports (``kvbridge.backends``) and offload tiers
-(``kvbridge.tiers``).
+"""Plugin discovery through stevedore: transports (``kvbridge.backends``), offload tiers
+(``kvbridge.tiers``) and what a backend offers the benches (``kvbridge.bench_hooks``).
 
 The core never imports a backend by name: every backend, the built-in ``shm`` included, is an
 entry point exactly as a third-party plugin would be. Listing is cheap (no backend module is
@@ -9,20 +9,20 @@ imported until one is loaded); heavy native imports happen in the backend's cons
 from __future__ import annotations
 
 import difflib
-import importlib
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
 
-__all__ = ["GROUP", "TIER_GROUP", "BackendStatus", "available", "load_class", "create", "status",
-           "available_tiers", "load_tier_class", "tier_status", "backend_hook"]
+__all__ = ["GROUP", "TIER_GROUP", "BENCH_GROUP", "BackendStatus", "available", "load_class",
+           "create", "status", "available_tiers", "load_tier_class", "tier_status", "backend_hook"]
 
 GROUP = "kvbridge.backends"
 TIER_GROUP = "kvbridge.tiers"
+#: modules a backend offers the benches (raw-library sessions and costs), by backend name
+BENCH_GROUP = "kvbridge.bench_hooks"
 log = logging.getLogger("kvbridge.registry")
 
 #: What to install when a backend's native dependency is missing.
@@ -97,15 +97,19 @@ def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None)
 
 
 def backend_hook(name: str, attr: str) -> Callable[..., Any] | None:
-    """A function ``attr`` that backend ``name``'s package offers to the benches (looked up in
-    the module of its Transport class, then its top-level package), or None. Loads the backend
-    (same errors as :func:`load_class`)."""
-    cls = load_class(name)
-    for module in (cls.__module__, cls.__module__.split(".")[0]):
-        fn = getattr(sys.modules.get(module) or importlib.import_module(module), attr, None)
-        if callable(fn):
-            return fn  # type: ignore[no-any-return]
-    return None
+    """A function ``attr`` that backend ``name`` offers the benches, or None: looked up in the
+    module its ``kvbridge.bench_hooks`` entry point names (the benches' contract with a backend:
+    ``raw_session``, ``raw_responder``, ``raw_bench``, ``block_cost``; docs/benchmarks.md).
+    Raises :class:`BackendUnavailable` when that module cannot be imported."""
+    ep = _entry_points(BENCH_GROUP).get(name)
+    if ep is None:
+        return None
+    try:
+        module = ep.load()
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc)) from exc
+    fn = getattr(module, attr, None)
+    return fn if callable(fn) else None
 
 
 def _unavailable(name: str, exc: BaseException) -> str:

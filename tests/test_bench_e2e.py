@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import bench_e2e as b
-from kvbridge import cli
 from kvbridge.errors import ConfigError
+from kvbridge.tools import cli
+from kvbridge.tools.bench import e2e as b
 
 pytestmark = pytest.mark.timeout(60)
 

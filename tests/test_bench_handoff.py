@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from kvbridge import bench_handoff as bh
-from kvbridge import cli
-from kvbridge.bench_e2e import RequestRecord
 from kvbridge.errors import ConfigError
+from kvbridge.tools import cli
+from kvbridge.tools.bench import handoff as bh
+from kvbridge.tools.bench.e2e import RequestRecord
 
 pytestmark = pytest.mark.timeout(60)
 

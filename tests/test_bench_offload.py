@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import bench_offload as b
-from kvbridge import cli
 from kvbridge.errors import ConfigError
-from kvbridge.testing import tiny_model as tm
+from kvbridge.tools import cli
+from kvbridge.tools import tiny_model as tm
+from kvbridge.tools.bench import offload as b
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvbridge import bench_serve as bs
-from kvbridge import cli
-from kvbridge.bench_e2e import VLLM_PUSH_P_ENGINE, vllm_pull_params
 from kvbridge.errors import ConfigError
+from kvbridge.tools import cli
+from kvbridge.tools.bench import serve as bs
+from kvbridge.tools.bench.e2e import VLLM_PUSH_P_ENGINE, vllm_pull_params
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,8 +128,8 @@ def test_a_fleet_refuses_the_one_pair_vllm_setups() -> None:
 
 
 def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> None:
-    from kvbridge.bench_e2e import engine_specs, fleet_specs
     from kvbridge.placement import fleet_cores
+    from kvbridge.tools.bench.e2e import engine_specs, fleet_specs
 
     ps, ds = fleet_specs("kvbridge-shm", tmp_path, tmp_path, 2.0, prefill=2, decode=2)
     engines = [*ps, *ds]
@@ -348,7 +348,7 @@ def test_plot_only_refuses_bad_files(tmp_path: Path, content: str | None, messag
 
 
 def test_stock_prefill_body_is_a_one_token_non_streamed_copy() -> None:
-    from kvbridge.bench_proxy import stock_decode_body, stock_prefill_body
+    from kvbridge.tools.bench.proxy import stock_decode_body, stock_prefill_body
 
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 16, "max_completion_tokens": 16,
             "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 4,
@@ -436,7 +436,7 @@ async def _through_proxy(protocol: str, fake: _FakeEngines,
                          body: dict[str, Any]) -> tuple[int, bytes, dict[str, int]]:
     import aiohttp
 
-    from kvbridge.bench_proxy import StockProxy
+    from kvbridge.tools.bench.proxy import StockProxy
 
     p_url, d_url = await fake.start()
     proxy = StockProxy(protocol, p_url, d_url, p_side_channel_port=5599, timeout_s=10.0)
@@ -535,7 +535,7 @@ def test_stock_pull_without_ps_params_is_a_502() -> None:
 
 
 def test_stock_proxy_refuses_bad_settings() -> None:
-    from kvbridge.bench_proxy import StockProxy
+    from kvbridge.tools.bench.proxy import StockProxy
 
     with pytest.raises(ConfigError, match="protocol"):
         StockProxy("auto", "http://p", "http://d")
@@ -546,7 +546,7 @@ def test_stock_proxy_refuses_bad_settings() -> None:
 def test_stock_proxy_thread_starts_and_closes_idempotently() -> None:
     import urllib.request
 
-    from kvbridge.bench_proxy import StockProxyThread
+    from kvbridge.tools.bench.proxy import StockProxyThread
 
     t = StockProxyThread("pull", "http://127.0.0.1:9", "http://127.0.0.1:9").start()
     try:
@@ -576,7 +576,7 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
     """kvbridge-pull (shm), one rate, 4 prompts: ~80 s on an idle 2-core host (engines ~45 s,
     one ``vllm bench serve`` ~20 s). The vLLM setups' stock proxy is covered above against fake
     engines and by the smoke run of docs/benchmarks.md."""
-    from kvbridge.testing import engines
+    from kvbridge.tools import engines
 
     plots = bs.matplotlib_available()
     argv = ["bench", "serve", "--setups", "kvbridge-pull", "--backend", "shm", "--rates", "4",

@@ -1,4 +1,4 @@
-"""kvbridge.bench_stats: the median's order-statistics interval, paired ratios, formatting."""
+"""kvbridge.tools.report: the median's order-statistics interval, paired ratios, formatting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvbridge.bench_stats import (
+from kvbridge.tools.report import (
     MedianCI,
     median_ci,
     paired_ratios,
@@ -83,7 +83,7 @@ def test_format_and_helpers() -> None:
 def test_scattered_permutation_never_coalesces() -> None:
     import numpy as np
 
-    from kvbridge.bench_raw import scattered
+    from kvbridge.testing.rawbench import scattered
 
     rng = np.random.default_rng(3)
     for n in (4, 5, 64, 4096):

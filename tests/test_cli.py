@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from kvbridge import cli
+from kvbridge.tools import cli
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def kvbridge(*args: str, env: dict[str, str] | None = None,
              timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the installed console script (or ``python -m kvbridge.cli`` if it is missing)."""
+    """Run the installed console script (or ``python -m kvbridge.tools.cli`` if it is missing)."""
     script = Path(sys.executable).with_name("kvbridge")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvbridge.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvbridge.tools.cli"]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
     full_env.update(env or {})
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout,
@@ -194,7 +194,7 @@ def test_bench_transfer_sequential_is_best_of() -> None:
 
 def test_bench_transfer_pages_choices_are_the_benchs() -> None:
     """cli.py lists them without importing the bench (start-up time); they must agree."""
-    from kvbridge import bench
+    from kvbridge.tools.bench import transfer as bench
 
     res = kvbridge("bench", "transfer", "--pages", "bogus")
     assert res.returncode == 2
@@ -354,14 +354,14 @@ def test_stats_reads_a_live_agent_and_fails_cleanly_when_nobody_answers() -> Non
 
     agent = AgentProcess("stats-engine", (1, 8, 16, 16))
     try:
-        out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "stats", agent.address,
+        out = subprocess.run([sys.executable, "-m", "kvbridge.tools.cli", "stats", agent.address,
                               "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
         assert data["engine_id"] == "stats-engine" and data["pending"] == 0
     finally:
         agent.close()
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "stats", agent.address,
+    out = subprocess.run([sys.executable, "-m", "kvbridge.tools.cli", "stats", agent.address,
                           "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "no answer from" in out.stderr

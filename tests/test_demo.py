@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("transformers")
 
-from kvbridge import demo  # noqa: E402
+from kvbridge.tools import demo
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,11 +1,12 @@
 """deploy/k8s: the xPyD manifests render, validate against Kubernetes' schemas and are consistent.
 
-Each overlay is rendered (kvbridge.testing.kustomize; cross-checked against `kubectl kustomize`
-where kubectl is installed), every object is validated against the strict schema of
-Kubernetes KUBE_VERSION (kubernetes-validate, offline), and kvbridge.testing.k8s checks what
-schemas cannot: vLLM's own parser and kvbridge's Config on every engine pod's command line, the
-proxy's own argparse, the secret's sources, ports, pools and resources. Broken copies, in
-memory and on disk, must fail with a message naming the fault. Nothing starts; no real EFA.
+Each overlay is rendered (kvbridge.tools.deploycheck.kustomize; cross-checked against
+`kubectl kustomize` where kubectl is installed), every object is validated against the strict
+schema of Kubernetes KUBE_VERSION (kubernetes-validate, offline), and
+kvbridge.tools.deploycheck.k8s checks what schemas cannot: vLLM's own parser and kvbridge's Config
+on every engine pod's command line, the proxy's own argparse, the secret's sources, ports, pools
+and resources. Broken copies, in memory and on disk, must fail with a message naming the fault.
+Nothing starts; no real EFA.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvbridge.testing import k8s
-from kvbridge.testing.kustomize import KustomizeError, render, strategic_merge
+from kvbridge.tools.deploycheck import k8s
+from kvbridge.tools.deploycheck.kustomize import KustomizeError, render, strategic_merge
 
 pytestmark = pytest.mark.timeout(300)  # importing vLLM (for its parser) is most of it
 

@@ -18,17 +18,18 @@ from typing import Any
 
 import pytest
 
-from kvbridge import _doctor_probes as probes
-from kvbridge import doctor, registry
+from kvbridge import registry
 from kvbridge.config import Config
-from kvbridge.doctor import Check, Status, Target
+from kvbridge.tools import doctor
+from kvbridge.tools import doctor_probes as probes
+from kvbridge.tools.doctor import Check, Status, Target
 
 pytestmark = [pytest.mark.timeout(300)]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
-    return subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", *args],
+    return subprocess.run([sys.executable, "-m", "kvbridge.tools.cli", "doctor", *args],
                           capture_output=True, text=True, timeout=240, env=env)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     GUARD_MIDDLEWARE,
     EngineError,
     VllmServer,
@@ -104,7 +104,7 @@ def _gone(pgid: int) -> bool:
 def test_free_port() -> None:
     """Outside the ephemeral range, so no client connection is handed it before the server
     binds it; bindable; and not the same port every time."""
-    from kvbridge.testing.engines import _ephemeral_range
+    from kvbridge.tools.engines import _ephemeral_range
 
     low, _ = _ephemeral_range()
     ports = {free_port() for _ in range(8)}
@@ -218,7 +218,7 @@ def test_start_servers_timeout_stops_all(fake_python: str) -> None:
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_real_vllm_engine_greedy(tmp_path: Path) -> None:
-    from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+    from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
     model = build_tiny_model(tmp_path / "tiny")
     s = VllmServer(model, cpu_bind="0", log_path=tmp_path / "vllm.log")

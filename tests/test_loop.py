@@ -603,7 +603,7 @@ def test_a_prefill_shutting_down_fails_its_pushes_at_once() -> None:
 
 
 def test_restarted_prefill_is_recognised_by_generation() -> None:
-    from kvbridge.testing.engines import free_port
+    from kvbridge.tools.engines import free_port
 
     port = free_port()
     p1 = LocalAgent("prefill", extra={**FAST, "side_channel_port": port})

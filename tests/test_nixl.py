@@ -467,7 +467,7 @@ def test_transfer_bench_ahead_posts_requests_built_ahead(monkeypatch: pytest.Mon
     ahead, and kvbridge's timed transfers were the prepared requests."""
     if not HAVE_NIXL:
         pytest.skip("the nixl package is not installed")
-    from kvbridge import bench
+    from kvbridge.tools.bench import transfer as bench
     from kvbridge_nixl.transport import NixlTransport
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -14,7 +14,7 @@ import zmq
 from kvbridge.errors import AuthError, MessageError, PipeClosed
 from kvbridge.messages import Cancel, Codec, PipeFrame
 from kvbridge.pipe import PipeReceiver, PipeSender, memory_pipe
-from kvbridge.testing.engines import free_port
+from kvbridge.tools.engines import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -38,8 +38,8 @@ from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer, ProxySettings
 from kvbridge.proxy.routing import ProxyMode
-from kvbridge.testing import prom
 from kvbridge.testing.clients import engine_codec
+from kvbridge.tools import prom
 
 P = "kvbridge_proxy_"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

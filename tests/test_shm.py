@@ -432,7 +432,7 @@ def test_re_adding_fetches_the_current_registration() -> None:
 @pytest.mark.timeout(120)
 def test_raw_session_is_cma_alone_and_verifies() -> None:
     """The raw column of ``kvbridge bench transfer --backend shm``."""
-    from kvbridge.transports.shm import raw_session
+    from kvbridge.tools.bench.shm_raw import raw_session
 
     with raw_session(1 << 20, seed=9) as session:
         for op in ("read", "write"):

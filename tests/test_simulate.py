@@ -1,4 +1,4 @@
-"""The fleet model (kvbridge.simulate): invariants, monotonic behaviour, the seeds' numbers,
+"""The fleet model (kvbridge.tools.simulate): invariants, monotonic behaviour, the seeds' numbers,
 sizing against sweeps, and hostile profile / trace input. No engines; a few seconds in all."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.simulate.events import SimulationError
-from kvbridge.simulate.fleet import simulate
-from kvbridge.simulate.metrics import check_invariants, summarize
-from kvbridge.simulate.profile import (
+from kvbridge.tools.simulate.events import SimulationError
+from kvbridge.tools.simulate.fleet import simulate
+from kvbridge.tools.simulate.metrics import check_invariants, summarize
+from kvbridge.tools.simulate.profile import (
     PROFILE_KIND,
     Profile,
     load_profile,
@@ -22,8 +22,8 @@ from kvbridge.simulate.profile import (
     parse_profile,
     profile_to_dict,
 )
-from kvbridge.simulate.sizing import Fleetspec, Slo, meets, run_one, size_fleet, sweep
-from kvbridge.simulate.workload import Lengths, RequestSpec, Workload, generate, load_trace
+from kvbridge.tools.simulate.sizing import Fleetspec, Slo, meets, run_one, size_fleet, sweep
+from kvbridge.tools.simulate.workload import Lengths, RequestSpec, Workload, generate, load_trace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -331,7 +331,7 @@ def test_length_ranges() -> None:
 
 
 def test_derive_recovers_known_costs(host: Profile) -> None:
-    from kvbridge.simulate.calibrate import Measurements, derive
+    from kvbridge.tools.simulate.calibrate import Measurements, derive
 
     m = Measurements(loadavg=["0.5 0.5 0.5", "1.0 0.8 0.6"], max_batched_tokens=2048)
     m.prefill = {n: [0.004 + 2e-5 * n] * 3 for n in (32, 128, 256, 512, 896)}

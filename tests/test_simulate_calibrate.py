@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import cli
-from kvbridge.simulate.profile import load_profile
-from kvbridge.simulate.sizing import Fleetspec, run_one
-from kvbridge.simulate.workload import Lengths, Workload
+from kvbridge.tools import cli
+from kvbridge.tools.simulate.profile import load_profile
+from kvbridge.tools.simulate.sizing import Fleetspec, run_one
+from kvbridge.tools.simulate.workload import Lengths, Workload
 
 
 @pytest.mark.vllm
@@ -26,7 +26,7 @@ def test_calibrate_writes_a_profile_that_simulates(tmp_path: Path,
     """shm backend, 2 repetitions, the front ends' CPU measured in push mode only (three real
     ``vllm bench serve`` runs): about 3 minutes on an idle 2-core host (engines ~45 s, each
     load generator ~10 s of start-up)."""
-    from kvbridge.testing import engines
+    from kvbridge.tools import engines
 
     out = tmp_path / "host.json"
     argv = ["simulate", "calibrate", "--backend", "shm", "--reps", "2", "--out", str(out),

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import cli
-from kvbridge.simulate.profile import load_profile, profile_to_dict
-from kvbridge.simulate.validate import load_results, validate, within
+from kvbridge.tools import cli
+from kvbridge.tools.simulate.profile import load_profile, profile_to_dict
+from kvbridge.tools.simulate.validate import load_results, validate, within
 
 pytestmark = pytest.mark.timeout(180)
 

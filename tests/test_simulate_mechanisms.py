@@ -1,6 +1,6 @@
-"""The simulator's load mechanisms: shared cores (kvbridge.simulate.cpu), the proxy's in-flight
-limits, ``vllm bench serve``'s finite runs and arrivals, the fit to vLLM PR #35264's rows, and the
-front-end CPU fit of calibrate. No engines; about ten seconds."""
+"""The simulator's load mechanisms: shared cores (kvbridge.tools.simulate.cpu), the proxy's
+in-flight limits, ``vllm bench serve``'s finite runs and arrivals, the fit to vLLM PR #35264's
+rows, and the front-end CPU fit of calibrate. No engines; about ten seconds."""
 
 from __future__ import annotations
 
@@ -14,26 +14,26 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.simulate.calibrate_cpu import CpuMeasurements, CpuRun, derive_cpu, fit_cpu
-from kvbridge.simulate.cpu import max_min_shares
-from kvbridge.simulate.events import SimulationError
-from kvbridge.simulate.fleet import simulate
-from kvbridge.simulate.metrics import check_invariants, summarize, ttft_s
-from kvbridge.simulate.profile import (
+from kvbridge.tools.simulate.calibrate_cpu import CpuMeasurements, CpuRun, derive_cpu, fit_cpu
+from kvbridge.tools.simulate.cpu import max_min_shares
+from kvbridge.tools.simulate.events import SimulationError
+from kvbridge.tools.simulate.fleet import simulate
+from kvbridge.tools.simulate.metrics import check_invariants, summarize, ttft_s
+from kvbridge.tools.simulate.profile import (
     CpuCost,
     Profile,
     load_profile,
     parse_profile,
     profile_to_dict,
 )
-from kvbridge.simulate.published import (
+from kvbridge.tools.simulate.published import (
     PR35264_ROWS,
     fit_in_flight,
     num_prompts_from,
     simulate_row,
 )
-from kvbridge.simulate.sizing import Fleetspec, run_one
-from kvbridge.simulate.workload import Lengths, Workload, generate, vllm_arrivals
+from kvbridge.tools.simulate.sizing import Fleetspec, run_one
+from kvbridge.tools.simulate.workload import Lengths, Workload, generate, vllm_arrivals
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,12 +26,12 @@ import pytest
 from kvbridge import registry
 from kvbridge.errors import BackendUnavailable, ConfigError
 from kvbridge.offload.tier import Tier, TierContext, TierError
-from kvbridge.testing.mooncake_master import (  # noqa: F401 - the fixture
+from kvbridge.testing.tiers import CHUNK, TierConformance, chunk_of
+from kvbridge.tools.mooncake_master import (  # noqa: F401 - the fixture
     MooncakeMaster,
     free_port,
     mooncake_master,
 )
-from kvbridge.testing.tiers import CHUNK, TierConformance, chunk_of
 
 pytestmark = [
     pytest.mark.mooncake,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.tiny_model import (
+from kvbridge.tools.tiny_model import (
     NUM_SPECIAL_TOKENS,
     STAMP_NAME,
     VOCAB_SIZE,

@@ -166,7 +166,7 @@ def test_kvbridge_stats_works_with_no_secret_configured(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
     env["KVBRIDGE_SECRET_FILE"] = str(path)
     try:
-        out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "stats", a.address],
+        out = subprocess.run([sys.executable, "-m", "kvbridge.tools.cli", "stats", a.address],
                              capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         assert "stats-me" in out.stdout

@@ -20,7 +20,7 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import KVBridgeError
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -29,8 +29,8 @@ from kvbridge.testing.engines import (
     reset_prefix_cache,
     wait_stats,
 )
-from kvbridge.testing.proxies import ProxyThread, serve_pd
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread, serve_pd
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(900)]
 

@@ -27,7 +27,7 @@ from kvbridge.config import TransferMode
 from kvbridge.hugepages import thp_mode
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     EngineError,
     VllmServer,
     complete,
@@ -35,8 +35,8 @@ from kvbridge.testing.engines import (
     probe,
     start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 from kvbridge.transports import _rangecopy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

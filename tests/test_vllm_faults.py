@@ -27,7 +27,7 @@ from kvbridge.messages import (
 )
 from kvbridge.params import push_decode_request
 from kvbridge.testing.clients import engine_client
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     EngineError,
     VllmServer,
     complete,
@@ -36,8 +36,8 @@ from kvbridge.testing.engines import (
     probe,
     start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

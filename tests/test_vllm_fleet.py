@@ -35,9 +35,9 @@ import pytest
 from kvbridge.messages import StatsQuery, StatsReply, TransferQuery, TransferReply
 from kvbridge.params import push_decode_request
 from kvbridge.placement import fleet_cores
-from kvbridge.testing import prom
 from kvbridge.testing.clients import engine_client
-from kvbridge.testing.engines import (
+from kvbridge.tools import prom
+from kvbridge.tools.engines import (
     EngineError,
     VllmServer,
     complete,
@@ -48,8 +48,8 @@ from kvbridge.testing.engines import (
     start_servers,
     stream_complete,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 

@@ -26,8 +26,8 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.placement import fleet_cores
-from kvbridge.testing import prom
-from kvbridge.testing.engines import (
+from kvbridge.tools import prom
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -35,8 +35,8 @@ from kvbridge.testing.engines import (
     probe,
     start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(900)]
 

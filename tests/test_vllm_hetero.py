@@ -27,7 +27,7 @@ import pytest
 from kvbridge import registry
 from kvbridge.scheduling.mapping import sources
 from kvbridge.testing.clients import engine_client
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -35,8 +35,8 @@ from kvbridge.testing.engines import (
     probe,
     start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

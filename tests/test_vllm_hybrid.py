@@ -1,6 +1,6 @@
 """Hybrid models on real vLLM engines: sliding-window and full-attention KV-cache groups.
 
-The model is :func:`~kvbridge.testing.tiny_model.build_tiny_hybrid_model` (Gemma 3 text, layers
+The model is :func:`~kvbridge.tools.tiny_model.build_tiny_hybrid_model` (Gemma 3 text, layers
 sliding / sliding / full, window 48 tokens, blocks of 32): vLLM's hybrid KV-cache manager gives it
 three KV-cache groups, and every prompt here is longer than the window, so the sliding-window
 groups really drop blocks. D runs :class:`~kvbridge.testing.null_poison.KVBridgeNullPoisonConnector`
@@ -32,7 +32,7 @@ from kvbridge.config import TransferMode
 from kvbridge.errors import ConfigError
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     EngineError,
     VllmServer,
     complete,
@@ -40,8 +40,8 @@ from kvbridge.testing.engines import (
     probe,
     start_servers,
 )
-from kvbridge.testing.proxies import ProxyThread
-from kvbridge.testing.tiny_model import HYBRID_WINDOW, build_tiny_hybrid_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.tiny_model import HYBRID_WINDOW, build_tiny_hybrid_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing import prom
-from kvbridge.testing.engines import (
+from kvbridge.tools import prom
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
     free_port,
     output_token_ids,
 )
-from kvbridge.testing.proxies import ProxyThread, serve_pd
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread, serve_pd
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -24,7 +24,7 @@ from kvbridge.testing.engines import (
     reset_prefix_cache,
     wait_stats,
 )
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

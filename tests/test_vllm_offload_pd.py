@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -22,8 +22,8 @@ from kvbridge.testing.engines import (
     reset_prefix_cache,
     wait_stats,
 )
-from kvbridge.testing.proxies import ProxyThread, serve_pd
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.proxies import ProxyThread, serve_pd
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

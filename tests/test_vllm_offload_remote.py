@@ -14,7 +14,7 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import KVBridgeError
-from kvbridge.testing.engines import (
+from kvbridge.tools.engines import (
     VllmServer,
     complete,
     engine_stats,
@@ -24,8 +24,8 @@ from kvbridge.testing.engines import (
     start_servers,
     wait_stats,
 )
-from kvbridge.testing.mooncake_master import MooncakeMaster, skip_reason
-from kvbridge.testing.tiny_model import build_tiny_model, random_prompts
+from kvbridge.tools.mooncake_master import MooncakeMaster, skip_reason
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
 from kvbridge.errors import ConfigError, TransferFailed
+from kvbridge.testing.rawbench import RawTarget, scattered_blocks, serve_buffer
 from kvbridge_mooncake._engine import create_engine, is_bad_batch_id
 
 __all__ = ["RawSession", "raw_bench", "MAX_BATCH", "WINDOW"]

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.bench_raw import RawTarget, scattered_blocks, serve_buffer
 from kvbridge.errors import ConfigError, TransferFailed
+from kvbridge.testing.rawbench import RawTarget, scattered_blocks, serve_buffer
 from kvbridge_nixl._agent import NixlOptions, create_agent
 
 __all__ = ["RawSession", "RawResponder", "raw_bench", "block_cost"]

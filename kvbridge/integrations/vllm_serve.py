@@ -7,8 +7,8 @@ vLLM's own platform probe does) and hands every argument to vLLM's own CLI main,
 Nothing else is altered; vLLM itself is imported only when the CLI runs.
 
 :func:`parse_serve_args` parses a ``vllm serve`` command line with vLLM's own ``serve`` parser,
-without starting anything: the deployment checks (:mod:`kvbridge.testing.k8s`) use it so that
-every flag of a manifest's engine command is one this vLLM knows.
+without starting anything: the deployment checks (:mod:`kvbridge.tools.deploycheck.k8s`) use it
+so that every flag of a manifest's engine command is one this vLLM knows.
 """
 
 from __future__ import annotations

@@ -1270,4 +1270,4 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     return main(parser.parse_args(argv))
 
 
-cli_main = main  # the name kvbridge.cli's lazy subcommands look for
+cli_main = main  # the name kvbridge.tools.cli's lazy subcommands look for

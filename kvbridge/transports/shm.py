@@ -173,7 +173,6 @@ __all__ = [
     "MAX_REGIONS",
     "decode_metadata",
     "split_iovecs",
-    "raw_session",
 ]
 
 log = logging.getLogger("kvbridge.transport.shm")
@@ -1549,11 +1548,3 @@ _NO_MOVES: IovArray = np.zeros((0, 3), dtype=np.uint64)
 def _close_fd(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
-
-
-def raw_session(total_bytes: int, seed: int = 0) -> Any:
-    """Cross-memory attach alone (:class:`kvbridge.transports._shm_bench.RawSession`), for the
-    raw column of ``kvbridge bench transfer --backend shm``."""
-    from kvbridge.transports._shm_bench import RawSession
-
-    return RawSession(total_bytes, seed)

@@ -1,0 +1,1 @@
+"""Benchmarks that compare side by side in one run (``kvbridge bench …``)."""

@@ -1,0 +1,713 @@
+"""Real ``vllm serve`` engines for tests, benchmarks and the demo, and a small OpenAI client.
+
+:class:`VllmServer` runs one ``vllm serve`` (through :mod:`kvbridge.integrations.vllm_serve`)
+in its own session and process group, with the settings that work on small CPU hosts
+(``--enforce-eager --dtype float32 --max-model-len 1024 --max-num-seqs 8
+--kv-cache-memory-bytes 268435456 --host 127.0.0.1``), its output going to a log file.
+
+- :meth:`VllmServer.start` returns at once; :meth:`VllmServer.wait_ready` polls ``/health``
+  over HTTP (no subprocesses) and raises :class:`EngineError` with the tail of the log when the
+  engine dies or does not become ready in time.
+- :meth:`VllmServer.stop` ends the whole process group (SIGTERM to the leader, then SIGKILL to
+  the group after a grace period) and reaps the leader. It is idempotent, safe to call from
+  ``finally`` blocks and from a KeyboardInterrupt, and every started server is also stopped at
+  interpreter exit (atexit).
+- :func:`start_servers` starts several engines concurrently and waits for all of them; if one
+  fails, all are stopped.
+
+The client helpers (:func:`complete`, :func:`stream_complete`) use only the standard library,
+so this module imports without vLLM or any HTTP package. Every network call has a timeout.
+
+Thread safety: a :class:`VllmServer` is meant to be driven from one thread; ``stop`` is guarded
+by a lock so an atexit call racing a ``finally`` is harmless. The client helpers are
+thread-safe (one connection per call).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvbridge.errors import KVBridgeError
+
+__all__ = [
+    "EngineError",
+    "BASE_ARGS",
+    "GUARD_MIDDLEWARE",
+    "free_port",
+    "VllmServer",
+    "start_servers",
+    "stop_all",
+    "complete",
+    "stream_complete",
+    "StreamResult",
+    "output_token_ids",
+    "output_text",
+    "probe",
+]
+
+log = logging.getLogger("kvbridge.tools.engines")
+
+BASE_ARGS: tuple[str, ...] = (
+    "--enforce-eager",
+    "--dtype", "float32",
+    "--max-model-len", "1024",
+    "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", "268435456",
+    "--host", "127.0.0.1",
+)  # fmt: skip
+"""Arguments every engine gets (later ``extra_args`` may override them: vLLM keeps the last)."""
+
+GUARD_MIDDLEWARE = "kvbridge.integrations.vllm_http.KVTransferParamsGuard"
+"""The ``--middleware`` that answers malformed ``kv_transfer_params`` with HTTP 400."""
+
+_DEFAULT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class EngineError(KVBridgeError):
+    """A vLLM engine did not start, died, or answered a request with an error (``status``: the
+    HTTP status when it answered, ``body``: the start of its answer)."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``), Linux's default elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago, for a server started later.
+
+    Picked below the kernel's ephemeral range where that leaves room (from 10000 up), so that
+    no outgoing connection is handed it in the meantime: a port from the ephemeral range (bind
+    port 0) was taken by some client between the pick and an engine's bind often enough to
+    fail a fleet test ("Address already in use"). Random, so that concurrent callers rarely
+    collide; falls back to an ephemeral port when nothing below is free.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    tries = 64 if low > 11000 else 0
+    for _ in range(tries):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        picked: int = s.getsockname()[1]
+        return picked
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"<cannot read log {path}: {e}>"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a pid reused by someone else
+        return True
+    return True
+
+
+_LIVE: set[VllmServer] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped yet (the atexit hook)."""
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+atexit.register(stop_all)
+
+
+class VllmServer:
+    """One ``vllm serve`` process group serving *model* as *served_model_name*.
+
+    Construction does nothing; :meth:`start` launches. ``port=0`` picks a free port at start.
+    ``kv_transfer_config`` is passed as ``--kv-transfer-config`` JSON; ``cpu_bind`` sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"`` for core 0); ``env`` adds or overrides
+    environment variables; ``extra_args`` are appended after :data:`BASE_ARGS`. Output goes to
+    ``log_path`` (default: a new temporary file, kept after stop so it can be read).
+    ``stop_grace`` is how long :meth:`stop` waits after SIGTERM before SIGKILL.
+    With ``guard`` (the default) an engine that has a ``kv_transfer_config`` also gets
+    ``--middleware kvbridge.integrations.vllm_http.KVTransferParamsGuard``
+    (:data:`GUARD_MIDDLEWARE`), so malformed ``kv_transfer_params`` are answered with HTTP 400.
+    ``pin_cpus`` restricts the whole process tree (API server, engine core, workers, every
+    thread; not only vLLM's OpenMP threads) to the ``cpu_bind`` cores, so two engines on one
+    small host do not run on each other's cores. ``cwd`` is the working directory of the
+    process (``python -m`` imports from it first: a checkout there is the code that runs).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        served_model_name: str = "tiny",
+        port: int = 0,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        cpu_bind: str | None = None,
+        env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        python: str = sys.executable,
+        name: str | None = None,
+        stop_grace: float = 8.0,
+        guard: bool = True,
+        pin_cpus: bool = False,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.cwd = cwd
+        self.served_model_name = served_model_name
+        self.port = port
+        self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config else None
+        self.cpu_bind = cpu_bind
+        self.env = dict(env or {})
+        self.extra_args = list(extra_args)
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
+        self.python = python
+        self.name = name or served_model_name
+        self.stop_grace = stop_grace
+        self.guard = guard
+        self.pin_cpus = pin_cpus
+        if pin_cpus:
+            self.cpus()  # refuse a cpu_bind that cannot be pinned before anything starts
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self._log_file: IO[bytes] | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8100`` (valid after :meth:`start`)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the ``vllm serve`` leader, which is also its process-group id."""
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
+        cmd = [
+            self.python, "-m", "kvbridge.integrations.vllm_serve", "serve", self.model,
+            "--served-model-name", self.served_model_name,
+            "--port", str(self.port),
+            *BASE_ARGS,
+        ]  # fmt: skip
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+            if self.guard:
+                cmd += ["--middleware", GUARD_MIDDLEWARE]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """The environment :meth:`start` gives the process."""
+        env = dict(os.environ)
+        env.update(_DEFAULT_ENV)
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.env)
+        return env
+
+    def cpus(self) -> set[int]:
+        """The cores of ``cpu_bind`` (``"0"``, ``"0-3"``, ``"0,2"``); EngineError for anything
+        else (one rank's list only: ``|`` separates tensor-parallel ranks)."""
+        cores: set[int] = set()
+        try:
+            for part in (self.cpu_bind or "").split(","):
+                lo, _, hi = part.strip().partition("-")
+                cores.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            cores = set()
+        if not cores:
+            raise EngineError(f"engine {self.name!r}: cannot pin to cpu_bind {self.cpu_bind!r}")
+        return cores
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> VllmServer:
+        """Launch the process group and return at once. Raises EngineError if already started."""
+        if self.proc is not None:
+            raise EngineError(f"engine {self.name!r} was already started (pid {self.pid})")
+        if self.port == 0:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        cmd = self.command()
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            cwd=self.cwd,
+            start_new_session=True,
+        )
+        if self.pin_cpus:
+            # the leader is still importing: every process and thread it starts inherits this
+            os.sched_setaffinity(self.proc.pid, self.cpus())
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        log.info(
+            "started engine %s (pid %d) on port %d, log %s",
+            self.name, self.proc.pid, self.port, self.log_path,
+        )  # fmt: skip
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last *lines* lines of the engine's log."""
+        return _tail(self.log_path, lines) if self.log_path is not None else ""
+
+    def check_ready(self, probe_timeout: float = 2.0) -> bool:
+        """One non-blocking-ish probe: True when ``/health`` answers 200.
+
+        Raises EngineError (with the log tail) if the process has exited.
+        """
+        if self.proc is None:
+            raise EngineError(f"engine {self.name!r} was never started")
+        if self.ready_at is not None:
+            return True
+        rc = self.proc.poll()
+        if rc is not None:
+            raise EngineError(
+                f"engine {self.name!r} exited with code {rc} before it was ready; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=probe_timeout) as r:
+                ok = bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            ok = False
+        if ok:
+            self.ready_at = time.monotonic()
+            log.info(
+                "engine %s ready after %.1f s", self.name, self.ready_at - (self.started_at or 0)
+            )
+        return ok
+
+    def wait_ready(self, timeout: float = 300.0, interval: float = 1.0) -> VllmServer:
+        """Block until ``/health`` answers 200. Raises EngineError on death or after *timeout* s."""
+        deadline = time.monotonic() + timeout
+        while not self.check_ready():
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"engine {self.name!r} not ready after {timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(interval)
+        return self
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """Terminate the whole process group; return the leader's exit code (None if never run).
+
+        SIGTERM to the leader (which stops its own children), up to *grace* seconds (default
+        ``stop_grace``) for the whole group to exit, then SIGKILL to the group. Blocks until the
+        group is gone (at most ``grace + 6`` s). Idempotent.
+        """
+        if grace is None:
+            grace = self.stop_grace
+        with self._stop_lock:
+            proc = self.proc
+            if proc is None:
+                return None
+            if self._stopped:
+                return proc.returncode
+            pgid = proc.pid
+            try:
+                # SIGTERM to the leader only: vLLM's API server then shuts its EngineCore and
+                # workers down in order (a group-wide SIGTERM makes them die first, and the
+                # server logs a spurious EngineDeadError). Whatever is left gets SIGKILL.
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pgid, signal.SIGTERM)
+                else:  # the leader is gone already: tell its orphans directly
+                    self._signal_group(pgid, signal.SIGTERM)
+                if not self._wait_group(proc, pgid, grace):
+                    log.warning("engine %s did not exit in %.0f s; SIGKILL", self.name, grace)
+                    self._signal_group(pgid, signal.SIGKILL)
+                    if not self._wait_group(proc, pgid, 5.0):
+                        log.error("engine %s process group %d survived SIGKILL", self.name, pgid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1.0)
+            finally:
+                self._stopped = True
+                if self._log_file is not None:
+                    self._log_file.close()
+                    self._log_file = None
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+            log.info("stopped engine %s (pid %d, rc %s)", self.name, pgid, proc.returncode)
+            return proc.returncode
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+
+    @staticmethod
+    def _wait_group(proc: subprocess.Popen[bytes], pgid: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            proc.poll()  # reap the leader, or it stays in the group as a zombie
+            if not _group_alive(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def __enter__(self) -> VllmServer:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.name!r}, port={self.port}, pid={self.pid})"
+
+
+def start_servers(
+    servers: Iterable[VllmServer],
+    timeout: float = 300.0,
+    *,
+    interval: float = 1.0,
+    progress: Callable[[float, list[bool]], None] | None = None,
+    progress_every: float = 5.0,
+) -> list[VllmServer]:
+    """Start *servers* concurrently and wait until all are ready.
+
+    *progress*, if given, is called about every *progress_every* seconds with the elapsed time
+    and each server's readiness. On any failure (an engine died, the timeout passed, or
+    KeyboardInterrupt) every server in the list is stopped and the error propagates.
+    """
+    group = list(servers)
+    t0 = time.monotonic()
+    try:
+        for s in group:
+            if s.proc is None:
+                s.start()
+        next_report = t0 + progress_every
+        while True:
+            ready = [s.check_ready() for s in group]
+            now = time.monotonic()
+            if all(ready):
+                if progress is not None:
+                    progress(now - t0, ready)
+                return group
+            if now - t0 >= timeout:
+                late = [s for s, r in zip(group, ready, strict=True) if not r]
+                raise EngineError(
+                    f"engines not ready after {timeout:.0f} s: "
+                    + "; ".join(f"{s.name} (log {s.log_path}):\n{s.log_tail(20)}" for s in late)
+                )
+            if progress is not None and now >= next_report:
+                progress(now - t0, ready)
+                next_report = now + progress_every
+            time.sleep(interval)
+    except BaseException:
+        for s in group:
+            with contextlib.suppress(Exception):
+                s.stop()
+        raise
+
+
+# -- OpenAI client helpers -----------------------------------------------------------------
+
+
+def _request_body(
+    prompt: Sequence[int] | str,
+    max_tokens: int,
+    model: str,
+    kv_transfer_params: Mapping[str, Any] | None,
+    stream: bool,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    if extra:
+        body.update(extra)
+    return body
+
+
+def _post(
+    url: str, body: Mapping[str, Any], timeout: float, headers: Mapping[str, str] | None
+) -> Any:
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers=hdrs,
+        method="POST",
+    )
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:2000].decode("utf-8", "replace")
+        raise EngineError(f"POST {req.full_url} -> HTTP {e.code}: {detail}", e.code,
+                          detail) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"POST {req.full_url} failed: {e}") from e
+
+
+def complete(
+    url: str,
+    prompt_token_ids: Sequence[int] | str,
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    stream: bool = False,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    model: str = "tiny",
+    timeout: float = 120.0,
+    headers: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """POST a greedy ``/v1/completions`` request to *url* and return the response JSON.
+
+    The request asks for ``return_token_ids`` so the output token ids come back in
+    ``choices[0].token_ids`` (read them with :func:`output_token_ids`). *extra* is merged into
+    the body last (e.g. ``{"ignore_eos": True}``). With ``stream=True`` the stream is consumed
+    and folded into one response-shaped dict, plus a ``"timing"`` entry (see
+    :class:`StreamResult`). Blocking; raises EngineError on HTTP or network errors.
+    """
+    if stream:
+        return stream_complete(
+            url, prompt_token_ids, max_tokens, kv_transfer_params, extra,
+            model=model, timeout=timeout, headers=headers,
+        ).as_response()  # fmt: skip
+    body = _request_body(prompt_token_ids, max_tokens, model, kv_transfer_params, False, extra)
+    with _post(url, body, timeout, headers) as r:
+        data = json.loads(r.read())
+    if not isinstance(data, dict):
+        raise EngineError(f"unexpected response from {url}: {data!r:.200}")
+    return data
+
+
+@dataclass
+class StreamResult:
+    """What a streamed completion produced, with client-side timings (seconds)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ttft: float | None = None
+    """Time from sending the request to the first chunk carrying output."""
+    token_times: list[float] = field(default_factory=list)
+    """Arrival time of each output token, relative to sending (tokens of one chunk share it)."""
+    total: float = 0.0
+    chunks: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first, or None with fewer than 2 tokens."""
+        if self.ttft is None or len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    def as_response(self) -> dict[str, Any]:
+        """The result in the shape of a non-streamed response, with a ``timing`` entry."""
+        return {
+            "choices": [
+                {"text": self.text, "token_ids": self.token_ids,
+                 "finish_reason": self.finish_reason, "index": 0}
+            ],
+            "kv_transfer_params": self.kv_transfer_params,
+            "timing": {"ttft": self.ttft, "tpot": self.tpot, "total": self.total,
+                       "token_times": self.token_times},
+        }  # fmt: skip
+
+
+def stream_complete(
+    url: str,
+    prompt_token_ids: Sequence[int] | str,
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    model: str = "tiny",
+    timeout: float = 120.0,
+    headers: Mapping[str, str] | None = None,
+) -> StreamResult:
+    """Stream a greedy completion and record time to first token and per-token arrival times.
+
+    *timeout* bounds each socket read (a stalled stream raises EngineError) and, overall, the
+    whole request. Blocking; raises EngineError on HTTP, network or protocol errors.
+    """
+    body = _request_body(prompt_token_ids, max_tokens, model, kv_transfer_params, True, extra)
+    res = StreamResult()
+    t0 = time.perf_counter()
+    try:
+        with _post(url, body, timeout, headers) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    # Keep reading to the end of the body: closing now would cut the server
+                    # off before its last chunk terminator (a reset on its side).
+                    continue
+                now = time.perf_counter() - t0
+                if now > timeout:
+                    raise EngineError(f"stream from {url} exceeded {timeout:.0f} s")
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise EngineError(f"stream from {url} reported an error: {chunk['error']}")
+                res.chunks += 1
+                if chunk.get("kv_transfer_params") is not None:
+                    res.kv_transfer_params = chunk["kv_transfer_params"]
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids") or []
+                    text = choice.get("text") or ""
+                    if (ids or text) and res.ttft is None:
+                        res.ttft = now
+                    res.token_ids.extend(int(i) for i in ids)
+                    res.token_times.extend([now] * len(ids))
+                    res.text += text
+                    if choice.get("finish_reason") is not None:
+                        res.finish_reason = choice["finish_reason"]
+    except (OSError, ValueError) as e:  # socket timeouts, resets, bad JSON
+        raise EngineError(f"stream from {url} failed: {e}") from e
+    res.total = time.perf_counter() - t0
+    return res
+
+
+def output_token_ids(response: Mapping[str, Any]) -> list[int] | None:
+    """``choices[0].token_ids`` of a completion response, or None if the server omitted them."""
+    choices = response.get("choices") or []
+    if not choices:
+        return None
+    ids = choices[0].get("token_ids")
+    return [int(i) for i in ids] if ids is not None else None
+
+
+def output_text(response: Mapping[str, Any]) -> str:
+    """``choices[0].text`` of a completion response ("" if absent)."""
+    choices = response.get("choices") or []
+    return str(choices[0].get("text") or "") if choices else ""
+
+
+def probe(url: str, timeout: float = 30.0) -> Any:
+    """The :class:`kvbridge.params.TransferParams` a KVBridgeConnector engine answers to a probe
+    (its control addresses): ``params.push_decode_request(probe(p_url), tid)`` is a push D leg."""
+    from kvbridge import params
+
+    answer = complete(url, [1], 1, params.probe_request(), timeout=timeout)
+    return params.parse(answer.get("kv_transfer_params"))
+
+
+def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
+    """``POST /reset_prefix_cache`` (vLLM serves it when ``VLLM_SERVER_DEV_MODE=1``): the next
+    request finds nothing in vLLM's own prefix cache, so any reuse comes from a connector."""
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"",
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"POST {req.full_url} -> HTTP {e.code} (is VLLM_SERVER_DEV_MODE=1 "
+                          "set?)", e.code) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"POST {req.full_url} failed: {e}") from e
+
+
+def stats_reply(address: str, timeout: float = 30.0) -> Any:
+    """The :class:`~kvbridge.messages.StatsReply` (counters, timings) of the KVBridgeConnector
+    rank whose control channel is ``address``, asked with the secret local engines use
+    (``KVBRIDGE_SECRET``, else the per-user secret: :func:`kvbridge.trust.for_tools`)."""
+    from kvbridge.messages import StatsQuery, StatsReply
+    from kvbridge.testing.clients import engine_client
+
+    client = engine_client(timeout)
+    try:
+        reply = client.request(address, StatsQuery())
+    finally:
+        client.close()
+    if not isinstance(reply, StatsReply):
+        raise EngineError(f"stats from {address}: unexpected reply {type(reply).__name__}")
+    return reply
+
+
+def engine_stats(address: str, timeout: float = 30.0) -> dict[str, int]:
+    """The counters of the KVBridgeConnector rank whose control channel is ``address``."""
+    return dict(stats_reply(address, timeout).stats)
+
+
+def wait_stats(address: str, key: str, at_least: int, timeout: float = 30.0) -> dict[str, int]:
+    """:func:`engine_stats` once counter ``key`` reached ``at_least`` (or ``timeout`` passed):
+    for counters moved by background work, such as offload stores written behind."""
+    deadline = time.monotonic() + timeout
+    stats = engine_stats(address)
+    while stats.get(key, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = engine_stats(address)
+    return stats

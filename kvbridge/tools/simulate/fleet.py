@@ -1,0 +1,332 @@
+"""A P/D fleet behind the kvbridge proxy: routing, and what each hand-off mode does where.
+
+Routing is the proxy's own code (:mod:`kvbridge.proxy.routing`): the same :class:`Pool` picks
+(least requests in flight, round-robin ties) and :func:`decide` (auto pushes while the
+least-loaded D has fewer than ``push_headroom`` requests in flight, else pulls). In-flight counts
+move when the real proxy moves them: a P leg from dispatch to P's answer, a D leg from dispatch
+to the end of its stream.
+
+Per request (times from the :class:`~kvbridge.tools.simulate.profile.Profile`):
+
+pull
+    client → proxy → P (``client_s + request_s + per_prompt_token_s * prompt``); P prefills;
+    P's answer reaches the proxy (``answer_s``), which picks the least-loaded D *now* and sends
+    it the request (``request_s + per_prompt_token_s * prompt``). When D admits it, D allocates,
+    builds descriptors and posts the READ (``pull.setup_s + pull.per_desc_s * descriptors``):
+    on D's engine loop (``pull.on_d_loop``: the step, and every decoding request, waits) or on
+    its connector thread (FIFO). The READ then holds P's and D's NICs; when it lands D decodes
+    and P frees its blocks ``pull.done_s`` later.
+push
+    the proxy picks D first and sends both legs at once. D admits at once (allocation and
+    registration on its loop, ``push.register_s``) and the registration reaches P
+    ``push.register_latency_s`` later. When P's KV is ready *and* the registration is there,
+    P posts the WRITE (``push.setup_s + push.per_desc_s * descriptors``) from its background
+    thread (FIFO) or inline on its loop; the WRITE holds the NICs; D learns it landed
+    ``push.notify_s`` later; P frees its blocks when the WRITE is done.
+
+A transfer moves the whole prompt's KV (a prefix hit on P saves P's compute, not the hand-off).
+Descriptors per rank: ``layers * kv_planes * runs``, ``runs`` from the profile's fragmentation.
+
+The proxy admits at most ``proxy.<mode>_max_in_flight`` requests of a mode per D engine between
+its admission and the client's last token; later ones wait FIFO. With a ``cpu`` section the
+host's cores are shared (:mod:`kvbridge.tools.simulate.cpu`): engines pinned, every hop (client,
+proxy, API servers) and every streamed token costs CPU on its floating process, each engine's
+per-request work beyond its steps runs next to them, and TTFT/TPOT are taken when the client has
+parsed the token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvbridge.config import TransferMode
+from kvbridge.placement import fleet_cores
+from kvbridge.proxy.routing import Engine, Pool, Role, decide
+from kvbridge.tools.simulate.cpu import CpuPool, Task
+from kvbridge.tools.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
+from kvbridge.tools.simulate.events import EventLoop, Nic, Server, SimulationError, reserve
+from kvbridge.tools.simulate.profile import CpuCost, Profile
+from kvbridge.tools.simulate.workload import RequestSpec
+
+__all__ = ["MODES", "Fleet", "simulate"]
+
+MODES: tuple[str, ...] = ("pull", "push", "auto")
+
+
+class Fleet:
+    """``prefills`` P and ``decodes`` D engines serving in ``mode`` (pull | push | auto)."""
+
+    def __init__(self, profile: Profile, prefills: int, decodes: int, mode: str,
+                 prefix_hit: float = 0.0, fragmentation: float | None = None,
+                 push_headroom: int | None = None) -> None:
+        if prefills < 1 or decodes < 1:
+            raise SimulationError("a fleet needs at least one P and one D engine")
+        if not 0.0 <= prefix_hit < 1.0:
+            raise SimulationError(f"prefix_hit must be in [0, 1), got {prefix_hit!r}")
+        self.profile = profile
+        self.mode = TransferMode(mode)
+        self.prefix_hit = prefix_hit
+        self.fragmentation = profile.fragmentation if fragmentation is None else fragmentation
+        self.headroom = profile.proxy.push_headroom if push_headroom is None else push_headroom
+        self.loop = EventLoop()
+        shape = profile.model
+        self.prefills = [PrefillEngine(self.loop, i, profile.prefill, shape, self._kv_ready)
+                         for i in range(prefills)]
+        self.decodes = [DecodeEngine(self.loop, i, profile.decode, shape, self._d_admit,
+                                     self._d_loop_done, self._finished)
+                        for i in range(decodes)]
+        self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)])
+        self.dpool = Pool(Role.DECODE, [f"sim-d{i}:1" for i in range(decodes)])
+        self.p_threads = [Server() for _ in range(prefills)]
+        self.d_threads = [Server() for _ in range(decodes)]
+        self.p_nics = [Nic() for _ in range(prefills)]
+        self.d_nics = [Nic() for _ in range(decodes)]
+        self.requests: list[SimRequest] = []
+        px = profile.proxy
+        # per D engine: a fleet of n D engines admits n times as many (see ProxyCost)
+        self.limits = {"pull": px.pull_max_in_flight * decodes,
+                       "push": px.push_max_in_flight * decodes}
+        self.in_flight = {"pull": 0, "push": 0}
+        self.gate_queue: dict[str, deque[SimRequest]] = {"pull": deque(), "push": deque()}
+        self.cpu: CpuPool | None = None
+        self.tasks: dict[str, Task] = {}
+        if profile.cpu is not None:
+            self._share_cores(profile.cpu)
+
+    def _share_cores(self, c: CpuCost) -> None:
+        """Engines pinned as ``kvbridge bench serve --fleet`` pins them
+        (:func:`kvbridge.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
+        2P2D on two cores: every P on core 0, every D on core 1); the front ends float."""
+        self.cpu = CpuPool(self.loop, c.cores, c.background)
+        p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills), len(self.decodes))
+        pinned: list[tuple[str, PrefillEngine | DecodeEngine, int]] = [
+            *(("P", e, p_cores[i]) for i, e in enumerate(self.prefills)),
+            *(("D", e, d_cores[i]) for i, e in enumerate(self.decodes))]
+        for role, e, core in pinned:
+            e.cpu = self.cpu.task(f"{role}{e.index} engine", core=core, spin_s=c.engine_spin_s)
+            self.tasks[f"{role}{e.index} connector"] = self.cpu.task(
+                f"{role}{e.index} connector", core=core)
+        self.tasks |= {"client": self.cpu.task("client"), "proxy": self.cpu.task("proxy")}
+        for e in self.prefills:
+            self.tasks[f"P{e.index}"] = self.cpu.task(f"P{e.index} API server")
+        for d in self.decodes:
+            self.tasks[f"D{d.index}"] = self.cpu.task(f"D{d.index} API server")
+            d.on_token = self._token
+
+    def _hop(self, t: float, task: str, work: float, delay: float, fn: Hook,
+             r: SimRequest) -> None:
+        """``fn(r)`` after process ``task`` did ``work`` CPU seconds for ``r`` (when the host's
+        cores are modelled) and ``delay`` more seconds passed."""
+        if self.cpu is None:
+            self.loop.at(t + delay, fn, r)
+        else:
+            self.tasks[task].submit(t, work, self._later, delay, fn, r)
+
+    def _later(self, t: float, delay: float, fn: Hook, r: SimRequest) -> None:
+        self.loop.at(t + delay, fn, r)
+
+    # -- proxy ------------------------------------------------------------------------------
+
+    def run(self, specs: Sequence[RequestSpec]) -> list[SimRequest]:
+        """Serve ``specs`` to the end; the requests with their timestamps."""
+        for i, spec in enumerate(specs):
+            compute = max(1, round(spec.prompt_len * (1.0 - self.prefix_hit)))
+            r = SimRequest(i, spec, compute_len=min(compute, spec.prompt_len))
+            self.requests.append(r)
+            self.loop.at(spec.arrival, self._arrive, r)
+        self.loop.run()
+        return self.requests
+
+    def _leg_s(self, r: SimRequest) -> float:
+        px = self.profile.proxy
+        return px.request_s + px.per_prompt_token_s * r.spec.prompt_len
+
+    def _arrive(self, t: float, r: SimRequest) -> None:
+        """The client sends ``r``; it reaches the proxy ``client_s`` later."""
+        cpu = self.profile.cpu
+        self._hop(t, "client", cpu.client_request_s if cpu else 0.0,
+                  self.profile.proxy.client_s, self._at_proxy, r)
+
+    def _at_proxy(self, t: float, r: SimRequest) -> None:
+        decision = decide(self.mode, self.dpool, self.headroom)
+        r.mode, r.reason = decision.mode.value, decision.reason
+        limit = self.limits[r.mode]
+        if limit and self.in_flight[r.mode] >= limit:
+            self.gate_queue[r.mode].append(r)
+            return
+        self._admit(t, r)
+
+    def _admit(self, t: float, r: SimRequest) -> None:
+        """Past the in-flight limit: the proxy places the request and sends its legs."""
+        self.in_flight[r.mode] += 1
+        r.t_admitted = t
+        cpu = self.profile.cpu
+        work = cpu.proxy_request_s if cpu else 0.0
+        if r.mode == "push":
+            d = self.dpool.pick(t)
+            d.acquire()
+            r.d = self._index(self.dpool, d)
+            self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
+        else:
+            work /= 2  # the other half goes with the D leg, once P answered
+        p = self.ppool.pick(t)
+        p.acquire()
+        r.p = self._index(self.ppool, p)
+        self._hop(t, "proxy", 0.0 if r.mode == "push" else work, self._leg_s(r), self._p_api,
+                  r)
+
+    def _p_api(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        self._hop(t, f"P{r.p}", cpu.p_api_request_s if cpu else 0.0, 0.0, self._to_p, r)
+
+    def _d_api(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        self._hop(t, f"D{r.d}", cpu.d_api_request_s if cpu else 0.0, 0.0, self._to_d, r)
+
+    @staticmethod
+    def _index(pool: Pool, e: Engine) -> int:
+        return pool.engines.index(e)
+
+    def _to_p(self, t: float, r: SimRequest) -> None:
+        self.prefills[r.p].submit(r, t)
+
+    def _to_d(self, t: float, r: SimRequest) -> None:
+        self.decodes[r.d].submit(r, t)
+
+    def _kv_ready(self, t: float, r: SimRequest) -> None:
+        """P's prompt is computed (P's answer goes back to the proxy)."""
+        self.loop.at(t + self.profile.proxy.answer_s, self._p_answered, r)
+        if self.profile.cpu is not None:
+            self.tasks[f"P{r.p} connector"].submit(t, self.profile.cpu.p_engine_request_s,
+                                                   _nothing, r)
+        if r.mode == "push" and r.registered is not None:
+            self._post_write(t, r)
+
+    def _p_answered(self, t: float, r: SimRequest) -> None:
+        self.ppool.engines[r.p].release()
+        if r.mode == "pull":
+            d = self.dpool.pick(t)  # late placement: the least-loaded D now that P is done
+            d.acquire()
+            r.d = self._index(self.dpool, d)
+            cpu = self.profile.cpu
+            self._hop(t, "proxy", cpu.proxy_request_s / 2 if cpu else 0.0, self._leg_s(r),
+                      self._d_api, r)
+
+    # -- D side ------------------------------------------------------------------------------
+
+    def _d_admit(self, t: float, r: SimRequest) -> float:
+        """D admitted ``r``: the seconds of connector work this puts on D's loop."""
+        if self.profile.cpu is not None:
+            self.tasks[f"D{r.d} connector"].submit(t, self.profile.cpu.d_engine_request_s,
+                                                   _nothing, r)
+        shape = self.profile.model
+        r.ndesc = shape.descriptors(r.spec.prompt_len, self.fragmentation)
+        if r.mode == "push":
+            return self.profile.push.register_s
+        pull = self.profile.pull
+        setup = pull.setup_s + pull.per_desc_s * r.ndesc
+        if pull.on_d_loop:
+            return setup
+        done = self.d_threads[r.d].run(t, setup)
+        self.loop.at(done, self._post_read, r)
+        return 0.0
+
+    def _d_loop_done(self, t: float, r: SimRequest) -> None:
+        if r.mode == "push":
+            self.loop.at(t + self.profile.push.register_latency_s, self._registered, r)
+        elif self.profile.pull.on_d_loop:
+            self._post_read(t, r)
+
+    def _post_read(self, t: float, r: SimRequest) -> None:
+        r.t_posted = t
+        link, shape = self.profile.link, self.profile.model
+        service = link.service("read", shape.rank_bytes(r.spec.prompt_len), r.ndesc)
+        done = reserve(self.p_nics[r.p], self.d_nics[r.d], t, service, link.latency_s)
+        self.loop.at(done, self._read_done, r)
+
+    def _read_done(self, t: float, r: SimRequest) -> None:
+        self.decodes[r.d].kv_landed(r, t)
+        self.loop.at(t + self.profile.pull.done_s, self._p_free, r)
+
+    # -- P side (push) -------------------------------------------------------------------------
+
+    def _registered(self, t: float, r: SimRequest) -> None:
+        r.registered = t
+        if r.t_kv_ready is not None:  # P finished before D registered: push on arrival
+            self._post_write(t, r)
+
+    def _post_write(self, t: float, r: SimRequest) -> None:
+        push = self.profile.push
+        cost = push.setup_s + push.per_desc_s * r.ndesc
+        if push.post_on_p_thread:
+            self.loop.at(self.p_threads[r.p].run(t, cost), self._write, r)
+        else:
+            self.prefills[r.p].on_loop(cost, self._write, r, t)
+
+    def _write(self, t: float, r: SimRequest) -> None:
+        r.t_posted = t
+        link, shape = self.profile.link, self.profile.model
+        service = link.service("write", shape.rank_bytes(r.spec.prompt_len), r.ndesc)
+        done = reserve(self.p_nics[r.p], self.d_nics[r.d], t, service, link.latency_s)
+        self.loop.at(done, self._p_free, r)
+        self.loop.at(done + self.profile.push.notify_s, self._write_landed, r)
+
+    def _write_landed(self, t: float, r: SimRequest) -> None:
+        self.decodes[r.d].kv_landed(r, t)
+
+    def _p_free(self, t: float, r: SimRequest) -> None:
+        self.prefills[r.p].release(r, t)
+
+    def _finished(self, t: float, r: SimRequest) -> None:
+        if r.finishes != 1:
+            raise SimulationError(f"request {r.id} finished {r.finishes} times")
+        if self.cpu is None:  # else the stream closes when the client has the last token
+            self.loop.at(t + self.profile.proxy.stream_s, self._stream_closed, r)
+
+    def _token(self, t: float, r: SimRequest) -> None:
+        """D produced a token for ``r``: D's API server, the proxy and the client handle it."""
+        cpu = self.profile.cpu
+        assert cpu is not None
+        if r.generated == 1:
+            self.tasks[f"D{r.d} connector"].submit(t, cpu.d_engine_stream_s, _nothing, r)
+        self.tasks[f"D{r.d}"].submit(t, cpu.d_api_token_s, self._relay, r)
+
+    def _relay(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        assert cpu is not None
+        self._hop(t, "proxy", cpu.proxy_token_s, self.profile.proxy.stream_s, self._to_client,
+                  r)
+
+    def _to_client(self, t: float, r: SimRequest) -> None:
+        cpu = self.profile.cpu
+        assert cpu is not None
+        self.tasks["client"].submit(t, cpu.client_token_s, self._seen, r)
+
+    def _seen(self, t: float, r: SimRequest) -> None:
+        r.seen += 1
+        if r.t_seen_first is None:
+            r.t_seen_first = t
+        r.t_seen_last = t
+        if r.seen == r.spec.output_len:
+            self._stream_closed(t, r)
+
+    def _stream_closed(self, t: float, r: SimRequest) -> None:
+        self.dpool.engines[r.d].release()
+        self.in_flight[r.mode] -= 1
+        waiting = self.gate_queue[r.mode]
+        if waiting:
+            self._admit(t, waiting.popleft())
+
+
+def _nothing(t: float, r: SimRequest) -> None:
+    """A CPU job that only takes its share of a core (nothing waits for it)."""
+
+
+def simulate(profile: Profile, specs: Sequence[RequestSpec], mode: str, prefills: int = 1,
+             decodes: int = 1, prefix_hit: float = 0.0, fragmentation: float | None = None,
+             push_headroom: int | None = None) -> Fleet:
+    """Run one scenario to the end; the fleet (its requests, engines and counters)."""
+    fleet = Fleet(profile, prefills, decodes, mode, prefix_hit, fragmentation, push_headroom)
+    fleet.run(specs)
+    return fleet

@@ -309,7 +309,9 @@ def test_chunk_rewritten_by_someone_without_the_secret_is_a_miss(tmp_path: Path)
 def test_entries_follow_no_link_and_list_regular_files_only(tmp_path: Path,
                                                            secret: bytes | None) -> None:
     tier = _disk(tmp_path / "kv", secret)
-    good, linked, fifo, in_linked_dir = _key(), _key(), _key(), "ff" + _key()[2:]
+    # distinct prefixes: a random key could otherwise land in the "ff" directory replaced below
+    good, linked, fifo = "aa" + _key()[2:], "bb" + _key()[2:], "cc" + _key()[2:]
+    in_linked_dir = "ff" + _key()[2:]
     tier.store([(k, chunk_of(k)) for k in (good, linked, fifo)])
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvbridge.offload.config import OffloadConfig
     from kvbridge.transports.compose import MemberSpec
 
-__all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX"]
+__all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX", "parse_bool"]
 
 ENV_PREFIX = "KVBRIDGE_"
 
@@ -127,7 +127,7 @@ class Config:
     map_kv_cache: bool = True
     """With the shm backend, move a CPU engine's KV cache onto a sealed memfd at registration
     (same addresses, same bytes) and hand it to same-host peers over the handshake socket, so
-    they copy it with memcpy instead of cross-memory attach (kvbridge.transports._memfd;
+    they copy it with memcpy instead of cross-memory attach (kvbridge.transports.shm.memfd;
     docs/backends/shm.md). Needs a C compiler once per host for the copy loop; without one,
     transfers keep using cross-memory attach. GPU KV caches are never touched."""
     engine_spin_ms: float = -1.0
@@ -299,6 +299,16 @@ def _unknown(key: str, known: list[str], what: str) -> str:
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True,
          "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_bool(raw: Any, what: str) -> bool:
+    """``raw`` (a bool or ``on``/``off``/``1``/``0``…); :class:`ConfigError` naming ``what``."""
+    if isinstance(raw, bool):
+        return raw
+    value = _BOOL.get(str(raw).strip().lower())
+    if value is None:
+        raise ConfigError(f"{what}: expected true or false, got {raw!r}")
+    return value
 
 
 def _coerce(key: str, raw: Any) -> Any:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools import cli
+from kvbridge.tools import cli, prom
 from kvbridge.tools.bench import e2e as b
+from kvbridge.tools.report import percentile
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,13 +66,13 @@ def test_cli_reports_bad_configs_without_starting_anything(
 
 
 def test_percentile_interpolates_linearly() -> None:
-    assert b.percentile([], 50) is None
-    assert b.percentile([3.0], 90) == 3.0
-    assert b.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert b.percentile(list(map(float, range(11))), 90) == pytest.approx(9.0)
-    assert b.percentile([1.0, 2.0], 0) == 1.0 and b.percentile([1.0, 2.0], 100) == 2.0
+    assert percentile([], 50) is None
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile(list(map(float, range(11))), 90) == pytest.approx(9.0)
+    assert percentile([1.0, 2.0], 0) == 1.0 and percentile([1.0, 2.0], 100) == 2.0
     with pytest.raises(ValueError):
-        b.percentile([1.0], 101)
+        percentile([1.0], 101)
 
 
 def test_prompts_are_fresh_per_phase_and_shared_across_configurations() -> None:
@@ -159,9 +160,9 @@ def test_prom_sum_adds_every_label_set_and_ignores_lookalikes() -> None:
         'vllm:nixl_xfer_time_seconds_bucket{le="0.1"} 9',
         "vllm:nixl_xfer_time_seconds_sum_other 7",
     ])
-    assert b.prom_sum(text, "vllm:nixl_xfer_time_seconds_sum") == 0.75
-    assert b.prom_sum(text, "vllm:nixl_xfer_time_seconds_count") == 3.0
-    assert b.prom_sum(text, "absent") == 0.0
+    assert prom.total(text, "vllm:nixl_xfer_time_seconds_sum") == 0.75
+    assert prom.total(text, "vllm:nixl_xfer_time_seconds_count") == 3.0
+    assert prom.total(text, "absent") == 0.0
 
 
 # -- CPU accounting ------------------------------------------------------------------------------

@@ -73,11 +73,15 @@ def test_paired_ratios() -> None:
 
 def test_format_and_helpers() -> None:
     assert MedianCI(0.9731, 0.951, 0.989, 0.96, 30).format() == "0.973 [0.95, 0.99]"
-    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.9) == 5.0
-    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 90) == pytest.approx(4.6)
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert [size_label(n) for n in (16 << 10, 1 << 20, 1000)] == ["16 KiB", "1 MiB", "1000 B"]
-    assert table(["a", "bb"], [["1", "22"], ["333", "4"]]) == [
+    assert table(["a", "bb"], [["1", "22"], ["333", "4"]], "r") == [
         "  a  bb", "---  --", "  1  22", "333   4"]
+    assert table(["a", "bb"], [[1, 22], [333, 4]], ["l", "r"]) == [
+        "a    bb", "---  --", "1    22", "333   4"]
+    with pytest.raises(ValueError, match="align"):
+        table(["a", "b"], [], ["l"])
 
 
 def test_scattered_permutation_never_coalesces() -> None:

@@ -137,7 +137,7 @@ def test_huge_pages_disabled_for_the_process(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_mapped_copies_here_and_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbridge.transports import _rangecopy
+    from kvbridge.transports.shm import rangecopy as _rangecopy
 
     if _rangecopy.load() is None:
         pytest.skip("no C compiler on this host")

@@ -43,7 +43,7 @@ from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import OffloadPlan, StoreOrder
 from kvbridge.offload.tier import TierContext
 from kvbridge.testing.tiers import CHUNK, chunk_of
-from kvbridge.transports import _rangecopy
+from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -497,8 +497,8 @@ def test_range_copy_loads_the_checked_file_not_what_the_path_names_later(
     runs is still the one that was checked (loaded through its fd)."""
     # built by another process: this one has never loaded that path (the dynamic loader would
     # hand back a library it already loaded under the same name)
-    proc = subprocess.run([sys.executable, "-c", "from kvbridge.transports import _rangecopy; "
-                           "assert _rangecopy.load() is not None"], cwd=ROOT, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", "from kvbridge.transports.shm import rangecopy; "
+                           "assert rangecopy.load() is not None"], cwd=ROOT, timeout=120,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     built = _so(cache)

@@ -160,7 +160,7 @@ def test_a_prepared_request_is_built_at_prepare_and_only_queued_at_post(
             raise AssertionError("iovecs built after prepare")
 
         monkeypatch.setattr(BlockRequest, "descriptors", no_building)
-        monkeypatch.setattr("kvbridge.transports.shm.split_iovecs", no_building)
+        monkeypatch.setattr("kvbridge.transports.shm.worker.split_iovecs", no_building)
         h = prep.post()
         assert t.wait(h, 10) is HandleState.DONE, h.error
         np.testing.assert_array_equal(dst.reshape(n, size)[perm], src.reshape(n, size))

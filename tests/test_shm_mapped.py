@@ -1,5 +1,5 @@
 """shm's mapped copies: registered memory on a sealed memfd, peers copy it with the native range
-copy (kvbridge.transports._memfd, _rangecopy). The conformance suite runs with it too
+copy (kvbridge.transports.shm.memfd, .rangecopy). The conformance suite runs with it too
 (tests/test_conformance_shm.py::TestShmMappedConformance); here: what it maps and how each byte
 moved, that a registration keeps every byte, and hostile fds and pieces from a peer."""
 
@@ -25,10 +25,9 @@ from kvbridge.errors import ConfigError, PeerUnreachable
 from kvbridge.host.files import UnsafePath
 from kvbridge.testing.peer import PeerProcess, kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
-from kvbridge.transports import _memfd as memfd
-from kvbridge.transports import _rangecopy
-from kvbridge.transports._memfd import MAX_FDS
-from kvbridge.transports.shm import ShmTransport, _encoder, _Registration
+from kvbridge.transports.shm import ShmTransport, _encoder, _Registration, memfd
+from kvbridge.transports.shm import rangecopy as _rangecopy
+from kvbridge.transports.shm.memfd import MAX_FDS
 
 pytestmark = [
     pytest.mark.timeout(60),

@@ -27,8 +27,8 @@ from kvbridge.errors import PeerError
 from kvbridge.testing.agents import AgentProcess, LocalAgent
 from kvbridge.testing.handoffs import FAST, pull, send
 from kvbridge.transport import MemoryRegion
-from kvbridge.transports import _rangecopy
 from kvbridge.transports.shm import ShmTransport
+from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -37,7 +37,7 @@ from kvbridge.tools.engines import (
 )
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
-from kvbridge.transports import _rangecopy
+from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -361,7 +361,7 @@ def test_the_cpu_kv_cache_refaults_on_huge_pages(cluster: Cluster) -> None:
 def test_shm_engines_share_their_kv_cache_and_map_each_others(cluster: Cluster) -> None:
     """Over shm, each engine moved its CPU KV cache onto a sealed memfd at registration
     (map_kv_cache) and mapped the other's at the handshake, so the outputs-match tests above
-    copied KV with the native range copy (kvbridge.transports._memfd)."""
+    copied KV with the native range copy (kvbridge.transports.shm.memfd)."""
     if cluster.backend != "shm":
         pytest.skip("mapped copies are the shm transport's")
     if _rangecopy.load() is None:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.config import parse_bool
 from kvbridge.errors import ConfigError
 
 __all__ = ["OffloadConfig", "TierSpec", "parse_size", "parse_bool", "apply_env", "ENV_OFFLOAD"]
@@ -56,18 +57,6 @@ def parse_size(raw: Any, what: str) -> int:
     if value < 0:
         raise ConfigError(f"{what}: must be >= 0, got {raw!r}")
     return value
-
-
-def parse_bool(raw: Any, what: str) -> bool:
-    """``raw`` (a bool or ``on``/``off``/``1``/``0``…); :class:`ConfigError` naming ``what``."""
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{what}: expected true or false, got {raw!r}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.tools.report import print_table
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
 
@@ -36,16 +37,6 @@ Handler = Callable[[argparse.Namespace], "int | None"]
 
 
 # -- output helpers ------------------------------------------------------------------------------
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    """Print ``rows`` as left-aligned columns under ``headers``."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def print_json(value: Any) -> None:

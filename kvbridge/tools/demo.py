@@ -27,11 +27,9 @@ compares direct greedy requests to P and to D; no proxy is involved.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import math
 import shutil
 import signal
 import sys
@@ -53,6 +51,7 @@ from kvbridge.tools.engines import (
     start_servers,
     stream_complete,
 )
+from kvbridge.tools.report import percentile, table
 from kvbridge.tools.tiny_model import build_tiny_model, default_cache_dir, random_prompts
 
 __all__ = ["add_arguments", "main", "cli_main"]
@@ -126,34 +125,13 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _ms(values: Sequence[float], q: float) -> str:
-    return f"{_percentile(values, q) * 1000:.1f}" if values else "-"
+    v = percentile(values, q)
+    return "-" if v is None else f"{v * 1000:.1f}"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append(
-            "  ".join(
-                c.rjust(w) if n and i >= 2 else c.ljust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-        )
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)  # fmt: skip
+    return "\n".join(table(headers, rows, ["l", "l"] + ["r"] * (len(headers) - 2)))
 
 
 def _progress(names: Sequence[str]) -> Any:
@@ -186,69 +164,28 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 # -- the in-process proxies --------------------------------------------------------------------
 
 
-class _ProxyHost:
-    """kvbridge proxies (one per mode) on an asyncio loop in a background thread.
+def _proxies(p_url: str, d_url: str, modes: Sequence[str], timeout_s: float) -> Any:
+    """One started :class:`~kvbridge.tools.proxies.ProxyThread` with a proxy per mode."""
+    try:
+        from kvbridge.tools.proxies import ProxyThread
+    except ImportError as exc:
+        raise KVBridgeError(
+            f"the kvbridge proxy cannot be loaded ({exc}); install: pip install "
+            "'kvbridge[proxy]'"
+        ) from exc
+    return ProxyThread([p_url], [d_url], modes=modes, timeout_s=timeout_s).start()
 
-    ``start`` blocks until every proxy listens; ``stop`` is idempotent and bounded.
-    """
 
-    def __init__(self, p_url: str, d_url: str, modes: Sequence[str], timeout_s: float) -> None:
-        try:
-            from kvbridge.proxy.app import ProxyServer, ProxySettings
-            from kvbridge.proxy.routing import ProxyMode
-        except ImportError as exc:
-            raise KVBridgeError(
-                f"the kvbridge proxy cannot be loaded ({exc}); install: pip install "
-                "'kvbridge[proxy]'"
-            ) from exc
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvbridge-demo-proxy", daemon=True
-        )
-        self.servers: dict[str, Any] = {
-            m: ProxyServer(
-                ProxySettings(
-                    prefill=(p_url,), decode=(d_url,), mode=ProxyMode(m), port=0,
-                    timeout_s=timeout_s,
-                )
-            )
-            for m in modes
-        }  # fmt: skip
-        self._started = False
+def _decisions(proxies: Any, mode: str) -> dict[str, int]:
+    """How many requests the proxy of *mode* sent by push and by pull (auto's choices)."""
+    out: dict[str, int] = {}
 
-    def _run(self, coro: Any, timeout: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    async def read() -> None:
+        out.update(proxies.servers[mode].metrics.chosen_modes())
 
-    def start(self) -> dict[str, str]:
-        """Start every proxy; returns mode → URL."""
-        self._thread.start()
-        self._started = True
-        for server in self.servers.values():
-            self._run(server.start(), 30.0)
-        return {m: str(s.url) for m, s in self.servers.items()}
-
-    def decisions(self, mode: str) -> dict[str, int]:
-        """How many requests the proxy of *mode* sent by push and by pull (auto's choices)."""
-        out: dict[str, int] = {}
-
-        async def read() -> None:
-            out.update(self.servers[mode].metrics.chosen_modes())
-
-        with contextlib.suppress(Exception):
-            self._run(read(), 5.0)
-        return out
-
-    def stop(self) -> None:
-        if not self._started:
-            return
-        self._started = False
-        for server in self.servers.values():
-            with contextlib.suppress(Exception):
-                self._run(server.stop(), 10.0)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10.0)
-        if not self._thread.is_alive():
-            self._loop.close()
+    with contextlib.suppress(Exception):
+        proxies.call(read(), 5.0)
+    return out
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -427,7 +364,7 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
 
         _say(f"      control channels {trust.for_tools().describe()} (no set-up needed on "
              "one host: docs/security.md)")
-    proxies: _ProxyHost | None = None
+    proxies: Any = None
     try:
         start_servers(
             [p, d], timeout=args.engine_timeout, progress=_progress(["P", "D"]),
@@ -449,8 +386,8 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
             prompts = []
             for k, _mode in enumerate(args.modes):
                 prompts += random_prompts(per_mode, args.prompt_len, seed=args.seed * 1000 + k + 1)
-            proxies = _ProxyHost(p.url, d.url, args.modes, args.request_timeout)
-            urls = proxies.start()
+            proxies = _proxies(p.url, d.url, args.modes, args.request_timeout)
+            urls = proxies.urls
             _say("[3/5] proxies: " + ", ".join(f"{m} {u}" for m, u in urls.items()))
             _say(
                 f"[4/5] per mode: 1 warm-up, {n} sequential, {n} with {args.concurrency} in "
@@ -473,7 +410,7 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
                         f"{time.monotonic() - t0:5.1f} s" + (f", {errors} failed" if errors else "")
                     )
                 if mode == "auto":
-                    chosen = proxies.decisions(mode)
+                    chosen = _decisions(proxies, mode)
                     _say("      auto chose: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
 
         _say(f"[5/5] single-engine reference: {len(prompts)} greedy requests straight to P")
@@ -494,7 +431,7 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
     finally:
         _say("shutting down …")
         if proxies is not None:
-            proxies.stop()
+            proxies.close()
         for s in (d, p):
             s.stop()
 

@@ -315,8 +315,8 @@ def check_huge_pages(t: Target) -> Check:
 
 def check_mapped_copies(t: Target) -> Check:
     """shm's mapped copies (``map_kv_cache``) need the native range copy, built once per host
-    with the system C compiler (kvbridge.transports._rangecopy)."""
-    from kvbridge.transports import _rangecopy
+    with the system C compiler (kvbridge.transports.shm.rangecopy)."""
+    from kvbridge.transports.shm import rangecopy as _rangecopy
 
     used = "shm" in t.transports
     if not t.config.map_kv_cache:
@@ -588,7 +588,8 @@ def add_arguments(p: Any) -> None:
 
 def cli_main(args: Any) -> int:
     from kvbridge.integrations.names import preset_for
-    from kvbridge.tools.cli import parse_json_object, print_json, print_table
+    from kvbridge.tools.cli import parse_json_object, print_json
+    from kvbridge.tools.report import print_table
 
     extra = parse_json_object(args.extra_config, "--extra-config")
     checks = diagnose(extra, preset=preset_for(args.connector), connector=args.connector,

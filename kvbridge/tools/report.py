@@ -1,4 +1,8 @@
-"""Statistics and table formatting shared by ``kvbridge bench transfer`` and ``descriptors``.
+"""The workshop's one table printer and one percentile, and the medians' confidence intervals.
+
+Every bench, the demo, the doctor and the CLI print tables with :func:`table` /
+:func:`print_table` and take percentiles with :func:`percentile` (Prometheus text is read by
+:mod:`kvbridge.tools.prom`), so two reports of one number always agree.
 
 :func:`median_ci` is a distribution-free confidence interval for a median: with the ``n``
 values sorted, the interval ``[x(k), x(n-k+1)]`` holds the true median with probability
@@ -16,7 +20,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MedianCI", "median_ci", "paired_ratios", "percentile", "size_label", "table"]
+__all__ = ["MedianCI", "median_ci", "paired_ratios", "percentile", "print_table", "size_label",
+           "table"]
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,19 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     return [x / d for x, d in zip(numerators, denominators, strict=True)]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank on the sorted values."""
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (``q`` in 0..100) with linear interpolation between the sorted
+    values; NaN is skipped; None for no values. Raises :class:`ValueError` for ``q`` outside
+    0..100."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    data = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def size_label(nbytes: int) -> str:
@@ -81,10 +95,22 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Right-aligned columns, a dashed line under the header."""
-    cells = [list(head)] + [list(r) for r in rows]
+def table(head: Sequence[str], rows: Sequence[Sequence[object]],
+          align: str | Sequence[str] = "l") -> list[str]:
+    """Aligned columns with a dashed rule under the header, as lines. ``align`` is ``"l"`` or
+    ``"r"`` for every column, or one letter per column."""
+    cells = [[str(h) for h in head]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    sides = [align] * len(head) if isinstance(align, str) else list(align)
+    if len(sides) != len(head) or any(a not in ("l", "r") for a in sides):
+        raise ValueError(f"align needs 'l' or 'r' for each of {len(head)} columns: {align!r}")
+    out = ["  ".join(c.rjust(w) if a == "r" else c.ljust(w)
+                     for c, w, a in zip(r, widths, sides, strict=True)).rstrip() for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return out
+
+
+def print_table(head: Sequence[str], rows: Sequence[Sequence[object]],
+                align: str | Sequence[str] = "l") -> None:
+    """Print :func:`table` to standard output."""
+    print("\n".join(table(head, rows, align)))

@@ -102,7 +102,7 @@ def _time(step: Step, reps: int) -> tuple[int, list[float], list[float]]:
 def _row(path: str, case: str, count: int, walls: Sequence[float], cpus: Sequence[float],
          native: Sequence[float] | None = None) -> DescriptorRow:
     return DescriptorRow(path, case, count, statistics.median(walls) * 1e3,
-                         percentile(walls, 0.9) * 1e3, statistics.median(cpus) * 1e3,
+                         (percentile(walls, 90) or 0.0) * 1e3, statistics.median(cpus) * 1e3,
                          None if native is None else statistics.median(native) * 1e3)
 
 
@@ -211,6 +211,6 @@ def format_descriptor_report(report: DescriptorReport) -> str:
              "-" if r.native_median_ms is None else f"{r.native_median_ms:.3f}"]
             for r in report.rows]
     lines += table(["block ids", "path", "ranges", "median ms", "p90 ms", "cpu median ms",
-                    "native ms"], rows)
+                    "native ms"], rows, "r")
     lines += report.notes
     return "\n".join(lines)

@@ -49,7 +49,6 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -65,6 +64,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.placement import fleet_cores
+from kvbridge.tools import prom
 from kvbridge.tools.engines import (
     EngineError,
     StreamResult,
@@ -75,19 +75,18 @@ from kvbridge.tools.engines import (
     start_servers,
     stream_complete,
 )
+from kvbridge.tools.report import percentile, table
 
 __all__ = [
     "CONFIG_NAMES",
     "BenchSettings",
     "RequestRecord",
     "PhaseResult",
-    "percentile",
     "parse_configs",
     "handoff_times",
     "beyond_wire",
     "handoff_breakdown",
     "request_steps",
-    "prom_sum",
     "parse_stat_line",
     "group_cpu_ticks",
     "cpu_seconds",
@@ -232,19 +231,6 @@ class PhaseResult:
 # -- pure helpers (unit-tested) ------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The *q*-th percentile (0–100) with linear interpolation; None for no values."""
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be within 0..100, got {q}")
-    data = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not data:
-        return None
-    pos = (len(data) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
 def parse_configs(text: str) -> tuple[str, ...]:
     """``"a,b"`` → the configurations, validated, duplicates removed, order kept; ``all`` → all."""
     from kvbridge.tools.cli import parse_names
@@ -323,22 +309,6 @@ def request_steps(p_timings: Timings, d_timings: Timings, transfer_id: str,
         for event, t in (timings.get(transfer_id) or {}).items():
             out[f"{side}.{event}"] = t - t0_wall
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
-
-
-def prom_sum(text: str, name: str) -> float:
-    """Sum of every sample of metric *name* (all label sets) in Prometheus text *text*."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        metric = line.split("{", 1)[0].split(" ", 1)[0]
-        if metric != name:
-            continue
-        try:
-            total += float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-    return total
 
 
 def parse_stat_line(line: str) -> tuple[int, int]:
@@ -485,13 +455,7 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The main table as aligned text (header, rule, rows), then the errors, if any."""
-    cells = [list(TABLE_HEADERS)] + table_rows(rows)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_HEADERS))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = table(TABLE_HEADERS, table_rows(rows))
     errors = [f"  {r['config']} {r['mode']} {r['phase']}: {r['error']}" for r in rows
               if r.get("error")]
     if errors:
@@ -631,7 +595,7 @@ def _scrape(url: str, name: str, timeout: float = 5.0) -> tuple[float, float]:
     """(sum, count) of histogram *name* on one engine's ``/metrics``."""
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
         text = r.read().decode("utf-8", "replace")
-    return prom_sum(text, name + "_sum"), prom_sum(text, name + "_count")
+    return prom.total(text, name + "_sum"), prom.total(text, name + "_count")
 
 
 def loadavg() -> str:
@@ -647,31 +611,42 @@ def loadavg() -> str:
 
 
 class _DecodeLoad:
-    """Requests in flight at D, as the benchmark's own auto dispatcher sees them."""
+    """Requests in flight at D, seen the way the proxy sees them: one
+    :class:`~kvbridge.proxy.routing.Pool` of the pair's D, so that ``auto`` decides with the
+    proxy's own :func:`~kvbridge.proxy.routing.decide` (the dispatcher's threads share it, under
+    a lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_url: str = "http://127.0.0.1:0") -> None:
+        from kvbridge.proxy.routing import Pool, Role
+
         self._lock = threading.Lock()
-        self.n = 0
+        self.pool = Pool(Role.DECODE, [d_url])
 
-    def reserve_if_below(self, headroom: int) -> bool:
-        """Count one more request at D if fewer than *headroom* are in flight (atomic)."""
+    def choose(self, mode: str, headroom: int) -> tuple[str, bool]:
+        """``(mode to run, reserved)``: ``auto`` becomes what the proxy would pick now; a push it
+        picked is counted at once (``reserved``), so that concurrent decisions see it."""
+        from kvbridge.proxy.routing import ProxyMode, decide
+
+        if mode != "auto":
+            return mode, False
         with self._lock:
-            if self.n >= headroom:
-                return False
-            self.n += 1
-            return True
+            chosen = decide(ProxyMode.AUTO, self.pool, headroom).mode.value
+            if chosen == "push":
+                self.pool.engines[0].acquire()
+            return chosen, chosen == "push"
 
     @contextlib.contextmanager
     def hold(self, reserved: bool = False) -> Iterator[None]:
-        """Count a request at D for the block (*reserved*: already counted by reserve_if_below)."""
+        """Count a request at D for the block (*reserved*: already counted by :meth:`choose`)."""
+        engine = self.pool.engines[0]
         if not reserved:
             with self._lock:
-                self.n += 1
+                engine.acquire()
         try:
             yield
         finally:
             with self._lock:
-                self.n -= 1
+                engine.release()
 
 
 @dataclass
@@ -785,8 +760,7 @@ def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRec
             from kvbridge.proxy.routing import new_transfer_id, push_decode_params
 
             rec.transfer_id = new_transfer_id()
-            reserved = mode == "auto" and pair.load.reserve_if_below(pair.settings.push_headroom)
-            chosen = ("push" if reserved else "pull") if mode == "auto" else mode
+            chosen, reserved = pair.load.choose(mode, pair.settings.push_headroom)
             rec.mode = chosen
             if chosen == "pull":
                 _pull(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "pull"), rec)

@@ -41,6 +41,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.bench import e2e
+from kvbridge.tools.report import table
 
 __all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "format_handoff_report",
            "summarize_pair", "paired_deltas", "add_arguments", "cli_main"]
@@ -170,7 +171,7 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     s = report["settings"]
     head = ("pair", "mode", "ok/fail", "TTFT p50 ms", "hand-off p50 ms", "wire p50 ms",
             "-wire p50 ms", "CPU-s P", "CPU-s D")
-    cells = [list(head)]
+    cells: list[list[str]] = []
     for r in report["rows"]:
         cells.append([r["pair"], r["mode"], f"{r['ok']}/{r['failed']}", _f(r["ttft_p50_ms"], 1),
                       _f(r["handoff_p50_ms"]), _f(r["wire_p50_ms"]), _f(r["beyond_wire_p50_ms"]),
@@ -178,14 +179,10 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     for what in ("idle", "waiting"):
         for name, (p_cpu, d_cpu) in report.get(what, {}).items():
             cells.append([name, what, "-", "-", "-", "-", "-", _f(p_cpu, 3), _f(d_cpu, 3)])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     lines = [f"kvbridge bench handoff, {report['date']}, backend {s['backend']}, "
              f"{s['requests']} sequential rounds per mode (ABBA), load {report['load_start']} -> "
              f"{report['load_end']}", ""]
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table(head, cells)
     lines += ["", "hand-off steps (median ms):"]
     for r in report["rows"]:
         steps = ", ".join(f"{k} {v:.2f}" for k, v in r["steps_ms"].items())

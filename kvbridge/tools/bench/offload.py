@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.tools.report import table
 
 __all__ = [
     "ROW_NAMES",
@@ -356,13 +357,7 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The table as aligned text (header, rule, rows)."""
-    cells = [list(TABLE_HEADERS)] + table_rows(rows)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_HEADERS))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = table(TABLE_HEADERS, table_rows(rows))
     return "\n".join(lines)
 
 
@@ -486,11 +481,11 @@ def _loadavg() -> str:
 
 
 def _metrics(url: str) -> dict[str, tuple[float, float]]:
-    from kvbridge.tools.bench.e2e import prom_sum
+    from kvbridge.tools import prom
 
     with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
         text = r.read().decode("utf-8", "replace")
-    return {k: (prom_sum(text, n + "_sum"), prom_sum(text, n + "_count"))
+    return {k: (prom.total(text, n + "_sum"), prom.total(text, n + "_count"))
             for k, n in _METRICS.items()}
 
 

@@ -71,6 +71,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.bench.e2e import PIN_HELP
+from kvbridge.tools.report import table
 
 __all__ = [
     "SETUP_NAMES",
@@ -339,13 +340,7 @@ def format_steps(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The results as aligned text (header, rule, one row per run), then the errors, if any."""
-    cells = [list(TABLE_HEADERS)] + table_rows(rows)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_HEADERS))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = table(TABLE_HEADERS, table_rows(rows))
     errors = [f"  {r['setup']} @ {r['rate']:g} req/s: {r['error']}" for r in rows
               if r.get("error")]
     if errors:
@@ -521,11 +516,11 @@ Say = Callable[[str], None]
 
 def _scrape_idle(url: str, timeout: float = 5.0) -> float:
     """Requests running or waiting on one engine (its ``/metrics``)."""
-    from kvbridge.tools.bench.e2e import prom_sum
+    from kvbridge.tools import prom
 
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
         text = r.read().decode("utf-8", "replace")
-    return sum(prom_sum(text, name) for name in _IDLE_METRICS)
+    return sum(prom.total(text, name) for name in _IDLE_METRICS)
 
 
 def engines_idle(urls: Sequence[str], timeout: float, interval: float = 0.5) -> tuple[bool, float]:
@@ -684,7 +679,8 @@ def handoff_summary(p_timings: Mapping[str, Mapping[str, float]],
                     transfer_ids: Sequence[str]) -> dict[str, Any]:
     """What the engines recorded for one run's transfers: hand-off p50 (``D.first_step -
     P.kv_ready``), push hand-off minus wire p50, and the median of every step (ms)."""
-    from kvbridge.tools.bench.e2e import beyond_wire, handoff_breakdown, handoff_times, percentile
+    from kvbridge.tools.bench.e2e import beyond_wire, handoff_breakdown, handoff_times
+    from kvbridge.tools.report import percentile
 
     def ms(values: Sequence[float]) -> float | None:
         v = percentile(values, 50)

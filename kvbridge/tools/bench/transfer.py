@@ -668,7 +668,7 @@ def format_transfer_report(report: TransferReport) -> str:
             ratio_raw = f"{r.ratio_raw:.2f}" if r.ratio_raw is not None else "-"
         rows.append([size_label(r.block_bytes), r.op, str(r.descriptors),
                      f"{r.kvbridge_gbps:.2f}", f"{r.memcpy_gbps:.2f}", raw, ratio_mem, ratio_raw])
-    lines += table(head, rows)
+    lines += table(head, rows, "r")
     lines += [f"raw {size_label(r.block_bytes)} {r.op}: {r.raw_error}" for r in report.rows
               if r.raw_error]
     return "\n".join(lines)

@@ -200,11 +200,11 @@ def _steps(url: str) -> int:
     """An engine's steps so far (the count of vLLM's ``iteration_tokens_total`` histogram)."""
     import urllib.request
 
-    from kvbridge.tools.bench.e2e import prom_sum
+    from kvbridge.tools import prom
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode("utf-8", "replace")
-    return int(prom_sum(text, "vllm:iteration_tokens_total_count"))
+    return int(prom.total(text, "vllm:iteration_tokens_total_count"))
 
 
 def measure_cpu(procs: ProcSet, idle: Mapping[str, float], urls: Mapping[str, str],

@@ -88,11 +88,11 @@ class Measurements:
 
 
 def _metric(url: str, name: str) -> tuple[float, float]:
-    from kvbridge.tools.bench.e2e import prom_sum
+    from kvbridge.tools import prom
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode("utf-8", "replace")
-    return prom_sum(text, name + "_sum"), prom_sum(text, name + "_count")
+    return prom.total(text, name + "_sum"), prom.total(text, name + "_count")
 
 
 def _loadavg() -> str:

@@ -42,7 +42,7 @@ _MAX_ENGINES = 256
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    from kvbridge.tools.cli import print_table
+    from kvbridge.tools.report import print_table
 
     print_table(headers, rows)
 

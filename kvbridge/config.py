@@ -122,7 +122,7 @@ class Config:
     """Back a CPU engine's KV cache with transparent huge pages at registration (where the
     kernel's THP mode is ``madvise``): ``process_vm_readv/writev`` — the shm transport, and
     UCX's CMA under NIXL — moves 1.5-1.7x faster from and into huge pages
-    (kvbridge.hugepages). Only all-zero memory is released, so no byte changes; GPU KV caches
+    (kvbridge.host.hugepages). Only all-zero memory is released, so no byte changes; GPU KV caches
     are never touched."""
     map_kv_cache: bool = True
     """With the shm backend, move a CPU engine's KV cache onto a sealed memfd at registration

@@ -121,7 +121,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     """Where an engine rank runs: its host's boot id and the cores its threads may use.
 
     Only compared, never trusted: a peer that lies about it can at most cause or hide a
-    warning (:func:`kvbridge.placement.shared_core_warning`)."""
+    warning (:func:`kvbridge.host.placement.shared_core_warning`)."""
 
     host: Annotated[str, msgspec.Meta(max_length=64)]
     cores: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)], ...],

@@ -80,7 +80,7 @@ class Capabilities:
     cross_host: bool = False
     #: False when two peers on one host, both confined to the same single core, can stall in
     #: connection set-up (NIXL/UCX: docs/backends/nixl.md); the peer table then warns
-    #: (:func:`kvbridge.placement.shared_core_warning`)
+    #: (:func:`kvbridge.host.placement.shared_core_warning`)
     shared_core_safe: bool = True
 
 

@@ -128,7 +128,7 @@ def test_a_fleet_refuses_the_one_pair_vllm_setups() -> None:
 
 
 def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> None:
-    from kvbridge.placement import fleet_cores
+    from kvbridge.host.placement import fleet_cores
     from kvbridge.tools.bench.e2e import engine_specs, fleet_specs
 
     ps, ds = fleet_specs("kvbridge-shm", tmp_path, tmp_path, 2.0, prefill=2, decode=2)

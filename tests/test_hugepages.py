@@ -1,4 +1,4 @@
-"""kvbridge.hugepages: a fresh KV cache refaults on huge pages; no byte ever changes."""
+"""kvbridge.host.hugepages: a fresh KV cache refaults on huge pages; no byte ever changes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvbridge import hugepages
-from kvbridge.hugepages import back_with_huge_pages, thp_mode
+from kvbridge.host import hugepages
+from kvbridge.host.hugepages import back_with_huge_pages, thp_mode
 
 pytestmark = pytest.mark.skipif(thp_mode() != "madvise",
                                 reason="needs transparent huge pages in 'madvise' mode")
@@ -119,7 +119,7 @@ def test_bad_regions_are_skipped_or_reported_never_raised() -> None:
 _UNDER_PRCTL = """
 import ctypes, mmap, sys
 import numpy as np
-from kvbridge.hugepages import back_with_huge_pages
+from kvbridge.host.hugepages import back_with_huge_pages
 assert ctypes.CDLL(None).prctl(41, 1, int(sys.argv[1]), 0, 0) == 0  # PR_SET_THP_DISABLE
 m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 view = np.frombuffer(m, dtype=np.uint8)

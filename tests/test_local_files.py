@@ -38,10 +38,10 @@ from kvbridge.host.files import UnsafePath
 from kvbridge.layout import KVLayout
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
-from kvbridge.offload.disk import SUFFIX, DiskTier
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import OffloadPlan, StoreOrder
 from kvbridge.offload.tier import TierContext
+from kvbridge.offload.tiers.disk import SUFFIX, DiskTier
 from kvbridge.testing.tiers import CHUNK, chunk_of
 from kvbridge.transports.shm import rangecopy as _rangecopy
 
@@ -207,7 +207,7 @@ def test_chunk_replaced_by_a_fifo_is_a_prompt_miss(tmp_path: Path, secret: bytes
 
 _LOAD_UNDER_A_MEMORY_LIMIT = """
 import resource, sys, time
-from kvbridge.offload.disk import DiskTier
+from kvbridge.offload.tiers.disk import DiskTier
 from kvbridge.offload.tier import TierContext
 tier = DiskTier(TierContext("disk", int(sys.argv[3]), sys.argv[4], {"path": sys.argv[1]}))
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))

@@ -11,8 +11,8 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import BackendNotFound, ConfigError
-from kvbridge.offload.disk import DiskTier
 from kvbridge.offload.tier import Tier, TierContext
+from kvbridge.offload.tiers.disk import DiskTier
 from kvbridge.testing.tiers import CHUNK, TierConformance, chunk_of
 
 

@@ -1,4 +1,4 @@
-"""kvbridge.pipe: the in-memory pair and the ZeroMQ pipe (senders in real processes)."""
+"""kvbridge.transports.pipe: the in-memory pair and the ZeroMQ pipe (senders in real processes)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import zmq
 
 from kvbridge.errors import AuthError, MessageError, PipeClosed
 from kvbridge.messages import Cancel, Codec, PipeFrame
-from kvbridge.pipe import PipeReceiver, PipeSender, memory_pipe
 from kvbridge.tools.engines import free_port
+from kvbridge.transports.pipe import PipeReceiver, PipeSender, memory_pipe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,7 +142,7 @@ _SENDER = """
 import sys
 import zmq
 from kvbridge.messages import Codec
-from kvbridge.pipe import PipeSender
+from kvbridge.transports.pipe import PipeSender
 address, name, count, secret = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 tx = PipeSender(address, name, Codec(secret or None))
 for i in range(count):

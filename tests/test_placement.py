@@ -1,4 +1,4 @@
-"""kvbridge.placement: where a rank runs, and the warning for a P and a D on one shared core."""
+"""kvbridge.host.placement: where a rank runs; the warning for a P and a D on one shared core."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvbridge.errors import MessageError
+from kvbridge.host.placement import DOCS, fleet_cores, local_placement, shared_core_warning
 from kvbridge.layout import LayoutWire, PlaneWire
 from kvbridge.messages import MAX_PLACEMENT_CORES, Codec, EngineInfo, HelloReply, Placement
-from kvbridge.placement import DOCS, fleet_cores, local_placement, shared_core_warning
 from kvbridge.transport import Capabilities
 
 INFO = EngineInfo(

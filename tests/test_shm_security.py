@@ -29,9 +29,9 @@ from kvbridge.errors import (
     UnknownPeer,
 )
 from kvbridge.messages import Ack, Codec, PipeFrame
-from kvbridge.pipe import PipeReceiver, PipeSender
 from kvbridge.testing.peer import PeerProcess, collect_notifications
 from kvbridge.transport import PROOF_BYTES, HandleState, MemoryRegion, Op
+from kvbridge.transports.pipe import PipeReceiver, PipeSender
 from kvbridge.transports.shm import (
     MAX_METADATA_BYTES,
     ShmMetadata,

@@ -24,7 +24,7 @@ import pytest
 
 from kvbridge import params, registry
 from kvbridge.config import TransferMode
-from kvbridge.hugepages import thp_mode
+from kvbridge.host.hugepages import thp_mode
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools.engines import (
@@ -348,7 +348,7 @@ def test_without_the_wake_hook_decode_falls_back_to_polling(
 
 def test_the_cpu_kv_cache_refaults_on_huge_pages(cluster: Cluster) -> None:
     """Both engines moved their fresh, all-zero KV cache onto huge pages before any transport
-    registered it (kvbridge.hugepages); the outputs-match tests above ran on it."""
+    registered it (kvbridge.host.hugepages); the outputs-match tests above ran on it."""
     if thp_mode() != "madvise":
         pytest.skip(f"transparent huge pages are {thp_mode() or 'unavailable'} here")
     for server in (cluster.p, cluster.d):

@@ -32,9 +32,9 @@ from typing import Any
 
 import pytest
 
+from kvbridge.host.placement import fleet_cores
 from kvbridge.messages import StatsQuery, StatsReply, TransferQuery, TransferReply
 from kvbridge.params import push_decode_request
-from kvbridge.placement import fleet_cores
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools import prom
 from kvbridge.tools.engines import (

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge import registry
-from kvbridge.placement import fleet_cores
+from kvbridge.host.placement import fleet_cores
 from kvbridge.tools import prom
 from kvbridge.tools.engines import (
     VllmServer,

@@ -2,7 +2,8 @@
 
 kvbridge keeps a few things on local disk that decide what an engine trusts or runs: the
 per-user secret (:mod:`kvbridge.trust`), the disk offload tier's chunks
-(:mod:`kvbridge.offload.disk`) and the native range copy (:mod:`kvbridge.transports.shm.rangecopy`).
+(:mod:`kvbridge.offload.tiers.disk`) and the native range copy
+(:mod:`kvbridge.transports.shm.rangecopy`).
 Any of them, swapped by someone else, would make an engine authenticate strangers, serve foreign
 KV or run foreign code. So every such path goes through here:
 

@@ -40,7 +40,7 @@ import kvbridge
 from kvbridge.config import Config, Preset
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.heads import HeadSplit
-from kvbridge.hugepages import back_with_huge_pages
+from kvbridge.host.hugepages import back_with_huge_pages
 from kvbridge.integrations import names, vllm_idle
 from kvbridge.integrations.vllm_groups import (
     NULL_BLOCK,

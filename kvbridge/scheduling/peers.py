@@ -44,9 +44,9 @@ from kvbridge.errors import (
 )
 from kvbridge.groups import check_groups
 from kvbridge.heads import HeadSplit
+from kvbridge.host.placement import local_placement, shared_core_warning
 from kvbridge.layout import KVLayout
 from kvbridge.messages import PROTOCOL_VERSION, Ack, EngineInfo, Hello, HelloReply, Message
-from kvbridge.placement import local_placement, shared_core_warning
 from kvbridge.scheduling.leases import Prober
 from kvbridge.scheduling.mapping import check_block_sizes
 from kvbridge.transport import Transport

@@ -34,10 +34,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvbridge import hugepages, registry
+from kvbridge import registry
 from kvbridge.config import Config, Preset
 from kvbridge.control import is_loopback
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.host import hugepages
 from kvbridge.tools import doctor_probes as probes
 
 __all__ = ["Status", "Check", "Target", "CHECKS", "run_checks", "diagnose", "failed",
@@ -288,7 +289,7 @@ def check_ptrace_scope(t: Target) -> Check:
 
 def check_huge_pages(t: Target) -> Check:
     """Transparent huge pages: cross-memory attach (shm, and UCX's CMA under NIXL) moves
-    1.5-1.7x as fast from and into a CPU KV cache on huge pages (kvbridge.hugepages)."""
+    1.5-1.7x as fast from and into a CPU KV cache on huge pages (kvbridge.host.hugepages)."""
     mode = hugepages.thp_mode()
     if not mode:
         return Check("huge pages", Status.SKIP, "no transparent huge pages on this kernel")

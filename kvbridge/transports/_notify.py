@@ -2,10 +2,11 @@
 
 Transports without a native notification channel (``shm``; ``mooncake``) reuse this helper:
 
-* :class:`NotificationInbox` binds a :class:`~kvbridge.pipe.PipeReceiver` and runs one background
-  thread that receives into a queue; :meth:`~NotificationInbox.drain` empties it without blocking,
-  :meth:`~NotificationInbox.wait` blocks (no polling) until something arrived.
-* :class:`NotificationSender` is one peer's outbound half (a :class:`~kvbridge.pipe.PipeSender`).
+* :class:`NotificationInbox` binds a :class:`~kvbridge.transports.pipe.PipeReceiver` and runs
+  one background thread that receives into a queue; :meth:`~NotificationInbox.drain` empties it
+  without blocking, :meth:`~NotificationInbox.wait` blocks (no polling) until something arrived.
+* :class:`NotificationSender` is one peer's outbound half (a
+  :class:`~kvbridge.transports.pipe.PipeSender`).
   Each sender instance has its own identity ``"<agent>#<nonce>"`` on the wire, so a peer that
   re-creates its sender (restart, remove/re-add) starts a fresh sequence instead of tripping the
   receiver's gap check; the inbox reports the plain agent name.
@@ -46,7 +47,7 @@ import zmq
 
 from kvbridge.errors import MessageError, PeerUnreachable, PipeClosed, TransportClosed
 from kvbridge.messages import Codec
-from kvbridge.pipe import PipeReceiver, PipeSender
+from kvbridge.transports.pipe import PipeReceiver, PipeSender
 
 __all__ = [
     "DEFAULT_MAX_NOTIFICATIONS",

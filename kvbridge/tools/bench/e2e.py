@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.placement import fleet_cores
+from kvbridge.host.placement import fleet_cores
 from kvbridge.tools import prom
 from kvbridge.tools.engines import (
     EngineError,

@@ -37,7 +37,7 @@ the memcpy column: ``numpy`` (the default) as numpy allocates them — numpy ask
 huge pages for large arrays; ``small`` on 4 KiB pages, as torch's CPU allocator gives vLLM's KV
 cache where the kernel's THP mode is ``madvise``; ``kvbridge`` allocated as ``small``, then
 released and faulted in again as huge pages, the way the connector treats a fresh CPU KV cache
-(:mod:`kvbridge.hugepages`). A raw session with its own buffers (no responder) keeps numpy's.
+(:mod:`kvbridge.host.hugepages`). A raw session with its own buffers (no responder) keeps numpy's.
 
 Every column zeroes its destination before each timed transfer (untimed), as kvbridge's must
 to check its bytes: writing into freshly dirtied cache lines costs more than into clean ones
@@ -78,7 +78,7 @@ import numpy.typing as npt
 from kvbridge import registry
 from kvbridge.blocks import BlockPair, prepare_blocks, prepare_parts, submit_blocks
 from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
-from kvbridge.hugepages import back_with_huge_pages
+from kvbridge.host.hugepages import back_with_huge_pages
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.rawbench import scattered
 from kvbridge.tools.report import MedianCI, median_ci, paired_ratios, size_label, table

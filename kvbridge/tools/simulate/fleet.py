@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvbridge.config import TransferMode
-from kvbridge.placement import fleet_cores
+from kvbridge.host.placement import fleet_cores
 from kvbridge.proxy.routing import Engine, Pool, Role, decide
 from kvbridge.tools.simulate.cpu import CpuPool, Task
 from kvbridge.tools.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
@@ -96,7 +96,7 @@ class Fleet:
 
     def _share_cores(self, c: CpuCost) -> None:
         """Engines pinned as ``kvbridge bench serve --fleet`` pins them
-        (:func:`kvbridge.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
+        (:func:`kvbridge.host.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
         2P2D on two cores: every P on core 0, every D on core 1); the front ends float."""
         self.cpu = CpuPool(self.loop, c.cores, c.background)
         p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills), len(self.decodes))

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.hugepages import MADV_HUGEPAGE, MADV_POPULATE_WRITE
+from kvbridge.host.hugepages import MADV_HUGEPAGE, MADV_POPULATE_WRITE
 
 log = logging.getLogger("kvbridge.transport.shm")
 

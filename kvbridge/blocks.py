@@ -71,7 +71,14 @@ from kvbridge.layout import (
     fill_ranges,
     int_ids,
 )
-from kvbridge.transport import Op, TransferHandle, Transport, as_descriptors, check_within
+from kvbridge.transport import (
+    Op,
+    TransferHandle,
+    Transport,
+    as_descriptors,
+    check_notification,
+    check_within,
+)
 
 __all__ = [
     "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "PreparedRequest",
@@ -335,8 +342,7 @@ class BlockTransport(Transport):
                        notification: bytes | None = None) -> TransferHandle:
         """Post a request already validated against ``pair``'s layouts (for wrappers)."""
         pair = self._current(pair)
-        if notification is not None and not isinstance(notification, bytes):
-            raise DescriptorError("a notification must be bytes")
+        check_notification(self, notification)
         return self._submit_blocks(op, pair, req, notification)
 
     def prepare_request(self, op: Op, pair: BlockPair, req: BlockRequest,
@@ -345,8 +351,7 @@ class BlockTransport(Transport):
         block briefly (native request creation); raises what :meth:`submit_request` would
         before posting."""
         pair = self._current(pair)
-        if notification is not None and not isinstance(notification, bytes):
-            raise DescriptorError("a notification must be bytes")
+        check_notification(self, notification)
         prep = PreparedRequest(op, pair, req, notification)
         prep.native = self._prepare_request(op, pair, req, notification)
         return prep

@@ -19,7 +19,7 @@ from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbridge.offload.config import OffloadConfig
-    from kvbridge.transports.compose import MemberSpec
+    from kvbridge.transports.compose_spec import MemberSpec
 
 __all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX", "parse_bool"]
 
@@ -251,7 +251,7 @@ class Config:
         """``backend_options.members`` of the ``compose`` backend, parsed (empty otherwise)."""
         if self.backend != "compose":
             return []
-        from kvbridge.transports.compose import parse_members
+        from kvbridge.transports.compose_spec import parse_members
 
         return parse_members(self.backend_options.get("members"))
 

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
+from kvbridge.transport import BenchHook, Transport
 
 __all__ = ["GROUP", "TIER_GROUP", "BENCH_GROUP", "BackendStatus", "available", "load_class",
-           "create", "status", "available_tiers", "load_tier_class", "tier_status", "backend_hook"]
+           "create", "status", "available_tiers", "load_tier_class", "tier_status", "bench_hook",
+           "BENCH_HOOK_REQUIRED"]
 
 GROUP = "kvbridge.backends"
 TIER_GROUP = "kvbridge.tiers"
 #: modules a backend offers the benches (raw-library sessions and costs), by backend name
 BENCH_GROUP = "kvbridge.bench_hooks"
+#: what every such module defines (:class:`kvbridge.transport.BenchHook`)
+BENCH_HOOK_REQUIRED = ("raw_session",)
 log = logging.getLogger("kvbridge.registry")
 
 #: What to install when a backend's native dependency is missing.
@@ -80,8 +84,6 @@ def load_class(name: str) -> type[Any]:
     Raises :class:`BackendNotFound` (with the installed names and a "did you mean") or
     :class:`BackendUnavailable` (with the import error and what to install).
     """
-    from kvbridge.transport import Transport
-
     return _load(GROUP, name, Transport, "kvbridge backend")
 
 
@@ -96,11 +98,14 @@ def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None)
         raise BackendUnavailable(_unavailable(name, exc)) from exc
 
 
-def backend_hook(name: str, attr: str) -> Callable[..., Any] | None:
-    """A function ``attr`` that backend ``name`` offers the benches, or None: looked up in the
-    module its ``kvbridge.bench_hooks`` entry point names (the benches' contract with a backend:
-    ``raw_session``, ``raw_responder``, ``raw_bench``, ``block_cost``; docs/benchmarks.md).
-    Raises :class:`BackendUnavailable` when that module cannot be imported."""
+def bench_hook(name: str) -> BenchHook | None:
+    """What backend ``name`` offers the benches — the module its ``kvbridge.bench_hooks`` entry
+    point names, checked against :class:`~kvbridge.transport.BenchHook` — or None when it has
+    no entry point there. Its optional extras are told apart with ``isinstance`` against
+    :class:`~kvbridge.transport.RawResponderHook` and :class:`~kvbridge.transport.BlockCostHook`.
+
+    Raises :class:`BackendUnavailable` when the module cannot be imported, or when it lacks a
+    required function (the error names it)."""
     ep = _entry_points(BENCH_GROUP).get(name)
     if ep is None:
         return None
@@ -108,8 +113,12 @@ def backend_hook(name: str, attr: str) -> Callable[..., Any] | None:
         module = ep.load()
     except ImportError as exc:
         raise BackendUnavailable(_unavailable(name, exc)) from exc
-    fn = getattr(module, attr, None)
-    return fn if callable(fn) else None
+    missing = [attr for attr in BENCH_HOOK_REQUIRED if not callable(getattr(module, attr, None))]
+    if missing or not isinstance(module, BenchHook):
+        raise BackendUnavailable(
+            f"bench hook of backend {name!r} ({ep.value}) has no {', '.join(missing)}(), which "
+            f"the {BENCH_GROUP} entry points must offer (kvbridge.transport.BenchHook)")
+    return module
 
 
 def _unavailable(name: str, exc: BaseException) -> str:

@@ -1,39 +1,65 @@
-"""The Transport ABC: the small interface every backend implements.
+"""The Transport contract: what every backend implements, and what it may add.
 
 A transport moves bytes between memory this process registered and memory a peer registered,
-one-sided (READ pulls from the peer, WRITE pushes to it), and carries short notifications.
-Everything else — batching, retries, leases, which blocks to move — lives in the core.
+one-sided (READ pulls from the peer, WRITE pushes to it). Everything else — batching, retries,
+leases, which blocks to move — lives in the core. The conformance suites in
+:mod:`kvbridge.testing.conformance` check every rule below.
 
-Contract shared by every implementation (the conformance suite in :mod:`kvbridge.testing`
-checks it):
+**Required** (the six abstract methods of :class:`Transport`):
 
-* ``register_memory`` may be called once or several times; it returns the *local metadata* the
-  peer needs (opaque bytes, exchanged by the core over its control channel).
-* Peers are proven, not believed (:mod:`kvbridge.identity`): ``attest(proof)`` on the side that
-  answered a handshake lets in the dialler that shows ``proof``; ``add_peer(metadata, proof)``
-  on the dialler loads the peer only if *its* data plane shows ``proof`` (else
-  :class:`PeerForged`, and nothing is loaded), and returns the peer's name; unknown names raise
-  :class:`UnknownPeer`. A peer found gone on the transport's own (its process exited) is
+* ``register_memory(regions) -> bytes`` — may be called once or several times; returns the
+  *local metadata* the peer needs (opaque bytes, exchanged by the core over its control channel).
+* ``attest(proof, peer_metadata)`` and ``add_peer(metadata, proof) -> name`` — peers are proven,
+  not believed (:mod:`kvbridge.identity`): ``attest`` on the side that answered a handshake lets
+  in the dialler that shows ``proof``; ``add_peer`` on the dialler loads the peer only if *its*
+  data plane shows ``proof`` (else :class:`PeerForged`, and nothing is loaded). ``attest`` stays
+  required: it is the responder's half of that proof and no default could be sound — one that
+  admitted everybody would let any process on the network load itself as a peer.
+* ``remove_peer(name)`` — forget a peer (a no-op for an unknown name; the other methods raise
+  :class:`UnknownPeer` for one). A peer found gone on the transport's own (its process exited) is
   forgotten and reported through :meth:`Transport.on_peer_lost`.
-* ``submit`` never blocks on the data path: it validates, posts, and returns a
-  :class:`TransferHandle`. Descriptor arrays are ``int64`` of shape ``(N, 3)`` (address, length,
-  device), both of the same length with equal lengths row by row, else :class:`DescriptorError`.
-  Remote ranges outside the peer's registered memory are refused before any byte moves.
-* ``poll`` is non-blocking and returns the handle's :class:`HandleState`. A FAILED handle means no
-  byte of the transfer may be trusted (some may have landed). A notification given to ``submit``
-  reaches the peer only after the transfer's bytes are visible there, and only if it succeeded.
-* ``wait`` blocks (with back-off, never a busy spin) until the handle is terminal or the timeout
-  passes; a timeout raises :class:`TransferTimeout` and leaves the handle running.
-* Thread safety: all methods may be called from any thread; implementations serialise access to
-  their native library as needed.
-* ``close`` stops accepting work, waits up to ``timeout`` for posted transfers to stop (posted
-  RDMA cannot be aborted, so memory must not be released while they may land), fails the rest,
-  and releases native resources. It is idempotent.
+* ``_submit(op, peer, local, remote, notification) -> TransferHandle`` — behind the public
+  :meth:`Transport.submit`, which validates first. ``submit`` never blocks on the data path: it
+  validates, posts, and returns a :class:`TransferHandle`. Descriptor arrays are ``int64`` of
+  shape ``(N, 3)`` (address, length, device), both of the same length with equal lengths row by
+  row, else :class:`DescriptorError`. Remote ranges outside the peer's registered memory are
+  refused before any byte moves. The transport settles every handle it returned exactly once,
+  with :meth:`TransferHandle.succeed` or :meth:`TransferHandle.fail`; a FAILED handle means no
+  byte of the transfer may be trusted (some may have landed).
+* ``close(timeout)`` — stops accepting work, waits up to ``timeout`` for posted transfers to stop
+  (posted RDMA cannot be aborted, so memory must not be released while they may land), fails the
+  rest, and releases native resources. Idempotent.
 
-Optional capability: a transport that also subclasses :class:`kvbridge.blocks.BlockTransport`
-takes transfers described by block ids over prepared layout pairs (what the core uses); any
-other transport gets descriptor arrays through ``submit`` (see :mod:`kvbridge.blocks`).
+**With defaults**: ``poll`` (non-blocking; returns the handle's state — the default suits a
+transport whose own threads settle handles, one whose native library must be asked overrides
+it), ``wait`` (blocks with back-off, never a busy spin, until the handle is terminal or the
+timeout passes; a timeout raises :class:`TransferTimeout` and leaves the handle running),
+``transfer`` (submit + wait), ``invite`` and ``on_peer_lost``.
+
+**Optional protocols** — the core's scheduler needs neither, so a backend need not offer them:
+
+* :class:`Notifying` — ``send_notification`` / ``get_notifications``: short messages, ordered
+  per peer. A transport that offers them also delivers a notification given to ``submit``, only
+  after the transfer's bytes are visible at the peer and only if it succeeded; one that does
+  not refuses such a notification (:class:`DescriptorError`). Code that relies on them
+  (``compose``, the benches, tests) asks through :func:`notifying`, which names what is missing.
+* Block posting — :class:`kvbridge.blocks.BlockTransport` (a subclass of :class:`Transport`)
+  takes transfers described by block ids over prepared layout pairs, the core's fast path; the
+  core reaches it through the functions of :mod:`kvbridge.blocks`, which give any other
+  transport descriptor arrays through ``submit``.
+
+**Blocking.** ``submit``, ``poll``, ``attest`` and ``get_notifications`` never block;
+``register_memory``, ``add_peer`` (it proves the peer over the network) and ``close`` may;
+``wait`` blocks by design.
+
+**Thread safety.** Every method may be called from any thread; implementations serialise access
+to their native library as needed. A handle's done callbacks run on whichever thread settles it.
+
+The benches' contract with a backend package (entry-point group ``kvbridge.bench_hooks``) is
+declared here too: :class:`BenchHook`, with :class:`RawResponderHook` and :class:`BlockCostHook`
+as optional extras; :func:`kvbridge.registry.bench_hook` checks it.
 """
+
 
 from __future__ import annotations
 
@@ -45,24 +71,36 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.errors import DescriptorError, TransferFailed, TransferTimeout, TransportClosed
+from kvbridge.errors import (
+    ConfigError,
+    DescriptorError,
+    TransferFailed,
+    TransferTimeout,
+    TransportClosed,
+)
 from kvbridge.identity import PROOF_BYTES
 
 __all__ = [
+    "BenchHook",
+    "BlockCostHook",
     "Capabilities",
     "HandleState",
     "MemoryRegion",
+    "Notifying",
     "Op",
     "PROOF_BYTES",
+    "RawResponderHook",
     "Transport",
     "TransferHandle",
     "as_descriptors",
+    "check_notification",
     "check_within",
+    "notifying",
 ]
 
 DescriptorArray = npt.NDArray[np.int64]
@@ -118,7 +156,8 @@ _handle_ids = itertools.count(1)
 
 @dataclass(eq=False)
 class TransferHandle:
-    """A posted transfer. ``state`` and ``error`` are updated by the transport only."""
+    """A posted transfer. Only the transport that posted it settles it, through
+    :meth:`succeed` or :meth:`fail`; everyone else reads ``state`` and ``error``."""
 
     op: Op
     peer: str
@@ -142,8 +181,19 @@ class TransferHandle:
         if self.done_event.is_set():
             fn()
 
-    def _finish(self, state: HandleState, error: str | None = None) -> None:
-        """Record a terminal state (transport implementations call this exactly once)."""
+    def succeed(self) -> None:
+        """Mark the transfer DONE: every byte landed (and a notification given to ``submit`` was
+        delivered). The transport that owns the handle calls :meth:`succeed` or :meth:`fail`
+        exactly once; it wakes :meth:`Transport.wait` and runs the done callbacks on the
+        calling thread."""
+        self._settle(HandleState.DONE, None)
+
+    def fail(self, error: str) -> None:
+        """Mark the transfer FAILED with ``error`` (one line for logs and :class:`TransferFailed`):
+        no byte of it may be trusted. Same rules as :meth:`succeed`."""
+        self._settle(HandleState.FAILED, error)
+
+    def _settle(self, state: HandleState, error: str | None) -> None:
         self.error = error
         self.finished = time.perf_counter()
         self.state = state
@@ -201,6 +251,83 @@ def check_within(
         raise DescriptorError(
             f"{what} descriptor #{bad} [0x{addr:x}, +{length}) is outside registered memory"
         )
+
+
+@runtime_checkable
+class Notifying(Protocol):
+    """Optional protocol: short messages between peers, ordered per peer (module docstring).
+
+    A :class:`Transport` offers it by defining both methods; nothing needs to be declared.
+    """
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer``. Raises :class:`UnknownPeer`, :class:`DescriptorError`
+        for a message that is not bytes, :class:`TransportClosed`; may block only while a
+        bounded outbound queue is full."""
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """Drain and return ``(peer name, message)`` pairs received so far (non-blocking)."""
+
+
+def notifying(transport: object) -> Notifying:
+    """``transport`` as a :class:`Notifying`, for code that relies on notifications; raises
+    :class:`ConfigError` naming the transport and the missing method otherwise."""
+    if isinstance(transport, Notifying):
+        return transport
+    missing = [m for m in ("send_notification", "get_notifications")
+               if not callable(getattr(transport, m, None))]
+    name = getattr(transport, "name", type(transport).__name__)
+    raise ConfigError(f"transport {name!r} carries no notifications (no {', '.join(missing)}); "
+                      "this needs a backend that does (kvbridge.transport.Notifying)")
+
+
+def check_notification(transport: object, notification: bytes | None) -> None:
+    """Refuse a notification attached to a transfer unless it is bytes and ``transport`` is
+    :class:`Notifying` (:class:`DescriptorError`, before anything is posted)."""
+    if notification is None:
+        return
+    if not isinstance(notification, bytes):
+        raise DescriptorError("a notification must be bytes")
+    if not isinstance(transport, Notifying):
+        name = getattr(transport, "name", type(transport).__name__)
+        raise DescriptorError(f"transport {name!r} carries no notifications: post the transfer "
+                              "without one")
+
+
+@runtime_checkable
+class BenchHook(Protocol):
+    """What a backend package offers the benches: the module its ``kvbridge.bench_hooks`` entry
+    point names (:func:`kvbridge.registry.bench_hook` checks it).
+
+    ``raw_session(total_bytes, seed)`` returns the backend's library alone, without kvbridge, as
+    an object with ``reset(op, block_bytes)``, ``run(op, block_bytes) -> seconds``,
+    ``verify(op, block_bytes)`` and ``close()``, and optionally ``prepare(op, block_bytes)``
+    (build ahead) and ``shared`` (it moves the bench's own buffers); a session that takes keyword
+    arguments also gets the backend's options and, with a :class:`RawResponderHook`, ``peer`` and
+    ``local`` (``kvbridge bench transfer``, docs/benchmarks.md). Blocking.
+    """
+
+    def raw_session(self, total_bytes: int, seed: int = 0) -> Any:
+        """A raw-library session over ``total_bytes`` of blocks seeded with ``seed``."""
+
+
+@runtime_checkable
+class RawResponderHook(Protocol):
+    """Optional bench extra: the raw library alone over memory the caller owns, the far side of
+    a shared raw session (an object with ``metadata``, ``drain()`` and ``close()``)."""
+
+    def raw_responder(self, address: int, nbytes: int, **options: Any) -> Any:
+        """A responder over ``nbytes`` at ``address``."""
+
+
+@runtime_checkable
+class BlockCostHook(Protocol):
+    """Optional bench extra: kvbridge's per-transfer work on the block path next to the
+    library's own request creation (``kvbridge bench descriptors``)."""
+
+    def block_cost(self, planes: int, num_blocks: int, cases: Any, reps: int,
+                   **options: Any) -> dict[str, list[tuple[float, float, float]]]:
+        """Per case, ``reps`` samples of (seconds, seconds, seconds)."""
 
 
 class Transport(ABC):
@@ -314,8 +441,7 @@ class Transport(ABC):
             raise DescriptorError(
                 f"descriptor #{bad} lengths differ: {loc[bad, 1]} local, {rem[bad, 1]} remote"
             )
-        if notification is not None and not isinstance(notification, bytes):
-            raise DescriptorError("a notification must be bytes")
+        check_notification(self, notification)
         return self._submit(op, peer, loc, rem, notification)
 
     @abstractmethod
@@ -329,9 +455,14 @@ class Transport(ABC):
     ) -> TransferHandle:
         """Post validated descriptors (see :meth:`submit`)."""
 
-    @abstractmethod
     def poll(self, handle: TransferHandle) -> HandleState:
-        """Non-blocking progress check; returns the handle's state."""
+        """Non-blocking progress check; returns the handle's state.
+
+        The default suits a transport whose own threads settle handles (:meth:`TransferHandle.
+        succeed` / :meth:`~TransferHandle.fail`): it returns ``handle.state``. A transport whose
+        native library must be asked (NIXL) overrides it and settles the handle from here.
+        """
+        return handle.state
 
     def wait(self, handle: TransferHandle, timeout: float | None = None) -> HandleState:
         """Block until ``handle`` is terminal; raise :class:`TransferTimeout` after ``timeout``.
@@ -370,16 +501,6 @@ class Transport(ABC):
         if self.wait(handle, timeout) is HandleState.FAILED:
             raise TransferFailed(handle.error or f"{op.value} to {peer!r} failed")
         return handle
-
-    # -- notifications --------------------------------------------------------------------------
-
-    @abstractmethod
-    def send_notification(self, peer: str, message: bytes) -> None:
-        """Send a short message to ``peer``; ordered per peer. Raises :class:`UnknownPeer`."""
-
-    @abstractmethod
-    def get_notifications(self) -> list[tuple[str, bytes]]:
-        """Drain and return ``(peer name, message)`` pairs received so far (non-blocking)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -27,12 +27,8 @@ from kvbridge.errors import (
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
-from kvbridge.transports.compose import (
-    MAX_MEMBERS,
-    ComposeMetadata,
-    ComposeTransport,
-    parse_members,
-)
+from kvbridge.transports.compose import ComposeTransport
+from kvbridge.transports.compose_spec import MAX_MEMBERS, ComposeMetadata, parse_members
 from kvbridge.transports.memory import MemoryTransport
 
 pytestmark = [pytest.mark.timeout(60)]

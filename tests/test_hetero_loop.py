@@ -361,7 +361,10 @@ class _FinishesWhilePolled(Transport):
         if inner is None:
             return handle.state
         self.inner.wait(inner, 10)
-        handle._finish(inner.state, inner.error)  # finishes just after the poller looked
+        if inner.state is HandleState.DONE:  # finishes just after the poller looked
+            handle.succeed()
+        else:
+            handle.fail(inner.error or "transfer failed")
         self.raced += 1
         return HandleState.PENDING
 

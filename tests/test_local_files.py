@@ -42,7 +42,7 @@ from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import OffloadPlan, StoreOrder
 from kvbridge.offload.tier import TierContext
 from kvbridge.offload.tiers.disk import SUFFIX, DiskTier
-from kvbridge.testing.tiers import CHUNK, chunk_of
+from kvbridge.testing.conformance import CHUNK, chunk_of
 from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = pytest.mark.timeout(120)

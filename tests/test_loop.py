@@ -384,7 +384,10 @@ class _SlowWrites(Transport):
     def release(self) -> None:
         for outer, inner in self.held:
             self.inner.wait(inner, 10)
-            outer._finish(inner.state, inner.error)
+            if inner.state is HandleState.DONE:
+                outer.succeed()
+            else:
+                outer.fail(inner.error or "transfer failed")
         self.held.clear()
 
     def poll(self, handle: TransferHandle) -> HandleState:

@@ -1,4 +1,4 @@
-"""The notification inbox (``kvbridge.transports._notify``): fair limits per sending agent.
+"""The notification inbox (``kvbridge.transports.notify``): fair limits per sending agent.
 
 Issue 25 item 5: the inbox's bounds were global and the newest message was dropped when full,
 so one sender could fill it for every other.
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvbridge.transports._notify import NotificationInbox, NotificationSender
+from kvbridge.transports.notify import NotificationInbox, NotificationSender
 
 KIB = 1024
 

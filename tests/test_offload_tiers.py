@@ -13,7 +13,7 @@ from kvbridge import registry
 from kvbridge.errors import BackendNotFound, ConfigError
 from kvbridge.offload.tier import Tier, TierContext
 from kvbridge.offload.tiers.disk import DiskTier
-from kvbridge.testing.tiers import CHUNK, TierConformance, chunk_of
+from kvbridge.testing.conformance import CHUNK, TierConformance, chunk_of
 
 
 class TestDramConformance(TierConformance):

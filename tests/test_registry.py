@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import BackendNotFound, BackendUnavailable, ConfigError, KVBridgeError
-from kvbridge.transport import Transport
+from kvbridge.transport import BenchHook, BlockCostHook, RawResponderHook, Transport
 
 
 def test_shm_is_listed_and_loads() -> None:
@@ -110,3 +110,33 @@ def test_status_survives_broken_plugins(monkeypatch: pytest.MonkeyPatch) -> None
     assert not rows["ghost"].loadable and "kvbridge_no_such_module_xyz" in rows["ghost"].detail
     assert not rows["broken"].loadable and "NoSuchTransport" in rows["broken"].detail
     assert rows["shm"].loadable
+
+
+def _fake_bench_hooks(monkeypatch: pytest.MonkeyPatch, **targets: str) -> None:
+    """Bench-hook entry points (``kvbridge.bench_hooks``) of fake backends, next to the real."""
+    registry_entry_points = registry._entry_points
+    fake = {n: EntryPoint(name=n, value=v, group=registry.BENCH_GROUP)
+            for n, v in targets.items()}
+
+    def entry_points(group: str = registry.GROUP) -> dict[str, Any]:
+        real = registry_entry_points(group)
+        return {**real, **fake} if group == registry.BENCH_GROUP else real
+
+    monkeypatch.setattr(registry, "_entry_points", entry_points)
+
+
+def test_bench_hook_of_shm_is_a_bench_hook_without_extras() -> None:
+    hook = registry.bench_hook("shm")
+    assert isinstance(hook, BenchHook)
+    assert not isinstance(hook, RawResponderHook) and not isinstance(hook, BlockCostHook)
+    assert registry.bench_hook("memory") is None  # no entry point: no raw column
+
+
+def test_bench_hook_without_raw_session_names_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_bench_hooks(monkeypatch, hollow="kvbridge.errors", ghost="kvbridge_no_such_module_xyz")
+    with pytest.raises(BackendUnavailable, match=r"'hollow' \(kvbridge.errors\) has no "
+                                                 r"raw_session\(\).*BenchHook"):
+        registry.bench_hook("hollow")
+    with pytest.raises(BackendUnavailable, match="kvbridge_no_such_module_xyz"):
+        registry.bench_hook("ghost")

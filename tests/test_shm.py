@@ -27,7 +27,7 @@ from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.messages import Codec
 from kvbridge.testing.peer import PeerProcess, collect_notifications
 from kvbridge.transport import PROOF_BYTES, HandleState, MemoryRegion, Op
-from kvbridge.transports._notify import NotificationSender
+from kvbridge.transports.notify import NotificationSender
 from kvbridge.transports.shm import (
     DEFAULT_THREADS,
     IOV_MAX,

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("lmcache", reason="lmcache is not installed (see docs/backends/lmcache.md)")
 
-from kvbridge.testing.tiers import TierConformance  # noqa: E402
+from kvbridge.testing.conformance import TierConformance  # noqa: E402
 
 
 class TestLMCacheConformance(TierConformance):
@@ -30,7 +30,7 @@ class TestLMCacheDiskConformance(TierConformance):
 def _disk_tier(tmp_path: Path) -> Any:
     from kvbridge import registry
     from kvbridge.offload.tier import TierContext
-    from kvbridge.testing.tiers import CHUNK
+    from kvbridge.testing.conformance.tier import CHUNK
 
     cls = registry.load_tier_class("lmcache")
     return cls(TierContext("lmcache", CHUNK, "drain", {
@@ -60,7 +60,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_close_waits_for_disk_writes_before_destroying(tmp_path: Path, slow_disk: Any) -> None:
     """LMCache frees its CPU memory before its disk backend stops: destroying the engine under
     a write in flight crashed the process (SIGSEGV in CI). close() must drain them first."""
-    from kvbridge.testing.tiers import _keys, chunk_of
+    from kvbridge.testing.conformance.tier import _keys, chunk_of
 
     tier = _disk_tier(tmp_path)
     seen: list[int] = []
@@ -85,7 +85,7 @@ def test_close_leaves_a_stuck_engine_open_instead_of_crashing(
         caplog: pytest.LogCaptureFixture) -> None:
     import kvbridge_lmcache
 
-    from kvbridge.testing.tiers import _keys, chunk_of
+    from kvbridge.testing.conformance.tier import _keys, chunk_of
 
     monkeypatch.setattr(kvbridge_lmcache, "_DRAIN_S", 0.2)
     tier = _disk_tier(tmp_path)

@@ -26,7 +26,7 @@ import pytest
 from kvbridge import registry
 from kvbridge.errors import BackendUnavailable, ConfigError
 from kvbridge.offload.tier import Tier, TierContext, TierError
-from kvbridge.testing.tiers import CHUNK, TierConformance, chunk_of
+from kvbridge.testing.conformance import CHUNK, TierConformance, chunk_of
 from kvbridge.tools.mooncake_master import (  # noqa: F401 - the fixture
     MooncakeMaster,
     free_port,
@@ -162,7 +162,7 @@ def test_dead_master_is_a_clear_tier_error_within_seconds(how: str) -> None:
 ENGINE = r"""
 import json, os, sys, time
 from kvbridge.offload.tier import TierContext
-from kvbridge.testing.tiers import chunk_of
+from kvbridge.testing.conformance.tier import chunk_of
 from kvbridge_mooncake.store import MooncakeStoreTier
 
 cfg = json.loads(sys.argv[1])

@@ -64,7 +64,7 @@ def _import() -> tuple[Any, Any, Any, Any, Any]:
 
 
 def _connector_class(base: Any, torch: Any) -> Any:
-    class _ChunkConnector(base):  # type: ignore[misc, valid-type]
+    class _ChunkConnector(base):  # type: ignore[misc]
         """LMCache's GPU-connector interface over host tensors: ``kvcaches`` is one chunk."""
 
         def __init__(self, shape: tuple[int, ...]) -> None:

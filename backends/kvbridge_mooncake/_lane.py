@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.transport import HandleState, Op, TransferHandle
-from kvbridge.transports._notify import NotificationSender
+from kvbridge.transport import Op, TransferHandle
+from kvbridge.transports.notify import NotificationSender
 from kvbridge_mooncake._engine import engine_transfer_timeout_s, is_bad_batch_id
 
 __all__ = ["Job", "Lane"]
@@ -119,14 +119,14 @@ class Lane:
                 except Exception as exc:  # never leave a handle pending
                     log.exception("mooncake lane %s: unexpected error", self.peer)
                     if not job.handle.state.terminal:
-                        job.handle._finish(HandleState.FAILED, f"internal error: {exc!r}")
+                        job.handle.fail(f"internal error: {exc!r}")
         finally:
             self.outbox.close()
 
     def _execute(self, job: Job) -> None:
         h = job.handle
         if self._closing():
-            h._finish(HandleState.FAILED, f"mooncake transport closed before {h.op.value} started")
+            h.fail(f"mooncake transport closed before {h.op.value} started")
             return
         error = self._move(job)
         if error is None and job.notification is not None:
@@ -135,14 +135,14 @@ class Lane:
             except KVBridgeError as exc:
                 error = f"{h.op.value} completed but its notification failed: {exc}"
         if error is None:
-            h._finish(HandleState.DONE)
+            h.succeed()
             log.debug(
                 "mooncake %s #%d: %d bytes in %d descriptors with %s in %.3f ms",
                 h.op.value, h.id, h.nbytes, h.count, self.peer,
                 (time.perf_counter() - h.started) * 1e3,
             )
         else:
-            h._finish(HandleState.FAILED, error)
+            h.fail(error)
             log.warning("mooncake %s #%d with %s failed: %s", h.op.value, h.id, self.peer, error)
 
     def _move(self, job: Job) -> str | None:

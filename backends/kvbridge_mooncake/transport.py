@@ -41,7 +41,7 @@ from kvbridge.transport import (
     TransferHandle,
     check_within,
 )
-from kvbridge.transports._notify import NotificationInbox, NotificationSender
+from kvbridge.transports.notify import NotificationInbox, NotificationSender
 from kvbridge.transports.proofs import ProofBoard, check_proof
 from kvbridge_mooncake import _engine
 from kvbridge_mooncake._lane import Job, Lane

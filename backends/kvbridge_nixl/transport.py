@@ -30,8 +30,17 @@ Contract (on top of :mod:`kvbridge.transport`'s):
 * Thread safety: NIXL is not guaranteed thread-safe; every agent call holds one lock.
   NIXL completes a transfer (and sends its notification) only when the initiator checks its
   state, so a kvbridge progress thread polls in-flight handles (interval 1/32 of their age,
-  20 µs – 1 ms; asleep when nothing is in flight) and sets each handle's event; :meth:`wait`
-  sleeps on that event.
+  20 µs – 1 ms; asleep when nothing is in flight) and settles each handle; :meth:`wait`
+  sleeps on its event.
+* Notifications (:class:`~kvbridge.transport.Notifying`) are NIXL's own ``send_notif`` /
+  ``get_new_notifs``.
+
+Modules, by job: this one (construction, memory, the handshake, the entry points of both data
+paths, notifications, close); :mod:`kvbridge_nixl._peer` (metadata, peer state, error mapping);
+:mod:`kvbridge_nixl._requests` (building NIXL requests, the descriptor lists they index);
+:mod:`kvbridge_nixl._progress` (posting, the progress thread, poll and wait);
+:mod:`kvbridge_nixl._agent` (options and the agent), :mod:`kvbridge_nixl._grid`,
+:mod:`kvbridge_nixl._efa`.
 * :meth:`close` refuses new work, waits up to ``timeout`` for posted handles, fails and
   abandons the rest (posted RDMA cannot be aborted), then releases prepared lists, memory
   registrations, remote agents and the agent. Idempotent.
@@ -44,12 +53,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from kvbridge.blocks import (
     BlockPair,
@@ -64,17 +71,14 @@ from kvbridge.errors import (
     MessageError,
     PeerForged,
     PeerUnreachable,
-    TransferFailed,
-    TransferTimeout,
     TransportClosed,
     TransportError,
     UnknownPeer,
 )
-from kvbridge.layout import KVLayout, LayoutKey
+from kvbridge.layout import LayoutKey
 from kvbridge.transport import (
     Capabilities,
     DescriptorArray,
-    HandleState,
     MemoryRegion,
     Op,
     TransferHandle,
@@ -83,7 +87,17 @@ from kvbridge.transport import (
 from kvbridge.transports.proofs import ProofBoard, check_proof
 from kvbridge_nixl._agent import NixlOptions, create_agent, import_nixl
 from kvbridge_nixl._efa import detect_efa_devices, efa_advice
-from kvbridge_nixl._grid import Grid, granule_of, region_table
+from kvbridge_nixl._peer import (
+    METADATA_VERSION,
+    NixlPeerInfo,
+    PeerState,
+    PreparedPair,
+    info_decoder,
+    info_encoder,
+    translate,
+)
+from kvbridge_nixl._progress import Progress
+from kvbridge_nixl._requests import I32
 
 NIXL_INIT = "NIXL_INIT_AGENT"
 
@@ -91,93 +105,12 @@ __all__ = ["NixlTransport", "NixlPeerInfo"]
 
 log = logging.getLogger("kvbridge.transport.nixl")
 
-METADATA_VERSION = 2
-I32 = npt.NDArray[np.int32]
-I64 = npt.NDArray[np.int64]
-_MAX_GRIDS = 4
-_AUTO_GRANULE_CAP = 64 << 10
-_AUTO_GRANULE_MIN = 1 << 10
 _MAX_LAYOUT_DLISTS = 16
-#: the block path posts coalesced ranges directly when runs <= blocks / this
-_DIRECT_RUN_FACTOR = 4
 #: bound of the proof-board READ of a handshake (UCX connects on the first transfer)
 _BOARD_TIMEOUT_S = 10.0
 
 
-class NixlPeerInfo(msgspec.Struct, frozen=True, tag="kvbridge-nixl"):
-    """What :meth:`NixlTransport.register_memory` returns (msgpack): a peer's metadata."""
-
-    version: int
-    agent: str
-    mem_type: str
-    regions: list[tuple[int, int, int]]
-    nixl: bytes
-    #: ``(address, length)`` of the agent's proof board (host DRAM, registered with NIXL, not
-    #: part of ``regions``: :class:`kvbridge.transports.proofs.ProofBoard`)
-    board: tuple[int, int] = (0, 0)
-
-
-_info_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)
-_info_encoder = msgspec.msgpack.Encoder()
-
-
-@dataclass
-class _Peer:
-    name: str
-    regions: list[tuple[int, int, int]]
-    mem_type: str
-    grids: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # granule -> dlist handle
-    inflight: int = 0
-    removed: bool = False
-
-
-@dataclass(eq=False)
-class _Prepared:
-    """Native state of a prepared block pair."""
-
-    peer: _Peer
-    local: Any  # prepared dlist handle of the local layout (shared, see _layout_dlists)
-    remote: Any  # prepared dlist handle of the remote layout (this pair's own)
-
-
-def _strided(layout: KVLayout) -> I64:
-    """NIXL's compressed list over every block of every plane: rows (address, block bytes,
-    device, stride, count); entry ``plane * num_blocks + block``."""
-    t = layout.plane_table
-    out = np.empty((t.shape[1], 5), dtype=np.int64)
-    out[:, 0], out[:, 1], out[:, 2] = t[0], t[2], layout.device
-    out[:, 3], out[:, 4] = t[1], layout.num_blocks
-    return out
-
-
-def _indices(planes: I64 | None, total: int, num_blocks: int, ids: I64, out: I32) -> I32:
-    """Entries ``plane * num_blocks + id`` of a strided list, plane-major, as int32, written
-    into ``out`` (at least planes × ids long); returns the used part."""
-    first = np.arange(total, dtype=np.int32) if planes is None else planes.astype(np.int32)
-    first *= np.int32(num_blocks)
-    used = out[: first.size * ids.size].reshape(first.size, ids.size)
-    np.add(first[:, None], ids.astype(np.int32)[None, :], out=used)
-    return used.reshape(-1)
-
-
-def _what(op: Op, nbytes: int, peer: str) -> str:
-    return f"{op.value} of {nbytes} bytes with peer {peer!r}"
-
-
-def _translate(exc: BaseException, what: str, peer: str | None = None) -> KVBridgeError:
-    """Map a native NIXL exception to kvbridge's error tree."""
-    kind = type(exc).__name__
-    text = f"{what}: NIXL {kind} ({exc})"
-    if kind == "nixlRemoteDisconnectError":
-        return PeerUnreachable(text)
-    if kind == "nixlNotFoundError" and peer is not None:
-        return UnknownPeer(f"{text}; is peer {peer!r} added?")
-    if kind in ("nixlMismatchError", "nixlInvalidParamError"):
-        return MessageError(text)
-    return TransferFailed(text)
-
-
-class NixlTransport(BlockTransport):
+class NixlTransport(Progress, BlockTransport):
     """kvbridge Transport over NIXL; see the module docstring for the contract."""
 
     name: ClassVar[str] = "nixl"
@@ -200,13 +133,13 @@ class NixlTransport(BlockTransport):
         except Exception as exc:
             raise TransportError(f"NIXL could not register the proof board: {exc!r}") from exc
         self._mem_type: str | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._retired_peers: list[_Peer] = []
+        self._peers: dict[str, PeerState] = {}
+        self._retired_peers: list[PeerState] = []
         self._local_grids: OrderedDict[int, Any] = OrderedDict()
         self._layout_dlists: OrderedDict[LayoutKey, Any] = OrderedDict()
         self._scratch: I32 = np.empty(0, dtype=np.int32)  # index arrays, see _block_args
         self._retired_dlists: list[Any] = []
-        self._inflight: dict[int, tuple[TransferHandle, _Peer]] = {}
+        self._inflight: dict[int, tuple[TransferHandle, PeerState]] = {}
         self._ahead = 0  # requests made ahead (prepare_request), not yet posted or discarded
         self._closing = False
         self._cv = threading.Condition(self._lock)
@@ -289,7 +222,7 @@ class NixlTransport(BlockTransport):
             )
         log.debug("nixl %r registered %d region(s), %d total", self.agent_name, len(new),
                   len(self._regions))
-        return _info_encoder.encode(info)
+        return info_encoder.encode(info)
 
     def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
         """Write ``proof`` on this agent's proof board, where the dialler READs it."""
@@ -300,7 +233,7 @@ class NixlTransport(BlockTransport):
         (else :class:`PeerForged`; the agent is unloaded, with any earlier peer of that name)."""
         proof = check_proof(proof)
         try:
-            info = _info_decoder.decode(metadata)
+            info = info_decoder.decode(metadata)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
             raise MessageError(f"malformed nixl peer metadata: {exc}") from exc
         if info.version != METADATA_VERSION:
@@ -341,7 +274,7 @@ class NixlTransport(BlockTransport):
                     retired.removed = False  # re-added before its deferred removal ran
                     self._retire(retired.grids)
             self._retired_peers = [p for p in self._retired_peers if p.name != name]
-            self._peers[name] = _Peer(name, list(info.regions), info.mem_type)
+            self._peers[name] = PeerState(name, list(info.regions), info.mem_type)
         self._forget_blocks(name)
         log.info("nixl %r added peer %r (%d region(s))", self.agent_name, name, len(info.regions))
         return name
@@ -427,30 +360,15 @@ class NixlTransport(BlockTransport):
             if local.shape[0] == 0:
                 if notification is not None:
                     self._notify(peer, notification)
-                handle._finish(HandleState.DONE)
+                handle.succeed()
                 return handle
             self._track(handle, state, *self._post(op, state, local, remote,
                                                    notification or b""))
         return handle
 
-    def _track(self, handle: TransferHandle, state: _Peer, native: Any, status: str) -> None:
-        """Book a posted transfer (``status`` from :meth:`_start`): finish it at once where NIXL
-        completed it inside ``transfer``, else poll it once (holding the lock)."""
-        handle.native = native
-        state.inflight += 1
-        self._inflight[handle.id] = (handle, state)
-        if status == "DONE":
-            self._settle(handle)
-            handle._finish(HandleState.DONE)
-            return
-        self._poll_locked(handle)
-        if not handle.state.terminal:
-            self._ensure_progress()
-            self._cv.notify_all()
-
     # -- block path -----------------------------------------------------------------------------
 
-    def _prepare_blocks(self, pair: BlockPair) -> _Prepared:
+    def _prepare_blocks(self, pair: BlockPair) -> PreparedPair:
         """Check both layouts against registered memory; prepare the remote layout's list (and
         the local one's, unless cached). Blocking (one or two ``prep_xfer_dlist``)."""
         for layout in (pair.local, pair.remote):
@@ -477,17 +395,9 @@ class NixlTransport(BlockTransport):
             except KVBridgeError:
                 raise
             except Exception as exc:
-                raise _translate(exc, f"preparing blocks for peer {pair.peer!r}", pair.peer) \
+                raise translate(exc, f"preparing blocks for peer {pair.peer!r}", pair.peer) \
                     from exc
-        return _Prepared(state, local, remote)
-
-    def _prep(self, agent: str, layout: KVLayout, mem: str) -> Any:
-        t0 = time.perf_counter()
-        handle = self._agent.prep_xfer_dlist(agent, _strided(layout), mem)
-        self.stats["block_dlists"] += 1
-        log.debug("nixl: prepared %d planes x %d blocks for %s in %.2f ms", len(layout.planes),
-                  layout.num_blocks, agent, (time.perf_counter() - t0) * 1e3)
-        return handle
+        return PreparedPair(state, local, remote)
 
     def _submit_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
                        notification: bytes | None) -> TransferHandle:
@@ -497,7 +407,7 @@ class NixlTransport(BlockTransport):
             if req.count == 0:  # no ids, or none with a plane to move in
                 if notification is not None:
                     self._notify(pair.peer, notification)
-                handle._finish(HandleState.DONE)
+                handle.succeed()
                 return handle
             self._track(handle, state, *self._post_blocks(op, pair, req, notification or b""))
         return handle
@@ -519,6 +429,8 @@ class NixlTransport(BlockTransport):
         return native, state, TransferHandle(op, pair.peer, req.nbytes, req.count)
 
     def _post_prepared(self, prep: PreparedRequest, native: Any) -> TransferHandle:
+        state: PeerState
+        handle: TransferHandle
         xfer, state, handle = native
         pair, req = prep.pair, prep.req
         handle.started = time.perf_counter()  # made ahead with the request: posted now
@@ -541,7 +453,7 @@ class NixlTransport(BlockTransport):
                 self._release(xfer)
                 self._after_release()
 
-    def _unprepare(self, state: _Peer) -> None:
+    def _unprepare(self, state: PeerState) -> None:
         state.inflight -= 1
         self._ahead -= 1
 
@@ -549,7 +461,7 @@ class NixlTransport(BlockTransport):
         self._reap_peers()
         self._release_retired()
 
-    def _live_peer(self, pair: BlockPair) -> _Peer:
+    def _live_peer(self, pair: BlockPair) -> PeerState:
         """The pair's peer, still the one it was prepared with (the lock is held)."""
         self._check_open()
         state = self._peers.get(pair.peer)
@@ -563,7 +475,7 @@ class NixlTransport(BlockTransport):
         try:
             return self._make_blocks(op, pair, self._block_args(pair, req), notif)
         except Exception as exc:
-            raise _translate(exc, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
+            raise translate(exc, f"{op.value} of {req.nbytes} bytes with peer {pair.peer!r}",
                              pair.peer) from exc
 
     def _post_blocks(self, op: Op, pair: BlockPair, req: BlockRequest,
@@ -572,49 +484,8 @@ class NixlTransport(BlockTransport):
         native = self._make_request(op, pair, req, notif)
         return native, self._start(native, op, req.nbytes, pair.peer)
 
-    def _block_args(self, pair: BlockPair, req: BlockRequest) -> tuple[bool, I64 | I32,
-                                                                        I64 | I32]:
-        """What NIXL gets for ``req`` (kvbridge's own per-transfer work, no NIXL call; the
-        lock is held): ``(True, ranges, ranges)`` — the coalesced ``(N, 3)`` ranges, when the
-        ids form long runs — or ``(False, indices, indices)`` into the prepared lists.
-
-        The index arrays live in one scratch buffer reused by every transfer: NIXL resolves
-        the indices inside ``make_prepped_xfer`` and keeps none of them, and fresh arrays of
-        this size fault their pages in again after NIXL's own frees (~240 faults per scattered
-        16k-token request, measured)."""
-        if req.runs * _DIRECT_RUN_FACTOR <= req.blocks:
-            loc, rem = req.descriptors(pair)
-            return True, loc, rem
-        total = len(pair.local.planes)
-        n = req.entries  # one index per plane and id, runs or not
-        if self._scratch.size < 2 * n:
-            self._scratch = np.empty(2 * n, dtype=np.int32)
-        at = 0
-        for p in req.parts:
-            m = p.plane_count * p.blocks
-            _indices(p.planes, total, pair.local.num_blocks, p.local_ids,
-                     self._scratch[at:at + m])
-            _indices(p.planes, total, pair.remote.num_blocks, p.remote_ids,
-                     self._scratch[n + at:n + at + m])
-            at += m
-        return False, self._scratch[:n], self._scratch[n:2 * n]
-
-    def _make_blocks(self, op: Op, pair: BlockPair, args: tuple[bool, I64 | I32, I64 | I32],
-                     notif: bytes) -> Any:
-        """The NIXL request for :meth:`_block_args`' output (native calls only; lock held)."""
-        prep: _Prepared = pair.native
-        direct, local, remote = args
-        if direct:
-            self.stats["block_direct"] += 1
-            return self._agent.initialize_xfer(
-                op.value, self._agent.get_xfer_descs(local, self._mem_type or "DRAM"),
-                self._agent.get_xfer_descs(remote, prep.peer.mem_type), pair.peer, notif)
-        self.stats["block_prepped"] += 1
-        return self._agent.make_prepped_xfer(op.value, prep.local, local, prep.remote, remote,
-                                             notif)
-
     def _release_blocks(self, pair: BlockPair) -> None:
-        prep: _Prepared | None = pair.native
+        prep: PreparedPair | None = pair.native
         if prep is None:
             return
         with self._lock:
@@ -622,224 +493,6 @@ class NixlTransport(BlockTransport):
                 return
             self._retired_dlists.append(prep.remote)
             self._release_retired()
-
-    def _ensure_progress(self) -> None:
-        if self._progress is None:
-            self._progress = threading.Thread(
-                target=self._progress_loop, name=f"kvbridge-nixl-{self.agent_name}", daemon=True
-            )
-            self._progress.start()
-
-    def _progress_loop(self) -> None:
-        """Poll in-flight handles until the transport closes; sleeps while nothing is in flight.
-
-        NIXL (UCX) completes a transfer, and sends its notification, only when the initiator
-        checks its state; this thread does that so notifications flow even if nobody polls.
-        The poll interval is 1/32 of the oldest transfer's age, between 20 µs and 1 ms, so a
-        waiter learns of completion at most ~3 % late, and nothing is polled while idle.
-        """
-        with self._cv:
-            while self._agent is not None and not (self._closed and not self._inflight):
-                if not self._inflight:
-                    self._cv.wait()
-                    continue
-                for handle, _ in list(self._inflight.values()):
-                    self._poll_locked(handle)
-                if self._inflight:
-                    oldest = min(h.started for h, _ in self._inflight.values())
-                    age = time.perf_counter() - oldest
-                    self._cv.wait(min(max(age / 32, 20e-6), 1e-3))
-
-    def _post(
-        self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes
-    ) -> tuple[Any, str]:
-        agent, mem = self._agent, self._mem_type or "DRAM"
-        nbytes = int(local[:, 1].sum())
-        what = _what(op, nbytes, peer.name)
-        try:
-            native = None
-            if self.settings.xfer_mode != "direct":
-                native = self._make_prepped(op, peer, local, remote, notif)
-            if native is None:
-                if self.settings.xfer_mode == "prepped":
-                    log.debug("nixl: descriptors do not fit a prepared grid; posting directly")
-                native = agent.initialize_xfer(
-                    op.value, agent.get_xfer_descs(local, mem),
-                    agent.get_xfer_descs(remote, peer.mem_type), peer.name, notif,
-                )
-                self.stats["direct"] += 1
-            else:
-                self.stats["prepped"] += 1
-        except Exception as exc:
-            raise _translate(exc, what, peer.name) from exc
-        return native, self._start(native, op, nbytes, peer.name)
-
-    def _start(self, native: Any, op: Op, nbytes: int, peer: str) -> str:
-        """``transfer`` a made request: its state, ``"DONE"`` where NIXL completed it inside
-        the call (small or local transfers), else ``"PROC"``; release it and raise if NIXL
-        refuses."""
-        try:
-            status: str = self._agent.transfer(native)
-        except Exception as exc:
-            self._release(native)
-            raise _translate(exc, _what(op, nbytes, peer), peer) from exc
-        if status == "ERR":
-            self._release(native)
-            raise TransferFailed(f"{_what(op, nbytes, peer)}: NIXL refused to post the transfer "
-                                 "(ERR)")
-        return status
-
-    def _make_prepped(
-        self, op: Op, peer: _Peer, local: DescriptorArray, remote: DescriptorArray, notif: bytes
-    ) -> Any:
-        """A transfer over prepared grids, or ``None`` if the descriptors do not fit one."""
-        granule = self._pick_granule(peer, local, remote)
-        if granule is None:
-            return None
-        lgrid_h, lgrid = self._grid(self._local_grids, "NIXL_INIT_AGENT", self._regions,
-                                    self._mem_type or "DRAM", granule)
-        rgrid_h, rgrid = self._grid(peer.grids, peer.name, peer.regions, peer.mem_type, granule)
-        lidx, ridx = lgrid.indices(local), rgrid.indices(remote)
-        if lidx is None or ridx is None or lidx.size != ridx.size:
-            return None
-        return self._agent.make_prepped_xfer(op.value, lgrid_h, lidx, rgrid_h, ridx, notif)
-
-    def _pick_granule(
-        self, peer: _Peer, local: DescriptorArray, remote: DescriptorArray
-    ) -> int | None:
-        if self.settings.granule:
-            g = self.settings.granule
-        else:
-            common = np.gcd(granule_of(local, region_table(self._regions)),
-                            granule_of(remote, region_table(peer.regions)))
-            if common <= 0:
-                return None
-            cached = [k for k in peer.grids if common % k == 0 and k in self._local_grids]
-            if cached:
-                return max(cached)
-            g = min(int(common) & -int(common), _AUTO_GRANULE_CAP)  # largest power of two
-            if g < _AUTO_GRANULE_MIN:
-                return None
-        limit = self.settings.max_prepped_entries
-        if Grid.entries_for(self._regions, g) > limit or Grid.entries_for(peer.regions, g) > limit:
-            return None
-        return g
-
-    def _grid(
-        self, cache: OrderedDict[int, Any], agent: str, regions: list[tuple[int, int, int]],
-        mem: str, granule: int,
-    ) -> tuple[Any, Grid]:
-        """The prepared dlist handle and grid for ``granule`` (LRU of :data:`_MAX_GRIDS`)."""
-        hit = cache.get(granule)
-        if hit is not None:
-            cache.move_to_end(granule)
-            return hit  # type: ignore[no-any-return]
-        grid = Grid(regions, granule)
-        t0 = time.perf_counter()
-        handle = self._agent.prep_xfer_dlist(agent, grid.descriptors(), mem)
-        self.stats["grids"] += 1
-        log.debug("nixl: prepared %d-entry grid (granule %d) for %s in %.1f ms", grid.size,
-                  granule, agent, (time.perf_counter() - t0) * 1e3)
-        cache[granule] = (handle, grid)
-        while len(cache) > _MAX_GRIDS:
-            _, (old, _) = cache.popitem(last=False)
-            self._retired_dlists.append(old)
-        return handle, grid
-
-    def _retire(self, cache: OrderedDict[int, Any]) -> None:
-        """Drop cached grids; their NIXL handles are released once nothing is in flight."""
-        self._retired_dlists.extend(h for h, _ in cache.values())
-        cache.clear()
-        self._release_retired()
-
-    def _release_retired(self) -> None:
-        if self._inflight or self._ahead or not self._retired_dlists:
-            return
-        for h in self._retired_dlists:
-            try:
-                self._agent.release_dlist_handle(h)
-            except Exception as exc:  # noqa: BLE001 - best effort, logged
-                log.warning("nixl: releasing a prepared descriptor list failed: %r", exc)
-        self._retired_dlists.clear()
-
-    def _reap_peers(self) -> None:
-        """Forget removed peers in NIXL once none of their transfers is in flight."""
-        keep = []
-        for p in self._retired_peers:
-            if p.inflight or not p.removed:
-                keep.append(p)
-                continue
-            self._retire(p.grids)
-            if p.name not in self._peers:
-                try:
-                    self._agent.remove_remote_agent(p.name)
-                except Exception as exc:  # noqa: BLE001 - best effort, logged
-                    log.warning("nixl: remove_remote_agent(%r) failed: %r", p.name, exc)
-        self._retired_peers = keep
-
-    def poll(self, handle: TransferHandle) -> HandleState:
-        if handle.state.terminal:
-            return handle.state
-        with self._lock:
-            return self._poll_locked(handle)
-
-    def _poll_locked(self, handle: TransferHandle) -> HandleState:
-        if handle.state.terminal or handle.id not in self._inflight:
-            return handle.state
-        error: KVBridgeError | None = None
-        try:
-            status = self._agent.check_xfer_state(handle.native)
-        except Exception as exc:
-            status, error = "ERR", _translate(exc, "check_xfer_state", handle.peer)
-        if status == "PROC":
-            return handle.state
-        self._settle(handle)
-        if status == "DONE":
-            handle._finish(HandleState.DONE)
-        else:
-            handle._finish(HandleState.FAILED, str(error) if error else (
-                f"{handle.op.value} of {handle.nbytes} bytes with {handle.peer!r} failed "
-                "(NIXL state ERR: peer gone or network error)"))
-        return handle.state
-
-    def _settle(self, handle: TransferHandle) -> None:
-        """Release a handle that stopped and update the bookkeeping."""
-        _, peer = self._inflight.pop(handle.id)
-        peer.inflight -= 1
-        self._release(handle.native)
-        handle.native = None
-        if peer.removed:
-            self._reap_peers()
-        self._release_retired()
-
-    def _release(self, native: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(native)
-        except Exception as exc:  # noqa: BLE001 - a stuck handle is kept alive by NIXL's list
-            log.warning("nixl: releasing a transfer handle failed: %r", exc)
-
-    def wait(self, handle: TransferHandle, timeout: float | None = None) -> HandleState:
-        """Block until ``handle`` is terminal or raise :class:`TransferTimeout`.
-
-        Sleeps on the handle's event, which the progress thread sets on completion (no polling
-        here beyond a 50 ms safety net).
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            state = self.poll(handle)
-            if state.terminal:
-                return state
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TransferTimeout(
-                    f"{handle.op.value} of {handle.nbytes} bytes with {handle.peer!r} did not "
-                    f"finish within {timeout} s"
-                )
-            with self._lock:
-                if not handle.state.terminal and handle.id in self._inflight:
-                    self._ensure_progress()
-            delay = 0.05 if deadline is None else min(0.05, max(deadline - now, 0.0))
-            handle.done_event.wait(delay)
 
     # -- notifications --------------------------------------------------------------------------
 
@@ -856,7 +509,7 @@ class NixlTransport(BlockTransport):
         try:
             self._agent.send_notif(peer, message)
         except Exception as exc:
-            raise _translate(exc, f"notification to {peer!r}", peer) from exc
+            raise translate(exc, f"notification to {peer!r}", peer) from exc
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         with self._lock:
@@ -865,7 +518,7 @@ class NixlTransport(BlockTransport):
             try:
                 new = self._agent.get_new_notifs()
             except Exception as exc:
-                raise _translate(exc, "get_new_notifs") from exc
+                raise translate(exc, "get_new_notifs") from exc
         out: list[tuple[str, bytes]] = []
         for name, messages in new.items():
             who = name.decode() if isinstance(name, bytes) else str(name)
@@ -897,7 +550,7 @@ class NixlTransport(BlockTransport):
                 if handle.state.terminal:
                     continue
                 self._settle(handle)  # tries to release (= abort); NIXL keeps stuck ones
-                handle._finish(HandleState.FAILED, f"nixl transport {self.agent_name!r} closed "
+                handle.fail(f"nixl transport {self.agent_name!r} closed "
                                f"while the transfer was in flight")
             if pending:
                 log.warning("nixl %r closed with %d transfer(s) still in flight after %.1f s",

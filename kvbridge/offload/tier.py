@@ -4,7 +4,8 @@ A *chunk* is the KV of one block on one worker rank, across all its layers: exac
 ``TierContext.chunk_bytes`` bytes, named by a hex key (:func:`kvbridge.offload.keys.tier_key`).
 Tiers store and return whole chunks; they never see vLLM, block ids or addresses.
 
-Contract every tier implements (the conformance suite :mod:`kvbridge.testing.tiers` checks it):
+Contract every tier implements (the conformance suite :mod:`kvbridge.testing.conformance.tier`
+checks it):
 
 - **Blocking.** Every method may block (disk and network I/O). The manager calls them from its
   own I/O thread, one call at a time, except for tiers that set ``blocking = False`` (their

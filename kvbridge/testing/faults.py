@@ -53,6 +53,7 @@ from kvbridge.transport import (
     Op,
     TransferHandle,
     Transport,
+    notifying,
 )
 
 __all__ = ["FaultyTransport"]
@@ -145,7 +146,7 @@ class FaultyTransport(Transport):
         self.inner.remove_peer(peer)
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
-        return self.inner.get_notifications()
+        return notifying(self.inner).get_notifications()
 
     def _record(self, kind: str, n: int) -> None:
         self.injected.append((kind, n))
@@ -159,7 +160,7 @@ class FaultyTransport(Transport):
             if n in self.drop_notification:
                 self._record("drop_notification", n)
                 return
-            self.inner.send_notification(peer, message)
+            notifying(self.inner).send_notification(peer, message)
 
     def _submit(
         self,
@@ -227,18 +228,18 @@ class FaultyTransport(Transport):
             if left > 0:
                 self._stop.wait(left)
             if p.fail:
-                outer._finish(HandleState.FAILED, f"injected failure of transfer #{p.number}")
+                outer.fail(f"injected failure of transfer #{p.number}")
                 continue
             if state is not HandleState.DONE:
-                outer._finish(HandleState.FAILED, p.inner.error or "transfer failed")
+                outer.fail(p.inner.error or "transfer failed")
                 continue
             if p.notification is not None:
                 try:
-                    self.inner.send_notification(outer.peer, p.notification)
+                    notifying(self.inner).send_notification(outer.peer, p.notification)
                 except Exception as exc:  # noqa: BLE001 - the handle reports it
-                    outer._finish(HandleState.FAILED, f"notification not sent: {exc}")
+                    outer.fail(f"notification not sent: {exc}")
                     continue
-            outer._finish(HandleState.DONE)
+            outer.succeed()
 
     def _wait_inner(self, h: TransferHandle) -> HandleState:
         while True:

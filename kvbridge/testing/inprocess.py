@@ -28,7 +28,7 @@ from typing import Any
 from kvbridge import registry
 from kvbridge.errors import PeerUnreachable
 from kvbridge.testing.peer import U8, PeerMemory, collect_notifications, kv_buffer
-from kvbridge.transport import MemoryRegion, Op, Transport
+from kvbridge.transport import MemoryRegion, Op, Transport, notifying
 
 __all__ = ["InProcessPeer"]
 
@@ -106,7 +106,7 @@ class InProcessPeer:
         return state.value, handle.error
 
     def send_notification(self, peer: str, message: bytes) -> None:
-        self.transport.send_notification(peer, message)
+        notifying(self.transport).send_notification(peer, message)
 
     def notifications(
         self, count: int, timeout: float = 10.0, snapshot: int | None = None

@@ -42,7 +42,7 @@ import numpy.typing as npt
 from kvbridge import errors
 from kvbridge.errors import PeerUnreachable
 from kvbridge.layout import KVLayout
-from kvbridge.transport import MemoryRegion, Op, Transport
+from kvbridge.transport import MemoryRegion, Op, Transport, notifying
 
 __all__ = [
     "Peer",
@@ -87,7 +87,7 @@ def collect_notifications(
     deadline = time.monotonic() + timeout
     delay = 1e-3
     while True:
-        got.extend(transport.get_notifications())
+        got.extend(notifying(transport).get_notifications())
         if len(got) >= count or time.monotonic() >= deadline:
             return got
         time.sleep(delay)
@@ -135,7 +135,7 @@ class _PeerServer:
         return state.value, handle.error
 
     def cmd_send_notification(self, peer: str, message: bytes) -> None:
-        self.transport.send_notification(peer, message)
+        notifying(self.transport).send_notification(peer, message)
 
     def cmd_notifications(
         self, count: int, timeout: float, snapshot: int | None

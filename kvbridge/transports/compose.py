@@ -20,7 +20,8 @@ Contract (on top of :mod:`kvbridge.transport`):
   name and the install hint (the fleet asked for it; silently serving without it would hide a
   broken deployment).
 * **Metadata** is a strict, bounded msgpack envelope: this agent's name and one blob per member
-  (:class:`ComposeMetadata`). A malformed envelope is a :class:`MessageError`.
+  (:class:`~kvbridge.transports.compose_spec.ComposeMetadata`, with the parsing of ``members``
+  in :mod:`kvbridge.transports.compose_spec`). A malformed envelope is a :class:`MessageError`.
 * **Choosing a member per peer** happens in :meth:`add_peer`, from both sides' metadata: the peer
   is loaded into *every* member it shares with us, in our order, and the first member that
   accepts it carries its transfers (``shm`` refuses another host, PID namespace or user with
@@ -36,7 +37,9 @@ Contract (on top of :mod:`kvbridge.transport`):
   again overwrites the same local bytes). A WRITE whose handle FAILED is never retried — some of
   its bytes may have landed in the peer's memory — and its handle ends FAILED with the member's
   name in the error; later transfers move to the next member. Notifications follow the peer's
-  current member; a ``send_notification`` that raises is retried on the next one.
+  current member; a ``send_notification`` that raises is retried on the next one. Compose offers
+  notifications (:class:`~kvbridge.transport.Notifying`) and requires them of its members when
+  they are used.
 * **Transfers by block id** (:class:`~kvbridge.blocks.BlockTransport`): a member prepares the
   pair the first time a transfer of it is posted there (a member failing to prepare is passed
   over like one failing to submit; a layout outside registered memory raises
@@ -62,9 +65,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
-
-import msgspec
+from typing import Any, ClassVar
 
 from kvbridge import registry
 from kvbridge.blocks import BlockPair, BlockRequest, BlockTransport, prepare_blocks, submit_request
@@ -88,115 +89,21 @@ from kvbridge.transport import (
     TransferHandle,
     Transport,
     as_descriptors,
+    notifying,
+)
+from kvbridge.transports.compose_spec import (
+    MemberSpec,
+    decode_metadata,
+    encode_metadata,
+    parse_members,
 )
 
 #: Posts a transfer on member ``index`` and returns the member's handle.
 Poster = Callable[[int], TransferHandle]
 
-__all__ = ["ComposeTransport", "ComposeHandle", "ComposeMetadata", "MemberSpec",
-           "parse_members", "MAX_MEMBERS"]
+__all__ = ["ComposeTransport", "ComposeHandle"]
 
 log = logging.getLogger("kvbridge.transport.compose")
-
-#: Most members one compose transport may have (and a peer's envelope may list).
-MAX_MEMBERS = 8
-_MAX_NAME = 64
-_MAX_BLOB = 8 << 20
-_MAX_ENVELOPE = MAX_MEMBERS * _MAX_BLOB
-_VERSION = 1
-
-
-@dataclass(frozen=True)
-class MemberSpec:
-    """One configured member: its entry-point name, whether it is a transport or a tier, and its
-    own options."""
-
-    name: str
-    kind: Literal["transport", "tier"]
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_members(raw: Any, where: str = "backend_options.members") -> list[MemberSpec]:
-    """Parse a ``members`` list: names or ``{"name": …, options…}`` objects, in order.
-
-    A member is a transport when ``kvbridge.backends`` has the name, else a tier when
-    ``kvbridge.tiers`` has it; ``"kind": "transport" | "tier"`` decides explicitly. Raises
-    :class:`ConfigError` naming the entry (``where[i]``) for anything else: not a list, empty,
-    too many, a bad or unknown name, ``compose`` itself, a duplicate, no transport member.
-    Listing names imports no backend.
-    """
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{where}: the compose backend needs a non-empty list of members, "
-                          f"e.g. [\"shm\", \"nixl\"], got {raw!r}")
-    if len(raw) > MAX_MEMBERS:
-        raise ConfigError(f"{where}: at most {MAX_MEMBERS} members, got {len(raw)}")
-    transports, tiers = set(registry.available()), set(registry.available_tiers())
-    specs: list[MemberSpec] = []
-    for i, item in enumerate(raw):
-        what = f"{where}[{i}]"
-        if isinstance(item, str):
-            item = {"name": item}
-        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"{what}: expected a member name or an object with a 'name'")
-        name = item["name"]
-        if name == "compose":
-            raise ConfigError(f"{what}: a compose backend cannot contain compose")
-        asked = item.get("kind")
-        kind: Literal["transport", "tier"] | None
-        if asked is None:
-            kind = "transport" if name in transports else "tier" if name in tiers else None
-        else:
-            kind = "transport" if asked == "transport" else "tier" if asked == "tier" else None
-        if kind is None or name not in (transports if kind == "transport" else tiers):
-            known = ", ".join(sorted((transports - {"compose"}) | tiers))
-            raise ConfigError(f"{what}: unknown member {name!r} (installed transports and "
-                              f"tiers: {known})")
-        if any(s.name == name for s in specs):
-            raise ConfigError(f"{what}: member {name!r} listed twice")
-        options = {k: v for k, v in item.items() if k not in ("name", "kind")}
-        specs.append(MemberSpec(name, kind, options))
-    if not any(s.kind == "transport" for s in specs):
-        raise ConfigError(f"{where}: no transport member (only tiers: "
-                          f"{', '.join(s.name for s in specs)}); add shm, nixl or mooncake, or "
-                          "use the offload setting alone")
-    return specs
-
-
-class ComposeMetadata(msgspec.Struct, forbid_unknown_fields=True):
-    """What a compose transport tells its peers: its agent name and each member's metadata."""
-
-    v: int
-    agent: str
-    members: list[tuple[str, bytes]]
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(ComposeMetadata)
-
-
-def _decode(blob: bytes) -> ComposeMetadata:
-    if not isinstance(blob, bytes) or not blob:
-        raise MessageError("compose peer metadata is empty")
-    if len(blob) > _MAX_ENVELOPE:
-        raise MessageError(f"compose peer metadata is {len(blob)} bytes (at most {_MAX_ENVELOPE})")
-    try:
-        meta = _decoder.decode(blob)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageError(f"malformed compose peer metadata: {exc}") from exc
-    if meta.v != _VERSION:
-        raise MessageError(f"compose peer metadata field 'v' is {meta.v}, expected {_VERSION}")
-    if not 1 <= len(meta.agent) <= 256:
-        raise MessageError("compose peer metadata field 'agent' must have 1 to 256 characters")
-    if not 1 <= len(meta.members) <= MAX_MEMBERS:
-        raise MessageError(f"compose peer metadata field 'members' must list 1 to {MAX_MEMBERS} "
-                           f"members, got {len(meta.members)}")
-    names = [n for n, _ in meta.members]
-    if len(set(names)) != len(names) or any(not 1 <= len(n) <= _MAX_NAME for n in names):
-        raise MessageError("compose peer metadata field 'members' has a duplicate or bad name")
-    if any(len(b) > _MAX_BLOB for _, b in meta.members):
-        raise MessageError(f"compose peer metadata: a member blob exceeds {_MAX_BLOB} bytes")
-    return meta
-
 
 @dataclass
 class _Member:
@@ -343,9 +250,8 @@ class ComposeTransport(BlockTransport):
         with self._lock:
             self._members = kept
         setattr(self, "capabilities", self._derive())  # noqa: B010
-        return _encoder.encode(ComposeMetadata(
-            _VERSION, self.agent_name,
-            [(m.name, m.metadata) for m in kept if m.metadata is not None]))
+        return encode_metadata(self.agent_name,
+                               [(m.name, m.metadata) for m in kept if m.metadata is not None])
 
     def attest(self, proof: bytes, peer_metadata: bytes | None = None) -> None:
         """Attest ``proof`` in every member, each with the dialler's blob for it (metadata that
@@ -353,7 +259,7 @@ class ComposeTransport(BlockTransport):
         blobs: dict[str, bytes] = {}
         if peer_metadata is not None:
             try:
-                blobs = dict(_decode(peer_metadata).members)
+                blobs = dict(decode_metadata(peer_metadata).members)
             except MessageError:
                 blobs = {}
         for m in self._members:
@@ -364,7 +270,7 @@ class ComposeTransport(BlockTransport):
         member whose peer does not show ``proof`` refuses the whole peer (:class:`PeerForged`):
         its metadata was tampered with."""
         self._check_open()
-        meta = _decode(metadata)
+        meta = decode_metadata(metadata)
         theirs = dict(meta.members)
         names: dict[int, str] = {}
         reasons: list[str] = []
@@ -542,7 +448,7 @@ class ComposeTransport(BlockTransport):
         if state is HandleState.PENDING:
             return state
         if state is HandleState.DONE:
-            handle._finish(HandleState.DONE)
+            handle.succeed()
             return handle.state
         error = f"{m.name}: {handle.inner.error or 'failed'}"
         handle.attempts.append(error)
@@ -555,7 +461,7 @@ class ComposeTransport(BlockTransport):
                 return HandleState.PENDING
             except KVBridgeError as exc:
                 handle.attempts.append(str(exc))
-        handle._finish(HandleState.FAILED, "; ".join(handle.attempts))
+        handle.fail("; ".join(handle.attempts))
         return handle.state
 
     def _event_of(self, handle: TransferHandle) -> threading.Event:
@@ -566,6 +472,8 @@ class ComposeTransport(BlockTransport):
     # -- notifications --------------------------------------------------------------------------
 
     def send_notification(self, peer: str, message: bytes) -> None:
+        """Notify through the peer's current member, then the next ones (:class:`ConfigError`
+        when a member carries no notifications)."""
         self._check_open()
         route = self._route(peer)
         index: int | None = route.active
@@ -573,7 +481,7 @@ class ComposeTransport(BlockTransport):
         while index is not None:
             m = self._members[index]
             try:
-                m.transport.send_notification(route.names[index], message)
+                notifying(m.transport).send_notification(route.names[index], message)
                 return
             except (DescriptorError, UnknownPeer):
                 raise
@@ -586,7 +494,7 @@ class ComposeTransport(BlockTransport):
         """Every member's notifications (per-peer order holds within a member)."""
         out: list[tuple[str, bytes]] = []
         for m in list(self._members):
-            out.extend(m.transport.get_notifications())
+            out.extend(notifying(m.transport).get_notifications())
         return out
 
     # -- lifecycle ------------------------------------------------------------------------------

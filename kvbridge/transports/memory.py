@@ -258,7 +258,7 @@ def _copy(copies: Copies, abort: threading.Event, target: _Endpoint) -> None:
 def _run(job: _Job, abort: threading.Event, agent: str) -> None:
     h = job.handle
     if abort.is_set():
-        h._finish(HandleState.FAILED, "transport closed before the transfer started")
+        h.fail("transport closed before the transfer started")
         return
     try:
         copies = job.copies if isinstance(job.copies, list) else job.copies()
@@ -268,9 +268,9 @@ def _run(job: _Job, abort: threading.Event, agent: str) -> None:
                 job.target.deliver(job.sender, job.notification)
     except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
         log.debug("memory %r %s #%d failed: %s", agent, h.op.value, h.id, exc)
-        h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: {exc}")
+        h.fail(f"{h.op.value} with {h.peer!r} failed: {exc}")
         return
-    h._finish(HandleState.DONE)
+    h.succeed()
 
 
 def _work(jobs: queue.SimpleQueue[_Job | None], abort: threading.Event, agent: str) -> None:
@@ -453,7 +453,7 @@ class MemoryTransport(BlockTransport):
         check_within(remote, p.endpoint.regions(), f"remote ({peer})")  # live, not p.meta
         handle = TransferHandle(op, peer, int(local[:, 1].sum()), int(local.shape[0]))
         if not p.endpoint.open:
-            handle._finish(HandleState.FAILED, f"{op.value} with {peer!r} failed: the peer "
+            handle.fail(f"{op.value} with {peer!r} failed: the peer "
                                                "was closed")
             return handle
         job = _Job(handle, p.endpoint, _plan(op, local, remote), notification, self.agent_name)
@@ -478,7 +478,7 @@ class MemoryTransport(BlockTransport):
             raise UnknownPeer(f"memory {self.agent_name!r}: peer {pair.peer!r} was re-added")
         handle = TransferHandle(op, pair.peer, req.nbytes, req.count)
         if not p.endpoint.open:
-            handle._finish(HandleState.FAILED, f"{op.value} with {pair.peer!r} failed: the peer "
+            handle.fail(f"{op.value} with {pair.peer!r} failed: the peer "
                                                "was closed")
             return handle
         job = _Job(handle, p.endpoint, lambda: _plan(op, *req.descriptors(pair)), notification,
@@ -544,4 +544,4 @@ class MemoryTransport(BlockTransport):
             except queue.Empty:
                 return
             if job is not None:
-                job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
+                job.handle.fail("transport closed before the transfer ran")

@@ -38,7 +38,7 @@ from kvbridge.blocks import BlockPair, BlockRequest
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
 from kvbridge.tools.report import percentile, table
-from kvbridge.transport import as_descriptors, check_within
+from kvbridge.transport import BlockCostHook, as_descriptors, check_within
 
 __all__ = ["DescriptorRow", "DescriptorReport", "kv_layout", "run_descriptor_bench",
            "format_descriptor_report", "ROWS"]
@@ -179,10 +179,11 @@ def _steps(pair: BlockPair, lids: tuple[int, ...], rids: tuple[int, ...],
 def _nixl_rows(report: DescriptorReport, planes: int, num_blocks: int,
                cases: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], reps: int) -> None:
     try:
-        cost = registry.backend_hook("nixl", "block_cost")
-        if cost is None:
-            raise ConfigError("the nixl package has no block_cost()")
-        measured = cost(planes, num_blocks, cases, reps + 1)
+        hook = registry.bench_hook("nixl")
+        if not isinstance(hook, BlockCostHook):
+            raise ConfigError("the nixl bench hook has no block_cost() (kvbridge.transport."
+                              "BlockCostHook)")
+        measured = hook.block_cost(planes, num_blocks, cases, reps + 1)
     except KVBridgeError as exc:
         report.notes.append(f"nixl row skipped: {exc}")
         return

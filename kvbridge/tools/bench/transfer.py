@@ -82,7 +82,15 @@ from kvbridge.host.hugepages import back_with_huge_pages
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.rawbench import scattered
 from kvbridge.tools.report import MedianCI, median_ci, paired_ratios, size_label, table
-from kvbridge.transport import HandleState, MemoryRegion, Op, Transport
+from kvbridge.transport import (
+    HandleState,
+    MemoryRegion,
+    Notifying,
+    Op,
+    RawResponderHook,
+    Transport,
+    notifying,
+)
 
 __all__ = [
     "MODES",
@@ -228,10 +236,10 @@ def _target_main(
         meta = transport.register_memory([MemoryRegion(int(buf.ctypes.data), total)])
         hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data),
                                  "proof": transport.invite()}
-        hook = registry.backend_hook(backend, "raw_responder") if raw else None
-        if hook is not None:
+        hook = registry.bench_hook(backend) if raw else None
+        if isinstance(hook, RawResponderHook):
             try:
-                responder = hook(int(buf.ctypes.data), total, **options)
+                responder = hook.raw_responder(int(buf.ctypes.data), total, **options)
                 hello["raw"] = responder.metadata
             except Exception as exc:  # noqa: BLE001 - the raw column falls back to its own pair
                 hello["raw_error"] = f"{type(exc).__name__}: {exc}"
@@ -284,7 +292,7 @@ def _await_notification(transport: Transport, want: bytes, pending: list[bytes])
     deadline = time.monotonic() + _REPLY_TIMEOUT_S
     delay = 1e-4
     while want not in pending:
-        got = transport.get_notifications()
+        got = notifying(transport).get_notifications()
         pending.extend(m for _, m in got)
         if want in pending:
             break
@@ -366,9 +374,10 @@ def _raw_session(backend: str, options: Mapping[str, Any], total: int, seed: int
                  **shared: Any) -> Any:
     """The backend package's raw session, or None when it has none; ``shared`` (``peer``,
     ``local``) only goes to a session that takes keyword arguments."""
-    fn = registry.backend_hook(backend, "raw_session")
-    if fn is None:
+    hook = registry.bench_hook(backend)
+    if hook is None:
         return None
+    fn = hook.raw_session
     params = inspect.signature(fn).parameters.values()
     takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     if not takes_options:
@@ -520,7 +529,8 @@ class _Side:
         block, nblocks = pair.local.planes[0].block_bytes, perm.size
         self.reset(op, block * nblocks)
         self.transfers += 1
-        notify = self.transport.capabilities.notifications and op is Op.WRITE
+        notify = (self.transport.capabilities.notifications and op is Op.WRITE
+                  and isinstance(self.transport, Notifying))
         note = f"kvbridge-bench:{block}:{self.transfers}".encode() if notify else None
         ids = np.arange(nblocks, dtype=np.int64)
         prep = (prepare_parts(self.transport, op, self.peer,

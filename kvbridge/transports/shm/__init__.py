@@ -56,7 +56,7 @@ Contract (on top of :mod:`kvbridge.transport`):
   ``listener_max_connections`` at a time, requests of at most 4 KiB, each connection closed after
   ``listener_timeout`` seconds, clients of another user refused; garbage closes the connection
   and is counted, never raised.
-* Notifications travel over ZeroMQ on the control network (:mod:`kvbridge.transports._notify`),
+* Notifications travel over ZeroMQ on the control network (:mod:`kvbridge.transports.notify`),
   ordered per peer. The inbox authenticates frames with the ``secret`` option (the core must
   pass its shared secret there) and holds at most ``max_notifications`` messages /
   ``max_notification_bytes``; refused and overflowing frames are dropped and counted

@@ -29,7 +29,7 @@ import msgspec
 
 from kvbridge.errors import MessageError, PeerForged, PeerUnreachable
 from kvbridge.messages import Codec, PipeFrame
-from kvbridge.transports._notify import NotificationSender
+from kvbridge.transports.notify import NotificationSender
 from kvbridge.transports.shm import rangecopy
 from kvbridge.transports.shm.cma import _alive, _close_fd, _peer_pidfd, _peercred, _poller
 from kvbridge.transports.shm.listener import _Listener

@@ -49,7 +49,7 @@ from kvbridge.transport import (
     TransferHandle,
     check_within,
 )
-from kvbridge.transports._notify import (
+from kvbridge.transports.notify import (
     DEFAULT_MAX_NOTIFICATION_BYTES,
     DEFAULT_MAX_NOTIFICATIONS,
     NotificationInbox,

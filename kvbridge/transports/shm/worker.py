@@ -28,7 +28,7 @@ import numpy as np
 
 from kvbridge.blocks import BlockPair, BlockRequest
 from kvbridge.errors import TransferFailed
-from kvbridge.transport import HandleState, Op, TransferHandle
+from kvbridge.transport import Op, TransferHandle
 from kvbridge.transports.shm.cma import IovArray, _explain, _Libc, copy_iovecs, split_iovecs
 from kvbridge.transports.shm.memfd import PeerMapping
 from kvbridge.transports.shm.proof import _Peer
@@ -155,13 +155,13 @@ class Worker:
     def _run(self, job: _Job | _BlockJob) -> None:
         h, peer = job.handle, job.peer
         if self._abort.is_set():
-            h._finish(HandleState.FAILED, "transport closed before the transfer started")
+            h.fail("transport closed before the transfer started")
             return
         if peer.retired:
-            h._finish(HandleState.FAILED, f"peer {h.peer!r} was removed before the transfer ran")
+            h.fail(f"peer {h.peer!r} was removed before the transfer ran")
             return
         if not peer.alive():  # its pid may already belong to another process
-            h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: "
+            h.fail(f"{h.op.value} with {h.peer!r} failed: "
                       f"{_explain(errno.ESRCH, peer.pid)}")
             return
         fn = self._libc.readv if h.op is Op.READ else self._libc.writev
@@ -178,9 +178,9 @@ class Worker:
                 peer.sender.send(job.notification)
         except Exception as exc:  # noqa: BLE001 - every failure ends the handle, never the thread
             log.debug("shm %r %s #%d failed: %s", self.agent_name, h.op.value, h.id, exc)
-            h._finish(HandleState.FAILED, f"{h.op.value} with {h.peer!r} failed: {exc}")
+            h.fail(f"{h.op.value} with {h.peer!r} failed: {exc}")
             return
-        h._finish(HandleState.DONE)
+        h.succeed()
 
     def _copy(self, fn: Callable[..., int], peer: _Peer, parts: Parts) -> None:
         """Copy the first part on the worker and the others on the helper threads; return once
@@ -223,7 +223,7 @@ class Worker:
             except queue.Empty:
                 return
             if isinstance(job, (_Job, _BlockJob)):
-                job.handle._finish(HandleState.FAILED, "transport closed before the transfer ran")
+                job.handle.fail("transport closed before the transfer ran")
             elif job is not None:
                 job()
 

@@ -37,7 +37,7 @@ from kvbridge.testing.peer import Peer, kv_buffer
 from kvbridge.transport import MemoryRegion, Op, Transport
 
 if TYPE_CHECKING:
-    from kvbridge.testing.conformance import Pair
+    from kvbridge.testing.conformance.transport import Pair
 
 __all__ = ["HostilePeerConformance"]
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from kvbridge.testing.tiers import TierConformance
+    from kvbridge.testing.conformance import TierConformance
 
     class TestDiskConformance(TierConformance):
         tier_name = "disk"                             # entry-point name in kvbridge.tiers

@@ -35,7 +35,7 @@ from kvbridge.testing.peer import Peer
 from kvbridge.transport import HandleState, Op, Transport
 
 if TYPE_CHECKING:
-    from kvbridge.testing.conformance import Pair
+    from kvbridge.testing.conformance.transport import Pair
 
 __all__ = ["BlockConformance"]
 

@@ -37,8 +37,8 @@ peer; attached to a transfer, visible only once the bytes landed); many concurre
 errors: unequal descriptor lists and sizes, descriptors outside registered memory (local and
 remote) → :class:`DescriptorError`, unknown or removed peer → :class:`UnknownPeer`, malformed
 metadata → :class:`MessageError`, a layout of the wrong geometry → :class:`LayoutMismatch`;
-the block path the core uses (:mod:`kvbridge.testing.conformance_blocks`); and hostile peers
-— relayed, forged, stale — refused (:mod:`kvbridge.testing.hostile_peer`). Set
+the block path the core uses (:mod:`kvbridge.testing.conformance.blocks`); and hostile peers
+— relayed, forged, stale — refused (:mod:`kvbridge.testing.conformance.hostile_peer`). Set
 ``native_blocks = True`` when the backend is a :class:`kvbridge.blocks.BlockTransport`.
 """
 
@@ -64,8 +64,8 @@ from kvbridge.errors import (
     UnknownPeer,
 )
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
-from kvbridge.testing.conformance_blocks import BlockConformance
-from kvbridge.testing.hostile_peer import HostilePeerConformance
+from kvbridge.testing.conformance.blocks import BlockConformance
+from kvbridge.testing.conformance.hostile_peer import HostilePeerConformance
 from kvbridge.testing.inprocess import InProcessPeer
 from kvbridge.testing.peer import (
     Peer,
@@ -74,7 +74,15 @@ from kvbridge.testing.peer import (
     collect_notifications,
     kv_buffer,
 )
-from kvbridge.transport import Capabilities, HandleState, MemoryRegion, Op, Transport
+from kvbridge.transport import (
+    Capabilities,
+    HandleState,
+    MemoryRegion,
+    Notifying,
+    Op,
+    Transport,
+    notifying,
+)
 
 __all__ = ["TransportConformance", "Pair", "BLOCK_SIZES"]
 
@@ -199,6 +207,8 @@ class TransportConformance(BlockConformance, HostilePeerConformance):
     def _require(self, t: Transport, what: str) -> None:
         if not getattr(t.capabilities, what):
             pytest.skip(f"{self.backend} lacks capability {what!r}")
+        if what == "notifications" and not isinstance(t, Notifying):
+            pytest.skip(f"{self.backend} carries no notifications (kvbridge.transport.Notifying)")
 
     # -- lifecycle and handshake ----------------------------------------------------------------
 
@@ -351,7 +361,7 @@ class TransportConformance(BlockConformance, HostilePeerConformance):
         pair = self.connect(local, peer)
         sent = [b"note-%d" % i for i in range(40)]
         for m in sent:
-            local.send_notification(pair.peer_name, m)
+            notifying(local).send_notification(pair.peer_name, m)
         got, _ = peer.notifications(len(sent), timeout=self.timeout)
         assert got == [(pair.local_name, m) for m in sent]
         back = [b"back-%d" % i for i in range(20)]
@@ -438,7 +448,7 @@ class TransportConformance(BlockConformance, HostilePeerConformance):
         loc, rem = descriptor_pair(pair.local_layout, [0], pair.remote.layout, [0])
         with pytest.raises(UnknownPeer):
             local.submit(Op.WRITE, "no-such-peer", loc, rem)
-        if local.capabilities.notifications:
+        if isinstance(local, Notifying):
             with pytest.raises(UnknownPeer):
                 local.send_notification("no-such-peer", b"x")
         local.remove_peer(pair.peer_name)

@@ -57,7 +57,7 @@ from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.keys import namespace_of, seed_key, weights_fingerprint
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.scheduling.arrivals import DirectArrivals
-from kvbridge.scheduling.fences import CudaFence
+from kvbridge.scheduling.fences import CudaFence, Fence
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, StepPlan
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
@@ -75,8 +75,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from kvbridge.scheduling.push import Fence
 
 __all__ = ["KVBridgeConnector", "register", "connector_class", "resolve_connector"]
 

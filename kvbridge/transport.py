@@ -120,6 +120,10 @@ class Capabilities:
     #: connection set-up (NIXL/UCX: docs/backends/nixl.md); the peer table then warns
     #: (:func:`kvbridge.host.placement.shared_core_warning`)
     shared_core_safe: bool = True
+    #: True when the ``map_memory`` option moves a fresh host KV cache onto shared memory at
+    #: registration (same addresses, same bytes) for same-host peers to map; the vLLM adapter
+    #: then asks for it on a CPU engine (``Config.map_kv_cache``)
+    map_memory: bool = False
 
 
 class HandleState(enum.Enum):

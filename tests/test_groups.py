@@ -357,8 +357,7 @@ def _layer(agent: LocalAgent, layer: int, ids: list[int]) -> Any:
 
 def _handoff(p: LocalAgent, d: LocalAgent, mode: str, tid: str) -> tuple[Any, Any]:
     """P held 149 tokens of PROMPT in P_TABLES; D allocated D_TABLES: run the hand-off."""
-    from kvbridge.scheduling.pull import PullSpec, SendPlan
-    from kvbridge.scheduling.push import PushSpec
+    from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 
     plan = plan_group_receive(prompt_tokens=149, groups=GROUPS, external_tokens=149,
                               allocated=D_TABLES, remote=P_TABLES, null_block=NULL)
@@ -413,7 +412,7 @@ def test_checksums_cover_every_groups_blocks(mode: str) -> None:
 
 def test_a_forged_claim_for_a_dropped_block_is_refused(
         hybrid_pd: tuple[LocalAgent, LocalAgent, bool]) -> None:
-    from kvbridge.scheduling.pull import PullSpec, SendPlan
+    from kvbridge.scheduling.specs import PullSpec, SendPlan
 
     p, d, _ = hybrid_pd
     digest = prompt_digest(PROMPT[:149])
@@ -428,7 +427,7 @@ def test_a_forged_claim_for_a_dropped_block_is_refused(
 
 
 def test_a_hybrid_prefill_and_a_plain_decode_refuse_each_other() -> None:
-    from kvbridge.scheduling.pull import PullSpec, SendPlan
+    from kvbridge.scheduling.specs import PullSpec, SendPlan
 
     p = LocalAgent("hybrid-P", SHAPE, FAST, groups=GROUPS)
     d = LocalAgent("plain-D", SHAPE, FAST)
@@ -449,8 +448,7 @@ def test_a_hybrid_prefill_and_a_plain_decode_refuse_each_other() -> None:
 def test_one_sliding_window_group_with_a_prefix_hit(mode: str) -> None:
     """A model whose every layer has the window (Mistral-style): one group, refs are block ids,
     and a hit on D beyond what the windows dropped still pairs from the prompt's end."""
-    from kvbridge.scheduling.pull import PullSpec, SendPlan
-    from kvbridge.scheduling.push import PushSpec
+    from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 
     groups = (dataclasses.replace(SW, planes=(0,)),)
     p = LocalAgent("sw-P", (1, 80, B, 64), FAST, groups=groups)

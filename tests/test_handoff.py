@@ -19,7 +19,7 @@ from kvbridge.config import Config, TransferMode
 from kvbridge.params import PeerRef, TransferParams, parse
 from kvbridge.scheduling.handoff import HandoffBook, RankAddress, RecvOrder, StepPlan
 from kvbridge.scheduling.planner import prompt_digest
-from kvbridge.scheduling.pull import SendPlan
+from kvbridge.scheduling.specs import SendPlan
 
 B = 16
 PROMPT = list(range(1000, 1040))  # 40 tokens: 3 blocks, the last one partial

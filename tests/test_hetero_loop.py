@@ -41,9 +41,8 @@ from kvbridge.scheduling.handoff import RecvOrder, StepPlan
 from kvbridge.scheduling.mapping import sources
 from kvbridge.scheduling.peers import check_compatible, make_info
 from kvbridge.scheduling.planner import prompt_digest
-from kvbridge.scheduling.pull import PullSpec, SendPlan, Source
-from kvbridge.scheduling.push import PushSpec
 from kvbridge.scheduling.rank import RankSide
+from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan, Source
 from kvbridge.testing.clients import engine_client
 from kvbridge.testing.faults import FaultyTransport
 from kvbridge.testing.handoffs import FAST

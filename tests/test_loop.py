@@ -821,11 +821,11 @@ def test_an_unknown_answer_to_a_heartbeat_older_than_the_confirmation_is_ignored
     d.expect(expect("d", "t", p, [5, 6]))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # P's confirmation reaches D (P's KV is not ready)
-        parts = d.loop.push_sink.waits.get("t", [])
+        parts = d.loop.push_sink.jobs.get("t", [])
         if parts and parts[0].state.value == "confirmed":
             break
         time.sleep(0.01)
-    w = d.loop.push_sink.waits["t"][0]
+    w = d.loop.push_sink.jobs["t"][0]
     asked = w.confirmed_after + (0 if stale else 1)
     done = threading.Event()
     d.loop.submit(lambda: (d.loop.transfers_unknown(w.address, ["t"], asked), done.set()))

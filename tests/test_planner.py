@@ -13,9 +13,11 @@ from kvbridge.errors import LayoutError
 from kvbridge.scheduling.planner import (
     ReceivePlan,
     blocks_for,
+    load_source,
     plan_receive,
     prompt_blocks,
     prompt_digest,
+    tier_share,
 )
 
 B = 16
@@ -187,3 +189,25 @@ def test_prompt_digest_tells_prompts_apart() -> None:
         digest = prompt_digest(other)
         assert digest not in seen, other
         seen.add(digest)
+
+
+@pytest.mark.parametrize(("tier", "receive", "want"), [
+    (None, (0, False), (None, False)),  # tier lookup in flight: ask again
+    (None, (32, True), (None, False)),  # ... even when a receive is known
+    (16, (0, False), (16, False)),  # tier hit: loaded before the forward
+    (0, (0, False), (0, False)),  # nothing anywhere
+    (16, (48, True), (48, True)),  # a receive wins; the tier part is loaded with it
+])
+def test_load_source(tier: int | None, receive: tuple[int, bool],
+                     want: tuple[int | None, bool]) -> None:
+    assert load_source(tier, *receive) == want
+
+
+@pytest.mark.parametrize(("external", "tier", "receiving", "want"), [
+    (0, 16, True, 0), (0, 16, False, 0),  # nothing allocated: nothing loaded
+    (48, 16, True, 16),  # the tiers' prefix, the rest from prefill
+    (16, 48, True, 16),  # never more than vLLM allocated
+    (32, 0, False, 32),  # no receive: every external token is a tier hit
+])
+def test_tier_share(external: int, tier: int, receiving: bool, want: int) -> None:
+    assert tier_share(external, tier, receiving) == want

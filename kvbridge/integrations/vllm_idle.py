@@ -38,6 +38,7 @@ thread.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import queue
@@ -126,8 +127,6 @@ def installable() -> str | None:
     if _installed:
         return None
     try:
-        import importlib
-
         core = importlib.import_module(_MODULE)
     except Exception as exc:  # noqa: BLE001 - any import problem: no hook
         return f"cannot import {_MODULE}: {exc}"

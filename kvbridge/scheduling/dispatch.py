@@ -6,10 +6,12 @@ later (a claim held until its stage, a registration whose final answer comes wit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections
+import threading
+from typing import Protocol
 
 from kvbridge import identity
-from kvbridge.control import RequestContext
+from kvbridge.control import ControlServer, RequestContext
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -29,15 +31,42 @@ from kvbridge.messages import (
     TransferQuery,
     TransferReply,
 )
-from kvbridge.scheduling.peers import ANY_GENERATION
+from kvbridge.scheduling.context import LoopContext
+from kvbridge.scheduling.leases import HeartbeatBook
+from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable
+from kvbridge.scheduling.pull import PullSink, PullSource
+from kvbridge.scheduling.push import PushSource
+from kvbridge.scheduling.push_wait import PushSink
 
-if TYPE_CHECKING:
-    from kvbridge.scheduling.loop import TransferLoop
-
-__all__ = ["answer", "outcome", "held"]
+__all__ = ["Host", "answer", "outcome", "held"]
 
 
-def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | None:
+class Host(LoopContext, Protocol):
+    """What answering needs beyond the state machines' context: the state machines
+    themselves, and the loop's books for :class:`~kvbridge.messages.StatsQuery` (the
+    :class:`~kvbridge.scheduling.loop.TransferLoop` is one)."""
+
+    pull_source: PullSource
+    pull_sink: PullSink
+    push_source: PushSource
+    push_sink: PushSink
+    timings: collections.OrderedDict[str, dict[str, float]]
+    timing_lock: threading.Lock
+
+    @property
+    def server(self) -> ControlServer: ...
+
+    @property
+    def peers(self) -> PeerTable: ...
+
+    @property
+    def heartbeats(self) -> HeartbeatBook: ...
+
+    def pending(self) -> int:
+        """Transfers in progress."""
+
+
+def answer(core: Host, ctx: RequestContext, msg: Message) -> Message | None:
     """The reply to one control request (None: answered later, or not at all)."""
     if isinstance(msg, PullClaim):
         return core.pull_source.on_claim(ctx, msg)
@@ -83,31 +112,31 @@ def answer(core: TransferLoop, ctx: RequestContext, msg: Message) -> Message | N
     return Ack(ok=False, kind=ErrorKind.MALFORMED,
                error=f"unexpected message {type(msg).__name__}")
 
-def _heartbeat(core: TransferLoop, ctx: RequestContext, msg: Heartbeat) -> Message:
+def _heartbeat(core: Host, ctx: RequestContext, msg: Heartbeat) -> Message:
     if msg.generation not in (ANY_GENERATION, core.generation):
         return HeartbeatReply(generation=core.generation, unknown=list(msg.transfer_ids))
     unknown = [t for t in msg.transfer_ids
                if not (core.pull_source.renew(ctx, t) or core.push_source.renew(t))]
     return HeartbeatReply(generation=core.generation, unknown=unknown)
 
-def outcome(core: TransferLoop, tid: str) -> str | None:
+def outcome(core: Host, tid: str) -> str | None:
     """How ``tid`` ended, or what it is doing now; None if this rank does not know it."""
     ended = core.ended.get(tid)
     if ended is not None:
         return ended
     for name, table in (("staged", core.pull_source.staged), ("pulling", core.pull_sink.jobs),
                         ("pushing", core.push_source.outs),
-                        ("awaiting push", core.push_sink.waits)):
+                        ("awaiting push", core.push_sink.jobs)):
         if tid in table:
             return f"in progress: {name}"
     return None
 
-def held(core: TransferLoop) -> dict[str, list[str]]:
+def held(core: Host) -> dict[str, list[str]]:
     """A few transfer ids of each kind this rank holds (for ``kvbridge stats``)."""
     out: dict[str, list[str]] = {}
     for name, table in (("staged", core.pull_source.staged), ("pulling", core.pull_sink.jobs),
                         ("pushing", core.push_source.outs),
-                        ("awaiting_push", core.push_sink.waits)):
+                        ("awaiting_push", core.push_sink.jobs)):
         if table:
             out[name] = list(table)[:16]
     return out

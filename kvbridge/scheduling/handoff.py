@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge import __version__
 from kvbridge.config import Config, TransferMode
 from kvbridge.errors import KVBridgeError, LayoutError, ParamsError
 from kvbridge.groups import GroupKind, KVGroup
@@ -46,7 +47,7 @@ from kvbridge.scheduling.planner import (
     prompt_blocks,
     prompt_digest,
 )
-from kvbridge.scheduling.pull import SendPlan
+from kvbridge.scheduling.specs import SendPlan
 
 __all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress", "Blocks"]
 
@@ -171,7 +172,7 @@ class HandoffBook:
             remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
             tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
             kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
-            kvbridge_block_size=self.block_size, kvbridge_version=_version())
+            kvbridge_block_size=self.block_size, kvbridge_version=__version__)
         return to_wire(params)
 
     # -- requests ------------------------------------------------------------------------------
@@ -447,9 +448,3 @@ class HandoffBook:
 
     def transfers_in_progress(self) -> int:
         return len(self._busy)
-
-
-def _version() -> str:
-    from kvbridge import __version__
-
-    return __version__

@@ -40,16 +40,17 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
-from kvbridge.scheduling.dispatch import answer
-from kvbridge.scheduling.fences import FenceWaiter
+from kvbridge.scheduling.dispatch import answer, outcome
+from kvbridge.scheduling.fences import Fence, FenceWaiter
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
-from kvbridge.scheduling.pull import PullSink, PullSource, PullSpec, SendPlan
-from kvbridge.scheduling.push import Fence, PushSource, PushSpec
+from kvbridge.scheduling.pull import PullSink, PullSource
+from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
 from kvbridge.scheduling.results import Outcomes, ResultBox, Results, digest
+from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport
 
 __all__ = ["TransferLoop", "Results", "SendPlan", "PullSpec", "PushSpec"]
@@ -60,7 +61,10 @@ log = logging.getLogger("kvbridge.loop")
 class TransferLoop(PeerEvents):
     """See the module docstring. ``transport_defaults``: transport options the caller derives
     from the engine (the connector: ``map_memory`` for a CPU KV cache over shm), under the
-    operator's ``backend_options``, which win."""
+    operator's ``backend_options``, which win.
+
+    The loop is the :class:`~kvbridge.scheduling.context.LoopContext` of its state machines
+    (and the :class:`~kvbridge.scheduling.dispatch.Host` of its control answers)."""
 
     def __init__(self, config: Config, engine_id: str, layout: KVLayout, *, rank: int = 0,
                  tp_size: int = 1, compat: dict[str, str] | None = None,
@@ -110,7 +114,7 @@ class TransferLoop(PeerEvents):
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
         self.timing_lock = threading.Lock()
         self.ended = Outcomes()
-        self.results = ResultBox(self)
+        self.results = ResultBox(layout, self.stats, self.ended, self.mark, self.wake_caller)
         self.timers = Timers()
         self._poller = zmq.Poller()
         self._poller.register(self.server.socket, zmq.POLLIN)
@@ -311,8 +315,6 @@ class TransferLoop(PeerEvents):
 
     def outcome(self, transfer_id: str, timeout: float = 10.0) -> str | None:
         """How ``transfer_id`` ended (or what it is doing), read on the loop thread."""
-        from kvbridge.scheduling.dispatch import outcome
-
         if self.dead or not self._thread.is_alive():
             return outcome(self, transfer_id)
         fut: Future[str | None] = Future()
@@ -385,6 +387,9 @@ class TransferLoop(PeerEvents):
         self.stats["cancel_sent"] += 1
         self.rpc.call(address, Cancel(transfer_id=transfer_id, reason=reason[:4000]),
                       self.config.control_timeout_s, lambda reply: False)
+
+    def holds_pull(self, transfer_id: str) -> bool:
+        return transfer_id in self.pull_source.staged
 
     def digest(self, block_ids: Sequence[int]) -> str:
         return digest(self.layout, block_ids)
@@ -510,7 +515,7 @@ class TransferLoop(PeerEvents):
             self.results.fail(spec.req_id, spec.local_ids, why,
                               safe=all(job.handle is None for job in parts),
                               transfer_id=spec.transfer_id)
-        for waits in list(self.push_sink.waits.values()):
+        for waits in list(self.push_sink.jobs.values()):
             expected = waits[0].spec
             self.results.fail(expected.req_id, expected.local_ids, why, safe=False,
                               transfer_id=expected.transfer_id)

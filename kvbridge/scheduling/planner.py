@@ -11,6 +11,10 @@ D allocated and lacks, and :func:`held_refs` is what P still holds; a sliding-wi
 table starts with vLLM's null block where the window dropped blocks, and those are neither sent
 nor received. Both sides name blocks by block refs, so everything downstream is one flat list.
 
+It also decides, for a decode request, where its missing tokens come from: a P/D receive, this
+engine's offload tiers, or both (:func:`load_source`, :func:`tier_share`); the connector passes
+what each side offers and tells vLLM the answer.
+
 It also fixes the identity of a prompt on both sides: :func:`prompt_digest` is what a decode
 engine sends with its claim or registration and what the prefill engine compares with its own
 request, so KV is only ever handed to the same prompt.
@@ -30,7 +34,8 @@ from kvbridge.errors import LayoutError
 from kvbridge.groups import GroupKind, KVGroup, group_counts, suffix_of, to_refs
 
 __all__ = ["ReceivePlan", "blocks_for", "prompt_digest", "plan_receive", "prompt_blocks",
-           "plan_group_receive", "held_refs", "kept_suffix", "sources_for"]
+           "plan_group_receive", "held_refs", "kept_suffix", "sources_for", "load_source",
+           "tier_share"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -197,3 +202,32 @@ def sources_for(held: Sequence[int], wanted: Sequence[int], skip_blocks: int,
                           f"{len(held)}")
     n = max(groups, 1)
     return suffix_of(held, group_counts(wanted, n), n)
+
+
+# -- where a decode request's missing tokens come from -----------------------------------------
+
+
+def load_source(tier_tokens: int | None, receive_tokens: int,
+                receive_async: bool) -> tuple[int | None, bool]:
+    """vLLM's ``get_num_new_matched_tokens``: ``(tokens to load, asynchronously?)``.
+
+    ``tier_tokens`` is what this engine's offload tiers hold beyond what vLLM computed (None:
+    the lookup is still in flight), ``receive_tokens``/``receive_async`` what the P/D receive
+    brings. While the tier lookup is in flight the answer is ``(None, False)``: vLLM asks again
+    next step. A receive wins (the tier part is loaded with it, before it, see
+    :func:`tier_share`); else a tier hit, copied in before this step's forward."""
+    if tier_tokens is None:
+        return None, False
+    if receive_tokens or receive_async:
+        return receive_tokens, receive_async
+    return tier_tokens, False
+
+
+def tier_share(external_tokens: int, tier_tokens: int, receiving: bool) -> int:
+    """vLLM's ``update_state_after_alloc``: of the ``external_tokens`` vLLM allocated for a
+    request, how many the offload tiers load (``tier_tokens``: what they hold). With a P/D
+    receive (``receiving``) the tiers load the leading part they hold and the prefill engine
+    sends the rest; without, every external token came from the tiers."""
+    if not external_tokens:
+        return 0
+    return min(tier_tokens, external_tokens) if receiving else external_tokens

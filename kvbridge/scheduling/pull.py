@@ -23,16 +23,13 @@ up every other part of the transfer.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
-from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch, PeerError
-from kvbridge.layout import KVLayout
+from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -44,83 +41,19 @@ from kvbridge.messages import (
     PullDone,
 )
 from kvbridge.scheduling import mapping
-from kvbridge.scheduling.fanin import Box, FanIn
+from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
+from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
 from kvbridge.scheduling.results import digest_descriptors
+from kvbridge.scheduling.specs import PullSpec, SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
-if TYPE_CHECKING:
-    from kvbridge.scheduling.loop import TransferLoop
-
-__all__ = ["SendPlan", "Source", "PullSpec", "PullSource", "PullSink", "check_source"]
+__all__ = ["PullSource", "PullSink"]
 
 log = logging.getLogger("kvbridge.pull")
 
 _MAX_EARLY_CLAIMS = 1024
-
-
-@dataclass(frozen=True)
-class SendPlan:
-    """P: one request's prompt blocks, ready to hand to a decode engine."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    prompt_digest: str
-    layerwise: bool = False
-
-
-@dataclass(frozen=True)
-class Source:
-    """A prefill rank a decode rank receives from: where it listens, which generation, and
-    which rank of which TP size the request says it is (None: the rank of this rank)."""
-
-    address: str
-    generation: str = ANY_GENERATION
-    rank: int | None = None
-    tp_size: int | None = None
-
-
-@dataclass(frozen=True)
-class PullSpec:
-    """D: read the prompt's blocks from ``skip_blocks`` on (``remote_ids`` at the engine at
-    ``peer_address``, generation ``peer_generation``) into ``local_ids``.
-
-    Heterogeneous TP / block size: ``sources`` are every prefill rank this rank reads from
-    (default: ``peer_address`` alone) and ``remote_ids`` start at prefill's block
-    ``remote_skip`` (default ``skip_blocks``; it differs when the block sizes do)."""
-
-    req_id: str
-    transfer_id: str
-    peer_address: str
-    local_ids: tuple[int, ...]
-    remote_ids: tuple[int, ...]
-    skip_blocks: int = 0
-    num_tokens: int = 0
-    prompt_digest: str = ""
-    peer_generation: str = ANY_GENERATION
-    remote_skip: int | None = None
-    sources: tuple[Source, ...] = ()
-
-    def parts(self) -> tuple[Source, ...]:
-        return self.sources or (Source(self.peer_address, self.peer_generation),)
-
-
-Half = list[tuple[KVLayout, mapping.Ids]]
-
-
-def check_source(core: TransferLoop, src: Source, peer: Peer) -> mapping.Shape:
-    """The shape of prefill rank ``peer``, after checking it is the rank ``src`` names (the
-    request's ``kvbridge_peers`` order); raises :class:`PeerError` otherwise."""
-    info = peer.info
-    want = (core.rank if src.rank is None else src.rank,
-            core.tp_size if src.tp_size is None else src.tp_size)
-    if (info.rank, info.tp_size) != want and (src.rank is not None or core.heads is not None):
-        raise PeerError(f"it is rank {info.rank} of tensor-parallel {info.tp_size}; the "
-                        f"request names rank {want[0]} of {want[1]}")
-    return mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
 
 
 @dataclass
@@ -148,7 +81,7 @@ class _Staged:
 class PullSource:
     """P side of pulls (see the module docstring)."""
 
-    def __init__(self, core: TransferLoop) -> None:
+    def __init__(self, core: LoopContext) -> None:
         self.core = core
         self.staged: dict[str, _Staged] = {}
         self._early: dict[str, list[tuple[RequestContext, PullClaim]]] = {}
@@ -347,66 +280,25 @@ class PullSource:
 
 
 @dataclass
-class _Pull:
-    """One part of a pull: what this rank reads from one prefill rank."""
+class _Pull(Part[PullSpec]):
+    """One part of a pull: what this rank reads from one prefill rank (``failure``: blocks
+    held until the READ handle stops)."""
 
-    spec: PullSpec
-    source: Source
-    box: Box  # where the part reports: the loop's results, or the transfer's FanIn
-    peer: Peer | None = None
     subs: list[mapping.SubTransfer] = field(default_factory=list)
     handle: TransferHandle | None = None
     prepared: PreparedRequest | None = None  # the READ built while the claim is in flight
     reading: bool = False  # the READ is posted and has not stopped
-    failure: str | None = None  # reported already; blocks held until the handle stops
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def address(self) -> str:
-        return self.source.address
-
-    @property
-    def tid(self) -> str:
-        return self.spec.transfer_id
 
 
-class PullSink:
+class PullSink(Receiver[_Pull]):
     """D side of pulls (see the module docstring). ``jobs``: transfer id → its parts."""
 
-    def __init__(self, core: TransferLoop) -> None:
-        self.core = core
-        self.jobs: dict[str, list[_Pull]] = {}
-
-    def __len__(self) -> int:
-        return len(self.jobs)
-
-    def parts(self) -> list[_Pull]:
-        return [job for parts in self.jobs.values() for job in parts]
+    kind = "pull"
 
     def start(self, spec: PullSpec) -> None:
-        core, tid = self.core, spec.transfer_id
-        if tid in self.jobs:
-            core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is already running",
-                              safe=True)
-            return
-        sources = spec.parts()
-        box: Box = core.results
-        if len(sources) > 1:
-            box = FanIn(core.results, spec.req_id, tid, spec.local_ids, len(sources),
-                        lambda why: self.cancel(tid, why))
-        parts = self.jobs[tid] = [_Pull(spec, src, box) for src in sources]
-        core.mark(tid, "recv_start")
-        # Handshake and claim are bounded by their calls; this bounds the whole hand-off.
-        core.timers.set(("pull", tid), core.config.push_timeout_s, lambda: self._stalled(tid))
-        for job in parts:
-            core.heartbeats.watch(tid, job.address, job.source.generation)
-        for job in parts:
-            if self._live(job):  # an earlier part's failure may have given it up already
-                core.peers.ensure(job.address, job.source.generation,
-                                  functools.partial(self._handshaken, job))
-
-    def _live(self, job: _Pull) -> bool:
-        return job in self.jobs.get(job.tid, ()) and job.failure is None
+        # Handshake and claim are bounded by their calls; the hand-off timer bounds the whole.
+        self._open(spec, lambda src, box: _Pull(spec, src, box), "already running",
+                   self._stalled)
 
     def _handshaken(self, job: _Pull, result: Peer | KVBridgeError) -> None:
         if not self._live(job):
@@ -593,12 +485,5 @@ class PullSink:
 
     def _forget(self, job: _Pull) -> None:
         self._discard(job)
-        tid = job.tid
-        parts = self.jobs.get(tid)
-        if parts is not None and job in parts:
-            parts.remove(job)
-            if not parts:
-                del self.jobs[tid]
-                self.core.timers.cancel(("pull", tid))
-        self.core.timers.cancel(("read", tid, job.address))
-        self.core.heartbeats.unwatch(tid, job.address)
+        self._drop(job)
+        self.core.timers.cancel(("read", job.tid, job.address))

@@ -25,20 +25,8 @@ A Cancel from D before anything is posted is answered ``safe``; after, ``not saf
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
 ready, mismatch) is failed at once.
 
-Fair limits: registrations are counted per *decode control address* (the address P dials and
-handshakes, identity checked, before it writes anything: the registrations naming an address
-that does not answer as the registering engine all fail together) and per control connection;
-each may hold ``max_pending_per_peer``. Up to ``max_pending`` in all, that is the only bound.
-Past it, a registration is admitted only if its control address holds fewer than its fair share,
-``max_pending // addresses`` (at least 1; ``addresses`` counts those holding registrations, its
-own included), so a flood from many connections cannot starve a decode engine that holds little:
-its registrations still get in. Hard bound: at most ``2 × max_pending`` registrations in all
-(refused beyond it whatever the share); a flood reaches it only by naming many distinct control
-addresses that accept connections and stay silent, from at least ``2 × max_pending /
-max_pending_per_peer`` connections, and holds it for at most ``control_timeout_s`` (then the
-handshakes fail). Every refusal is an ``Ack`` of kind ``BUSY``, counted in
-``register_refused_busy``; every registration gives its slot back when it ends (answered,
-failed, cancelled, expired), once.
+Fair limits: registrations held per decode control address, per connection and in all are
+bounded (:mod:`kvbridge.scheduling.push_limits`); a refusal is an ``Ack`` of kind ``BUSY``.
 
 Heterogeneous TP: every decode rank that reads heads from this rank
 (:func:`~kvbridge.scheduling.mapping.consumers`, known from the first registering rank's
@@ -55,7 +43,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
 
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
@@ -73,41 +60,18 @@ from kvbridge.messages import (
 )
 from kvbridge.params import MAX_TP
 from kvbridge.scheduling import mapping
+from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
-from kvbridge.scheduling.pull import SendPlan, Source
+from kvbridge.scheduling.push_limits import RegistrationLimits
 from kvbridge.scheduling.results import digest_descriptors
+from kvbridge.scheduling.specs import SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
-if TYPE_CHECKING:
-    from kvbridge.scheduling.loop import TransferLoop
-
-__all__ = ["Fence", "PushSpec", "PushSource"]
+__all__ = ["PushSource"]
 
 log = logging.getLogger("kvbridge.push")
-
-_K = TypeVar("_K", bytes, str)
-
-
-@dataclass(frozen=True)
-class PushSpec:
-    """D: ask the engine at ``peer_address`` to write the prompt's blocks from ``skip_blocks``
-    on into ``local_ids`` (``sources``: every prefill rank that writes heads of this rank, with
-    heterogeneous TP; default ``peer_address`` alone)."""
-
-    req_id: str
-    transfer_id: str
-    peer_address: str
-    local_ids: tuple[int, ...]
-    skip_blocks: int = 0
-    num_tokens: int = 0
-    prompt_digest: str = ""
-    peer_generation: str = ANY_GENERATION
-    sources: tuple[Source, ...] = ()
-
-    def parts(self) -> tuple[Source, ...]:
-        return self.sources or (Source(self.peer_address, self.peer_generation),)
 
 
 class _Stage(enum.Enum):
@@ -122,7 +86,6 @@ class _Target:
     reg: PushRegister
     ctx: RequestContext
     stage: _Stage = _Stage.CONFIRMING
-    held: bool = False  # counted in PushSource's bounds (given back once, when it ends)
     peer: Peer | None = None
     shape: mapping.Shape | None = None  # the decode rank's, from its handshake
     share: mapping.Share | None = None  # the heads this rank writes it
@@ -155,24 +118,14 @@ class _Out:
         return self.expected is not None and self.expected <= self.registered()
 
 
-def _decrement(counts: dict[_K, int], key: _K) -> None:
-    n = counts.get(key, 1) - 1
-    if n > 0:
-        counts[key] = n
-    else:
-        counts.pop(key, None)
-
-
 class PushSource:
     """P side of pushes (see the module docstring)."""
 
-    def __init__(self, core: TransferLoop) -> None:
+    def __init__(self, core: LoopContext) -> None:
         self.core = core
         self.outs: dict[str, _Out] = {}
-        # registrations held now, per control connection, per decode control address, in all
-        self._regs_by_conn: dict[bytes, int] = {}
-        self._regs_by_peer: dict[str, int] = {}
-        self._regs_total = 0
+        self.limits = RegistrationLimits(core.config.max_pending_per_peer,
+                                         core.config.max_pending)
         self._announced: dict[str, None] = {}  # bounded, oldest first
 
     def __len__(self) -> int:
@@ -181,8 +134,7 @@ class PushSource:
     def held(self) -> dict[str, int]:
         """Registrations held now: ``{"total": n, "peers": control addresses holding some,
         "connections": connections holding some}`` (what the fair limits count)."""
-        return {"total": self._regs_total, "peers": len(self._regs_by_peer),
-                "connections": len(self._regs_by_conn)}
+        return self.limits.held()
 
     def fenced(self) -> bool:
         """Some push waits for a device fence nobody waits on (the loop keeps polling while
@@ -278,13 +230,13 @@ class PushSource:
                                 or out.complete() or len(out.targets) >= MAX_TP):
             core.stats["forged_register"] += 1
             return Ack(ok=False, kind=ErrorKind.FORBIDDEN, error=f"{tid} is already registered")
-        if tid in core.pull_source.staged:
+        if core.holds_pull(tid):
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error=f"this prefill engine holds {tid} for a pull, not a push")
         if core.heads is None and msg.layout_fingerprint != core.info.layout_fingerprint:
             return Ack(ok=False, kind=ErrorKind.MISMATCH,
                        error="decode's KV layout differs from this engine's")
-        busy = self._refusal(ctx.conn, msg.control_address)
+        busy = self.limits.refusal(ctx.conn, msg.control_address)
         if busy is not None:
             core.stats["register_refused_busy"] += 1
             return Ack(ok=False, kind=ErrorKind.BUSY, error=busy)
@@ -292,7 +244,7 @@ class PushSource:
             out = self.outs[tid] = _Out(tid)
         t = _Target(msg, ctx)
         out.targets.append(t)
-        self._take(t)
+        self.limits.take(ctx.conn, msg.control_address)  # given back by _end, once
         wait = cfg.push_timeout_s if tid in self._announced else min(cfg.push_timeout_s,
                                                                      cfg.prefill_wait_s)
         core.timers.set(("register", tid), wait, lambda: self._never_ready(tid))
@@ -305,46 +257,6 @@ class PushSource:
         core.peers.ensure(msg.control_address, msg.sender_generation,
                           functools.partial(self._dialled, out, t))
         return None
-
-    def _refusal(self, conn: bytes, peer: str) -> str | None:
-        """Why a registration from ``conn`` naming control address ``peer`` is refused now
-        (None: admitted). See "Fair limits" in the module docstring."""
-        cfg = self.core.config
-        per, limit = cfg.max_pending_per_peer, cfg.max_pending
-        if self._regs_by_conn.get(conn, 0) >= per:
-            return f"too many pending registrations on this connection ({per})"
-        held = self._regs_by_peer.get(peer, 0)
-        if held >= per:
-            return f"too many pending registrations for {peer[:200]} ({per})"
-        if self._regs_total < limit:
-            return None
-        if self._regs_total >= 2 * limit:
-            return f"too many pending registrations ({self._regs_total}, the hard bound)"
-        peers = len(self._regs_by_peer) + (peer not in self._regs_by_peer)
-        share = max(1, limit // peers)
-        if held < share:
-            return None
-        return (f"too many pending registrations ({self._regs_total}); {peer[:200]} holds "
-                f"{held}, its fair share of {limit} among {peers} decode engines")
-
-    def _take(self, t: _Target) -> None:
-        """Count ``t`` in the bounds (it was admitted)."""
-        if t.held:
-            return
-        t.held = True
-        conn, peer = t.ctx.conn, t.reg.control_address
-        self._regs_by_conn[conn] = self._regs_by_conn.get(conn, 0) + 1
-        self._regs_by_peer[peer] = self._regs_by_peer.get(peer, 0) + 1
-        self._regs_total += 1
-
-    def _give_back(self, t: _Target) -> None:
-        """``t`` ended: its slot is free again (once)."""
-        if not t.held:
-            return
-        t.held = False
-        self._regs_total -= 1
-        _decrement(self._regs_by_conn, t.ctx.conn)
-        _decrement(self._regs_by_peer, t.reg.control_address)
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
         out = self.outs.get(msg.transfer_id)
@@ -621,7 +533,7 @@ class PushSource:
         out.targets.remove(t)
         self._discard(t)
         core.timers.cancel(("write", out.tid, id(t)))
-        self._give_back(t)
+        self.limits.give_back(t.ctx.conn, t.reg.control_address)  # t left out.targets
         if t.shape is not None:
             out.served.add(t.shape.rank)
         if t.handles and t.peer is not None:

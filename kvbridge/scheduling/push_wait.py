@@ -16,11 +16,9 @@ Runs on the transfer loop's thread.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
@@ -35,14 +33,10 @@ from kvbridge.messages import (
     PushResult,
 )
 from kvbridge.scheduling import mapping
-from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import Peer
-from kvbridge.scheduling.pull import Half, Source, check_source
-from kvbridge.scheduling.push import PushSpec
+from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
 from kvbridge.scheduling.results import digest_descriptors
-
-if TYPE_CHECKING:
-    from kvbridge.scheduling.loop import TransferLoop
+from kvbridge.scheduling.specs import PushSpec
 
 __all__ = ["PushSink"]
 
@@ -57,66 +51,25 @@ class _Wait(enum.Enum):
 
 
 @dataclass
-class _In:
-    """One part of a push receive: what one prefill rank writes into this rank's blocks."""
+class _In(Part[PushSpec]):
+    """One part of a push receive: what one prefill rank writes into this rank's blocks
+    (``failure``: blocks held until P's answer or P gone)."""
 
-    spec: PushSpec
-    source: Source
-    box: Box
     state: _Wait = _Wait.DIALING
-    peer: Peer | None = None
     half: Half = field(default_factory=list)  # this rank's side of the part
     call: int | None = None
-    failure: str | None = None  # reported; blocks held until P's answer or P gone
     #: HeartbeatBook.sent when P's confirmation came: earlier heartbeats' answers predate it
     confirmed_after: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def address(self) -> str:
-        return self.source.address
-
-    @property
-    def tid(self) -> str:
-        return self.spec.transfer_id
 
 
-class PushSink:
-    """D side of pushes (see the module docstring). ``waits``: transfer id → its parts."""
+class PushSink(Receiver[_In]):
+    """D side of pushes (see the module docstring). ``jobs``: transfer id → its parts."""
 
-    def __init__(self, core: TransferLoop) -> None:
-        self.core = core
-        self.waits: dict[str, list[_In]] = {}
-
-    def __len__(self) -> int:
-        return len(self.waits)
-
-    def parts(self) -> list[_In]:
-        return [w for parts in self.waits.values() for w in parts]
+    kind = "push"
 
     def expect(self, spec: PushSpec) -> None:
-        core, tid = self.core, spec.transfer_id
-        if tid in self.waits:
-            core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is already awaited",
-                              safe=True)
-            return
-        sources = spec.parts()
-        box: Box = core.results
-        if len(sources) > 1:
-            box = FanIn(core.results, spec.req_id, tid, spec.local_ids, len(sources),
-                        lambda why: self.cancel(tid, why))
-        parts = self.waits[tid] = [_In(spec, src, box) for src in sources]
-        core.mark(tid, "recv_start")
-        core.timers.set(("push", tid), core.config.push_timeout_s, lambda: self._timed_out(tid))
-        for w in parts:
-            core.heartbeats.watch(tid, w.address, w.source.generation)
-        for w in parts:
-            if self._live(w):
-                core.peers.ensure(w.address, w.source.generation,
-                                  functools.partial(self._handshaken, w))
-
-    def _live(self, w: _In) -> bool:
-        return w in self.waits.get(w.tid, ()) and w.failure is None
+        self._open(spec, lambda src, box: _In(spec, src, box), "already awaited",
+                   self._timed_out)
 
     def _handshaken(self, w: _In, result: Peer | KVBridgeError) -> None:
         if not self._live(w):
@@ -152,7 +105,7 @@ class PushSink:
 
     def _answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
         """The registration's answers: first an Ack, finally a PushResult."""
-        if w not in self.waits.get(w.tid, ()):
+        if w not in self.jobs.get(w.tid, ()):
             return False
         if isinstance(reply, Ack):
             if reply.ok:
@@ -205,7 +158,7 @@ class PushSink:
 
     def on_confirm(self, ctx: RequestContext, msg: PushConfirm) -> Message:
         core = self.core
-        waiting = [w for w in self.waits.get(msg.transfer_id, ())
+        waiting = [w for w in self.jobs.get(msg.transfer_id, ())
                    if self._live(w) and w.state in (_Wait.REGISTERING, _Wait.CONFIRMED)
                    and (msg.rank is None or (w.peer is not None and w.peer.info.rank == msg.rank))]
         if len(waiting) != 1:
@@ -223,14 +176,14 @@ class PushSink:
         return Ack()
 
     def _timed_out(self, tid: str) -> None:
-        live = [w for w in self.waits.get(tid, ()) if self._live(w)]
+        live = [w for w in self.jobs.get(tid, ()) if self._live(w)]
         if live:
             self.core.count("push_timeout", "push", live[0].peer)
             self.cancel(tid, f"no push within {self.core.config.push_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
         """The request ended on D (or a part failed): give up every part still waiting."""
-        parts = self.waits.get(tid)
+        parts = self.jobs.get(tid)
         if parts is None:
             return False
         for w in list(parts):
@@ -251,7 +204,7 @@ class PushSink:
                            lambda reply: self._cancel_answer(w, reply))
 
     def _cancel_answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
-        if w not in self.waits.get(w.tid, ()):
+        if w not in self.jobs.get(w.tid, ()):
             return False
         if isinstance(reply, CancelReply) and reply.safe:
             self._release(w)
@@ -266,7 +219,7 @@ class PushSink:
             if w.failure is None:
                 self._fail(w, f"prefill {address} is gone: {why}",
                            safe=w.state is not _Wait.CONFIRMED, cancel=False)
-            if w in self.waits.get(w.tid, ()):
+            if w in self.jobs.get(w.tid, ()):
                 self._release_later(w)
 
     def transfers_unknown(self, address: str, tids: list[str], asked: int) -> None:
@@ -277,7 +230,7 @@ class PushSink:
         stale (P answered it, then took the registration, then confirmed on its own connection
         to this engine, whose message this loop may read first)."""
         for tid in tids:
-            for w in list(self.waits.get(tid, ())):
+            for w in list(self.jobs.get(tid, ())):
                 if (w.address == address and w.failure is None
                         and w.state is _Wait.CONFIRMED and asked > w.confirmed_after):
                     self._fail(w, "prefill no longer holds this push", safe=False, cancel=False)
@@ -299,19 +252,12 @@ class PushSink:
         w.box.fail(s.req_id, s.local_ids, why, safe=safe, transfer_id=s.transfer_id)
 
     def _release(self, w: _In) -> None:
-        if w in self.waits.get(w.tid, ()):
+        if w in self.jobs.get(w.tid, ()):
             self._forget(w)
             w.box.release(w.spec.req_id)
 
     def _forget(self, w: _In) -> None:
-        tid = w.tid
-        parts = self.waits.get(tid)
-        if parts is not None and w in parts:
-            parts.remove(w)
-            if not parts:
-                del self.waits[tid]
-                self.core.timers.cancel(("push", tid))
+        self._drop(w)
         if w.call is not None:
             self.core.rpc.cancel(w.call)
-        self.core.timers.cancel(("gone", tid, w.address))
-        self.core.heartbeats.unwatch(tid, w.address)
+        self.core.timers.cancel(("gone", w.tid, w.address))

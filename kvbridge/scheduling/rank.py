@@ -26,10 +26,10 @@ from kvbridge.errors import LayoutMismatch
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.params import PeerRef
 from kvbridge.scheduling import mapping
+from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.handoff import StepPlan
 from kvbridge.scheduling.loop import TransferLoop
-from kvbridge.scheduling.pull import PullSpec, SendPlan, Source
-from kvbridge.scheduling.push import Fence, PushSpec
+from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan, Source
 
 __all__ = ["RankSide"]
 

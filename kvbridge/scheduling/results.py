@@ -1,6 +1,6 @@
 """What the transfer loop tells vLLM: finished sends and receives, failures, outcomes.
 
-:class:`_ResultBox` is written by the loop thread and drained by the connector (a lock guards
+:class:`ResultBox` is written by the loop thread and drained by the connector (a lock guards
 the hand-over). :class:`Outcomes` remembers how recent transfers ended, for refusals ("already
 ended: …") and for :class:`~kvbridge.messages.TransferQuery` (why did my request fail?).
 """
@@ -12,14 +12,11 @@ import ctypes
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvbridge.layout import DescriptorArray, KVLayout
-
-if TYPE_CHECKING:
-    from kvbridge.scheduling.loop import TransferLoop
 
 __all__ = ["Results", "Outcomes", "ResultBox", "digest", "digest_descriptors"]
 
@@ -63,35 +60,48 @@ class Outcomes:
         return self._items.get(tid)
 
 
-class ResultBox:
-    """Results under a lock, written by the loop thread, drained by the connector."""
+#: ``mark(transfer_id, event)``: record a timing event (the loop's :meth:`TransferLoop.mark`)
+Mark = Callable[[str, str], None]
+#: ``wake(arrival)``: tell the connector there is something to drain; ``arrival`` is
+#: ``(req_id, transfer_id)`` of a receive that succeeded, else None
+Wake = Callable[[tuple[str, str] | None], None]
 
-    def __init__(self, core: TransferLoop) -> None:
-        self._core = core
+
+class ResultBox:
+    """Results under a lock, written by the loop thread, drained by the connector.
+
+    ``layout`` maps failed receives' block ids to invalid blocks; ``stats`` and ``ended`` are
+    the loop's counters and outcomes, ``mark`` and ``wake`` its timing and wake-up services."""
+
+    def __init__(self, layout: KVLayout, stats: Counter[str], ended: Outcomes, mark: Mark,
+                 wake: Wake) -> None:
+        self._layout = layout
+        self._stats = stats
+        self._ended = ended
+        self._mark = mark
+        self._wake = wake
         self._lock = threading.Lock()
         self._results = Results()
 
     def sent(self, req_id: str) -> None:
         with self._lock:
             self._results.finished_sending.add(req_id)
-        self._core.wake_caller()
+        self._wake(None)
 
     def received(self, req_id: str, tid: str) -> None:
-        core = self._core
-        core.stats["recv_ok"] += 1
-        core.ended.record(tid, "done")
-        core.mark(tid, "recv_done")
+        self._stats["recv_ok"] += 1
+        self._ended.record(tid, "done")
+        self._mark(tid, "recv_done")
         with self._lock:
             self._results.finished_recving.add(req_id)
-        core.wake_caller((req_id, tid))
+        self._wake((req_id, tid))
 
     def fail(self, req_id: str, local_ids: Sequence[int], why: str, *, safe: bool,
              transfer_id: str = "") -> None:
-        core = self._core
-        core.stats["recv_failed"] += 1
+        self._stats["recv_failed"] += 1
         if transfer_id:
-            core.ended.record(transfer_id, f"failed: {why}")
-            core.mark(transfer_id, "recv_failed")
+            self._ended.record(transfer_id, f"failed: {why}")
+            self._mark(transfer_id, "recv_failed")
         log.warning("receive %s (%s) failed: %s%s", transfer_id, req_id, why,
                     "" if safe else " (blocks held until the transfer stops)")
         with self._lock:
@@ -99,15 +109,15 @@ class ResultBox:
                 self._results.finished_recving.add(req_id)
                 self._results.failed_recving.add(req_id)
             else:
-                self._results.invalid_blocks.update(core.layout.block_ids(local_ids))
-        core.wake_caller()
+                self._results.invalid_blocks.update(self._layout.block_ids(local_ids))
+        self._wake(None)
 
     def release(self, req_id: str) -> None:
         """A receive that failed unsafely: its transfer has stopped now."""
         with self._lock:
             self._results.finished_recving.add(req_id)
             self._results.failed_recving.add(req_id)
-        self._core.wake_caller()
+        self._wake(None)
 
     def drain(self) -> Results:
         with self._lock:

@@ -28,8 +28,7 @@ from kvbridge.config import Config
 from kvbridge.groups import KVGroup
 from kvbridge.layout import KVLayout
 from kvbridge.scheduling.loop import TransferLoop
-from kvbridge.scheduling.pull import PullSpec, SendPlan
-from kvbridge.scheduling.push import PushSpec
+from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import Transport
 
 __all__ = ["Agent", "LocalAgent", "AgentProcess", "CacheShape", "make_caches"]

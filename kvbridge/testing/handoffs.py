@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbridge.scheduling.planner import prompt_digest
-from kvbridge.scheduling.pull import PullSpec, SendPlan
-from kvbridge.scheduling.push import PushSpec
+from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.testing.agents import Agent
 
 __all__ = ["BLOCK", "FAST", "tokens", "send", "pull", "expect"]

@@ -102,7 +102,8 @@ class ShmTransport(BlockTransport):
 
     name = "shm"
     capabilities = Capabilities(
-        read=True, write=True, notifications=True, device_memory=False, cross_host=False
+        read=True, write=True, notifications=True, device_memory=False, cross_host=False,
+        map_memory=True,
     )
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:

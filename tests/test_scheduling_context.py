@@ -1,0 +1,233 @@
+"""A state machine driven without a transfer loop: :class:`PullSource` on a fake context.
+
+The state machines reach their loop only through :class:`~kvbridge.scheduling.context.
+LoopContext`, so these tests run the P side of a pull with :class:`FakeLoop` (no sockets, no
+thread, no transport) and a hand-driven clock: every step is a plain call, every timer fires
+when the test says.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.config import Config
+from kvbridge.control import ReplyCallback, RequestContext
+from kvbridge.layout import KVLayout
+from kvbridge.messages import Ack, Cancel, CancelReply, ErrorKind, Message, PullClaim, PullDone
+from kvbridge.scheduling import mapping
+from kvbridge.scheduling.context import LoopContext
+from kvbridge.scheduling.fences import Fence
+from kvbridge.scheduling.leases import Timers
+from kvbridge.scheduling.observations import Observations
+from kvbridge.scheduling.peers import Peer, PeerCallback
+from kvbridge.scheduling.pull import PullSource
+from kvbridge.scheduling.results import Outcomes, ResultBox
+from kvbridge.scheduling.specs import SendPlan
+from kvbridge.testing.agents import make_caches
+from kvbridge.transport import TransferHandle
+
+
+class Clock:
+    """Monotonic time that moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeLoop:
+    """Stands in for the :class:`~kvbridge.scheduling.loop.TransferLoop` (a
+    :class:`LoopContext`): real counters, outcomes, result box and timers (on a hand-driven
+    :class:`Clock`); the control channel records what the state machine sends instead of
+    sending it (``replies``, ``calls``, ``dialled``, ``watched``, ``cancelled``). The
+    transport and the engine info are absent: :class:`PullSource` does not use them."""
+
+    layout: KVLayout
+    config: Config = field(default_factory=lambda: Config(lease_s=10.0, heartbeat_s=1.0))
+    engine_id: str = "prefill"
+    generation: str = "gen-p"
+    rank: int = 0
+    tp_size: int = 1
+    heads: Any = None
+    info: Any = None
+    transport: Any = None
+    clock: Clock = field(default_factory=Clock)
+    stats: Counter[str] = field(default_factory=Counter)
+    observe: Observations = field(default_factory=lambda: Observations("fake"))
+    ended: Outcomes = field(default_factory=Outcomes)
+    replies: list[tuple[RequestContext, Message]] = field(default_factory=list)
+    calls: list[tuple[str, Message]] = field(default_factory=list)
+    dialled: list[str] = field(default_factory=list)
+    watched: set[tuple[str, str]] = field(default_factory=set)
+    cancelled: list[tuple[str, str]] = field(default_factory=list)
+    marks: list[tuple[str, str]] = field(default_factory=list)
+    wakes: int = 0
+    sent: int = 0  # heartbeat rounds (Watcher.sent)
+
+    def __post_init__(self) -> None:
+        self.shape = mapping.Shape(self.tp_size, self.rank, self.layout.block_size, self.heads)
+        self.timers = Timers(self.clock)
+        self.results = ResultBox(self.layout, self.stats, self.ended, self.mark, self._wake)
+
+    # the control channel: every collaborator is this object, recording
+    control_address = "tcp://127.0.0.1:1"
+
+    @property
+    def server(self) -> FakeLoop:
+        return self
+
+    @property
+    def rpc(self) -> FakeLoop:
+        return self
+
+    @property
+    def peers(self) -> FakeLoop:
+        return self
+
+    @property
+    def heartbeats(self) -> FakeLoop:
+        return self
+
+    @property
+    def fences(self) -> FakeLoop:
+        return self
+
+    def reply(self, ctx: RequestContext, msg: Message) -> None:
+        self.replies.append((ctx, msg))
+
+    def call(self, address: str, msg: Message, timeout: float | None,
+             callback: ReplyCallback) -> int:
+        self.calls.append((address, msg))
+        return len(self.calls)
+
+    def cancel(self, call_id: int) -> None:
+        pass
+
+    def ensure(self, address: str, generation: str, callback: PeerCallback) -> None:
+        self.dialled.append(address)
+
+    def watch(self, transfer_id: str, address: str, generation: str = "*") -> None:
+        self.watched.add((transfer_id, address))
+
+    def unwatch(self, transfer_id: str, address: str) -> None:
+        self.watched.discard((transfer_id, address))
+
+    def owns(self, fence: Fence) -> bool:
+        return False
+
+    # the loop's own services
+    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
+        self.marks.append((transfer_id, event))
+
+    def count(self, name: str, mode: str, peer: Peer | None = None, *,
+              stats: bool = True) -> None:
+        if stats:
+            self.stats[name] += 1
+
+    def backend_of(self, peer_name: str) -> str:
+        return "fake"
+
+    def watch_handle(self, handle: TransferHandle) -> None:
+        raise AssertionError("PullSource posts nothing")
+
+    def fence_pending(self, fence: Fence) -> None:
+        raise AssertionError("PullSource waits for no fence")
+
+    def cancel_remote(self, address: str, transfer_id: str, reason: str) -> None:
+        self.cancelled.append((address, transfer_id))
+
+    def holds_pull(self, transfer_id: str) -> bool:
+        return False
+
+    def _wake(self, arrival: tuple[str, str] | None) -> None:
+        self.wakes += 1
+
+    def run_timers(self, seconds: float) -> None:
+        """Let ``seconds`` pass and fire the timers that came due."""
+        self.clock.now += seconds
+        for fn in self.timers.due():
+            fn()
+
+
+def _context(loop: FakeLoop) -> LoopContext:
+    return loop  # checks (for mypy, where tests are checked) that the fake is a context
+
+
+BLOCKS = (3, 5, 6)
+PLAN = SendPlan("req", "t1", BLOCKS, num_tokens=10, prompt_digest="d")
+CTX = RequestContext(b"conn-d", b"rid-1")
+
+
+def _source() -> tuple[FakeLoop, PullSource]:
+    _, layout = make_caches((2, 8, 4, 8))
+    loop = FakeLoop(layout)
+    return loop, PullSource(_context(loop))
+
+
+def _claim(**kw: Any) -> PullClaim:
+    fields: dict[str, Any] = dict(transfer_id="t1", generation="gen-p", block_ids=list(BLOCKS),
+                                  num_tokens=10, prompt_digest="d")
+    return PullClaim(**{**fields, **kw})
+
+
+def test_staged_claimed_done_releases_the_blocks_once() -> None:
+    loop, src = _source()
+    src.stage(PLAN)
+    assert ("lease", "t1") in loop.timers and len(src) == 1
+    assert src.on_claim(CTX, _claim()) == Ack()
+    nbytes = mapping.side_bytes(src.staged["t1"].claims[0].half)
+    assert src.on_done(CTX, PullDone(transfer_id="t1", nbytes=nbytes)) == Ack()
+    assert len(src) == 0 and ("lease", "t1") not in loop.timers
+    assert loop.results.drain().finished_sending == {"req"}
+    assert loop.ended.get("t1") == "done" and loop.stats["pull_served"] == 1
+
+
+def test_lease_expires_on_the_fake_clock() -> None:
+    loop, src = _source()
+    src.stage(PLAN)
+    loop.run_timers(9.0)
+    assert len(src) == 1
+    loop.run_timers(2.0)
+    assert len(src) == 0 and loop.stats["lease_expired"] == 1
+    assert loop.ended.get("t1") == "lease expired"
+    assert loop.results.drain().finished_sending == {"req"}
+
+
+def test_a_claim_before_the_stage_is_answered_when_it_comes() -> None:
+    loop, src = _source()
+    assert src.on_claim(CTX, _claim()) is None  # held: the stage event is behind
+    src.stage(PLAN)
+    assert loop.replies == [(CTX, Ack())]
+
+
+def test_an_early_claim_that_never_sees_its_stage_is_refused_in_time() -> None:
+    loop, src = _source()
+    assert src.on_claim(CTX, _claim()) is None
+    loop.run_timers(loop.config.control_timeout_s + 0.1)
+    [(ctx, reply)] = loop.replies
+    assert ctx == CTX and isinstance(reply, Ack) and reply.kind is ErrorKind.UNKNOWN_TRANSFER
+
+
+def test_only_the_claimant_may_end_a_claimed_transfer() -> None:
+    loop, src = _source()
+    src.stage(PLAN)
+    assert src.on_claim(CTX, _claim()) == Ack()
+    stranger = RequestContext(b"conn-x", b"rid-9")
+    refused = src.on_cancel(stranger, Cancel(transfer_id="t1", reason="no"))
+    assert isinstance(refused, Ack) and refused.kind is ErrorKind.FORBIDDEN
+    assert loop.stats["forged_cancel"] == 1 and len(src) == 1
+    assert src.on_cancel(CTX, Cancel(transfer_id="t1", reason="bye")) == CancelReply(safe=True)
+    assert loop.ended.get("t1") == "cancelled by decode: bye"
+
+
+def test_a_claim_for_another_prompt_is_refused_and_counted() -> None:
+    loop, src = _source()
+    src.stage(PLAN)
+    reply = src.on_claim(CTX, _claim(prompt_digest="other"))
+    assert isinstance(reply, Ack) and reply.kind is ErrorKind.MISMATCH
+    assert loop.stats["claim_refused"] == 1 and len(src) == 1

@@ -4,14 +4,24 @@
 The core never imports a backend by name: every backend, the built-in ``shm`` included, is an
 entry point exactly as a third-party plugin would be. Listing is cheap (no backend module is
 imported until one is loaded); heavy native imports happen in the backend's constructor.
+
+What to install when a backend cannot load is the plugin's own word: the ``install_hint`` class
+attribute of its Transport or Tier class. A backend whose distribution is not installed at all
+has no class to ask; kvbridge knows it only if one of kvbridge's own extras requires a
+``kvbridge-*`` distribution under that name (``pip install 'kvbridge[nixl]'``: :func:`known`),
+read from kvbridge's installed metadata, so no table of backend names lives in the code
+(docs/writing-a-backend.md).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
@@ -19,7 +29,8 @@ from kvbridge.transport import BenchHook, Transport
 
 __all__ = ["GROUP", "TIER_GROUP", "BENCH_GROUP", "BackendStatus", "available", "load_class",
            "create", "status", "available_tiers", "load_tier_class", "tier_status", "bench_hook",
-           "BENCH_HOOK_REQUIRED"]
+           "BENCH_HOOK_REQUIRED", "known",
+           "install_hint", "plugin_class"]
 
 GROUP = "kvbridge.backends"
 TIER_GROUP = "kvbridge.tiers"
@@ -29,15 +40,9 @@ BENCH_GROUP = "kvbridge.bench_hooks"
 BENCH_HOOK_REQUIRED = ("raw_session",)
 log = logging.getLogger("kvbridge.registry")
 
-#: What to install when a backend's native dependency is missing.
-INSTALL_HINTS: dict[str, str] = {
-    "nixl": "pip install 'kvbridge[nixl]'  (nixl==1.5.1 nixl-cu13==1.5.1 --no-deps on CPU hosts)",
-    "mooncake": "pip install 'kvbridge[mooncake]' and apt-get install -y libibverbs1",
-    "lmcache": "pip install --no-deps lmcache==0.5.6 sortedcontainers aiofile, after the CPU "
-               "torch (docs/backends/lmcache.md)",
-    "mooncake_store": "pip install mooncake-transfer-engine-non-cuda and apt-get install -y "
-                      "libibverbs1; run mooncake_master (docs/offload.md)",
-}
+#: kvbridge's extras that ship a backend: ``kvbridge-nixl[native]; extra == "nixl"``
+_EXTRA_REQUIREMENT = re.compile(
+    r"^\s*(kvbridge[-_.][A-Za-z0-9._-]+)[^;]*;.*\bextra\s*==\s*[\"']([^\"']+)[\"']")
 
 
 def _entry_points(group: str = GROUP) -> dict[str, Any]:
@@ -61,6 +66,9 @@ def _load(group: str, name: str, base: type[Any], what: str) -> type[Any]:
     eps = _entry_points(group)
     ep = eps.get(name)
     if ep is None:
+        absent = _absent(name)
+        if absent:
+            raise BackendUnavailable(absent)
         near = difflib.get_close_matches(name, list(eps), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         installed = ", ".join(sorted(eps)) or "none"
@@ -68,7 +76,7 @@ def _load(group: str, name: str, base: type[Any], what: str) -> type[Any]:
     try:
         cls = ep.load()
     except ImportError as exc:
-        raise BackendUnavailable(_unavailable(name, exc)) from exc
+        raise BackendUnavailable(_unavailable(name, exc, group=group)) from exc
     except Exception as exc:  # a broken plugin (e.g. missing attribute) must not crash listing
         raise BackendUnavailable(
             f"{what} {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
@@ -95,7 +103,7 @@ def create(name: str, agent_name: str, options: Mapping[str, Any] | None = None)
     except KVBridgeError:
         raise
     except ImportError as exc:
-        raise BackendUnavailable(_unavailable(name, exc)) from exc
+        raise BackendUnavailable(_unavailable(name, exc, cls)) from exc
 
 
 def bench_hook(name: str) -> BenchHook | None:
@@ -121,9 +129,67 @@ def bench_hook(name: str) -> BenchHook | None:
     return module
 
 
-def _unavailable(name: str, exc: BaseException) -> str:
-    hint = INSTALL_HINTS.get(name)
+def _unavailable(name: str, exc: BaseException, cls: type[Any] | None = None,
+                 group: str = GROUP) -> str:
+    hint = (_class_hint(cls) if cls is not None else "") or install_hint(name, group)
     return f"backend {name!r} cannot load: {exc}" + (f" — install: {hint}" if hint else "")
+
+
+@functools.cache
+def known() -> dict[str, str]:
+    """Backend and tier names kvbridge's own extras ship, installed or not: name (the extra,
+    ``-`` read as ``_``) → the ``kvbridge-*`` distribution it requires. From kvbridge's installed
+    metadata; empty when kvbridge is not installed (a bare source tree on ``sys.path``)."""
+    try:
+        requires = metadata.requires("kvbridge") or []
+    except metadata.PackageNotFoundError:
+        return {}
+    found: dict[str, str] = {}
+    for line in requires:
+        m = _EXTRA_REQUIREMENT.match(line)
+        if m:
+            found.setdefault(m.group(2).replace("-", "_").lower(), m.group(1))
+    return found
+
+
+def _extra_hint(name: str) -> str:
+    return f"pip install 'kvbridge[{name}]'" if name in known() else ""
+
+
+def _absent(name: str) -> str:
+    """Why ``name`` does not load when no entry point has it: "" unless kvbridge's extras know
+    it (then: which distribution ships it and how to install that)."""
+    dist = known().get(name)
+    if dist is None or name in _entry_points(GROUP) or name in _entry_points(TIER_GROUP):
+        return ""
+    return (f"{name!r} is not installed here: it ships in the {dist} distribution — install: "
+            f"{_extra_hint(name)}")
+
+
+def _class_hint(cls: type[Any]) -> str:
+    hint = getattr(cls, "install_hint", "")
+    return hint if isinstance(hint, str) else ""
+
+
+def plugin_class(name: str, group: str = GROUP) -> type[Any] | None:
+    """The class entry point ``name`` of ``group`` names, or None when no such entry point is
+    installed or it does not import (never raises; imports the plugin's module)."""
+    ep = _entry_points(group).get(name)
+    if ep is None:
+        return None
+    try:
+        cls = ep.load()
+    except Exception:  # noqa: BLE001 - a broken plugin is reported by load_class, not here
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def install_hint(name: str, group: str = GROUP) -> str:
+    """What to install so that backend ``name`` (a tier with ``group=TIER_GROUP``) loads, or "":
+    the plugin class's ``install_hint`` when its module imports, else ``pip install
+    'kvbridge[<name>]'`` when kvbridge's extras ship that name (:func:`known`)."""
+    cls = plugin_class(name, group)
+    return (_class_hint(cls) if cls is not None else "") or _extra_hint(name)
 
 
 @dataclass(frozen=True)

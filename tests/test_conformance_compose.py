@@ -51,7 +51,7 @@ class TestComposeMemoryShmInProcess(_Compose):
 
 
 class _ComposeNixl(_Compose):
-    """Both agents use UCX over loopback (as in test_conformance_nixl)."""
+    """Both agents use UCX over loopback (as in the nixl backend's tests/test_conformance.py)."""
 
     peer_env = {"UCX_NET_DEVICES": "lo"}
     timeout = 60.0

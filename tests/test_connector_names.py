@@ -113,3 +113,31 @@ def test_a_name_whose_backend_cannot_load_fails_with_the_hint(
         compose.check_loadable()
     Config.load({}, env={}).check_loadable()  # shm loads
 
+
+
+def test_the_word_is_the_plugins_own() -> None:
+    """``connector_word`` on the plugin class: LMCache's capitals; ``""`` asks for no name."""
+    got = {c.backend: c.name for c in names.connector_names()}
+    assert got["lmcache"] == "KVBridgeLMCacheConnector"
+    assert registry.load_tier_class("lmcache").connector_word == "LMCache"
+    assert "memory" not in got and registry.load_class("memory").connector_word == ""
+    assert names.connector_name("lmcache", "LMCache") == "KVBridgeLMCacheConnector"
+
+
+def test_a_known_backend_that_is_not_installed_keeps_a_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend of kvbridge's extras whose distribution is missing still gets a name (vLLM
+    then starts the engine, which fails with the install hint instead of "unsupported")."""
+    real = registry._entry_points
+
+    def fake(group: str = registry.GROUP) -> dict[str, Any]:
+        return {n: ep for n, ep in real(group).items() if n not in ("nixl", "lmcache")}
+
+    monkeypatch.setattr(registry, "_entry_points", fake)
+    got = {c.backend: c for c in names.connector_names()}
+    assert got["nixl"].kind == "absent" and got["nixl"].name == "KVBridgeNixlConnector"
+    assert got["lmcache"].name == "KVBridgeLmcacheConnector"  # its own word is in its package
+    cfg = Config.load({}, env={}, preset=got["nixl"].preset())
+    assert cfg.backend == "nixl"
+    with pytest.raises(BackendUnavailable, match=r"install: pip install 'kvbridge\[nixl\]'"):
+        cfg.check_loadable()

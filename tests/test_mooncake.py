@@ -2,7 +2,8 @@
 
 Every transfer test checks every byte. Backend-specific behaviour lives here: splitting lists
 larger than the engine's batch limit, a dead peer failing fast, metadata and option errors,
-and the one-line install hints. The shared contract is in test_conformance_mooncake.py.
+and the one-line install hints. The shared contract is in
+backends/kvbridge_mooncake/tests/test_conformance.py.
 """
 
 from __future__ import annotations

@@ -125,6 +125,19 @@ def _fake_bench_hooks(monkeypatch: pytest.MonkeyPatch, **targets: str) -> None:
     monkeypatch.setattr(registry, "_entry_points", entry_points)
 
 
+# -- install hints: the plugin's own word, or kvbridge's extras for one not installed ------------
+
+
+def _without(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make ``name`` look uninstalled (no entry point in any group)."""
+    real = registry._entry_points
+
+    def entry_points(group: str = registry.GROUP) -> dict[str, Any]:
+        return {n: ep for n, ep in real(group).items() if n != name}
+
+    monkeypatch.setattr(registry, "_entry_points", entry_points)
+
+
 def test_bench_hook_of_shm_is_a_bench_hook_without_extras() -> None:
     hook = registry.bench_hook("shm")
     assert isinstance(hook, BenchHook)
@@ -140,3 +153,62 @@ def test_bench_hook_without_raw_session_names_what_is_missing(
         registry.bench_hook("hollow")
     with pytest.raises(BackendUnavailable, match="kvbridge_no_such_module_xyz"):
         registry.bench_hook("ghost")
+
+
+def test_install_hint_is_the_plugin_classes_own() -> None:
+    cls = registry.load_class("nixl")
+    assert registry.install_hint("nixl") == cls.install_hint
+    assert "kvbridge[nixl]" in cls.install_hint
+    tier = registry.load_tier_class("lmcache")
+    assert registry.install_hint("lmcache", registry.TIER_GROUP) == tier.install_hint
+    assert registry.install_hint("shm") == ""  # built in: nothing to install
+    assert registry.install_hint("zzzz") == ""
+
+
+def test_known_backends_come_from_kvbridges_extras(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert {"nixl": "kvbridge-nixl", "mooncake": "kvbridge-mooncake",
+            "mooncake_store": "kvbridge-mooncake", "lmcache": "kvbridge-lmcache"}.items() <= (
+        registry.known().items())
+    monkeypatch.setattr(registry.metadata, "requires", lambda dist: [
+        "numpy>=1.26", 'kvbridge-warp[native]>=1; extra == "warp-drive"',
+        'aiohttp>=3.9; extra == "proxy"', "kvbridge_other ; python_version >= '3'"])
+    registry.known.cache_clear()
+    try:
+        assert registry.known() == {"warp_drive": "kvbridge-warp"}
+    finally:
+        registry.known.cache_clear()
+
+
+def test_a_known_backend_that_is_not_installed_names_its_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "nixl")
+    assert registry.install_hint("nixl") == "pip install 'kvbridge[nixl]'"
+    with pytest.raises(BackendUnavailable, match=r"'nixl' is not installed here: it ships in the "
+                                                 r"kvbridge-nixl distribution — install: pip "
+                                                 r"install 'kvbridge\[nixl\]'"):
+        registry.load_class("nixl")
+    with pytest.raises(BackendUnavailable, match=r"kvbridge\[nixl\]"):
+        registry.create("nixl", "agent")
+    with pytest.raises(BackendNotFound):  # an installed tier is no transport
+        registry.load_class("lmcache")
+
+
+def test_a_backend_that_fails_to_construct_gets_its_classes_hint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(registry.load_class("memory")):  # type: ignore[misc]
+        install_hint = "apt-get install -y libwarp"
+
+        def __init__(self, *args: Any) -> None:
+            raise ImportError("libwarp.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(registry, "load_class", lambda name: Broken)
+    with pytest.raises(BackendUnavailable, match=r"backend 'warp' cannot load: libwarp\.so\.1.* "
+                                                 r"— install: apt-get install -y libwarp"):
+        registry.create("warp", "agent")
+
+
+def test_plugin_class_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_entry_points(monkeypatch, ghost="kvbridge_no_such_module_xyz:T")
+    assert registry.plugin_class("ghost") is None
+    assert registry.plugin_class("zzzz") is None
+    assert registry.plugin_class("shm") is registry.load_class("shm")

@@ -99,6 +99,11 @@ class LMCacheTier(Tier):
     1 GiB), ``disk_path`` (enables LocalDisk), ``disk_capacity_bytes`` (default 10 GiB)."""
 
     managed: ClassVar[bool] = False
+    #: ``KVBridgeLMCacheConnector`` (kvbridge.integrations.names)
+    connector_word: ClassVar[str] = "LMCache"
+    #: what to install when LMCache is missing (kvbridge.registry.install_hint)
+    install_hint: ClassVar[str] = ("pip install --no-deps lmcache==0.5.6 sortedcontainers "
+                                   "aiofile, after the CPU torch (docs/backends/lmcache.md)")
 
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)

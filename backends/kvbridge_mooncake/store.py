@@ -114,6 +114,9 @@ class MooncakeStoreTier(Tier):
     """
 
     managed: ClassVar[bool] = False
+    #: what to install when Mooncake is missing (kvbridge.registry.install_hint)
+    install_hint: ClassVar[str] = ("pip install mooncake-transfer-engine-non-cuda and apt-get "
+                                   "install -y libibverbs1; run mooncake_master (docs/offload.md)")
     blocking: ClassVar[bool] = True
     default_capacity: ClassVar[int] = 1 << 30
 

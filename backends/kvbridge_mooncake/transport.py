@@ -77,6 +77,9 @@ class MooncakeTransport(BlockTransport):
     """
 
     name: ClassVar[str] = "mooncake"
+    #: what to install when the engine is missing (kvbridge.registry.install_hint)
+    install_hint: ClassVar[str] = ("pip install 'kvbridge[mooncake]' and apt-get install -y "
+                                   "libibverbs1")
     capabilities: ClassVar[Capabilities] = Capabilities(
         read=True, write=True, notifications=True, device_memory=False, cross_host=True
     )

@@ -114,6 +114,9 @@ class NixlTransport(Progress, BlockTransport):
     """kvbridge Transport over NIXL; see the module docstring for the contract."""
 
     name: ClassVar[str] = "nixl"
+    #: what to install when nixl is missing (kvbridge.registry.install_hint)
+    install_hint: ClassVar[str] = ("pip install 'kvbridge[nixl]'  (nixl==1.5.1 nixl-cu13==1.5.1 "
+                                   "--no-deps on CPU hosts)")
     capabilities: ClassVar[Capabilities] = Capabilities(
         read=True, write=True, notifications=True, device_memory=True, cross_host=True,
         shared_core_safe=False,  # UCX's connection set-up livelocks there (docs/backends/nixl.md)

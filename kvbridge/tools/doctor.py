@@ -359,7 +359,7 @@ def check_nixl_plugins(t: Target) -> Check:
     used = "nixl" in t.transports
     if "nixl" not in registry.available():
         return Check("nixl plugins", Status.FAIL if used else Status.SKIP,
-                     f"the nixl backend is not installed: {registry.INSTALL_HINTS['nixl']}")
+                     f"the nixl backend is not installed: {registry.install_hint('nixl')}")
     options = t.nixl_options()
     try:
         res = probes.nixl_probe(options)

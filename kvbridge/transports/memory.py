@@ -315,6 +315,8 @@ class MemoryTransport(BlockTransport):
     """In-process transport over ``memmove``; see the module docstring."""
 
     name = "memory"
+    #: no vLLM connector name: it cannot reach another engine (kvbridge.integrations.names)
+    connector_word = ""
     capabilities = Capabilities(
         read=True, write=True, notifications=True, device_memory=False, cross_host=False
     )

@@ -1,5 +1,5 @@
 """The tier conformance suite against the ``lmcache`` tier (a real LMCache 0.5.6 engine, local
-CPU backend, and local CPU + disk)."""
+CPU backend, and local CPU + disk); and ``close`` draining LMCache's disk writes first."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("lmcache", reason="lmcache is not installed (see docs/backends/lmcache.md)")
 
 from kvbridge.testing.conformance import TierConformance  # noqa: E402
+
+pytestmark = [pytest.mark.lmcache]
 
 
 class TestLMCacheConformance(TierConformance):
@@ -84,7 +86,6 @@ def test_close_leaves_a_stuck_engine_open_instead_of_crashing(
         tmp_path: Path, slow_disk: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     import kvbridge_lmcache
-
     from kvbridge.testing.conformance.tier import _keys, chunk_of
 
     monkeypatch.setattr(kvbridge_lmcache, "_DRAIN_S", 0.2)

@@ -6,7 +6,7 @@ Matrix over ``UCX_TLS``: UCX's default selection (cma for one-sided operations o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -22,7 +22,7 @@ class _NixlEnv(TransportConformance):
 
     backend = "nixl"
     native_blocks = True
-    options: dict[str, Any] = {}
+    options: ClassVar[dict[str, Any]] = {}
     timeout = 60.0  # peer start-up (spawn, import nixl, agent) takes 10-50 s on a busy 2-core box
     local_env = True
 

@@ -1,0 +1,1 @@
+"""Tests of the lmcache backend distribution (collected through the root testpaths)."""

@@ -1,0 +1,1 @@
+"""Tests of the mooncake backend distribution (collected through the root testpaths)."""

@@ -1,0 +1,1 @@
+"""Tests of the nixl backend distribution (collected through the root testpaths)."""

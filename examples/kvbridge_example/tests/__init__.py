@@ -1,0 +1,1 @@
+"""Tests of the example backend distribution (collected through the root testpaths)."""

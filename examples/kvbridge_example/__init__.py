@@ -16,9 +16,11 @@ How the contract maps here:
   :class:`MessageError`;
 * ``_submit`` checks both descriptor lists against registered memory (:func:`check_within`),
   copies at once under the target's lock (so a peer closing meanwhile waits for the copy), and
-  returns a handle that is already DONE; ``poll`` only reads it;
-* no notifications (``Capabilities(notifications=False)``): the conformance suite skips those
-  tests.
+  settles the handle at once (``succeed()``, or ``fail(...)`` when the peer closed); the
+  base class's ``poll`` reads it;
+* no notifications: it does not implement the optional ``Notifying`` protocol
+  (``send_notification``/``get_notifications``), so ``check_notification`` refuses one given to
+  ``submit``, and the conformance suite skips those tests.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from kvbridge.errors import DescriptorError, MessageError, PeerForged, PeerUnrea
 from kvbridge.identity import PROOF_BYTES
 from kvbridge.transport import (
     Capabilities,
-    HandleState,
     MemoryRegion,
     Op,
     TransferHandle,
     Transport,
+    check_notification,
     check_within,
 )
 
@@ -114,8 +116,7 @@ class LoopbackTransport(Transport):
 
     def _submit(self, op: Op, peer: str, local: Any, remote: Any,
                 notification: bytes | None) -> TransferHandle:
-        if notification is not None:
-            raise DescriptorError("the loopback transport carries no notifications")
+        check_notification(self, notification)  # no Notifying protocol here: refused
         with self._lock:
             target = self._peers.get(peer)
             check_within(local, self._regions, "local")
@@ -125,23 +126,14 @@ class LoopbackTransport(Transport):
         with target._lock:  # the target cannot close (and free its memory) while we copy
             check_within(remote, target._regions, "remote")
             if target.closed:
-                handle._finish(HandleState.FAILED, f"loopback peer {peer!r} closed")
+                handle.fail(f"loopback peer {peer!r} closed")
                 return handle
             for (mine, length, _), (theirs, _, _) in zip(local.tolist(), remote.tolist(),
                                                          strict=True):
                 dst, src = (theirs, mine) if op is Op.WRITE else (mine, theirs)
                 ctypes.memmove(dst, src, length)
-        handle._finish(HandleState.DONE)
+        handle.succeed()
         return handle
-
-    def poll(self, handle: TransferHandle) -> HandleState:
-        return handle.state
-
-    def send_notification(self, peer: str, message: bytes) -> None:
-        raise NotImplementedError("the loopback transport carries no notifications")
-
-    def get_notifications(self) -> list[tuple[str, bytes]]:
-        return []
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

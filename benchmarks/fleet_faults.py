@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.tools import prom
-from kvbridge.tools.bench.e2e import fleet_specs
-from kvbridge.tools.bench.serve import bench_serve_command, result_metrics
+from kvbridge.tools.bench.fleet import fleet_specs
+from kvbridge.tools.bench.serve_process import bench_serve_command
+from kvbridge.tools.bench.serve_results import result_metrics
 from kvbridge.tools.engines import VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model

@@ -39,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.params import push_decode_request
-from kvbridge.tools.bench.e2e import cpu_seconds, group_cpu_ticks
-from kvbridge.tools.bench.serve import bench_serve_command, result_metrics, run_bench_process
-from kvbridge.tools.engines import EngineError, VllmServer, complete, probe, start_servers
+from kvbridge.tools.bench.serve_process import bench_serve_command, run_bench_process
+from kvbridge.tools.bench.serve_results import result_metrics
+from kvbridge.tools.client import complete, probe
+from kvbridge.tools.cpumeter import cpu_seconds, group_cpu_ticks
+from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -588,8 +588,8 @@ def add_arguments(p: Any) -> None:
 
 def cli_main(args: Any) -> int:
     from kvbridge.integrations.names import preset_for
-    from kvbridge.tools.cli import parse_json_object, print_json
-    from kvbridge.tools.report import print_table
+    from kvbridge.tools.args import parse_json_object
+    from kvbridge.tools.report import print_json, print_table
 
     extra = parse_json_object(args.extra_config, "--extra-config")
     checks = diagnose(extra, preset=preset_for(args.connector), connector=args.connector,

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.bench.e2e import vllm_pull_params, vllm_push_params
+from kvbridge.tools.bench.dispatch import vllm_pull_params, vllm_push_params
 
 if TYPE_CHECKING:
     import aiohttp

@@ -30,13 +30,11 @@ from kvbridge.config import Config
 from kvbridge.errors import KVBridgeError, MessageError
 from kvbridge.integrations import names
 from kvbridge.tools.args import parse_json_object, parse_names
-from kvbridge.tools.bench import descriptors as bench_descriptors
 from kvbridge.tools.bench import e2e as bench_e2e
 from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
 from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
-from kvbridge.tools.bench import transfer as bench_transfer
 from kvbridge.tools.report import print_json, print_table
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
@@ -353,6 +351,9 @@ def add_bench_parser(subparsers: Any) -> None:
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:
+    # Imported here to keep `kvbridge --help` fast: the block path and multiprocessing.
+    from kvbridge.tools.bench import transfer as bench_transfer
+
     reps = args.reps if args.reps is not None else (30 if args.mode == "paired" else 5)
     report = bench_transfer.run_transfer_bench(
         args.backend,
@@ -377,6 +378,9 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def run_bench_descriptors(args: argparse.Namespace) -> int:
+    # Imported here to keep `kvbridge --help` fast: the block path and the backends.
+    from kvbridge.tools.bench import descriptors as bench_descriptors
+
     report = bench_descriptors.run_descriptor_bench(
         tokens=args.tokens,
         layers=args.layers,

@@ -457,7 +457,7 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
     ),
     LazyCommand(
         "doctor",
-        "kvbridge.tools.doctor",
+        "kvbridge.tools.doctor.run",
         "check what makes deployments fail: backends, vLLM, ptrace/CMA, NIXL, ports, secret",
         "pip install kvbridge",
     ),

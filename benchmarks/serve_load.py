@@ -127,7 +127,7 @@ def bench_command(args: argparse.Namespace, url: str, model: Path, out: Path, na
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The row of one run, from ``bench serve``'s saved JSON (times in ms): the figures of
-    :func:`kvbridge.tools.bench.serve.result_metrics`, the p99/p50 ratio and the verdict."""
+    :func:`kvbridge.tools.bench.serve_results.result_metrics`, the p99/p50 ratio and the verdict."""
     row: dict[str, Any] = result_metrics(result)
     lat = [t * 1000 for t, e in zip(result.get("latencies") or [], result.get("errors") or [],
                                     strict=False) if e in (None, "")]

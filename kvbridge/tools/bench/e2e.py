@@ -39,7 +39,15 @@ Measured per phase:
 Blocking; meant for the command line. Engines are always stopped before returning, and at
 interpreter exit (atexit in :mod:`kvbridge.tools.engines`). Numbers from small shared hosts
 are noisy: compare ratios within one run.
+
+This module runs the phases and is the command. The engines are
+:mod:`~kvbridge.tools.bench.fleet`'s, one request :mod:`~kvbridge.tools.bench.dispatch`'s, the
+hand-off numbers :mod:`~kvbridge.tools.bench.timings`', the CPU seconds
+:mod:`kvbridge.tools.cpumeter`'s, and the settings, records, rows and tables
+:mod:`~kvbridge.tools.bench.e2e_report`'s.
 """
+
+from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf

@@ -28,7 +28,7 @@ serves it and any reuse comes from the tier. Every repetition records:
 
 - TTFT (client side, to the first streamed token) and vLLM's own queue and prefill times
   (``/metrics`` histogram deltas: queue includes waiting for a tier lookup's answer);
-- the engine counters' deltas (:func:`~kvbridge.tools.engines.engine_stats`):
+- the engine counters' deltas (:func:`~kvbridge.tools.client.engine_stats`):
   ``offload_hit_blocks_<tier>`` and ``offload_loaded_blocks`` must both equal the usable
   blocks of the prompt (``(len - 1) // block_size``; vLLM computes at least one token) and
   ``offload_load_failed`` must stay 0 — column ``source``;
@@ -39,6 +39,10 @@ The table reports median and minimum TTFT and the median's ratio to recompute's 
 Before every engine start the bench waits (bounded) until no ``vllm_serve`` process of someone
 else runs on the host, and notes any that appeared during a row. Blocking; for the command
 line. Numbers from small shared hosts are noisy: compare ratios within one run.
+
+This module runs the rows and is the command; one engine and its rows are
+:mod:`~kvbridge.tools.bench.offload_engine`'s, the rows, settings, results and their table
+:mod:`~kvbridge.tools.bench.offload_results`'.
 """
 
 from __future__ import annotations

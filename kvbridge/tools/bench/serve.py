@@ -13,13 +13,13 @@ Setups (``--setups``, default all):
                     at once, same ``X-Request-Id``, D told P's engine id and side-channel port)
 ==================  =========================================================================
 
-Engines are those of ``kvbridge bench e2e`` (:func:`kvbridge.tools.bench.e2e.engine_specs`: the tiny
-model, P pinned to core 0, D to core 1, ``--block-size 32``): one fresh pair per group (the
+Engines are those of ``kvbridge bench e2e`` (:func:`kvbridge.tools.bench.fleet.engine_specs`: the
+tiny model, P pinned to core 0, D to core 1, ``--block-size 32``): one fresh pair per group (the
 kvbridge modes; each vLLM connector), stopped before the next group starts, also on error or
 Ctrl-C (and at interpreter exit). ``--fleet xPyD`` (e.g. ``2P2D``) runs the kvbridge setups on x
-P and y D engines behind one proxy per mode (:func:`kvbridge.tools.bench.e2e.fleet_specs`, engines
-pinned round-robin to the CPUs); the vLLM setups run 1P1D only, so they refuse another shape.
-Per setup, ``--warmups`` streamed requests through its endpoint first (unmeasured; the first
+P and y D engines behind one proxy per mode (:func:`kvbridge.tools.bench.fleet.fleet_specs`,
+engines pinned round-robin to the CPUs); the vLLM setups run 1P1D only, so they refuse another
+shape. Per setup, ``--warmups`` streamed requests through its endpoint first (unmeasured; the first
 transfer of a pair pays NIXL's handshake); a setup whose warm-ups all fail is reported failed at
 every rate.
 
@@ -45,6 +45,12 @@ p99, TPOT p50 against the rate, one line per setup; log y-axis where a panel spa
 
 Exit status 0 when every (setup, rate) produced a result, 1 otherwise (the table names why).
 Numbers from small shared hosts are noisy: compare setups within one run.
+
+This module is the command (flags, validation, the printed report). The setups and settings
+are :mod:`~kvbridge.tools.bench.serve_settings`'s, one ``vllm bench serve`` process
+:mod:`~kvbridge.tools.bench.serve_process`'s, the run :mod:`~kvbridge.tools.bench.serve_run`'s,
+the figures and table :mod:`~kvbridge.tools.bench.serve_results`'s and the plots
+:mod:`~kvbridge.tools.bench.serve_plots`'.
 """
 
 from __future__ import annotations

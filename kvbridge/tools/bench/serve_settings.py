@@ -25,7 +25,7 @@ __all__ = ["BACKENDS", "KVBRIDGE_GROUP", "MAX_RATES", "MODE_SLOT", "SETUP_NAMES"
 
 SETUP_NAMES: tuple[str, ...] = ("kvbridge-pull", "kvbridge-push", "kvbridge-auto",
                                 "vllm-nixl-pull", "vllm-nixl-push")
-#: kvbridge backends the setups can run on (those :func:`~kvbridge.tools.bench.e2e.engine_specs`
+#: kvbridge backends the setups can run on (those :func:`~kvbridge.tools.bench.fleet.engine_specs`
 #: builds)
 BACKENDS: tuple[str, ...] = ("nixl", "shm")
 KVBRIDGE_GROUP = "kvbridge"

@@ -300,7 +300,8 @@ def derive_cpu(m: CpuMeasurements, doc: dict[str, Any], tag: str, cores: int,
             src[f"cpu.{key}"] = how
     src.update({f"cpu.{k}": why for k, (_, why) in engines.items()})
     src["cpu.cores"] = "os.cpu_count() of the calibrating host"
-    src["cpu.engine_spin_s"] = ("KVBRIDGE_ENGINE_SPIN_MS of kvbridge.tools.bench.e2e.engine_specs "
+    src["cpu.engine_spin_s"] = ("KVBRIDGE_ENGINE_SPIN_MS of "
+                                "kvbridge.tools.bench.fleet.engine_specs "
                                 "(kvbridge bench serve's default)")
     src["cpu.background"] = ("0: other jobs on the host are not modelled (compare the load "
                              "average recorded with each measurement)")

@@ -63,7 +63,7 @@ _HANDOFF_PROMPT = 200
 _HANDOFF_TOKENS = 16
 _KV_CACHE_BYTES = 268435456  # kvbridge.tools.engines.BASE_ARGS --kv-cache-memory-bytes
 _MAX_NUM_SEQS = 8  # BASE_ARGS --max-num-seqs
-_SPIN_S = 0.002  # kvbridge.tools.bench.e2e.engine_specs: KVBRIDGE_ENGINE_SPIN_MS 2.0
+_SPIN_S = 0.002  # kvbridge.tools.bench.fleet.engine_specs: KVBRIDGE_ENGINE_SPIN_MS 2.0
 _SETTLE_S = 0.2  # after each sequential hand-off request: its tail, before the next
 
 

@@ -18,7 +18,8 @@ from kvbridge.config import TransferMode
 from kvbridge.control import ControlClient
 from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.params import prefill_request, push_decode_request
-from kvbridge.tools.engines import VllmServer, complete, probe, start_servers, stream_complete
+from kvbridge.tools.client import complete, probe, stream_complete
+from kvbridge.tools.engines import VllmServer, start_servers
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 N = 12

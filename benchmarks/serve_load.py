@@ -39,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.params import push_decode_request
-from kvbridge.tools.bench.e2e import cpu_seconds, group_cpu_ticks
-from kvbridge.tools.bench.serve import bench_serve_command, result_metrics, run_bench_process
-from kvbridge.tools.engines import EngineError, VllmServer, complete, probe, start_servers
+from kvbridge.tools.bench.serve_process import bench_serve_command, run_bench_process
+from kvbridge.tools.bench.serve_results import result_metrics
+from kvbridge.tools.client import complete, probe
+from kvbridge.tools.cpumeter import cpu_seconds, group_cpu_ticks
+from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
@@ -125,7 +127,7 @@ def bench_command(args: argparse.Namespace, url: str, model: Path, out: Path, na
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The row of one run, from ``bench serve``'s saved JSON (times in ms): the figures of
-    :func:`kvbridge.tools.bench.serve.result_metrics`, the p99/p50 ratio and the verdict."""
+    :func:`kvbridge.tools.bench.serve_results.result_metrics`, the p99/p50 ratio and the verdict."""
     row: dict[str, Any] = result_metrics(result)
     lat = [t * 1000 for t, e in zip(result.get("latencies") or [], result.get("errors") or [],
                                     strict=False) if e in (None, "")]

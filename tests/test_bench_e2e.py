@@ -15,6 +15,25 @@ import pytest
 from kvbridge.errors import ConfigError
 from kvbridge.tools import cli, prom
 from kvbridge.tools.bench import e2e as b
+from kvbridge.tools.bench.e2e_report import (
+    BenchSettings,
+    PhaseResult,
+    RequestRecord,
+    add_ratios,
+    format_bars,
+    format_table,
+    parse_configs,
+    summarize,
+    workload_prompts,
+)
+from kvbridge.tools.bench.fleet import CONFIG_NAMES, VLLM_PUSH_P_ENGINE, engine_specs
+from kvbridge.tools.bench.timings import (
+    beyond_wire,
+    handoff_breakdown,
+    handoff_times,
+    request_steps,
+)
+from kvbridge.tools.cpumeter import CpuMeter, cpu_seconds, group_cpu_ticks, parse_stat_line
 from kvbridge.tools.report import percentile
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +48,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_defaults_match_the_protocol() -> None:
     s = b.settings_from_args(_args())
-    assert s.configs == b.CONFIG_NAMES
+    assert s.configs == CONFIG_NAMES
     assert (s.seq, s.concurrent, s.wave, s.prompt_len, s.max_tokens) == (12, 16, 8, 400, 32)
     assert s.push_headroom == 4
     assert s.conc_phase == "c8"
@@ -40,13 +59,13 @@ def test_configs_subset_keeps_order_and_drops_duplicates() -> None:
                                    "--seq", "3", "--wave", "4", "--log-dir", "/tmp/x"))
     assert s.configs == ("kvbridge-shm", "vllm-nixl-pull")
     assert s.seq == 3 and s.conc_phase == "c4" and s.log_dir == Path("/tmp/x")
-    assert b.parse_configs("all") == b.CONFIG_NAMES
+    assert parse_configs("all") == CONFIG_NAMES
 
 
 @pytest.mark.parametrize("text", ["vllm-nixl", "", " , ", "kvbridge-shm,nope"])
 def test_bad_configs_are_named(text: str) -> None:
     with pytest.raises(ConfigError) as err:
-        b.parse_configs(text)
+        parse_configs(text)
     assert "configuration" in str(err.value)
 
 
@@ -76,10 +95,10 @@ def test_percentile_interpolates_linearly() -> None:
 
 
 def test_prompts_are_fresh_per_phase_and_shared_across_configurations() -> None:
-    s = b.BenchSettings(prompt_len=50)
-    seq_pull = b.workload_prompts(s, "pull", "seq", 5)
-    assert seq_pull == b.workload_prompts(s, "pull", "seq", 5)  # same for every configuration
-    others = [b.workload_prompts(s, m, ph, 5) for m in ("pull", "push", "auto")
+    s = BenchSettings(prompt_len=50)
+    seq_pull = workload_prompts(s, "pull", "seq", 5)
+    assert seq_pull == workload_prompts(s, "pull", "seq", 5)  # same for every configuration
+    others = [workload_prompts(s, m, ph, 5) for m in ("pull", "push", "auto")
               for ph in ("warmup", "seq", "conc", "proxy-seq")]
     flat = [tuple(p) for group in others for p in group]
     assert len(set(flat)) == len(flat), "a prompt repeats: a prefix-cache hit would flatter"
@@ -102,15 +121,15 @@ D_TIMINGS = {
 
 
 def test_handoff_joins_p_and_d_by_transfer_id() -> None:
-    got = b.handoff_times(P_TIMINGS, D_TIMINGS, ["t-pull", "t-push", "t-only-p", "t-only-d",
+    got = handoff_times(P_TIMINGS, D_TIMINGS, ["t-pull", "t-push", "t-only-p", "t-only-d",
                                                  "missing"])
     assert got == pytest.approx([0.060, 0.010])
 
 
 def test_breakdown_splits_consecutive_steps() -> None:
-    pull = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-pull"])
+    pull = handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-pull"])
     assert pull == pytest.approx({"kv_ready->recv_done": 0.050, "recv_done->first_step": 0.010})
-    push = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"])
+    push = handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"])
     assert push == pytest.approx({"kv_ready->write_posted": 0.001,
                                   "write_posted->write_done": 0.003,
                                   "write_done->recv_done": 0.002,
@@ -118,7 +137,7 @@ def test_breakdown_splits_consecutive_steps() -> None:
 
 
 def test_beyond_wire_subtracts_the_write_from_the_push_hand_off() -> None:
-    got = b.beyond_wire(P_TIMINGS, D_TIMINGS, ["t-push", "t-pull", "missing"])
+    got = beyond_wire(P_TIMINGS, D_TIMINGS, ["t-push", "t-pull", "missing"])
     assert got == pytest.approx([0.010 - 0.003])  # pull has no WRITE: not counted
 
 
@@ -126,7 +145,7 @@ def test_breakdown_places_the_loop_and_scheduler_marks_between_the_steps() -> No
     p = {"t": {"kv_ready": 1.000, "ready_seen": 1.0002, "write_posted": 1.0005,
                "write_done": 1.0015}}
     d = {"t": {"recv_done": 1.002, "recv_seen": 1.003, "first_step": 1.0033}}
-    steps = b.handoff_breakdown(p, d, ["t"])
+    steps = handoff_breakdown(p, d, ["t"])
     assert list(steps) == ["kv_ready->ready_seen", "ready_seen->write_posted",
                            "write_posted->write_done", "write_done->recv_done",
                            "recv_done->recv_seen", "recv_seen->first_step"]
@@ -135,19 +154,19 @@ def test_breakdown_places_the_loop_and_scheduler_marks_between_the_steps() -> No
 
 def test_breakdown_with_client_events_adds_up_to_ttft() -> None:
     client = {"t-push": {"dispatch": 199.900, "first_token": 200.030}}
-    steps = b.handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"], client)
+    steps = handoff_breakdown(P_TIMINGS, D_TIMINGS, ["t-push"], client)
     assert steps["dispatch->kv_ready"] == pytest.approx(0.100)
     assert steps["first_step->first_token"] == pytest.approx(0.020)
     assert sum(steps.values()) == pytest.approx(0.130)  # = first_token - dispatch
 
 
 def test_request_steps_are_relative_to_dispatch_and_ordered() -> None:
-    steps = b.request_steps(P_TIMINGS, D_TIMINGS, "t-push", 199.9)
+    steps = request_steps(P_TIMINGS, D_TIMINGS, "t-push", 199.9)
     assert list(steps) == ["P.kv_ready", "P.write_posted", "P.write_done", "D.recv_done",
                            "D.first_step"]
     assert steps["P.kv_ready"] == pytest.approx(0.1)
-    assert b.request_steps(P_TIMINGS, D_TIMINGS, "missing", 0.0) == {}
-    rec = b.RequestRecord(index=0, mode="push", steps={"P.kv_ready": 0.1})
+    assert request_steps(P_TIMINGS, D_TIMINGS, "missing", 0.0) == {}
+    rec = RequestRecord(index=0, mode="push", steps={"P.kv_ready": 0.1})
     assert rec.to_dict()["steps_ms"] == {"P.kv_ready": 100.0}
 
 
@@ -171,25 +190,25 @@ def test_prom_sum_adds_every_label_set_and_ignores_lookalikes() -> None:
 def test_parse_stat_line_survives_odd_process_names() -> None:
     fields = ["S", "1", "4242", "4242"] + ["0"] * 7 + ["150", "25"] + ["0"] * 30
     line = "1234 (VLLM::Engine Core) (x)) " + " ".join(fields)
-    assert b.parse_stat_line(line) == (4242, 175)
+    assert parse_stat_line(line) == (4242, 175)
 
 
 def test_cpu_seconds_of_own_process_group_grows_with_work() -> None:
     pgid = os.getpgrp()
-    before = b.group_cpu_ticks(pgid)
+    before = group_cpu_ticks(pgid)
     assert os.getpid() in before
     x = 0
     for i in range(3_000_000):
         x += i * i
-    after = b.group_cpu_ticks(pgid)
-    assert b.cpu_seconds(before, after) > 0.0
+    after = group_cpu_ticks(pgid)
+    assert cpu_seconds(before, after) > 0.0
     # Pids that appeared later count from zero; pids that vanished do not subtract.
-    assert b.cpu_seconds({}, {1: 100}) == 100 / os.sysconf("SC_CLK_TCK")
-    assert b.cpu_seconds({1: 100, 2: 50}, {1: 90}) == 0.0
+    assert cpu_seconds({}, {1: 100}) == 100 / os.sysconf("SC_CLK_TCK")
+    assert cpu_seconds({1: 100, 2: 50}, {1: 90}) == 0.0
 
 
 def test_cpu_meter_splits_engines_self_and_others() -> None:
-    meter = b.CpuMeter(-1, -1)  # no such groups: engines count zero
+    meter = CpuMeter(-1, -1)  # no such groups: engines count zero
     x = 0
     for i in range(2_000_000):
         x += i
@@ -202,10 +221,10 @@ def test_cpu_meter_splits_engines_self_and_others() -> None:
 
 
 def _phase(config: str, mode: str, phase: str, ttfts: list[float], tpot: float,
-           **kw: object) -> b.PhaseResult:
-    recs = [b.RequestRecord(index=i, mode=mode, ok=True, ttft=t, tpot=tpot)
+           **kw: object) -> PhaseResult:
+    recs = [RequestRecord(index=i, mode=mode, ok=True, ttft=t, tpot=tpot)
             for i, t in enumerate(ttfts)]
-    return b.PhaseResult(config, mode, phase, records=recs, **kw)  # type: ignore[arg-type]
+    return PhaseResult(config, mode, phase, records=recs, **kw)  # type: ignore[arg-type]
 
 
 def test_summary_ratios_and_table() -> None:
@@ -214,12 +233,12 @@ def test_summary_ratios_and_table() -> None:
     push = _phase("kvbridge-shm", "push", "seq", [0.1, 0.2, 0.15], 0.005,
                   handoffs=[0.002, 0.004, 0.003], checked=2, matched=1)
     auto = _phase("kvbridge-shm", "auto", "c8", [1.0], 0.02)
-    auto.records.append(b.RequestRecord(index=1, mode="pull", ok=False, error="boom"))
+    auto.records.append(RequestRecord(index=1, mode="pull", ok=False, error="boom"))
     auto.records[0].mode = "push"
     auto.error = "1 failed, first: boom"
     proxy = _phase("kvbridge-shm", "push", "proxy-seq", [0.6], 0.02)
-    rows = [b.summarize(r) for r in (base, push, auto, proxy)]
-    b.add_ratios(rows)
+    rows = [summarize(r) for r in (base, push, auto, proxy)]
+    add_ratios(rows)
     assert rows[0]["ttft_p50_s"] == pytest.approx(0.3) and rows[0]["ttft_ratio"] == 1.0
     assert rows[1]["ttft_ratio"] == pytest.approx(0.5)
     assert rows[1]["tpot_ratio"] == pytest.approx(0.5)
@@ -231,7 +250,7 @@ def test_summary_ratios_and_table() -> None:
     assert rows[3]["ttft_ratio"] == pytest.approx(2.0)  # proxy-seq against the baseline's seq
     json.dumps(rows)  # plain JSON values only
 
-    text = b.format_table(rows)
+    text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split("  ")[0] == "config"
     assert set(lines[1]) <= {"-", " "}
@@ -246,8 +265,8 @@ def test_summary_ratios_and_table() -> None:
 def test_report_formats_with_breakdown_and_notes() -> None:
     res = _phase("kvbridge-nixl", "push", "seq", [0.1], 0.005, handoffs=[0.002],
                  breakdown={"kv_ready->write_posted": 0.001})
-    rows = [b.summarize(res)]
-    b.add_ratios(rows)
+    rows = [summarize(res)]
+    add_ratios(rows)
     report = {"date": "2026-01-01T00:00:00+00:00",
               "host": {"cpus": 2, "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"},
               "rows": rows, "log_dir": "/tmp/logs",
@@ -262,34 +281,34 @@ def test_report_formats_with_breakdown_and_notes() -> None:
 
 def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
     model = tmp_path / "model"
-    p, d = b.engine_specs("vllm-nixl-push", model, tmp_path)
+    p, d = engine_specs("vllm-nixl-push", model, tmp_path)
     assert p.kv_transfer_config == {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer",
-                                    "kv_buffer_device": "cpu", "engine_id": b.VLLM_PUSH_P_ENGINE}
+                                    "kv_buffer_device": "cpu", "engine_id": VLLM_PUSH_P_ENGINE}
     assert d.kv_transfer_config is not None and d.kv_transfer_config["kv_role"] == "kv_consumer"
     assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert (p.cpu_bind, d.cpu_bind) == ("0", "1")
     assert p.env["VLLM_TARGET_DEVICE"] == "cpu" and "--block-size" in p.extra_args
-    p, d = b.engine_specs("kvbridge-nixl", model, tmp_path)
+    p, d = engine_specs("kvbridge-nixl", model, tmp_path)
     assert p.kv_transfer_config is not None
     assert p.kv_transfer_config["kv_connector"] == "KVBridgeConnector"
     assert p.kv_transfer_config["kv_connector_extra_config"] == {"backend": "nixl"}
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in p.env
     assert p.proc is None and d.proc is None  # nothing started
     assert not p.pin_cpus
-    p, d = b.engine_specs("kvbridge-shm", model, tmp_path, pin=True)
+    p, d = engine_specs("kvbridge-shm", model, tmp_path, pin=True)
     assert p.pin_cpus and d.pin_cpus and (p.cpus(), d.cpus()) == ({0}, {1})
     assert b.settings_from_args(_args("--pin-engines")).pin_engines
 
 
 def test_bars_line_judges_push_seq_hand_off_minus_wire() -> None:
-    ok = b.summarize(_phase("kvbridge-nixl", "push", "seq", [0.1], 0.005, handoffs=[0.003],
+    ok = summarize(_phase("kvbridge-nixl", "push", "seq", [0.1], 0.005, handoffs=[0.003],
                             beyond_wire=[0.0015]))
-    slow = b.summarize(_phase("kvbridge-shm", "push", "seq", [0.1], 0.005, handoffs=[0.006],
+    slow = summarize(_phase("kvbridge-shm", "push", "seq", [0.1], 0.005, handoffs=[0.006],
                               beyond_wire=[0.0045]))
-    conc = b.summarize(_phase("kvbridge-shm", "push", "c8", [0.1], 0.005, beyond_wire=[0.001]))
-    text = b.format_bars([ok, slow, conc])
+    conc = summarize(_phase("kvbridge-shm", "push", "c8", [0.1], 0.005, beyond_wire=[0.001]))
+    text = format_bars([ok, slow, conc])
     assert "kvbridge-nixl: push seq hand-off p50 3.00 ms, minus wire 1.50 ms" in text
     assert "(bar <= 2 ms: met)" in text and "(bar <= 2 ms: NOT met)" in text
     assert "c8" not in text
-    table = b.format_table([ok])
+    table = format_table([ok])
     assert " 1.50 " in table and "-wire p50 ms" in table

@@ -10,7 +10,7 @@ import pytest
 from kvbridge.errors import ConfigError
 from kvbridge.tools import cli
 from kvbridge.tools.bench import handoff as bh
-from kvbridge.tools.bench.e2e import RequestRecord
+from kvbridge.tools.bench.e2e_report import RequestRecord
 
 pytestmark = pytest.mark.timeout(60)
 

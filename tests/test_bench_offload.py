@@ -14,6 +14,25 @@ from kvbridge.errors import ConfigError
 from kvbridge.tools import cli
 from kvbridge.tools import tiny_model as tm
 from kvbridge.tools.bench import offload as b
+from kvbridge.tools.bench.offload_engine import foreign_engines, offload_config
+from kvbridge.tools.bench.offload_results import (
+    ROW_NAMES,
+    TABLE_HEADERS,
+    TIER_OF,
+    BenchSettings,
+    Rep,
+    RowResult,
+    add_ratios,
+    format_report,
+    format_table,
+    median_min,
+    parse_rows,
+    parse_tier_options,
+    source_ok,
+    summarize,
+    usable_blocks,
+    verdicts,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,7 +46,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_full_run() -> None:
     s = b.settings_from_args(_args())
-    assert s.rows == b.ROW_NAMES
+    assert s.rows == ROW_NAMES
     assert (s.reps, s.prompt_len, s.max_tokens, s.block_size) == (5, 3000, 2, 128)
     assert not s.quick and s.cpu_bind == "0-1"
     assert s.max_model_len == 3072
@@ -46,13 +65,13 @@ def test_rows_keep_the_table_order_and_drop_duplicates() -> None:
                                    "--log-dir", "/tmp/x", "--json", "/tmp/r.json"))
     assert s.rows == ("recompute", "dram", "disk")
     assert s.cpu_bind is None and s.log_dir == Path("/tmp/x")
-    assert b.parse_rows("all") == b.ROW_NAMES
+    assert parse_rows("all") == ROW_NAMES
 
 
 @pytest.mark.parametrize("text", ["", " , ", "dram,nope", "DRAM"])
 def test_bad_rows_are_named(text: str) -> None:
     with pytest.raises(ConfigError, match="row"):
-        b.parse_rows(text)
+        parse_rows(text)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -69,17 +88,17 @@ def test_bad_numbers_are_refused(argv: tuple[str, ...], match: str) -> None:
 
 
 def test_tier_options_merge_into_the_engine_row() -> None:
-    opts = b.parse_tier_options(['lmcache={"disk_path": "/x"}', 'disk_cold={"fsync": true}',
+    opts = parse_tier_options(['lmcache={"disk_path": "/x"}', 'disk_cold={"fsync": true}',
                                  'disk={"capacity_bytes": "1GiB"}'])
     assert opts == {"lmcache": {"disk_path": "/x"},
                     "disk": {"fsync": True, "capacity_bytes": "1GiB"}}
-    s = b.BenchSettings(tier_options=opts)
-    cfg = b.offload_config("disk_cold", s, Path("/d"))
+    s = BenchSettings(tier_options=opts)
+    cfg = offload_config("disk_cold", s, Path("/d"))
     assert cfg == {"tiers": [{"name": "disk", "path": "/d", "capacity_bytes": "1GiB",
                               "fsync": True}]}
     for bad in ("recompute={}", "nope={}", "dram", "dram=[1]", "dram={oops"):
         with pytest.raises(ConfigError, match="--tier-options"):
-            b.parse_tier_options([bad])
+            parse_tier_options([bad])
 
 
 def test_cli_reports_bad_rows_without_starting_anything(
@@ -97,21 +116,21 @@ class _Master:
 
 
 def test_offload_config_per_row() -> None:
-    s = b.BenchSettings()
-    assert b.offload_config("recompute", s, Path("/d")) is None
-    assert b.offload_config("dram", s, Path("/d"))["tiers"][0]["name"] == "dram"
-    mc = b.offload_config("mooncake_store", s, Path("/d"), _Master())["tiers"][0]
+    s = BenchSettings()
+    assert offload_config("recompute", s, Path("/d")) is None
+    assert offload_config("dram", s, Path("/d"))["tiers"][0]["name"] == "dram"
+    mc = offload_config("mooncake_store", s, Path("/d"), _Master())["tiers"][0]
     assert mc["master"] == "127.0.0.1:1" and mc["metadata_url"].endswith("/metadata")
-    for row in b.ROW_NAMES:  # every tier row parses as a valid offload object
-        cfg = b.offload_config(row, s, Path("/d"), _Master())
+    for row in ROW_NAMES:  # every tier row parses as a valid offload object
+        cfg = offload_config(row, s, Path("/d"), _Master())
         if cfg is not None:
             from kvbridge.offload.config import OffloadConfig
 
-            assert OffloadConfig.parse(cfg).tiers[0].name == b.TIER_OF[row]
+            assert OffloadConfig.parse(cfg).tiers[0].name == TIER_OF[row]
 
 
 def test_foreign_engines_ignores_our_own_group() -> None:
-    assert b.foreign_engines([os.getpgid(0)]) == [p for p in b.foreign_engines()
+    assert foreign_engines([os.getpgid(0)]) == [p for p in foreign_engines()
                                                   if os.getpgid(p) != os.getpgid(0)]
 
 
@@ -119,51 +138,51 @@ def test_foreign_engines_ignores_our_own_group() -> None:
 
 
 def test_usable_blocks_leave_one_token_to_compute() -> None:
-    assert b.usable_blocks(3000, 128) == 23
-    assert b.usable_blocks(2945, 128) == 23
-    assert b.usable_blocks(2944, 128) == 22
-    assert b.usable_blocks(1, 128) == 0
+    assert usable_blocks(3000, 128) == 23
+    assert usable_blocks(2945, 128) == 23
+    assert usable_blocks(2944, 128) == 22
+    assert usable_blocks(1, 128) == 0
 
 
 def test_median_min() -> None:
-    assert b.median_min([]) == (None, None)
-    assert b.median_min([3.0, 1.0, 2.0, 10.0]) == (2.5, 1.0)
+    assert median_min([]) == (None, None)
+    assert median_min([3.0, 1.0, 2.0, 10.0]) == (2.5, 1.0)
 
 
-def _rep(i: int, ttft: float, ids: list[int], **deltas: int) -> b.Rep:
-    return b.Rep(i, ok=True, ttft=ttft, total=ttft + 0.01, queue=0.002, prefill=ttft - 0.01,
+def _rep(i: int, ttft: float, ids: list[int], **deltas: int) -> Rep:
+    return Rep(i, ok=True, ttft=ttft, total=ttft + 0.01, queue=0.002, prefill=ttft - 0.01,
                  token_ids=ids, deltas=dict(deltas))
 
 
 def test_source_check_uses_the_counters() -> None:
     hit = {"offload_hit_blocks_dram": 23, "offload_loaded_blocks": 23}
-    assert b.source_ok("dram", _rep(0, 1.0, [], **hit), 23)
-    assert not b.source_ok("dram", _rep(0, 1.0, [], **hit), 22)
-    assert not b.source_ok("disk", _rep(0, 1.0, [], **hit), 23)
-    assert not b.source_ok("dram", _rep(0, 1.0, [], **hit, offload_load_failed=1), 23)
-    assert not b.source_ok("dram", _rep(0, 1.0, [], **hit, offload_hit_blocks_disk=2), 23)
-    assert b.source_ok("disk_cold", _rep(0, 1.0, [], offload_hit_blocks_disk=5,
+    assert source_ok("dram", _rep(0, 1.0, [], **hit), 23)
+    assert not source_ok("dram", _rep(0, 1.0, [], **hit), 22)
+    assert not source_ok("disk", _rep(0, 1.0, [], **hit), 23)
+    assert not source_ok("dram", _rep(0, 1.0, [], **hit, offload_load_failed=1), 23)
+    assert not source_ok("dram", _rep(0, 1.0, [], **hit, offload_hit_blocks_disk=2), 23)
+    assert source_ok("disk_cold", _rep(0, 1.0, [], offload_hit_blocks_disk=5,
                                          offload_loaded_blocks=5), 5)
-    assert b.source_ok("recompute", _rep(0, 1.0, []), 23)
-    assert not b.source_ok("recompute", _rep(0, 1.0, [], offload_loaded_blocks=3), 23)
+    assert source_ok("recompute", _rep(0, 1.0, []), 23)
+    assert not source_ok("recompute", _rep(0, 1.0, [], offload_loaded_blocks=3), 23)
 
 
 def _rows() -> list[dict[str, object]]:
     ref = [7, 8]
-    base = b.RowResult("recompute", expected_blocks=23, reference=ref,
+    base = RowResult("recompute", expected_blocks=23, reference=ref,
                        cold=_rep(0, 6.1, ref),
                        reps=[_rep(i, t, ref) for i, t in enumerate([6.0, 6.4, 6.2])])
     hit = {"offload_hit_blocks_dram": 23, "offload_loaded_blocks": 23}
-    dram = b.RowResult("dram", tiers=["dram"], expected_blocks=23, reference=ref,
+    dram = RowResult("dram", tiers=["dram"], expected_blocks=23, reference=ref,
                        cold=_rep(0, 6.2, ref),
                        reps=[_rep(0, 0.3, ref, **hit), _rep(1, 0.31, [9, 9], **hit),
-                             b.Rep(2, error="EngineError: boom")])
-    disk = b.RowResult("disk", tiers=["disk"], expected_blocks=23, reference=ref,
+                             Rep(2, error="EngineError: boom")])
+    disk = RowResult("disk", tiers=["disk"], expected_blocks=23, reference=ref,
                        reps=[_rep(0, 4.0, ref, offload_hit_blocks_disk=20,
                                   offload_loaded_blocks=20)])
-    lm = b.RowResult("lmcache", tiers=["lmcache"], unavailable="no LMCacheTier")
-    rows = [b.summarize(r) for r in (base, dram, disk, lm)]
-    b.add_ratios(rows)
+    lm = RowResult("lmcache", tiers=["lmcache"], unavailable="no LMCacheTier")
+    rows = [summarize(r) for r in (base, dram, disk, lm)]
+    add_ratios(rows)
     return rows
 
 
@@ -181,12 +200,12 @@ def test_summary_and_ratios() -> None:
 
 def test_ratios_without_a_baseline_are_none() -> None:
     rows = [r for r in _rows() if r["row"] != "recompute"]
-    b.add_ratios(rows)
+    add_ratios(rows)
     assert all(r["ratio"] is None for r in rows)
 
 
 def test_table_marks_checks_and_keeps_unavailable_rows() -> None:
-    text = b.format_table(_rows())
+    text = format_table(_rows())
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["row", "tiers", "ok/reps", "TTFT"]
     assert set(lines[1]) <= {"-", " "}
@@ -200,12 +219,12 @@ def test_table_marks_checks_and_keeps_unavailable_rows() -> None:
     # the columns line up: each header word starts where its rule starts
     starts = [i for i in range(len(lines[1])) if lines[1][i] == "-" and
               (i == 0 or lines[1][i - 1] == " ")]
-    assert [lines[0][i - 1] if i else " " for i in starts] == [" "] * len(b.TABLE_HEADERS)
+    assert [lines[0][i - 1] if i else " " for i in starts] == [" "] * len(TABLE_HEADERS)
     assert by_row["dram"].index("dram", 4) == lines[0].index("tiers")
 
 
 def test_verdicts_say_whether_the_aims_hold() -> None:
-    lines = b.verdicts(_rows())
+    lines = verdicts(_rows())
     assert lines[0].startswith("dram: aim <= 0.2 x recompute: holds (0.049 x")
     assert lines[1].startswith("disk: aim <= 0.5 x recompute: NOT met (0.645 x")
 
@@ -217,7 +236,7 @@ def test_report_formats_with_facts() -> None:
               "settings": {"prompt_len": 3000, "block_size": 128, "max_tokens": 2, "reps": 3},
               "expected_blocks": 23, "prompt_kv_bytes": 23 * 128 * 24576, "log_dir": "/l",
               "rows": rows, "reference_from": "recompute's first output", "elapsed_s": 5.0}
-    text = b.format_report(report)
+    text = format_report(report)
     assert "100.7 M parameters" in text and "prompt 3000 tokens" in text
     assert "69.0 MiB" in text and "dram: aim" in text
 

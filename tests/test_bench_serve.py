@@ -21,7 +21,31 @@ import pytest
 from kvbridge.errors import ConfigError
 from kvbridge.tools import cli
 from kvbridge.tools.bench import serve as bs
-from kvbridge.tools.bench.e2e import VLLM_PUSH_P_ENGINE, vllm_pull_params
+from kvbridge.tools.bench.dispatch import vllm_pull_params
+from kvbridge.tools.bench.fleet import VLLM_PUSH_P_ENGINE
+from kvbridge.tools.bench.serve_plots import PLOT_FILE, write_plots
+from kvbridge.tools.bench.serve_process import bench_serve_command
+from kvbridge.tools.bench.serve_results import (
+    RESULTS_FILE,
+    RESULTS_KIND,
+    format_push_pull,
+    format_steps,
+    format_table,
+    handoff_summary,
+    push_pull,
+    result_metrics,
+    sustained,
+)
+from kvbridge.tools.bench.serve_run import new_report
+from kvbridge.tools.bench.serve_settings import (
+    MAX_RATES,
+    SETUP_NAMES,
+    parse_fleet,
+    parse_rates,
+    parse_setups,
+    run_seed,
+    setup_groups,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +69,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_defaults() -> None:
     s = bs.settings_from_args(_args())
-    assert s.setups == bs.SETUP_NAMES
+    assert s.setups == SETUP_NAMES
     assert s.rates == (2.0, 4.0, 8.0, 16.0)
     assert (s.num_prompts, s.input_len, s.output_len, s.backend) == (40, 200, 16, "nixl")
     assert s.plots and s.out is None
@@ -58,24 +82,24 @@ def test_flags_map_to_settings() -> None:
     assert s.setups == ("vllm-nixl-pull", "kvbridge-pull")
     assert s.rates == (4.0, 2.0, 0.5)
     assert (s.num_prompts, s.backend, s.out, s.plots) == (8, "shm", Path("/tmp/x"), False)
-    assert bs.parse_setups("all") == bs.SETUP_NAMES
+    assert parse_setups("all") == SETUP_NAMES
 
 
 @pytest.mark.parametrize("text", ["", " , ", "kvbridge-pull,nope", "vllm-nixl", "kvbridge-shm"])
 def test_unknown_setups_are_named(text: str) -> None:
     with pytest.raises(ConfigError, match="--setups"):
-        bs.parse_setups(text)
+        parse_setups(text)
 
 
 @pytest.mark.parametrize("text", ["", ",", "0", "-2", "2,abc", "inf", "nan", "2,1e400"])
 def test_bad_rates_are_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="--rates"):
-        bs.parse_rates(text)
+        parse_rates(text)
 
 
 def test_too_many_rates_are_refused() -> None:
     with pytest.raises(ConfigError, match="at most"):
-        bs.parse_rates(",".join(str(i) for i in range(1, bs.MAX_RATES + 2)))
+        parse_rates(",".join(str(i) for i in range(1, MAX_RATES + 2)))
 
 
 @pytest.mark.parametrize("flag,value", [("--num-prompts", "0"), ("--output-len", "1"),
@@ -105,31 +129,31 @@ def test_unknown_backend_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_fleet_shape_is_parsed_and_recorded(tmp_path: Path) -> None:
-    assert bs.parse_fleet("2P2D") == (2, 2) and bs.parse_fleet(" 1p3d ") == (1, 3)
+    assert parse_fleet("2P2D") == (2, 2) and parse_fleet(" 1p3d ") == (1, 3)
     s = bs.settings_from_args(_args("--fleet", "2P1D", "--setups", "kvbridge-pull,kvbridge-auto"))
     assert (s.prefill_engines, s.decode_engines) == (2, 1)
-    report = bs.new_report(s, tmp_path)
+    report = new_report(s, tmp_path)
     assert report["fleet"] == "2P1D"
     assert (report["settings"]["prefill_engines"], report["settings"]["decode_engines"]) == (2, 1)
-    assert bs.new_report(bs.settings_from_args(_args()), tmp_path)["fleet"] == "1P1D"
+    assert new_report(bs.settings_from_args(_args()), tmp_path)["fleet"] == "1P1D"
 
 
 @pytest.mark.parametrize("text", ["", "2P", "P2D", "2D2P", "0P1D", "1P9D", "2P2D2", "xPyD",
                                   "-1P1D", "100P1D"])
 def test_bad_fleet_shapes_are_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="--fleet"):
-        bs.parse_fleet(text)
+        parse_fleet(text)
 
 
 def test_a_fleet_refuses_the_one_pair_vllm_setups() -> None:
     with pytest.raises(ConfigError, match="vllm-nixl-pull, vllm-nixl-push run 1P1D only"):
         bs.settings_from_args(_args("--fleet", "2P2D"))  # the default setups include them
-    assert bs.settings_from_args(_args("--fleet", "1P1D")).setups == bs.SETUP_NAMES
+    assert bs.settings_from_args(_args("--fleet", "1P1D")).setups == SETUP_NAMES
 
 
 def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> None:
     from kvbridge.host.placement import fleet_cores
-    from kvbridge.tools.bench.e2e import engine_specs, fleet_specs
+    from kvbridge.tools.bench.fleet import engine_specs, fleet_specs
 
     ps, ds = fleet_specs("kvbridge-shm", tmp_path, tmp_path, 2.0, prefill=2, decode=2)
     engines = [*ps, *ds]
@@ -159,7 +183,7 @@ def test_fleet_engines_are_distinct_and_spread_over_the_cpus(tmp_path: Path) -> 
 
 
 def test_kvbridge_modes_share_one_pair_and_vllm_connectors_get_their_own() -> None:
-    groups = bs.setup_groups(("vllm-nixl-push", "kvbridge-push", "vllm-nixl-pull",
+    groups = setup_groups(("vllm-nixl-push", "kvbridge-push", "vllm-nixl-pull",
                               "kvbridge-pull"))
     assert groups == [("vllm-nixl-push", ("vllm-nixl-push",)),
                       ("kvbridge", ("kvbridge-push", "kvbridge-pull")),
@@ -167,15 +191,15 @@ def test_kvbridge_modes_share_one_pair_and_vllm_connectors_get_their_own() -> No
 
 
 def test_seeds_pair_the_same_mode_and_never_repeat_on_a_shared_pair() -> None:
-    assert bs.run_seed(7, "kvbridge-pull", 1) == bs.run_seed(7, "vllm-nixl-pull", 1)
-    assert bs.run_seed(7, "kvbridge-push", 0) == bs.run_seed(7, "vllm-nixl-push", 0)
-    shared = {bs.run_seed(7, s, i) for s in ("kvbridge-pull", "kvbridge-push", "kvbridge-auto")
-              for i in range(bs.MAX_RATES)}
-    assert len(shared) == 3 * bs.MAX_RATES
+    assert run_seed(7, "kvbridge-pull", 1) == run_seed(7, "vllm-nixl-pull", 1)
+    assert run_seed(7, "kvbridge-push", 0) == run_seed(7, "vllm-nixl-push", 0)
+    shared = {run_seed(7, s, i) for s in ("kvbridge-pull", "kvbridge-push", "kvbridge-auto")
+              for i in range(MAX_RATES)}
+    assert len(shared) == 3 * MAX_RATES
 
 
 def test_bench_serve_command_asks_for_what_is_parsed(tmp_path: Path) -> None:
-    cmd = bs.bench_serve_command("http://127.0.0.1:9", tmp_path / "m", tmp_path, "x-rate2",
+    cmd = bench_serve_command("http://127.0.0.1:9", tmp_path / "m", tmp_path, "x-rate2",
                                  rate=2.0, num_prompts=8, input_len=200, output_len=16, seed=5,
                                  ready_check_s=0)
     text = " ".join(cmd)
@@ -185,7 +209,7 @@ def test_bench_serve_command_asks_for_what_is_parsed(tmp_path: Path) -> None:
                  "--result-filename x-rate2.json", "--random-input-len 200",
                  "--random-output-len 16", "--num-prompts 8"):
         assert part in text, part
-    default = bs.bench_serve_command("u", tmp_path, tmp_path, "n", rate=8, num_prompts=1,
+    default = bench_serve_command("u", tmp_path, tmp_path, "n", rate=8, num_prompts=1,
                                      input_len=1, output_len=2, seed=0, warmups=2)
     assert "--ready-check-timeout-sec" not in default and "--num-warmups" in default
 
@@ -203,13 +227,13 @@ BENCH_RESULT = {
 
 
 def test_result_metrics_reads_bench_serves_json() -> None:
-    m = bs.result_metrics(BENCH_RESULT)
+    m = result_metrics(BENCH_RESULT)
     assert (m["completed"], m["failed"]) == (3, 1)
     assert (m["ttft_p50"], m["ttft_p99"], m["tpot_p50"], m["tpot_p99"]) == (40.0, 90.0, 3.5, 6.0)
     assert (m["e2e_p50"], m["e2e_p99"], m["request_throughput"]) == (100.0, 150.0, 1.2)
     assert m["ttft_max"] == pytest.approx(90.0)  # the failed request's values are left out
     assert m["e2e_max"] == pytest.approx(150.0)
-    empty = bs.result_metrics({"completed": 0, "failed": 4, "p50_ttft_ms": float("nan")})
+    empty = result_metrics({"completed": 0, "failed": 4, "p50_ttft_ms": float("nan")})
     assert empty["ttft_p50"] is None and empty["ttft_max"] is None
 
 
@@ -226,13 +250,13 @@ def _report() -> dict[str, Any]:
                  "error": "warm-up failed (2 requests): HTTP 502"})
     rows[4]["ttft_p50"] = None  # a run without the value: a gap in its line
     settings = {"backend": "nixl", "num_prompts": 8, "input_len": 200, "output_len": 16}
-    return {"kind": bs.RESULTS_KIND, "version": 1, "date": "2026-12-03T15:00:00+00:00",
+    return {"kind": RESULTS_KIND, "version": 1, "date": "2026-12-03T15:00:00+00:00",
             "host": {"cpus": 2, "loadavg_start": "1 1 1", "loadavg_end": "2 2 2"},
             "settings": settings, "out": "/tmp/nowhere", "groups": {}, "rows": rows}
 
 
 def test_table_has_one_row_per_run_and_names_errors() -> None:
-    text = bs.format_table(_report()["rows"])
+    text = format_table(_report()["rows"])
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["setup", "rate", "ok/fail"]
     assert any(line.split()[:3] == ["kvbridge-pull", "4", "8/0"] for line in lines)
@@ -250,26 +274,26 @@ def test_push_pull_ratio_at_the_highest_rate_both_sustain() -> None:
             _run("kvbridge-pull", 8, 90.0, 7.6), _run("kvbridge-push", 8, 60.0, 7.7),
             _run("kvbridge-pull", 16, 200.0, 9.0), _run("kvbridge-push", 16, 100.0, 15.0),
             _run("kvbridge-auto", 16, 10.0, 16.0)]
-    summary = bs.push_pull(rows)
+    summary = push_pull(rows)
     assert summary["ratios"] == pytest.approx({"4": 0.3, "8": 60 / 90, "16": 0.5})
     assert summary["sustained_rate"] == 8  # pull fell behind at 16 (9 of 16 req/s)
     assert summary["ratio"] == pytest.approx(60 / 90) and summary["met"] is False
-    text = bs.format_push_pull(summary)
+    text = format_push_pull(summary)
     assert "4 req/s 0.30, 8 req/s 0.67, 16 req/s 0.50" in text
     assert "highest rate both sustain, 8 req/s: push/pull = 0.67 (bar <= 1/3: NOT met)" in text
     rows[2:4] = [_run("kvbridge-pull", 8, 90.0, 7.6, failed=1), rows[3]]
-    summary = bs.push_pull(rows)
+    summary = push_pull(rows)
     assert summary["sustained_rate"] == 4 and summary["met"] is True  # 0.30 <= 1/3
 
 
 def test_push_pull_without_both_setups_or_sustained_rates() -> None:
-    assert bs.push_pull([_run("kvbridge-pull", 4, 50.0, 3.9)]) == {}
-    assert bs.format_push_pull({}) == ""
+    assert push_pull([_run("kvbridge-pull", 4, 50.0, 3.9)]) == {}
+    assert format_push_pull({}) == ""
     rows = [_run("kvbridge-pull", 4, 50.0, 1.0), _run("kvbridge-push", 4, 15.0, 3.9)]
-    summary = bs.push_pull(rows)
+    summary = push_pull(rows)
     assert summary["sustained_rate"] is None
-    assert "no rate was sustained" in bs.format_push_pull(summary)
-    assert not bs.sustained({"rate": 4, "request_throughput": 4.0, "error": "boom"})
+    assert "no rate was sustained" in format_push_pull(summary)
+    assert not sustained({"rate": 4, "request_throughput": 4.0, "error": "boom"})
 
 
 def test_handoff_summary_and_steps_from_the_engines_timings() -> None:
@@ -278,14 +302,14 @@ def test_handoff_summary_and_steps_from_the_engines_timings() -> None:
            "old": {"kv_ready": 0.0}}
     d_t = {"a": {"recv_done": 1.002, "first_step": 1.003},
            "b": {"recv_done": 2.003, "first_step": 2.005}}
-    got = bs.handoff_summary(p_t, d_t, ["a", "b"])
+    got = handoff_summary(p_t, d_t, ["a", "b"])
     assert got["handoff_n"] == 2 and got["handoff_p50"] == pytest.approx(4.0)
     assert got["beyond_wire_p50"] == pytest.approx(2.5)  # (3 - 1) and (5 - 2)
     assert got["handoff_steps"]["recv_done->first_step"] == pytest.approx(1.5)
     row = {"setup": "kvbridge-push", "rate": 8.0, **got}
-    assert "kvbridge-push @ 8: kv_ready->write_posted 0.5" in bs.format_steps([row])
-    assert " 4.00 " in bs.format_table([row]) and " 2.50" in bs.format_table([row])
-    assert bs.format_steps([{"setup": "vllm-nixl-pull", "rate": 8.0}]) == ""
+    assert "kvbridge-push @ 8: kv_ready->write_posted 0.5" in format_steps([row])
+    assert " 4.00 " in format_table([row]) and " 2.50" in format_table([row])
+    assert format_steps([{"setup": "vllm-nixl-pull", "rate": 8.0}]) == ""
 
 
 def _assert_png(path: Path) -> tuple[int, int]:
@@ -303,8 +327,8 @@ def _assert_png(path: Path) -> tuple[int, int]:
 
 def test_plots_are_valid_pngs(tmp_path: Path) -> None:
     _need_matplotlib()
-    paths = bs.write_plots(_report(), tmp_path / "plots")
-    assert paths == [tmp_path / "plots" / bs.PLOT_FILE]
+    paths = write_plots(_report(), tmp_path / "plots")
+    assert paths == [tmp_path / "plots" / PLOT_FILE]
     width, height = _assert_png(paths[0])
     assert width > 2 * height  # three panels side by side
 
@@ -313,27 +337,27 @@ def test_plots_survive_a_report_without_values(tmp_path: Path) -> None:
     _need_matplotlib()
     report = _report()
     report["rows"] = [{"setup": "kvbridge-pull", "rate": 2.0, "error": "engines did not start"}]
-    _assert_png(bs.write_plots(report, tmp_path)[0])
+    _assert_png(write_plots(report, tmp_path)[0])
 
 
 def test_plot_only_redraws_from_a_results_file(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     _need_matplotlib()
-    results = tmp_path / "run" / bs.RESULTS_FILE
+    results = tmp_path / "run" / RESULTS_FILE
     results.parent.mkdir()
     results.write_text(json.dumps(_report()))
     assert cli.main(["bench", "serve", "--plot-only", str(results)]) == 0
     out = capsys.readouterr().out
     assert "kvbridge-push" in out and "TTFT p50 ms" in out
-    _assert_png(results.parent / bs.PLOT_FILE)
+    _assert_png(results.parent / PLOT_FILE)
     other = tmp_path / "docs"
     assert cli.main(["bench", "serve", "--plot-only", str(results), "--out", str(other)]) == 0
-    _assert_png(other / bs.PLOT_FILE)
+    _assert_png(other / PLOT_FILE)
 
 
 @pytest.mark.parametrize("content,message", [
     (None, "cannot read"), ("{not json", "is not JSON"), ('{"rows": []}', "not a kvbridge"),
-    (json.dumps({"kind": bs.RESULTS_KIND, "rows": [{"setup": "a"}]}), "'rows' must be"),
+    (json.dumps({"kind": RESULTS_KIND, "rows": [{"setup": "a"}]}), "'rows' must be"),
 ])
 def test_plot_only_refuses_bad_files(tmp_path: Path, content: str | None, message: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -584,7 +608,7 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
             "--bench-timeout", "150", "--idle-timeout", "30", "--out", str(tmp_path),
             "--no-progress", *([] if plots else ["--no-plots"])]
     assert cli.main(argv) == 0, capsys.readouterr().err[-3000:]
-    report = json.loads((tmp_path / bs.RESULTS_FILE).read_text())
+    report = json.loads((tmp_path / RESULTS_FILE).read_text())
     (row,) = report["rows"]
     assert row["setup"] == "kvbridge-pull" and row["rate"] == 4.0 and row["rc"] == 0
     assert row["completed"] == 4 and row["failed"] == 0 and not row.get("error")
@@ -594,6 +618,6 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
     assert "kvbridge-pull" in capsys.readouterr().out
     assert not engines._LIVE, "an engine was left running"
     if plots:
-        _assert_png(tmp_path / bs.PLOT_FILE)
+        _assert_png(tmp_path / PLOT_FILE)
     elif os.environ.get("CI"):
         pytest.fail("matplotlib is not installed, but CI installs it (.ci/install-steps)")

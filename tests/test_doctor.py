@@ -20,9 +20,10 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.config import Config
-from kvbridge.tools import doctor
-from kvbridge.tools import doctor_probes as probes
-from kvbridge.tools.doctor import Check, Status, Target
+from kvbridge.tools.doctor import checks as doctor_checks
+from kvbridge.tools.doctor import probes
+from kvbridge.tools.doctor import run as doctor_run
+from kvbridge.tools.doctor.target import Check, Status, Target
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -64,22 +65,24 @@ def test_routable_address_without_secret_fails_the_run() -> None:
 
 
 def test_security_levels() -> None:
-    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3"})).status is Status.FAIL
-    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3",
-                                          "allow_insecure_control": True})).status is Status.WARN
-    assert doctor.check_security(_target({"side_channel_host": "10.1.2.3",
-                                          "secret": "s3"})).status is Status.OK
+    routable = _target({"side_channel_host": "10.1.2.3"})
+    assert doctor_checks.check_security(routable).status is Status.FAIL
+    assert doctor_checks.check_security(_target({"side_channel_host": "10.1.2.3",
+                                                 "allow_insecure_control": True})
+                                        ).status is Status.WARN
+    assert doctor_checks.check_security(_target({"side_channel_host": "10.1.2.3",
+                                                 "secret": "s3"})).status is Status.OK
 
 
 def test_security_names_the_per_user_secret_and_refuses_an_unsafe_one(tmp_path: Path) -> None:
     path = tmp_path / "kv" / "secret"
-    ok = doctor.check_security(_target({"secret_file": str(path)}))
+    ok = doctor_checks.check_security(_target({"secret_file": str(path)}))
     assert ok.status is Status.OK and f"per-user secret {path}" in ok.detail
     assert path.read_bytes().strip().decode() not in ok.detail
     (tmp_path / "kv").chmod(0o755)
-    bad = doctor.check_security(_target({"secret_file": str(path)}))
+    bad = doctor_checks.check_security(_target({"secret_file": str(path)}))
     assert bad.status is Status.FAIL and str(tmp_path / "kv") in bad.detail
-    insecure = doctor.check_security(_target({"allow_insecure_control": True}))
+    insecure = doctor_checks.check_security(_target({"allow_insecure_control": True}))
     assert insecure.status is Status.WARN and "no secret at all" in insecure.detail
 
 
@@ -88,19 +91,20 @@ def test_a_bound_port_fails() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        check = doctor.check_ports(_target({"side_channel_port": port}))
+        check = doctor_checks.check_ports(_target({"side_channel_port": port}))
         assert check.status is Status.FAIL and str(port) in check.detail
         # tp 2 checks port + 1 too
-        check = doctor.check_ports(_target({"side_channel_port": port - 1}, tp=2))
+        check = doctor_checks.check_ports(_target({"side_channel_port": port - 1}, tp=2))
         assert check.status is Status.FAIL and str(port) in check.detail
-    assert doctor.check_ports(_target({"side_channel_port": 65535}, tp=2)).status is Status.FAIL
+    top = _target({"side_channel_port": 65535}, tp=2)
+    assert doctor_checks.check_ports(top).status is Status.FAIL
 
 
 def test_a_host_that_is_not_ours_fails_once_with_the_right_fix() -> None:
     # 192.0.2.0/24 is TEST-NET-1: never an address of this host
     for port in (0, 5600):
-        check = doctor.check_ports(_target({"side_channel_host": "192.0.2.1",
-                                            "side_channel_port": port}, tp=2))
+        check = doctor_checks.check_ports(_target({"side_channel_host": "192.0.2.1",
+                                                   "side_channel_port": port}, tp=2))
         assert check.status is Status.FAIL, check.detail
         assert check.detail.count("not an address of this host") == 1
         assert "KVBRIDGE_SIDE_CHANNEL_HOST" in check.detail and "ss -ltnp" not in check.detail
@@ -110,7 +114,7 @@ def test_a_host_that_is_not_ours_fails_once_with_the_right_fix() -> None:
 def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Status) -> None:
     monkeypatch.setattr(probes, "read_ptrace_scope", lambda *a: scope)
     monkeypatch.setattr(probes, "has_cap_sys_ptrace", lambda: False)
-    check = _one(doctor.check_ptrace_scope(_target()))
+    check = _one(doctor_checks.check_ptrace_scope(_target()))
     assert check.status is status, check.detail
 
 
@@ -123,16 +127,16 @@ def test_ptrace_scope(monkeypatch: pytest.MonkeyPatch, scope: int, status: Statu
 ])
 def test_huge_pages(monkeypatch: pytest.MonkeyPatch, mode: str, huge: bool, status: Status,
                     says: str) -> None:
-    monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: mode)
-    monkeypatch.setattr(doctor.hugepages, "thp_disabled_here", lambda: False)
-    check = _one(doctor.check_huge_pages(_target({"huge_pages": huge})))
+    monkeypatch.setattr(doctor_checks.hugepages, "thp_mode", lambda: mode)
+    monkeypatch.setattr(doctor_checks.hugepages, "thp_disabled_here", lambda: False)
+    check = _one(doctor_checks.check_huge_pages(_target({"huge_pages": huge})))
     assert check.status is status and says in check.detail, check.detail
 
 
 def test_huge_pages_disabled_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor.hugepages, "thp_mode", lambda: "madvise")
-    monkeypatch.setattr(doctor.hugepages, "thp_disabled_here", lambda: True)
-    check = _one(doctor.check_huge_pages(_target()))
+    monkeypatch.setattr(doctor_checks.hugepages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(doctor_checks.hugepages, "thp_disabled_here", lambda: True)
+    check = _one(doctor_checks.check_huge_pages(_target()))
     assert check.status is Status.WARN and "PR_SET_THP_DISABLE" in check.detail
 
 
@@ -141,12 +145,13 @@ def test_mapped_copies_here_and_without_a_compiler(monkeypatch: pytest.MonkeyPat
 
     if _rangecopy.load() is None:
         pytest.skip("no C compiler on this host")
-    check = _one(doctor.check_mapped_copies(_target({"backend": "shm"})))
+    check = _one(doctor_checks.check_mapped_copies(_target({"backend": "shm"})))
     assert check.status is Status.OK and "range copy built" in check.detail, check.detail
     monkeypatch.setattr(_rangecopy, "load", lambda: None)
-    check = _one(doctor.check_mapped_copies(_target({"backend": "shm"})))
+    check = _one(doctor_checks.check_mapped_copies(_target({"backend": "shm"})))
     assert check.status is Status.WARN and "no C compiler" in check.detail, check.detail
-    check = _one(doctor.check_mapped_copies(_target({"backend": "shm", "map_kv_cache": False})))
+    off = _target({"backend": "shm", "map_kv_cache": False})
+    check = _one(doctor_checks.check_mapped_copies(off))
     assert check.status is Status.WARN and "KVBRIDGE_MAP_KV_CACHE=1" in check.detail
 
 
@@ -164,13 +169,13 @@ def _broken_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_broken_backend_fails_only_when_used(monkeypatch: pytest.MonkeyPatch) -> None:
     _broken_backend(monkeypatch)
-    unused = {c.name: c for c in doctor.check_backends(_target())}
+    unused = {c.name: c for c in doctor_checks.check_backends(_target())}
     assert unused["backend nixl"].status is Status.WARN
     assert "not used by this configuration" in unused["backend nixl"].detail
-    used = {c.name: c for c in doctor.check_backends(_target({"backend": "nixl"}))}
+    used = {c.name: c for c in doctor_checks.check_backends(_target({"backend": "nixl"}))}
     assert used["backend nixl"].status is Status.FAIL
     assert "install" in used["backend nixl"].detail
-    composed = {c.name: c for c in doctor.check_backends(_target(
+    composed = {c.name: c for c in doctor_checks.check_backends(_target(
         {"backend": "compose", "backend_options": {"members": ["shm", "nixl"]}}))}
     assert composed["backend nixl"].status is Status.FAIL
 
@@ -179,8 +184,8 @@ def test_vllm_missing_is_a_failure_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
     def no_vllm() -> Any:
         raise ImportError("No module named 'vllm'")
 
-    monkeypatch.setattr(doctor, "import_vllm_integration", no_vllm)
-    lines = doctor.check_vllm(_target())
+    monkeypatch.setattr(doctor_checks, "import_vllm_integration", no_vllm)
+    lines = doctor_checks.check_vllm(_target())
     assert lines[0].status is Status.FAIL and "pip install" in lines[0].detail
     assert lines[1].status is Status.SKIP
 
@@ -188,9 +193,9 @@ def test_vllm_missing_is_a_failure_not_a_crash(monkeypatch: pytest.MonkeyPatch) 
 def test_wake_on_arrival_check(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvbridge.integrations import vllm_idle
 
-    assert _one(doctor.check_wake(_target({"wake_on_arrival": False}))).status is Status.SKIP
+    assert _one(doctor_checks.check_wake(_target({"wake_on_arrival": False}))).status is Status.SKIP
     monkeypatch.setattr(vllm_idle, "installable", lambda: "vLLM has no EngineCoreProc")
-    line = _one(doctor.check_wake(_target()))
+    line = _one(doctor_checks.check_wake(_target()))
     assert line.status is Status.WARN and "vLLM has no EngineCoreProc" in line.detail
     assert "polling" in line.detail
 
@@ -199,19 +204,20 @@ def test_a_check_that_crashes_becomes_a_fail_line(monkeypatch: pytest.MonkeyPatc
     def boom(t: Target) -> Check:
         raise RuntimeError("surprise")
 
-    monkeypatch.setattr(doctor, "CHECKS", (("exploding", boom), ("python", doctor.check_python)))
-    checks = doctor.run_checks(Config.load({}, env={}))
+    monkeypatch.setattr(doctor_run, "CHECKS",
+                        (("exploding", boom), ("python", doctor_checks.check_python)))
+    checks = doctor_run.run_checks(Config.load({}, env={}))
     assert checks[0] == Check("exploding", Status.FAIL,
                               "the check itself failed: RuntimeError: surprise")
-    assert checks[1].status is Status.OK and doctor.failed(checks)
+    assert checks[1].status is Status.OK and doctor_run.failed(checks)
 
 
 def test_a_bad_configuration_is_the_first_line() -> None:
-    checks = doctor.diagnose({"backend": "compose"}, env={})
+    checks = doctor_run.diagnose({"backend": "compose"}, env={})
     assert checks[0].name == "config" and checks[0].status is Status.FAIL
     assert "backend_options.members" in checks[0].detail
     with pytest.raises(Exception, match="tp must be"):
-        doctor.run_checks(Config.load({}, env={}), tp=0)
+        doctor_run.run_checks(Config.load({}, env={}), tp=0)
 
 
 def test_unknown_connector_is_a_usage_error() -> None:

@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.tools.client import complete, output_token_ids, stream_complete
 from kvbridge.tools.engines import (
     GUARD_MIDDLEWARE,
     EngineError,
     VllmServer,
-    complete,
     free_port,
-    output_token_ids,
     start_servers,
-    stream_complete,
 )
 
 # A stand-in for `python -m kvbridge.integrations.vllm_serve serve ...`: it parses --port,

@@ -78,7 +78,7 @@ def test_pages_holding_data_and_the_partial_edges_keep_every_byte() -> None:
 
 @pytest.mark.parametrize("pages, huge", [("small", False), ("kvbridge", True)])
 def test_bench_buffers_sit_on_the_pages_asked_for(pages: str, huge: bool) -> None:
-    from kvbridge.tools.bench.transfer import host_buffer
+    from kvbridge.tools.bench.transfer_target import host_buffer
 
     fill = np.arange(8 * PAGE, dtype=np.uint64).view(np.uint8)[:8 * PAGE]
     buf = host_buffer(8 * PAGE, pages, fill)

@@ -48,7 +48,7 @@ def test_the_scan_sees_lazy_imports(tmp_path: Path) -> None:
 
 
 def test_the_tools_room_is_where_the_docs_say() -> None:
-    for name in ("cli.py", "report.py", "demo.py", "doctor.py", "engines.py", "tiny_model.py",
+    for name in ("cli.py", "report.py", "demo.py", "doctor", "engines.py", "tiny_model.py",
                  "proxies.py", "bench", "simulate", "deploycheck"):
         assert (TOOLS / name).exists(), name
     for gone in ("cli.py", "demo.py", "doctor.py", "bench.py", "bench_e2e.py", "simulate"):

@@ -20,15 +20,14 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import KVBridgeError
-from kvbridge.tools.engines import (
-    VllmServer,
+from kvbridge.tools.client import (
     complete,
     engine_stats,
-    free_port,
     output_token_ids,
     reset_prefix_cache,
     wait_stats,
 )
+from kvbridge.tools.engines import VllmServer, free_port
 from kvbridge.tools.proxies import ProxyThread, serve_pd
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -27,14 +27,8 @@ from kvbridge.config import TransferMode
 from kvbridge.host.hugepages import thp_mode
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
-from kvbridge.tools.engines import (
-    EngineError,
-    VllmServer,
-    complete,
-    output_token_ids,
-    probe,
-    start_servers,
-)
+from kvbridge.tools.client import complete, output_token_ids, probe
+from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 from kvbridge.transports.shm import rangecopy as _rangecopy

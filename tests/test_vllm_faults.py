@@ -27,15 +27,8 @@ from kvbridge.messages import (
 )
 from kvbridge.params import push_decode_request
 from kvbridge.testing.clients import engine_client
-from kvbridge.tools.engines import (
-    EngineError,
-    VllmServer,
-    complete,
-    free_port,
-    output_token_ids,
-    probe,
-    start_servers,
-)
+from kvbridge.tools.client import complete, output_token_ids, probe
+from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -37,17 +37,8 @@ from kvbridge.messages import StatsQuery, StatsReply, TransferQuery, TransferRep
 from kvbridge.params import push_decode_request
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools import prom
-from kvbridge.tools.engines import (
-    EngineError,
-    VllmServer,
-    complete,
-    engine_stats,
-    free_port,
-    output_token_ids,
-    probe,
-    start_servers,
-    stream_complete,
-)
+from kvbridge.tools.client import complete, engine_stats, output_token_ids, probe, stream_complete
+from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -27,14 +27,8 @@ import pytest
 from kvbridge import registry
 from kvbridge.host.placement import fleet_cores
 from kvbridge.tools import prom
-from kvbridge.tools.engines import (
-    VllmServer,
-    complete,
-    engine_stats,
-    output_token_ids,
-    probe,
-    start_servers,
-)
+from kvbridge.tools.client import complete, engine_stats, output_token_ids, probe
+from kvbridge.tools.engines import VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -24,13 +24,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools import prom
-from kvbridge.tools.engines import (
-    VllmServer,
-    complete,
-    engine_stats,
-    free_port,
-    output_token_ids,
-)
+from kvbridge.tools.client import complete, engine_stats, output_token_ids
+from kvbridge.tools.engines import VllmServer, free_port
 from kvbridge.tools.proxies import ProxyThread, serve_pd
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.tools.engines import (
-    VllmServer,
+from kvbridge.tools.client import (
     complete,
     engine_stats,
-    free_port,
     output_token_ids,
     reset_prefix_cache,
     wait_stats,
 )
+from kvbridge.tools.engines import VllmServer, free_port
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -14,16 +14,14 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.errors import KVBridgeError
-from kvbridge.tools.engines import (
-    VllmServer,
+from kvbridge.tools.client import (
     complete,
     engine_stats,
-    free_port,
     output_token_ids,
     reset_prefix_cache,
-    start_servers,
     wait_stats,
 )
+from kvbridge.tools.engines import VllmServer, free_port, start_servers
 from kvbridge.tools.mooncake_master import MooncakeMaster, skip_reason
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
-import json
 import logging
 import os
 import sys
@@ -26,22 +25,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.tools.report import print_table
+from kvbridge import __version__, registry
+from kvbridge.config import Config
+from kvbridge.errors import KVBridgeError, MessageError
+from kvbridge.integrations import names
+from kvbridge.tools.args import parse_json_object, parse_names
+from kvbridge.tools.bench import e2e as bench_e2e
+from kvbridge.tools.bench import handoff as bench_handoff
+from kvbridge.tools.bench import handshake as bench_handshake
+from kvbridge.tools.bench import offload as bench_offload
+from kvbridge.tools.bench import serve as bench_serve
+from kvbridge.tools.report import print_json, print_table
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
 
 log = logging.getLogger("kvbridge.tools.cli")
 
 Handler = Callable[[argparse.Namespace], "int | None"]
-
-
-# -- output helpers ------------------------------------------------------------------------------
-
-
-def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
 
 
 # -- kvbridge backends ---------------------------------------------------------------------------
@@ -59,9 +59,6 @@ def add_backends_parser(subparsers: Any) -> None:
 
 
 def run_backends(args: argparse.Namespace) -> int:
-    from kvbridge import registry
-    from kvbridge.integrations import names
-
     rows = registry.status()
     tiers = registry.tier_status()
     loadable = {r.name: r.loadable for r in rows} | {f"tier:{r.name}": r.loadable for r in tiers}
@@ -118,9 +115,9 @@ def add_stats_parser(subparsers: Any) -> None:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    # Imported here to keep `kvbridge --help` fast: the control channel pulls zmq.
     from kvbridge import trust
     from kvbridge.control import ControlClient
-    from kvbridge.errors import MessageError
     from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 
     address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
@@ -189,37 +186,6 @@ def add_config_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_config)
 
 
-def parse_json_object(text: str | None, what: str) -> dict[str, Any]:
-    """Parse ``text`` as a JSON object; :class:`ConfigError` naming ``what`` otherwise."""
-    if text is None or not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def parse_names(text: str, known: Sequence[str], option: str, what: str) -> tuple[str, ...]:
-    """``"a, b"`` → those of ``known``, duplicates removed, in the order given; ``all`` → every
-    one. :class:`ConfigError` naming ``option`` for an unknown name or an empty list."""
-    names: list[str] = []
-    for part in text.split(","):
-        name = part.strip()
-        if name == "all":
-            names.extend(known)
-        elif name and name not in known:
-            raise ConfigError(f"{option}: unknown {what} {name!r}; expected some of "
-                              f"{', '.join(known)} (comma-separated) or all")
-        elif name:
-            names.append(name)
-    if not names:
-        raise ConfigError(f"{option} names no {what}")
-    return tuple(dict.fromkeys(names))
-
-
 def _json_value(cfg: Any, key: str) -> Any:
     value = getattr(cfg, key)
     if key == "secret" and value:
@@ -230,9 +196,6 @@ def _json_value(cfg: Any, key: str) -> Any:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    from kvbridge.config import Config
-    from kvbridge.integrations import names
-
     preset = names.preset_for(args.connector)
     cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
     rows = cfg.describe()
@@ -326,8 +289,6 @@ def add_bench_parser(subparsers: Any) -> None:
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.set_defaults(func=run_bench_descriptors)
 
-    from kvbridge.tools.bench import e2e as bench_e2e
-
     e = sub.add_parser(
         "e2e",
         help="end to end on real vLLM engines: kvbridge vs vLLM's NIXL connectors",
@@ -338,8 +299,6 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_e2e.add_arguments(e)
     e.set_defaults(func=bench_e2e.cli_main)
-
-    from kvbridge.tools.bench import handoff as bench_handoff
 
     h = sub.add_parser(
         "handoff",
@@ -352,8 +311,6 @@ def add_bench_parser(subparsers: Any) -> None:
     bench_handoff.add_arguments(h)
     h.set_defaults(func=bench_handoff.cli_main)
 
-    from kvbridge.tools.bench import handshake as bench_handshake
-
     hs = sub.add_parser(
         "handshake",
         help="what one peer handshake costs (Hello, checks, the data plane's proof), this code "
@@ -364,8 +321,6 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_handshake.add_arguments(hs)
     hs.set_defaults(func=bench_handshake.cli_main)
-
-    from kvbridge.tools.bench import offload as bench_offload
 
     o = sub.add_parser(
         "offload",
@@ -379,8 +334,6 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_offload.add_arguments(o)
     o.set_defaults(func=bench_offload.cli_main)
-
-    from kvbridge.tools.bench import serve as bench_serve
 
     v = sub.add_parser(
         "serve",
@@ -398,14 +351,15 @@ def add_bench_parser(subparsers: Any) -> None:
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:
-    from kvbridge.tools.bench import transfer as bench
+    # Imported here to keep `kvbridge --help` fast: the block path and multiprocessing.
+    from kvbridge.tools.bench import transfer as bench_transfer
 
     reps = args.reps if args.reps is not None else (30 if args.mode == "paired" else 5)
-    report = bench.run_transfer_bench(
+    report = bench_transfer.run_transfer_bench(
         args.backend,
         total_bytes=int(args.total_mib * (1 << 20)),
         block_sizes=[int(k * 1024) for k in args.block_kib],
-        ops=bench.parse_ops(args.op),
+        ops=bench_transfer.parse_ops(args.op),
         reps=reps,
         options=parse_json_object(args.options, "--options"),
         raw=not args.no_raw,
@@ -419,14 +373,15 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.to_dict())
     else:
-        print(bench.format_transfer_report(report))
+        print(bench_transfer.format_transfer_report(report))
     return 0
 
 
 def run_bench_descriptors(args: argparse.Namespace) -> int:
-    from kvbridge.tools.bench import descriptors as bench
+    # Imported here to keep `kvbridge --help` fast: the block path and the backends.
+    from kvbridge.tools.bench import descriptors as bench_descriptors
 
-    report = bench.run_descriptor_bench(
+    report = bench_descriptors.run_descriptor_bench(
         tokens=args.tokens,
         layers=args.layers,
         kv_heads=args.kv_heads,
@@ -441,7 +396,7 @@ def run_bench_descriptors(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.to_dict())
     else:
-        print(bench.format_descriptor_report(report))
+        print(bench_descriptors.format_descriptor_report(report))
     return 0
 
 
@@ -502,7 +457,7 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
     ),
     LazyCommand(
         "doctor",
-        "kvbridge.tools.doctor",
+        "kvbridge.tools.doctor.run",
         "check what makes deployments fail: backends, vLLM, ptrace/CMA, NIXL, ports, secret",
         "pip install kvbridge",
     ),
@@ -524,8 +479,6 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The full parser; lazy subcommands named in ``argv`` get their real arguments."""
-    from kvbridge import __version__
-
     parser = argparse.ArgumentParser(
         prog="kvbridge",
         description="kvbridge: one vLLM KV connector for disaggregated prefill/decode.",

@@ -42,15 +42,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kvbridge import trust
 from kvbridge.errors import KVBridgeError
-from kvbridge.tools.engines import (
-    EngineError,
-    VllmServer,
-    complete,
-    output_token_ids,
-    start_servers,
-    stream_complete,
-)
+from kvbridge.tools.client import complete, output_token_ids, stream_complete
+from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.report import percentile, table
 from kvbridge.tools.tiny_model import build_tiny_model, default_cache_dir, random_prompts
 
@@ -167,7 +162,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _proxies(p_url: str, d_url: str, modes: Sequence[str], timeout_s: float) -> Any:
     """One started :class:`~kvbridge.tools.proxies.ProxyThread` with a proxy per mode."""
     try:
-        from kvbridge.tools.proxies import ProxyThread
+        from kvbridge.tools.proxies import ProxyThread  # aiohttp: optional, said below
     except ImportError as exc:
         raise KVBridgeError(
             f"the kvbridge proxy cannot be loaded ({exc}); install: pip install "
@@ -360,8 +355,6 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
     )  # fmt: skip
     _say(f"[2/5] starting P (core 0) and D (core 1): {what}; logs in {work}")
     if not args.no_connector:
-        from kvbridge import trust
-
         _say(f"      control channels {trust.for_tools().describe()} (no set-up needed on "
              "one host: docs/security.md)")
     proxies: Any = None

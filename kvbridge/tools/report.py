@@ -1,8 +1,9 @@
 """The workshop's one table printer and one percentile, and the medians' confidence intervals.
 
 Every bench, the demo, the doctor and the CLI print tables with :func:`table` /
-:func:`print_table` and take percentiles with :func:`percentile` (Prometheus text is read by
-:mod:`kvbridge.tools.prom`), so two reports of one number always agree.
+:func:`print_table` (and JSON with :func:`print_json`) and take percentiles with
+:func:`percentile` (Prometheus text is read by :mod:`kvbridge.tools.prom`), so two reports of
+one number always agree.
 
 :func:`median_ci` is a distribution-free confidence interval for a median: with the ``n``
 values sorted, the interval ``[x(k), x(n-k+1)]`` holds the true median with probability
@@ -10,18 +11,21 @@ values sorted, the interval ``[x(k), x(n-k+1)]`` holds the true median with prob
 distribution of the values. ``k`` is the largest that keeps that probability at least the
 asked confidence; for too few values (fewer than 6 at 95 %) the interval is ``[min, max]`` and
 the coverage it reports is lower than asked. No resampling, so the same values always give the
-same interval. Pure functions, no I/O.
+same interval. Pure functions; only the two printers write (to standard output).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["MedianCI", "median_ci", "paired_ratios", "percentile", "print_table", "size_label",
-           "table"]
+__all__ = ["MedianCI", "median_ci", "paired_ratios", "percentile", "print_json", "print_table",
+           "size_label", "table"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,9 @@ def print_table(head: Sequence[str], rows: Sequence[Sequence[object]],
                 align: str | Sequence[str] = "l") -> None:
     """Print :func:`table` to standard output."""
     print("\n".join(table(head, rows, align)))
+
+
+def print_json(value: Any) -> None:
+    """Print ``value`` as indented JSON (keys in their order) to standard output."""
+    json.dump(value, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")

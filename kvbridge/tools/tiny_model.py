@@ -156,7 +156,7 @@ def _vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
 
 def _write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE,
                      model_max_length: int = 4096) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # vLLM's: optional
 
     transformers: Any = importlib.import_module("transformers")
     tok = Tokenizer(models.WordLevel(vocab=_vocab(vocab_size), unk_token="<unk>"))
@@ -178,7 +178,7 @@ _CONFIGS = {"Qwen3ForCausalLM": "Qwen3Config", "Gemma3ForCausalLM": "Gemma3TextC
 
 
 def _write_model(out: Path, spec: dict[str, Any]) -> None:
-    import torch
+    import torch  # optional and heavy: only building a model needs it
 
     transformers: Any = importlib.import_module("transformers")
     cfg = dict(spec["config"])

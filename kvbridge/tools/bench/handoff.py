@@ -40,8 +40,35 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.bench import e2e
+from kvbridge.proxy.routing import new_transfer_id, push_decode_params
+from kvbridge.tools.args import parse_names
+from kvbridge.tools.bench.dispatch import (
+    Pair,
+    connect,
+    control_stats,
+    dispatch,
+    kvbridge_prefill_params,
+)
+from kvbridge.tools.bench.e2e_report import BenchSettings, RequestRecord
+from kvbridge.tools.bench.fleet import PIN_HELP, engine_specs
+from kvbridge.tools.bench.handshake import code_path
+from kvbridge.tools.bench.timings import (
+    HANDOFF_BAR_MS,
+    beyond_wire,
+    handoff_breakdown,
+    handoff_times,
+    request_steps,
+)
+from kvbridge.tools.client import complete
+from kvbridge.tools.cpumeter import CpuMeter, loadavg
+from kvbridge.tools.engines import EngineError, start_servers
 from kvbridge.tools.report import table
+from kvbridge.tools.tiny_model import (
+    bench_prompts,
+    build_bench_model,
+    build_tiny_model,
+    random_prompts,
+)
 
 __all__ = ["BASELINES", "pairs_of", "HandoffSettings", "run_handoff_bench", "format_handoff_report",
            "summarize_pair", "paired_deltas", "add_arguments", "cli_main"]
@@ -80,8 +107,6 @@ class HandoffSettings:
 
 def _prompts(settings: HandoffSettings, n: int, seed: int) -> list[list[int]]:
     """``n`` prompts of ``settings.prompt_len`` token ids in the model's vocabulary."""
-    from kvbridge.tools.tiny_model import bench_prompts, random_prompts
-
     fn = bench_prompts if settings.model == "bench" else random_prompts
     return fn(n, settings.prompt_len, seed=seed)
 
@@ -90,8 +115,6 @@ def pairs_of(settings: HandoffSettings) -> dict[str, dict[str, str]]:
     """Pair name → extra environment of both its engines: ``wake`` and the baseline."""
     env = dict(BASELINES[settings.against])
     if settings.against == "code":
-        from kvbridge.tools.bench.handshake import code_path
-
         if settings.baseline_code is None:
             raise ConfigError("--against code needs --baseline-code DIR")
         env["PYTHONPATH"] = code_path(settings.baseline_code, os.environ.get("PYTHONPATH"))
@@ -104,7 +127,7 @@ class _Cell:
 
     pair: str
     mode: str
-    records: list[e2e.RequestRecord] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
     p_timings: dict[str, dict[str, float]] = field(default_factory=dict)
     d_timings: dict[str, dict[str, float]] = field(default_factory=dict)
     cpu_p: float = 0.0
@@ -124,10 +147,10 @@ def summarize_pair(cell: _Cell) -> dict[str, Any]:
     return {
         "pair": cell.pair, "mode": cell.mode, "ok": len(ok), "failed": len(cell.records) - len(ok),
         "ttft_p50_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
-        "handoff_p50_ms": _ms(e2e.handoff_times(p, d, tids)),
+        "handoff_p50_ms": _ms(handoff_times(p, d, tids)),
         "wire_p50_ms": _ms(wire),
-        "beyond_wire_p50_ms": _ms(e2e.beyond_wire(p, d, tids)),
-        "steps_ms": {k: v * 1000.0 for k, v in e2e.handoff_breakdown(p, d, tids).items()},
+        "beyond_wire_p50_ms": _ms(beyond_wire(p, d, tids)),
+        "steps_ms": {k: v * 1000.0 for k, v in handoff_breakdown(p, d, tids).items()},
         "cpu_p_s": cell.cpu_p, "cpu_d_s": cell.cpu_d,
     }
 
@@ -151,8 +174,8 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
             continue
         if ra.ttft is not None and rb.ttft is not None:
             ttft.append(ra.ttft - rb.ttft)
-        ha = e2e.handoff_times(a.p_timings, a.d_timings, [ra.transfer_id or ""])
-        hb = e2e.handoff_times(b.p_timings, b.d_timings, [rb.transfer_id or ""])
+        ha = handoff_times(a.p_timings, a.d_timings, [ra.transfer_id or ""])
+        hb = handoff_times(b.p_timings, b.d_timings, [rb.transfer_id or ""])
         if ha and hb:
             hand.append(ha[0] - hb[0])
         wa, wb = _wire(a.p_timings, ra.transfer_id or ""), _wire(b.p_timings, rb.transfer_id or "")
@@ -195,9 +218,9 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:
             v = r["beyond_wire_p50_ms"]
-            verdict = "met" if v <= e2e.HANDOFF_BAR_MS else "NOT met"
+            verdict = "met" if v <= HANDOFF_BAR_MS else "NOT met"
             lines += ["", f"push hand-off minus wire p50 (wake): {v:.2f} ms (bar <= "
-                      f"{e2e.HANDOFF_BAR_MS:g} ms: {verdict})"]
+                      f"{HANDOFF_BAR_MS:g} ms: {verdict})"]
     lines += ["", "idle / waiting rows: CPU-s per second of each engine's process group with "
               "nothing to do / while D holds a push whose KV never comes; CPU-s P/D: during the "
               "mode's rounds (both pairs' rounds interleaved)",
@@ -210,14 +233,11 @@ Say = Callable[[str], None]
 
 def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str, Any]:
     """Start both pairs at once (stopped by the caller) and connect the dispatchers."""
-    from kvbridge.tools.engines import start_servers
-    from kvbridge.tools.tiny_model import build_bench_model, build_tiny_model
-
     model = build_bench_model() if settings.model == "bench" else build_tiny_model()
     config = f"kvbridge-{settings.backend}"
     servers: dict[str, tuple[Any, Any]] = {}
     for name, env in pairs_of(settings).items():
-        p, d = e2e.engine_specs(config, model, log_dir / name, settings.engine_spin_ms,
+        p, d = engine_specs(config, model, log_dir / name, settings.engine_spin_ms,
                                 settings.pin_engines)
         for server in (p, d):
             server.env.update(env)
@@ -233,9 +253,9 @@ def _open_pairs(settings: HandoffSettings, log_dir: Path, say: Say) -> dict[str,
     return servers
 
 
-def _idle_cpu(pairs: dict[str, e2e.Pair], seconds: float) -> dict[str, tuple[float, float]]:
+def _idle_cpu(pairs: dict[str, Pair], seconds: float) -> dict[str, tuple[float, float]]:
     """CPU-s per second of each pair's P and D over *seconds* (all pairs measured at once)."""
-    meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
+    meters = {n: CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
     time.sleep(seconds)
     out = {}
     for n, meter in meters.items():
@@ -244,14 +264,11 @@ def _idle_cpu(pairs: dict[str, e2e.Pair], seconds: float) -> dict[str, tuple[flo
     return out
 
 
-def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
+def _waiting_cpu(pairs: dict[str, Pair], settings: HandoffSettings
                  ) -> dict[str, tuple[float, float]]:
     """Like :func:`_idle_cpu`, while each D holds one push request whose P leg never comes
     (the case where vLLM keeps stepping and kvbridge's idle wait decides what that costs); the
     client then gives up, which aborts the request."""
-    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
-    from kvbridge.tools.engines import EngineError, complete
-
     prompt = _prompts(settings, 1, settings.seed - 2)[0]
     timeout = settings.idle_s + 3.0
     with cf.ThreadPoolExecutor(len(pairs)) as ex:
@@ -269,25 +286,23 @@ def _waiting_cpu(pairs: dict[str, e2e.Pair], settings: HandoffSettings
     return out
 
 
-def _send(pair: e2e.Pair, mode: str, prompt: list[int], index: int,
-          settings: HandoffSettings) -> e2e.RequestRecord:
+def _send(pair: Pair, mode: str, prompt: list[int], index: int,
+          settings: HandoffSettings) -> RequestRecord:
     """One measured request (never raises). ``push-behind``: a push while D waits for another
     push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured."""
     if mode != "push-behind":
-        return e2e.dispatch(pair, mode, prompt, index)
-    from kvbridge.proxy.routing import new_transfer_id, push_decode_params
-    from kvbridge.tools.engines import complete
+        return dispatch(pair, mode, prompt, index)
 
     other = _prompts(settings, 1, settings.seed * 7 + index)[0]
     tid = new_transfer_id()
     waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_params(pair.probe, tid),
                                timeout=settings.request_timeout)
     time.sleep(BEHIND_S / 2)  # D holds it, idle, waiting for its KV
-    rec = e2e.dispatch(pair, "push", prompt, index)
+    rec = dispatch(pair, "push", prompt, index)
     rec.mode = mode
     time.sleep(max(0.0, BEHIND_S / 2 - (rec.total or 0.0)))
     try:
-        complete(pair.p.url, other, 1, e2e.kvbridge_prefill_params(tid, "push"),
+        complete(pair.p.url, other, 1, kvbridge_prefill_params(tid, "push"),
                  timeout=settings.request_timeout)
         waiting.result(timeout=settings.request_timeout)
     except Exception as exc:  # noqa: BLE001 - the measured request is what counts
@@ -300,11 +315,11 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
     log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-bench-handoff-"))
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "load_start": e2e.loadavg(), "log_dir": str(log_dir),
+        "load_start": loadavg(), "log_dir": str(log_dir),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(settings).items()},
         "rows": [], "idle": {}, "waiting": {}, "paired": {},
     }
-    e2e_settings = e2e.BenchSettings(prompt_len=settings.prompt_len,
+    e2e_settings = BenchSettings(prompt_len=settings.prompt_len,
                                      max_tokens=settings.max_tokens,
                                      request_timeout=settings.request_timeout)
     legs = cf.ThreadPoolExecutor(4, thread_name_prefix="handoff-leg")
@@ -316,13 +331,13 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
         os.environ["KVBRIDGE_SECRET"] = os.urandom(16).hex()
     try:
         servers = _open_pairs(settings, log_dir, say)
-        pairs: dict[str, e2e.Pair] = {}
+        pairs: dict[str, Pair] = {}
         for name, (p, d) in servers.items():
-            pairs[name] = e2e.Pair(f"kvbridge-{settings.backend}", p, d, e2e_settings, legs)
-            e2e.connect(pairs[name])
+            pairs[name] = Pair(f"kvbridge-{settings.backend}", p, d, e2e_settings, legs)
+            connect(pairs[name])
         for pair in pairs.values():  # warm-up: the first transfer pays the handshakes
             for mode in ("push", "pull"):
-                e2e.dispatch(pair, mode, _prompts(settings, 1, settings.seed - 1)[0], -1)
+                dispatch(pair, mode, _prompts(settings, 1, settings.seed - 1)[0], -1)
         time.sleep(1.0)
         report["idle"] = _idle_cpu(pairs, settings.idle_s)
         report["waiting"] = _waiting_cpu(pairs, settings)
@@ -331,7 +346,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             say(f"{mode}: {settings.requests} rounds")
             prompts = _prompts(settings, settings.requests, settings.seed + 100 * MODES.index(mode))
             cells = {n: _Cell(n, mode) for n in names}
-            meters = {n: e2e.CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
+            meters = {n: CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
             for i, prompt in enumerate(prompts):
                 order = names if i % 4 in (0, 3) else names[::-1]
                 for n in order:
@@ -340,13 +355,13 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             for n, pair in pairs.items():
                 cells[n].cpu_p, cells[n].cpu_d, _, _ = meters[n].read()
                 assert pair.p_ctl is not None and pair.d_ctl is not None
-                cells[n].p_timings = dict(e2e.control_stats(pair.p_ctl).timings)
-                cells[n].d_timings = dict(e2e.control_stats(pair.d_ctl).timings)
+                cells[n].p_timings = dict(control_stats(pair.p_ctl).timings)
+                cells[n].d_timings = dict(control_stats(pair.d_ctl).timings)
                 report["rows"].append(summarize_pair(cells[n]))
                 report.setdefault("requests", []).extend(
                     {"pair": n, "mode": mode, "round": r.index, "ok": r.ok, "error": r.error,
                      "ttft_ms": None if r.ttft is None else r.ttft * 1000.0,
-                     "steps_ms": {k: round(v * 1000.0, 3) for k, v in e2e.request_steps(
+                     "steps_ms": {k: round(v * 1000.0, 3) for k, v in request_steps(
                          cells[n].p_timings, cells[n].d_timings, r.transfer_id or "",
                          r.t0_wall or 0.0).items()}}
                     for r in cells[n].records)
@@ -358,7 +373,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             d.stop()
         if saved_secret is None:
             os.environ.pop("KVBRIDGE_SECRET", None)
-        report["load_end"] = e2e.loadavg()
+        report["load_end"] = loadavg()
     return report
 
 
@@ -373,7 +388,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of the idle measurement (both pairs up, nothing to do)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS of every engine (negative: vLLM default)")
-    p.add_argument("--pin-engines", action="store_true", help=e2e.PIN_HELP)
+    p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
                    help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
                         "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0), nomap "
@@ -391,8 +406,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> HandoffSettings:
-    from kvbridge.tools.cli import parse_names
-
     if args.requests < 2:
         raise ConfigError("--requests must be >= 2")
     for name in ("prompt_len", "max_tokens"):

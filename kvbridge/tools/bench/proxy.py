@@ -2,16 +2,17 @@
 
 ``vllm bench serve`` needs one ``/v1/completions`` URL. The kvbridge proxy
 (:mod:`kvbridge.proxy.app`) speaks kvbridge's protocol; vLLM's own ``NixlConnector`` and
-``NixlPushConnector`` need vLLM's, exactly as :mod:`kvbridge.tools.bench.e2e` dispatches them:
+``NixlPushConnector`` need vLLM's, exactly as :mod:`kvbridge.tools.bench.dispatch` dispatches them:
 
 ``pull`` (``NixlConnector``)
     P leg: the client's body with ``max_tokens=1``, not streamed (``stream_options``,
     ``min_tokens`` dropped), ``kv_transfer_params`` =
-    :func:`~kvbridge.tools.bench.e2e.vllm_pull_params`.
+    :func:`~kvbridge.tools.bench.dispatch.vllm_pull_params`.
     Then D: the client's body unchanged except ``kv_transfer_params`` = what P answered.
 ``push`` (``NixlPushConnector``)
     Both legs at once with the same fresh ``X-Request-Id``: P as above plus a ``transfer_id``, D
-    told P's engine id and side-channel port (:func:`~kvbridge.tools.bench.e2e.vllm_push_params`).
+    told P's engine id and side-channel port
+    (:func:`~kvbridge.tools.bench.dispatch.vllm_push_params`).
     A P leg that fails before D's first byte aborts D (502); one that fails later is logged and
     counted (``stats["p_failed_late"]``), since D's answer has already gone out.
 
@@ -40,7 +41,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.bench.e2e import vllm_pull_params, vllm_push_params
+from kvbridge.tools.bench.dispatch import vllm_pull_params, vllm_push_params
 
 if TYPE_CHECKING:
     import aiohttp

@@ -52,8 +52,9 @@ distribution-free confidence interval (:func:`kvbridge.tools.report.median_ci`).
 ``sequential`` runs each column's repetitions back to back and reports best-of (the bench
 before pairing).
 
-Blocking: the bench blocks the calling thread until done; the target process and the raw
-session are always stopped before returning, also on failure.
+Blocking: the bench blocks the calling thread until done; the target process
+(:mod:`kvbridge.tools.bench.transfer_target`) and the raw session are always stopped before
+returning, also on failure.
 """
 
 from __future__ import annotations
@@ -61,35 +62,29 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import mmap
-import multiprocessing as mp
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvbridge import registry
 from kvbridge.blocks import BlockPair, prepare_blocks, prepare_parts, submit_blocks
-from kvbridge.errors import ConfigError, KVBridgeError, PeerUnreachable, TransferFailed
-from kvbridge.host.hugepages import back_with_huge_pages
+from kvbridge.errors import ConfigError, KVBridgeError, TransferFailed
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.rawbench import scattered
+from kvbridge.tools.bench.transfer_target import Bytes, TargetProcess, host_buffer, pattern
 from kvbridge.tools.report import MedianCI, median_ci, paired_ratios, size_label, table
 from kvbridge.transport import (
     HandleState,
     MemoryRegion,
     Notifying,
     Op,
-    RawResponderHook,
     Transport,
-    notifying,
 )
 
 __all__ = [
@@ -104,11 +99,9 @@ __all__ = [
 
 log = logging.getLogger("kvbridge.tools.bench.transfer")
 
-Bytes = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
 MODES = ("paired", "sequential")
 PAGES = ("numpy", "small", "kvbridge")
-_REPLY_TIMEOUT_S = 120.0
 
 
 def parse_ops(op: str) -> list[Op]:
@@ -191,169 +184,6 @@ class TransferReport:
         }
 
 
-# -- the target process --------------------------------------------------------------------------
-
-
-def _send(conn: Connection, msg: Mapping[str, Any]) -> None:
-    conn.send_bytes(msgspec.msgpack.encode(msg))
-
-
-def _pattern(seed: int, nbytes: int) -> Bytes:
-    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
-
-
-def host_buffer(nbytes: int, pages: str = "numpy", fill: Bytes | None = None) -> Bytes:
-    """``nbytes`` of zeroed (or ``fill``'s) host memory on the pages ``pages`` names (see the
-    module docstring)."""
-    if pages == "numpy":
-        buf = np.zeros(nbytes, dtype=np.uint8)
-    else:
-        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages even where THP is "always"
-        buf = np.frombuffer(area, dtype=np.uint8)  # keeps the mapping alive
-        buf.fill(0)  # populated, as torch.zeros leaves a KV cache
-        if pages == "kvbridge":
-            back_with_huge_pages([(int(buf.ctypes.data), nbytes)])
-    if fill is not None:
-        np.copyto(buf, fill)
-    return buf
-
-
-def _target_main(
-    conn: Connection, backend: str, options: dict[str, Any], total: int, seed: int,
-    raw: bool = False, pages: str = "numpy",
-) -> None:
-    """Body of the target process: serve commands from the initiator until ``quit`` or EOF.
-    With ``raw``, also a raw responder over the same buffer where the backend has one."""
-    try:
-        transport = registry.create(backend, "kvbridge-bench-target", options)
-    except KVBridgeError as exc:
-        _send(conn, {"ok": False, "error": str(exc)})
-        return
-    responder: Any = None
-    try:
-        buf = host_buffer(total, pages, _pattern(seed + 1, total))
-        meta = transport.register_memory([MemoryRegion(int(buf.ctypes.data), total)])
-        hello: dict[str, Any] = {"ok": True, "metadata": meta, "address": int(buf.ctypes.data),
-                                 "proof": transport.invite()}
-        hook = registry.bench_hook(backend) if raw else None
-        if isinstance(hook, RawResponderHook):
-            try:
-                responder = hook.raw_responder(int(buf.ctypes.data), total, **options)
-                hello["raw"] = responder.metadata
-            except Exception as exc:  # noqa: BLE001 - the raw column falls back to its own pair
-                hello["raw_error"] = f"{type(exc).__name__}: {exc}"
-        _send(conn, hello)
-        pending: list[bytes] = []
-        src: Bytes | None = None
-        while True:
-            try:
-                msg = msgspec.msgpack.decode(conn.recv_bytes())
-            except (EOFError, OSError):
-                return
-            cmd = msg["cmd"]
-            try:
-                if cmd == "quit":
-                    _send(conn, {"ok": True})
-                    return
-                if cmd == "peer":
-                    _send(conn, {"ok": True, "peer": transport.add_peer(msg["metadata"],
-                                                                        msg["proof"])})
-                elif cmd == "fill":
-                    np.copyto(buf, _pattern(seed + 1, total))
-                    _send(conn, {"ok": True})
-                elif cmd == "zero":
-                    buf.fill(0)
-                    _send(conn, {"ok": True})
-                elif cmd == "check_write":
-                    if msg.get("notification"):
-                        _await_notification(transport, msg["notification"], pending)
-                    if responder is not None:
-                        responder.drain()  # the raw WRITEs' notifications
-                    if src is None:
-                        src = _pattern(seed, total)
-                    block = int(msg["block"])
-                    perm = np.frombuffer(msg["perm"], dtype=np.int64)
-                    n = perm.size * block
-                    got = buf[:n].reshape(-1, block)[perm]
-                    ok = bool(np.array_equal(got, src[:n].reshape(-1, block)))
-                    _send(conn, {"ok": ok, "error": None if ok else "WRITE bytes differ"})
-                else:
-                    _send(conn, {"ok": False, "error": f"unknown command {cmd!r}"})
-            except KVBridgeError as exc:
-                _send(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        if responder is not None:
-            responder.close()
-        transport.close()
-
-
-def _await_notification(transport: Transport, want: bytes, pending: list[bytes]) -> None:
-    deadline = time.monotonic() + _REPLY_TIMEOUT_S
-    delay = 1e-4
-    while want not in pending:
-        got = notifying(transport).get_notifications()
-        pending.extend(m for _, m in got)
-        if want in pending:
-            break
-        if time.monotonic() > deadline:
-            raise TransferFailed(f"notification {want!r} did not arrive")
-        time.sleep(delay)
-        delay = min(delay * 2, 5e-3)
-    pending.remove(want)
-
-
-class _Target:
-    """The initiator's handle on the target process."""
-
-    def __init__(self, backend: str, options: dict[str, Any], total: int, seed: int,
-                 raw: bool = False, pages: str = "numpy") -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_target_main,
-            args=(child, backend, options, total, seed, raw, pages),
-            name="kvbridge-bench-target",
-            daemon=True,
-        )
-        self.proc.start()
-        child.close()
-
-    def reply(self) -> dict[str, Any]:
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while not self.conn.poll(0.2):
-            if not self.proc.is_alive():
-                raise PeerUnreachable(f"bench target exited with status {self.proc.exitcode}")
-            if time.monotonic() > deadline:
-                raise PeerUnreachable(f"bench target did not answer in {_REPLY_TIMEOUT_S} s")
-        try:
-            msg: dict[str, Any] = msgspec.msgpack.decode(self.conn.recv_bytes())
-        except (EOFError, OSError) as exc:
-            raise PeerUnreachable(f"bench target went away: {exc}") from exc
-        if not msg.get("ok"):
-            raise TransferFailed(f"bench target: {msg.get('error')}")
-        return msg
-
-    def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
-        _send(self.conn, {"cmd": cmd, **kw})
-        return self.reply()
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                _send(self.conn, {"cmd": "quit"})
-                self.proc.join(10)
-        except (OSError, ValueError):
-            pass
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
-
-
 # -- the transfer bench --------------------------------------------------------------------------
 
 
@@ -422,17 +252,17 @@ def run_transfer_bench(
     load_before = os.getloadavg()[0]
     transport: Transport = registry.create(backend, "kvbridge-bench-initiator", opts)
     rows: list[TransferRow] = []
-    target: _Target | None = None
+    target: TargetProcess | None = None
     session: Any = None
     raw_error: str | None = None
     try:
-        src = host_buffer(total_bytes, pages, _pattern(seed, total_bytes))
+        src = host_buffer(total_bytes, pages, pattern(seed, total_bytes))
         dst = host_buffer(total_bytes, pages)
         meta = transport.register_memory(
             [MemoryRegion(int(src.ctypes.data), total_bytes),
              MemoryRegion(int(dst.ctypes.data), total_bytes)]
         )
-        target = _Target(backend, opts, total_bytes, seed, raw, pages)
+        target = TargetProcess(backend, opts, total_bytes, seed, raw, pages)
         hello = target.reply()
         peer = transport.add_peer(hello["metadata"], hello["proof"])
         target.call("peer", metadata=meta, proof=transport.invite(hello["metadata"]))
@@ -449,7 +279,7 @@ def run_transfer_bench(
             except Exception as exc:  # a failing raw column must not hide kvbridge's figures
                 raw_error = f"{type(exc).__name__}: {exc}"
         side = _Side(transport, target, peer, src, dst, int(hello["address"]),
-                     host_buffer(total_bytes, pages, _pattern(seed + 1, total_bytes)), timeout,
+                     host_buffer(total_bytes, pages, pattern(seed + 1, total_bytes)), timeout,
                      ahead, pages=pages)
         rng = np.random.default_rng(seed + 2)
         for block in block_sizes:
@@ -487,7 +317,7 @@ class _Side:
     """kvbridge's half of the bench: the initiator transport, its buffers and the target."""
 
     transport: Transport
-    target: _Target
+    target: TargetProcess
     peer: str
     src: Bytes
     dst: Bytes

@@ -34,12 +34,15 @@ import contextlib
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvbridge import params
 from kvbridge.config import ENV_PREFIX, Config, TransferMode
 from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.integrations.names import preset_for
+from kvbridge.integrations.vllm_serve import parse_serve_args
 from kvbridge.tools.deploycheck import objects as ko
 from kvbridge.tools.deploycheck.objects import Obj, Objects
 from kvbridge.tools.engines import GUARD_MIDDLEWARE
@@ -224,8 +227,6 @@ class _Checker(Objects):
         (:meth:`TransferParams.check_decode_leg`), and has equal tensor-parallel sizes: GPU
         engines do not describe their KV heads, so kvbridge's handshake refuses heterogeneous
         TP between them (docs/concepts.md#heterogeneous-tp-and-block-size)."""
-        from kvbridge import params
-
         shapes = {(p.tp, d.tp): (p, d) for p in self.fleet.role("prefill")
                   for d in self.fleet.role("decode")}
         for (p_tp, d_tp), (p, d) in sorted(shapes.items()):
@@ -298,7 +299,7 @@ class _Checker(Objects):
     # -- proxy ---------------------------------------------------------------------------------
 
     def proxy(self, w: Obj) -> None:
-        from kvbridge.proxy.app import add_arguments
+        from kvbridge.proxy.app import add_arguments  # aiohttp: optional and heavy
 
         c = ko.main_container(w)
         self.env(w, c, 0)
@@ -358,9 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvbridge.tools.deploycheck.k8s OVERLAY_DIR...``: render each kustomization,
     print every problem; exit status 1 if there is one. Needs kubernetes-validate, PyYAML and
     vLLM."""
-    from pathlib import Path
-
-    from kvbridge.integrations.vllm_serve import parse_serve_args
+    # PyYAML (kustomize) is optional: only the command line renders overlays
     from kvbridge.tools.deploycheck.kustomize import KustomizeError, render
 
     parser = argparse.ArgumentParser(prog="python -m kvbridge.tools.deploycheck.k8s",

@@ -22,14 +22,15 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvbridge.errors import ConfigError
+from kvbridge.tools.args import parse_names
 from kvbridge.tools.simulate.calibrate_cpu import cpu_record, derive_cpu, fit_cpu
 from kvbridge.tools.simulate.calibrate_measure import (
     _BATCHES,
@@ -44,22 +45,10 @@ from kvbridge.tools.simulate.calibrate_measure import (
     Measurements,
     measure,
 )
+from kvbridge.tools.simulate.fit import nonneg_lstsq
+from kvbridge.tools.simulate.profile import load_profile, parse_profile, profile_to_dict
 
-__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure", "nonneg_lstsq"]
-
-
-def nonneg_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
-    """Non-negative least squares by clipping (coefficients the data cannot resolve are 0)."""
-    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
-    coef = np.linalg.lstsq(a, b, rcond=None)[0]
-    for _ in range(len(coef)):
-        neg = coef < 0
-        if not neg.any():
-            break
-        keep = ~neg
-        coef = np.zeros_like(coef)
-        coef[keep] = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
-    return [max(0.0, float(c)) for c in coef]
+__all__ = ["Measurements", "add_arguments", "cli_main", "derive", "measure"]
 
 
 def _med(values: Sequence[float] | None, default: float = 0.0) -> float:
@@ -282,11 +271,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    import socket
-    import tempfile
-
-    from kvbridge.tools.simulate.profile import load_profile, parse_profile, profile_to_dict
-
     if not 2 <= args.reps <= 100:
         raise ConfigError(f"--reps: 2..100, got {args.reps}")
     base = profile_to_dict(load_profile(args.base))
@@ -297,8 +281,6 @@ def cli_main(args: argparse.Namespace) -> int:
 
     cpu_modes: tuple[str, ...] = ()
     if args.cpu_modes.strip().lower() != "none":
-        from kvbridge.tools.cli import parse_names
-
         cpu_modes = parse_names(args.cpu_modes, ("pull", "push"), "--cpu-modes", "mode")
     m = measure(args.backend, args.reps, log_dir, say, cpu_modes)
     doc = derive(m, base, args.backend, socket.gethostname())

@@ -32,10 +32,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvbridge.tools import prom
+from kvbridge.tools.bench.serve_process import bench_serve_command
+from kvbridge.tools.cpumeter import group_cpu_ticks, parse_stat_line
+from kvbridge.tools.simulate.fit import nonneg_lstsq
 
 __all__ = ["PROCESSES", "LOAD_RUNS", "CpuRun", "CpuMeasurements", "ProcSet", "Sampler", "sample",
            "measure_idle", "measure_cpu", "fit_cpu", "derive_cpu", "cpu_record"]
@@ -70,8 +76,6 @@ class CpuMeasurements:
 
 
 def _ticks(path: str) -> int:
-    from kvbridge.tools.bench.e2e import parse_stat_line
-
     with open(path) as f:
         return parse_stat_line(f.read())[1]
 
@@ -81,8 +85,6 @@ class ProcSet:
     cheaply (a few ``/proc`` files) as CPU seconds by role (see the module docstring)."""
 
     def __init__(self, p_pid: int, d_pid: int) -> None:
-        from kvbridge.tools.bench.e2e import group_cpu_ticks
-
         self.paths: dict[str, list[str]] = {"p_api": [f"/proc/{p_pid}/stat"],
                                             "d_api": [f"/proc/{d_pid}/stat"]}
         for role, leader in (("p_engine", p_pid), ("d_engine", d_pid)):
@@ -198,10 +200,6 @@ def measure_idle(procs: ProcSet, window_s: float = IDLE_WINDOW_S) -> dict[str, f
 
 def _steps(url: str) -> int:
     """An engine's steps so far (the count of vLLM's ``iteration_tokens_total`` histogram)."""
-    import urllib.request
-
-    from kvbridge.tools import prom
-
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode("utf-8", "replace")
     return int(prom.total(text, "vllm:iteration_tokens_total_count"))
@@ -214,8 +212,6 @@ def measure_cpu(procs: ProcSet, idle: Mapping[str, float], urls: Mapping[str, st
     """The load runs of every mode (see the module docstring): each process's CPU seconds
     between the run's first send and its last token, when the load generator's own start-up
     and teardown are over."""
-    from kvbridge.tools.bench.serve import bench_serve_command
-
     m = CpuMeasurements(idle_rate=dict(idle))
     out.mkdir(parents=True, exist_ok=True)
     seed = 7000
@@ -251,8 +247,6 @@ def fit_cpu(m: CpuMeasurements, modes: Sequence[str] | None = None
     """Per process: ``request_s`` and ``token_s`` (CPU seconds), from the runs of ``modes``
     (all when None); for ``d_engine`` also ``request_s`` and ``step_s`` against D's own step
     count (its tokens per step vary with the batch, its steps do not)."""
-    from kvbridge.tools.simulate.calibrate import nonneg_lstsq
-
     runs = [r for r in m.runs if modes is None or r.mode in modes]
     out: dict[str, dict[str, float]] = {}
     if len(runs) < 2:
@@ -306,7 +300,8 @@ def derive_cpu(m: CpuMeasurements, doc: dict[str, Any], tag: str, cores: int,
             src[f"cpu.{key}"] = how
     src.update({f"cpu.{k}": why for k, (_, why) in engines.items()})
     src["cpu.cores"] = "os.cpu_count() of the calibrating host"
-    src["cpu.engine_spin_s"] = ("KVBRIDGE_ENGINE_SPIN_MS of kvbridge.tools.bench.e2e.engine_specs "
+    src["cpu.engine_spin_s"] = ("KVBRIDGE_ENGINE_SPIN_MS of "
+                                "kvbridge.tools.bench.fleet.engine_specs "
                                 "(kvbridge bench serve's default)")
     src["cpu.background"] = ("0: other jobs on the host are not modelled (compare the load "
                              "average recorded with each measurement)")

@@ -28,6 +28,7 @@ Everything runs from this process; engines are stopped at the end, also on error
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import time
 import urllib.request
@@ -36,6 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbridge.params import probe_request
+from kvbridge.tools import prom
+from kvbridge.tools.bench.fleet import engine_specs
+from kvbridge.tools.client import complete, stats_reply, stream_complete
+from kvbridge.tools.cpumeter import loadavg
+from kvbridge.tools.engines import start_servers
 from kvbridge.tools.simulate.calibrate_cpu import (
     CpuMeasurements,
     ProcSet,
@@ -43,6 +50,7 @@ from kvbridge.tools.simulate.calibrate_cpu import (
     measure_cpu,
     measure_idle,
 )
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 __all__ = ["Measurements", "measure"]
 
@@ -55,7 +63,7 @@ _HANDOFF_PROMPT = 200
 _HANDOFF_TOKENS = 16
 _KV_CACHE_BYTES = 268435456  # kvbridge.tools.engines.BASE_ARGS --kv-cache-memory-bytes
 _MAX_NUM_SEQS = 8  # BASE_ARGS --max-num-seqs
-_SPIN_S = 0.002  # kvbridge.tools.bench.e2e.engine_specs: KVBRIDGE_ENGINE_SPIN_MS 2.0
+_SPIN_S = 0.002  # kvbridge.tools.bench.fleet.engine_specs: KVBRIDGE_ENGINE_SPIN_MS 2.0
 _SETTLE_S = 0.2  # after each sequential hand-off request: its tail, before the next
 
 
@@ -88,18 +96,9 @@ class Measurements:
 
 
 def _metric(url: str, name: str) -> tuple[float, float]:
-    from kvbridge.tools import prom
-
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode("utf-8", "replace")
     return prom.total(text, name + "_sum"), prom.total(text, name + "_count")
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def _engine_cpu(procs: ProcSet | None, role: str) -> tuple[float, float]:
@@ -109,9 +108,6 @@ def _engine_cpu(procs: ProcSet | None, role: str) -> tuple[float, float]:
 
 def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], None],
                      procs: ProcSet | None = None, idle: float = 0.0) -> None:
-    from kvbridge.tools.engines import complete
-    from kvbridge.tools.tiny_model import random_prompts
-
     name = "vllm:request_prefill_time_seconds"
     prompts = {n: random_prompts(reps + 1, n, seed=1000 + i)
                for i, n in enumerate(_PREFILL_LENS)}
@@ -137,9 +133,6 @@ def _measure_prefill(url: str, reps: int, m: Measurements, say: Callable[[str], 
 
 def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], None],
                     procs: ProcSet | None = None, idle: float = 0.0, d_url: str = "") -> None:
-    from kvbridge.tools.engines import stream_complete
-    from kvbridge.tools.tiny_model import random_prompts
-
     shapes = [(b, _DECODE_PROMPT) for b in _BATCHES] + [(4, _LONG_PROMPT)]
     steps = "vllm:iteration_tokens_total"
     seed = 5000
@@ -170,16 +163,11 @@ def _measure_decode(url: str, reps: int, m: Measurements, say: Callable[[str], N
 
 
 def _control(url: str) -> str:
-    from kvbridge.params import probe_request
-    from kvbridge.tools.engines import complete
-
     params = complete(url, [1], 1, probe_request(), timeout=60)["kv_transfer_params"]
     return f"tcp://{params['remote_host']}:{params['remote_port']}"
 
 
 def _timings(address: str) -> dict[str, dict[str, float]]:
-    from kvbridge.tools.engines import stats_reply
-
     reply = stats_reply(address, 10.0)
     return {k: dict(v) for k, v in reply.timings.items()}
 
@@ -191,9 +179,6 @@ def _gap(a: Mapping[str, float], ea: str, b: Mapping[str, float], eb: str) -> fl
 def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
                      m: Measurements, say: Callable[[str], None], procs: ProcSet | None = None,
                      idle: Mapping[str, float] | None = None) -> None:
-    from kvbridge.tools.engines import stream_complete
-    from kvbridge.tools.tiny_model import random_prompts
-
     p_ctl, d_ctl = _control(p_url), _control(d_url)
     idle = idle or {}
     for k, mode in enumerate(("pull", "push")):
@@ -252,8 +237,6 @@ def _measure_handoff(p_url: str, d_url: str, urls: Mapping[str, str], reps: int,
 
 def _batched_tokens(log_path: Path | None) -> int:
     """vLLM's chunked-prefill budget, from the engine's start-up log (0: not found)."""
-    import re
-
     if log_path is None:
         return 0
     try:
@@ -267,12 +250,9 @@ def _batched_tokens(log_path: Path | None) -> int:
 def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None],
             cpu_modes: Sequence[str] = ("pull", "push")) -> Measurements:
     """Start the engines (and proxies), take every measurement, stop everything."""
-    from kvbridge.tools.bench.e2e import engine_specs
-    from kvbridge.tools.engines import start_servers
-    from kvbridge.tools.proxies import ProxyThread
-    from kvbridge.tools.tiny_model import build_tiny_model
+    from kvbridge.tools.proxies import ProxyThread  # aiohttp: optional and heavy
 
-    m = Measurements(loadavg=[_loadavg()])
+    m = Measurements(loadavg=[loadavg()])
     model = build_tiny_model()
     p, d = engine_specs(f"kvbridge-{backend}", model, log_dir)
     proxies: ProxyThread | None = None
@@ -298,5 +278,5 @@ def measure(backend: str, reps: int, log_dir: Path, say: Callable[[str], None],
             proxies.close()
         p.stop()
         d.stop()
-    m.loadavg.append(_loadavg())
+    m.loadavg.append(loadavg())
     return m

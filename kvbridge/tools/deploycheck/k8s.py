@@ -298,7 +298,7 @@ class _Checker(Objects):
     # -- proxy ---------------------------------------------------------------------------------
 
     def proxy(self, w: Obj) -> None:
-        from kvbridge.proxy.app import add_arguments
+        from kvbridge.proxy.cli import add_arguments
 
         c = ko.main_container(w)
         self.env(w, c, 0)

@@ -19,11 +19,12 @@ Contract:
   connection the request opened is then closed, so vLLM aborts the request and frees its blocks.
   A P leg still draining after D answered runs to its end in the background; when the request
   failed or was cancelled, it is cancelled too.
-- Every failure of a request ends at the handler: a body that is not JSON or that
-  :func:`~kvbridge.proxy.routing.validate_request` refuses is a 400 naming the field; a failed
+- Every failure of a request ends at the handler: a body that is not JSON is a 400, one that
+  :func:`~kvbridge.proxy.routing.validate_request` refuses a 400 naming the field; a failed
   dispatch is a JSON error with the status and type of its
   :class:`~kvbridge.proxy.failures.LegFailed` (or D's own answer). Every request, whatever its
-  end, is counted once in ``requests_total`` and ``request_duration_seconds``.
+  end, is counted once in ``requests_total`` (and, once routed, in
+  ``request_duration_seconds``).
 - Health: ``/health`` checks every engine now (200 while some P and some D answer, else 503);
   the background check every ``health_interval_s`` moves engines in and out of rotation.
 - :meth:`ProxyServer.stop` cancels background work, stops serving and closes every upstream

@@ -12,6 +12,10 @@ Contract:
 - Every upstream call is bounded: ``connect_timeout_s`` to open a connection, ``timeout_s`` for
   the whole exchange. A connection that is refused, reset or times out on connect takes the
   engine out of rotation (:meth:`~kvbridge.proxy.pool.Fleet.take_out`).
+- Every ``kv_transfer_params`` sent is built by :mod:`kvbridge.params`, every one P answers is
+  parsed by it (:func:`~kvbridge.proxy.routing.read_prefill_answer`): a malformed answer is a 502
+  naming the key. A P answer with ``kvbridge_error`` (P prefilled without handing off) is a 400
+  when the error names a request field, else a 502, with P's message.
 - push: while P's leg runs, D's leg is *gated* on it: if P fails before D's first byte reached
   the client, D's leg is closed at once and P's failure is raised (a P 4xx keeps its status).
 - D's stream is read up to the end of its first SSE event before anything is sent to the client:

@@ -36,8 +36,10 @@ from aiohttp import web
 from kvbridge.control import ControlServer
 from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, TransferQuery, TransferReply
-from kvbridge.proxy.app import ProxyServer, ProxySettings
+from kvbridge.proxy.app import ProxyServer
+from kvbridge.proxy.relay import stream_error
 from kvbridge.proxy.routing import ProxyMode
+from kvbridge.proxy.settings import ProxySettings
 from kvbridge.testing.clients import engine_codec
 from kvbridge.tools import prom
 
@@ -1251,9 +1253,7 @@ async def test_stream_error_event_before_any_token_is_an_explained_502(
 )
 def test_a_streams_first_event_is_an_error_only_when_it_says_so(head: bytes,
                                                                  error: str | None) -> None:
-    from kvbridge.proxy.app import _stream_error
-
-    assert _stream_error(head) == error
+    assert stream_error(head) == error
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3])

@@ -1,5 +1,5 @@
 """``python -m kvbridge.proxy`` — same as ``kvbridge proxy``."""
 
-from kvbridge.proxy.app import _cli
+from kvbridge.proxy.cli import run
 
-raise SystemExit(_cli())
+raise SystemExit(run())

@@ -1,9 +1,10 @@
 """Routing policy of the disaggregation proxy: which engine, which mode, which parameters.
 
 Everything here is plain Python over plain data (no HTTP, no I/O, no transports), so the policy is
-tested as pure functions. :mod:`kvbridge.proxy.app` calls it from one asyncio event loop; nothing
-here is thread-safe and nothing needs to be, because the loop never awaits between a pick and the
-matching :meth:`Engine.acquire`, so two requests cannot both see the same free engine.
+tested as pure functions. :mod:`kvbridge.proxy.dispatch` (and the rest of the proxy) calls it
+from one asyncio event loop; nothing here is thread-safe and nothing needs to be, because the
+loop never awaits between a pick and the matching :meth:`Engine.acquire`, so two requests cannot
+both see the same free engine.
 
 Every ``kv_transfer_params`` the proxy sends is built by :mod:`kvbridge.params` and every one it
 receives (a probe answer, a P answer) is parsed by :func:`kvbridge.params.parse`: a malformed

@@ -451,7 +451,7 @@ BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
 LAZY_COMMANDS: tuple[LazyCommand, ...] = (
     LazyCommand(
         "proxy",
-        "kvbridge.proxy.app",
+        "kvbridge.proxy.cli",
         "run the disaggregated prefill/decode router (push | pull | auto)",
         "pip install 'kvbridge[proxy]'",
     ),

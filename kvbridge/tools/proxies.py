@@ -8,8 +8,9 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
-from kvbridge.proxy.app import ProxyServer, ProxySettings
+from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.routing import ProxyMode
+from kvbridge.proxy.settings import ProxySettings
 from kvbridge.tools.engines import VllmServer, start_servers
 
 __all__ = ["ProxyThread", "serve_pd"]

@@ -299,7 +299,7 @@ class _Checker(Objects):
     # -- proxy ---------------------------------------------------------------------------------
 
     def proxy(self, w: Obj) -> None:
-        from kvbridge.proxy.app import add_arguments  # aiohttp: optional and heavy
+        from kvbridge.proxy.cli import add_arguments  # pulls aiohttp: optional and heavy
 
         c = ko.main_container(w)
         self.env(w, c, 0)

@@ -1,0 +1,168 @@
+"""``kvbridge proxy`` and ``python -m kvbridge.proxy``: the flags, and serving until a signal.
+
+:func:`add_arguments` defines the flags (one per :class:`~kvbridge.proxy.settings.ProxySettings`
+field), :func:`settings_from_args` maps them, :func:`main` serves until SIGINT or SIGTERM and
+returns the exit code (1 when the address cannot be bound; a bad value raises
+:class:`~kvbridge.errors.ConfigError` before anything is bound). :data:`cli_main` is the name
+:mod:`kvbridge.tools.cli`'s lazy subcommands look for; :func:`run` is ``python -m
+kvbridge.proxy``. Meant for the main thread of a process of its own (it installs signal handlers
+and runs its own event loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Sequence
+
+from kvbridge.proxy.app import serve
+from kvbridge.proxy.routing import ProxyMode
+from kvbridge.proxy.settings import ProxySettings
+
+__all__ = ["add_arguments", "settings_from_args", "main", "cli_main", "run"]
+
+log = logging.getLogger("kvbridge.proxy")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kvbridge proxy`` flags."""
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill engine URLs (http://host:port)",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode engine URLs (http://host:port)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=[m.value for m in ProxyMode],
+        default="auto",
+        help="push, pull, or auto per request from live load (default auto)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
+    parser.add_argument(
+        "--push-headroom",
+        type=int,
+        default=4,
+        metavar="N",
+        help="auto: push while some D has fewer than N requests in flight",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="upper bound on one upstream exchange, seconds (default 600)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="upper bound on opening an upstream connection (default 3)",
+    )
+    parser.add_argument(
+        "--control-timeout",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="upper bound on asking an engine's control channel why a transfer failed "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        metavar="N",
+        help="dispatch a request again, on engines it has not tried, at most N times when an "
+        "engine failed it before any byte reached the client (default 1; 0: never)",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="check every engine's /health every S seconds; failing engines leave the "
+        "rotation until they pass again (default 2; 0: no checks)",
+    )
+    parser.add_argument(
+        "--health-failures",
+        type=int,
+        default=2,
+        metavar="N",
+        help="failed health checks in a row that take an engine out (a refused connection: "
+        "at once; default 2)",
+    )
+    parser.add_argument(
+        "--control-secret",
+        default=os.environ.get("KVBRIDGE_SECRET") or None,
+        metavar="SECRET",
+        help="the engines' control-channel secret (default: $KVBRIDGE_SECRET)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    return ProxySettings(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        mode=ProxyMode(args.mode),
+        host=args.host,
+        port=args.port,
+        push_headroom=args.push_headroom,
+        timeout_s=args.timeout,
+        connect_timeout_s=args.connect_timeout,
+        control_timeout_s=args.control_timeout,
+        control_secret=args.control_secret,
+        max_retries=args.retries,
+        health_interval_s=args.health_interval,
+        health_failures=args.health_failures,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``kvbridge proxy``: serve until SIGINT/SIGTERM; returns the exit code."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "log_level", None):
+        logging.getLogger("kvbridge").setLevel(str(args.log_level).upper())
+    settings = settings_from_args(args)
+
+    async def until_signal() -> None:
+        task = asyncio.ensure_future(serve(settings))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(until_signal())
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", settings.host, settings.port, exc)
+        return 1
+    return 0
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvbridge.proxy``: parse ``argv`` (default: ``sys.argv``), then :func:`main`."""
+    parser = argparse.ArgumentParser(
+        prog="kvbridge proxy", description="kvbridge disaggregation proxy"
+    )
+    add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help="kvbridge log level (default INFO)")
+    return main(parser.parse_args(argv))
+
+
+cli_main = main  # the name kvbridge.tools.cli's lazy subcommands look for

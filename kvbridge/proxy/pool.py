@@ -1,0 +1,242 @@
+"""The engines a proxy routes to: both pools, the connections to them, their probes and health.
+
+:class:`Fleet` holds the P and D :class:`~kvbridge.proxy.routing.Pool` (which engine is picked is
+:mod:`~kvbridge.proxy.routing`'s policy), the one ``aiohttp`` client session every upstream
+request uses, each P's *probe* (its control addresses, learnt by
+:func:`~kvbridge.proxy.routing.probe_body`), and rotation membership:
+
+- :meth:`Fleet.probe` asks an engine once and caches the answer; one probe per engine runs at a
+  time (a lock per URL), and a failure is remembered for ``cooldown_s`` so that a dead P is not
+  re-probed per request. A failed probe raises :class:`~kvbridge.proxy.failures.LegFailed`
+  (``probe_failed``) and leaves no cached answer.
+- :meth:`Fleet.take_out` removes an engine after a connection-level failure: until a health check
+  passes, or for ``cooldown_s`` when health checks are off. A probe is dropped whenever the engine
+  may have restarted (it left the rotation, came back, or answered with a new generation).
+- :meth:`Fleet.health_loop` checks every engine's ``/health`` every ``health_interval_s``; an
+  engine leaves after ``health_failures`` failed checks in a row (a refused connection: at once)
+  and comes back when a check begun after it was taken out passes. One failing engine never
+  delays the others: all are checked at once, each bounded by ``max(2, connect_timeout_s)``.
+
+Contract: used from the proxy's one asyncio event loop and not thread-safe. :meth:`open` must run
+on that loop before any request; :meth:`close` closes every pooled upstream connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+
+from kvbridge.params import TransferParams
+from kvbridge.proxy.failures import LegFailed, cause_of
+from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.routing import Cause, Engine, Pool, ProbeInfo, Role, parse_probe, probe_body
+from kvbridge.proxy.settings import ProxySettings
+
+__all__ = ["Fleet"]
+
+log = logging.getLogger("kvbridge.proxy")
+
+
+class Fleet:
+    """P and D engines of one proxy, with their upstream session, probes and health."""
+
+    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.prefills = Pool(Role.PREFILL, settings.prefill)
+        self.decodes = Pool(Role.DECODE, settings.decode)
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_locks: dict[str, asyncio.Lock] = {}
+        self._probe_backoff: dict[str, tuple[float, str, Cause]] = {}
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine, P first."""
+        return (*self.prefills.engines, *self.decodes.engines)
+
+    # ---------------------------------------------------------------- upstream session
+
+    def open(self) -> None:
+        """Create the upstream session (on the running event loop)."""
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(total=s.timeout_s, sock_connect=s.connect_timeout_s)
+        # keep-alive below uvicorn's 5 s so a pooled connection is never one the engine closed
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+    async def close(self) -> None:
+        """Close every upstream connection; idempotent."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("proxy not started")
+        return self._session
+
+    # ---------------------------------------------------------------- discovery
+
+    async def discover(self) -> dict[str, ProbeInfo | str]:
+        """Probe every P engine; returns url → ProbeInfo, or the error text."""
+        results = await asyncio.gather(
+            *(self.probe(p) for p in self.prefills.engines), return_exceptions=True
+        )
+        out: dict[str, ProbeInfo | str] = {}
+        for p, r in zip(self.prefills.engines, results, strict=True):
+            out[p.url] = r if isinstance(r, ProbeInfo) else str(r)
+            if not isinstance(r, ProbeInfo):
+                log.warning("%s (push will be retried on first use)", r)
+        return out
+
+    async def probe(self, e: Engine, timeout_s: float | None = None) -> ProbeInfo:
+        """An engine's control addresses: cached, else asked of its connector
+        (:func:`routing.probe_body`). A failure is remembered for ``cooldown_s``."""
+        if e.probe is not None:
+            return e.probe
+        lock = self._probe_locks.setdefault(e.url, asyncio.Lock())
+        async with lock:
+            if e.probe is not None:
+                return e.probe
+            until, why, cause = self._probe_backoff.get(e.url, (0.0, "", Cause.UNREACHABLE))
+            if time.monotonic() < until:  # failed a moment ago: don't re-probe per request
+                raise LegFailed(502, why, "probe_failed", cause=cause)
+            timeout = aiohttp.ClientTimeout(
+                total=timeout_s or self.settings.probe_timeout_s,
+                sock_connect=self.settings.connect_timeout_s,
+            )
+            try:
+                async with self.session.get(e.url + "/v1/models", timeout=timeout) as r:
+                    r.raise_for_status()
+                    model = str((await r.json(content_type=None))["data"][0]["id"])
+                body = probe_body(model)
+                async with self.session.post(
+                    e.url + "/v1/completions", json=body, timeout=timeout
+                ) as r:
+                    r.raise_for_status()
+                    data = await r.json(content_type=None)
+                raw = data.get("kv_transfer_params") if isinstance(data, dict) else None
+                info = parse_probe(raw)
+            except (
+                aiohttp.ClientError,
+                TimeoutError,
+                ValueError,  # ParamsError (a malformed answer, naming the key) included
+                KeyError,
+                IndexError,
+                TypeError,
+            ) as exc:
+                self.metrics.error("probe")
+                why = (
+                    f"cannot learn the control address of {e.role.value} engine {e.url}: "
+                    f"{exc or type(exc).__name__}"
+                )
+                cause = cause_of(exc)
+                if cause is Cause.UNREACHABLE:
+                    self.take_out(e, str(exc) or type(exc).__name__)
+                self._probe_backoff[e.url] = (time.monotonic() + self.settings.cooldown_s, why,
+                                              cause)
+                raise LegFailed(502, why, "probe_failed", cause=cause) from exc
+            self._probe_backoff.pop(e.url, None)
+            e.probe = info
+            log.info(
+                "%s %s: engine_id=%s control=%s:%d tp=%d generation=%s kvbridge=%s",
+                e.role.value,
+                e.url,
+                info.engine_id,
+                info.host,
+                info.port,
+                info.tp_size,
+                info.generation or "?",
+                info.version,
+            )
+            return info
+
+    # ---------------------------------------------------------------- membership
+
+    def take_out(self, e: Engine, reason: str) -> None:
+        """Take ``e`` out of rotation after a connection-level failure: until a health check
+        passes (or for ``cooldown_s`` without health checks). Its probe is dropped: an engine
+        that comes back may be a restarted one."""
+        was_up = e.is_up()
+        cooldown = math.inf if self.settings.health_interval_s > 0 else self.settings.cooldown_s
+        e.mark_down(reason, cooldown)
+        if was_up:
+            log.warning("%s engine %s taken out of rotation: %s", e.role.value, e.url, reason)
+            self.drop_probe(e, "engine_down")
+
+    def drop_probe(self, e: Engine, reason: str) -> None:
+        """Forget ``e``'s cached probe (the next push re-probes)."""
+        if e.probe is not None:
+            e.probe = None
+            self.metrics.probe_dropped(reason)
+
+    def note_generation(self, e: Engine, answer: TransferParams) -> None:
+        """Drop ``e``'s cached probe when ``answer`` shows that the engine restarted."""
+        new = answer.kvbridge_generation
+        old = e.probe.generation if e.probe is not None else None
+        if new is not None and old is not None and new != old:
+            log.info(
+                "%s engine %s restarted (generation %s -> %s); its probe is dropped",
+                e.role.value,
+                e.url,
+                old,
+                new,
+            )
+            self.drop_probe(e, "generation_changed")
+
+    # ---------------------------------------------------------------- health
+
+    async def check(self, e: Engine) -> tuple[dict[str, Any], bool]:
+        """One ``GET /health`` of ``e``: (what ``/health`` shows of it, whether the connection
+        was refused). Bounded by ``max(2, connect_timeout_s)``."""
+        timeout = aiohttp.ClientTimeout(
+            total=max(2.0, self.settings.connect_timeout_s),
+            sock_connect=self.settings.connect_timeout_s,
+        )
+        info: dict[str, Any] = {"url": e.url, "in_flight": e.in_flight}
+        refused = False
+        try:
+            async with self.session.get(e.url + "/health", timeout=timeout) as r:
+                info["ok"] = r.status == 200
+                info["status"] = r.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            info["ok"] = False
+            info["error"] = str(exc) or type(exc).__name__
+            refused = isinstance(exc, aiohttp.ClientConnectorError)  # nothing listens
+        info["in_rotation"] = e.is_up()
+        if not e.is_up() and e.last_error:
+            info["out_because"] = e.last_error
+        if e.probe is not None:
+            info["engine_id"] = e.probe.engine_id
+            info["control"] = f"{e.probe.host}:{e.probe.port}"
+            if e.probe.generation is not None:
+                info["generation"] = e.probe.generation
+        return info, refused
+
+    async def health_loop(self) -> None:
+        """Every ``health_interval_s``, check every engine at once and move it in or out of
+        rotation (:meth:`Engine.check_passed`, :meth:`Engine.check_failed`). Runs until
+        cancelled."""
+        engines = self.engines
+        while True:
+            started = time.monotonic()
+            results = await asyncio.gather(*(self.check(e) for e in engines))
+            for e, (info, refused) in zip(engines, results, strict=True):
+                if info["ok"]:
+                    if e.check_passed(started):
+                        log.warning("%s engine %s is back in rotation", e.role.value, e.url)
+                        self.drop_probe(e, "engine_down")  # it may be a restarted process
+                    continue
+                why = info.get("error") or f"/health answered {info.get('status')}"
+                if e.check_failed(f"health check: {why}", refused, self.settings.health_failures):
+                    log.warning("%s engine %s taken out of rotation: health check: %s",
+                                e.role.value, e.url, why)
+                    self.drop_probe(e, "engine_down")
+            await asyncio.sleep(max(0.0, self.settings.health_interval_s
+                                    - (time.monotonic() - started)))

@@ -13,13 +13,13 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvbridge import registry
 from kvbridge.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvbridge.offload.config import OffloadConfig
-    from kvbridge.transports.compose_spec import MemberSpec
+from kvbridge.offload.config import ENV_OFFLOAD, OffloadConfig, apply_env
+from kvbridge.transports.compose_spec import MemberSpec, parse_members
+from kvbridge.values import BOOL_WORDS, parse_bool
 
 __all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX", "parse_bool"]
 
@@ -174,7 +174,6 @@ class Config:
                 raise ConfigError(_unknown(key, known, "kv_connector_extra_config key"))
             values[key] = _coerce(key, raw)
             sources[key] = "kv_connector_extra_config"
-        from kvbridge.offload.config import ENV_OFFLOAD, apply_env
 
         tier = preset.tier if preset else None
         offload, used = apply_env(values.get("offload"), env, require=tier)
@@ -238,7 +237,6 @@ class Config:
         """Import the backend, the compose members and the offload tiers this configuration
         names; raise :class:`BackendNotFound` or :class:`BackendUnavailable` (with the install
         hint) for the first that cannot load here. Constructs nothing."""
-        from kvbridge import registry
 
         registry.load_class(self.backend)
         for member in self.compose_members():
@@ -251,14 +249,12 @@ class Config:
         """``backend_options.members`` of the ``compose`` backend, parsed (empty otherwise)."""
         if self.backend != "compose":
             return []
-        from kvbridge.transports.compose_spec import parse_members
 
         return parse_members(self.backend_options.get("members"))
 
     def offload_config(self) -> OffloadConfig:
         """The parsed :attr:`offload` (raises :class:`ConfigError` naming the key), with the
         tier members of a ``compose`` backend appended after the tiers it lists itself."""
-        from kvbridge.offload.config import OffloadConfig
 
         raw = dict(self.offload)
         tiers = [s for s in self.compose_members() if s.kind == "tier"]
@@ -297,20 +293,6 @@ def _unknown(key: str, known: list[str], what: str) -> str:
     return f"unknown {what} {key!r}{hint} (known: {', '.join(known)})"
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True,
-         "0": False, "false": False, "no": False, "off": False}
-
-
-def parse_bool(raw: Any, what: str) -> bool:
-    """``raw`` (a bool or ``on``/``off``/``1``/``0``…); :class:`ConfigError` naming ``what``."""
-    if isinstance(raw, bool):
-        return raw
-    value = _BOOL.get(str(raw).strip().lower())
-    if value is None:
-        raise ConfigError(f"{what}: expected true or false, got {raw!r}")
-    return value
-
-
 def _coerce(key: str, raw: Any) -> Any:
     """Convert ``raw`` (a string from the environment, or a JSON value) to ``key``'s type."""
     default = Config.__dataclass_fields__[key]
@@ -326,7 +308,7 @@ def _coerce(key: str, raw: Any) -> Any:
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw
-            return _BOOL[str(raw).strip().lower()]
+            return BOOL_WORDS[str(raw).strip().lower()]
         if kind == "int":
             return int(raw)
         if kind == "float":

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.config import parse_bool
 from kvbridge.errors import ConfigError
+from kvbridge.values import parse_bool
 
 __all__ = ["OffloadConfig", "TierSpec", "parse_size", "parse_bool", "apply_env", "ENV_OFFLOAD"]
 

@@ -16,7 +16,7 @@ or after their peer was removed, they are refused; discarded, they move nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -31,11 +31,9 @@ from kvbridge.blocks import (
 )
 from kvbridge.errors import DescriptorError, LayoutError, UnknownPeer
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
+from kvbridge.testing.conformance.pair import Pair
 from kvbridge.testing.peer import Peer
 from kvbridge.transport import HandleState, Op, Transport
-
-if TYPE_CHECKING:
-    from kvbridge.testing.conformance.transport import Pair
 
 __all__ = ["BlockConformance"]
 

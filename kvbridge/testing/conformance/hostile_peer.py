@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -33,11 +33,9 @@ import pytest
 from kvbridge.errors import DescriptorError, PeerError, PeerForged, UnknownPeer
 from kvbridge.identity import PROOF_BYTES
 from kvbridge.layout import descriptor_pair
+from kvbridge.testing.conformance.pair import Pair
 from kvbridge.testing.peer import Peer, kv_buffer
 from kvbridge.transport import MemoryRegion, Op, Transport
-
-if TYPE_CHECKING:
-    from kvbridge.testing.conformance.transport import Pair
 
 __all__ = ["HostilePeerConformance"]
 

@@ -48,7 +48,6 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
@@ -66,10 +65,10 @@ from kvbridge.errors import (
 from kvbridge.layout import KVLayout, KVPlane, descriptor_pair
 from kvbridge.testing.conformance.blocks import BlockConformance
 from kvbridge.testing.conformance.hostile_peer import HostilePeerConformance
+from kvbridge.testing.conformance.pair import Pair
 from kvbridge.testing.inprocess import InProcessPeer
 from kvbridge.testing.peer import (
     Peer,
-    PeerMemory,
     PeerProcess,
     collect_notifications,
     kv_buffer,
@@ -88,29 +87,6 @@ __all__ = ["TransportConformance", "Pair", "BLOCK_SIZES"]
 
 #: Block sizes (bytes per block per plane) of the scattered READ/WRITE tests.
 BLOCK_SIZES = (4096, 65536, 262144)
-
-
-@dataclass
-class Pair:
-    """A connected local transport and peer, with one KV buffer on each side."""
-
-    local: Transport
-    peer: Peer
-    local_buf: np.ndarray[Any, np.dtype[np.uint8]]
-    local_layout: KVLayout
-    remote: PeerMemory
-    peer_name: str
-    local_name: str
-    local_meta: bytes = b""
-    keep: list[Any] = field(default_factory=list)
-
-    def readd(self) -> str:
-        """Add the peer again, with a fresh proof (what a new handshake does)."""
-        return self.local.add_peer(self.remote.metadata, self.peer.invite(self.local_meta))
-
-    def remote_buf(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """The peer's buffer now, shaped like ``local_buf``."""
-        return self.peer.buffer(self.remote.index).reshape(self.local_buf.shape)
 
 
 class TransportConformance(BlockConformance, HostilePeerConformance):

@@ -30,7 +30,6 @@ from kvbridge.blocks import (
     PreparedRequest,
     check_in_regions,
 )
-from kvbridge.config import parse_bool
 from kvbridge.errors import (
     ConfigError,
     DescriptorError,
@@ -69,6 +68,7 @@ from kvbridge.transports.shm.wire import (
     decode_metadata,
 )
 from kvbridge.transports.shm.worker import Worker, _BlockJob, _Job, _Prepared
+from kvbridge.values import parse_bool
 
 __all__ = ["ShmTransport", "DEFAULT_THREADS"]
 

@@ -101,7 +101,7 @@ def _group_cpu(server: VllmServer, seconds: float) -> float:
 def idle_cpu(p: VllmServer, d: VllmServer, seconds: float) -> dict[str, float]:
     """Engine CPU-s/s: both idle, then D holding one push request whose KV never comes.
 
-    The second is ``tests/test_vllm_e2e.py::test_decode_waiting_for_a_push_sleeps…``: the
+    The second is ``tests/engines/test_vllm_e2e.py::test_decode_waiting_for_a_push_sleeps…``: the
     request is parked on D waiting for a WRITE from P that is never sent; the client then gives
     up, which makes vLLM abort it.
     """

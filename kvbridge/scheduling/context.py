@@ -7,7 +7,7 @@ sockets, the transport and the timers. They reach it only through :class:`LoopCo
 rank's identity and geometry, the transport, the control channel (replies, calls, peers,
 heartbeats), the timers, counters and observations, and the results vLLM takes. So they import
 only downward (never the loop), and a test can drive one with a small fake context instead of
-a running loop (``tests/test_scheduling_context.py``).
+a running loop (``tests/unit/test_scheduling_context.py``).
 
 The loop implements the protocol; every member is used on the loop thread only.
 """

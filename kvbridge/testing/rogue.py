@@ -3,8 +3,8 @@
 The rogue of ../shared/security-pocs/poc_relay_metadata.py, made as strong as it can be: it
 holds whatever codec it is given (the fleet's secret, for an insider), answers every Hello at
 its own address with the victim's identity, and says yes to everything else. Engines must refuse
-it in every mode (:data:`MODES`); ``tests/test_identity.py`` (transfer loops) and
-``tests/test_vllm_faults.py`` (real engines) check that they do.
+it in every mode (:data:`MODES`); ``tests/process/test_identity.py`` (transfer loops) and
+``tests/engines/test_vllm_faults.py`` (real engines) check that they do.
 
 For tests only: it runs one daemon thread on a ROUTER socket bound to 127.0.0.1; :meth:`close`
 stops it and closes the socket.

@@ -18,7 +18,7 @@ default):
   moves bytes; a peer refused first and proven afterwards works too (a refusal poisons nothing).
 
 The core's half (the reply's control address, the proof derived from the dialled address and
-the claimed identity, the peer name) is tested in ``tests/test_identity.py``.
+the claimed identity, the peer name) is tested in ``tests/process/test_identity.py``.
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ class TestDiskConformance(TierConformance):
         return True
 
 
+
+class TestDiskConformanceWithSecret(TestDiskConformance):
+    """The whole tier contract again, with chunks MAC'd by the engine's secret (what an engine
+    with a fleet or per-user secret runs; tests/process/test_local_files.py has the disk tier's
+    hostile-file cases)."""
+
+    secret = b"fleet-one-secret-0123456789abcdef"
+
 def _disk(tmp_path: Path, ns: str | None = None) -> DiskTier:
     return DiskTier(TierContext("disk", CHUNK, ns or "ab" * 16, {"path": str(tmp_path)}))
 

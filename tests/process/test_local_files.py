@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_offload_tiers import TestDiskConformance as _DiskConformance  # tests/ is on sys.path
 
 from kvbridge.host.files import UnsafePath
 from kvbridge.layout import KVLayout
@@ -47,7 +46,7 @@ from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NS = "ab" * 16
 SECRET = b"fleet-one-secret-0123456789abcdef"
 OTHER_SECRET = b"fleet-two-secret-fedcba9876543210"
@@ -372,16 +371,6 @@ def test_store_that_cannot_make_its_directory_is_counted_by_the_manager(tmp_path
         assert counters.get("offload_tier_errors_disk", 0) == 0  # no exception out of store
     finally:
         manager.close()
-
-
-# -- the conformance suite with a secret ---------------------------------------------------------
-
-
-class TestDiskConformanceWithSecret(_DiskConformance):
-    """The whole tier contract again, with chunks MAC'd (tests/test_offload_tiers.py runs it
-    without a secret)."""
-
-    secret = SECRET
 
 
 # -- the native range copy -----------------------------------------------------------------------

@@ -3,7 +3,7 @@
 :class:`~kvbridge.scheduling.fences.CudaFence` is recorded after the forward's KV writes and
 :class:`~kvbridge.scheduling.fences.FenceWaiter` waits it on a thread, so the transfer loop
 posts the WRITE the moment the kernels finished. What must hold on a real GPU, and what a fake
-stream (tests/test_vllm_fence.py) cannot show:
+stream (tests/unit/test_vllm_fence.py) cannot show:
 
 - the fence is not ready while the kernels that write the KV are still running, and is once
   they finished;
@@ -12,7 +12,7 @@ stream (tests/test_vllm_fence.py) cannot show:
 - the waiting thread sleeps (blocking sync) rather than spinning a core for the whole wait.
 
 Imports only the stdlib module under test and torch, so it runs on a GPU machine without vLLM
-or kvbridge's other dependencies: ``python -m pytest --noconftest tests/test_cuda_fence.py``.
+or kvbridge's other dependencies: ``python -m pytest --noconftest tests/unit/test_cuda_fence.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from kvbridge.tools.deploycheck.kustomize import KustomizeError, render, strateg
 
 pytestmark = pytest.mark.timeout(300)  # importing vLLM (for its parser) is most of it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "k8s"
 OVERLAYS = ["1p1d", "8p2d"]
 SECRET = "0f" * 32

@@ -33,7 +33,7 @@ SEEDS = {"pull": {"ttft": 1744.0, "tpot": 10.4}, "push": {"ttft": 540.0, "tpot":
 @pytest.fixture(scope="module")
 def host() -> Profile:
     """This host's costs on dedicated cores: the fleet mechanics under test do not depend on
-    the shared-core model (tests/test_simulate_mechanisms.py tests that)."""
+    the shared-core model (tests/unit/test_simulate_mechanisms.py tests that)."""
     return load_profile("host").replace(cpu=None)
 
 

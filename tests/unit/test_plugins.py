@@ -11,7 +11,7 @@ from kvbridge import registry
 from kvbridge.integrations import names
 from kvbridge.testing import plugin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_marker_names_drop_the_kvbridge_prefix() -> None:

@@ -1,6 +1,6 @@
 """shm's mapped copies: registered memory on a sealed memfd, peers copy it with the native range
 copy (kvbridge.transports.shm.memfd, .rangecopy). The conformance suite runs with it too
-(tests/test_conformance_shm.py::TestShmMappedConformance); here: what it maps and how each byte
+(test_conformance_shm.py::TestShmMappedConformance); here: what it maps and how each byte
 moved, that a registration keeps every byte, and hostile fds and pieces from a peer."""
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def _hold_off_the_exit_watcher(t: ShmTransport, name: str) -> None:
 
 def test_a_mapped_write_to_a_peer_that_exited_fails() -> None:
     """A mapping outlives its process; the transfer must not report DONE into it. (The pidfd
-    watcher forgets such a peer at once, tests/test_shm_trust.py; here it is held off, as in
+    watcher forgets such a peer at once, tests/process/test_shm_trust.py; here it is held off, as in
     the moment between the exit and the watcher seeing it.)"""
     with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
             ShmTransport("survivor", {"map_memory": True}) as t:

@@ -111,7 +111,7 @@ def _attack(tmp_path: Path, *argv: str, prefix: list[str] | None = None) -> dict
     script.write_text(ATTACKER)
     proc = subprocess.run([*(prefix or []), sys.executable, str(script), *argv],
                           capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result

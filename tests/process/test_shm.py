@@ -1,4 +1,4 @@
-"""shm-specific behaviour beyond the conformance suite (tests/test_conformance_shm.py)."""
+"""shm-specific behaviour beyond the conformance suite (tests/process/test_conformance_shm.py)."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def test_vanished_peer_fails_transfer() -> None:
         src = np.ones(4096, np.uint8)
         own = t.register_memory([MemoryRegion(src.ctypes.data, src.nbytes)])
         name = t.add_peer(mem.metadata, peer.invite(own))
-        # hold off the pidfd watcher (it forgets an exited peer at once, tests/test_shm_trust.py)
+        # hold off the pidfd watcher (it forgets an exited peer at once: test_shm_trust.py)
         # as in the moment between the exit and the watcher seeing it: the transfer still fails
         listener, key = t._peers[name].watch or (None, 0)
         assert listener is not None

@@ -3,7 +3,7 @@
 On a GPU the forward's KV writes are asynchronous: a WRITE posted right after ``wait_for_save``
 could read KV the kernels have not written yet. The connector records a CUDA event on the
 current stream after the KV writes, and the transfer loop posts the WRITE only once
-``event.query()`` is true (tests/test_loop.py checks the loop side with a hand-made fence).
+``event.query()`` is true (tests/process/test_loop.py checks the loop side with a hand-made fence).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``kvbridge simulate calibrate`` on real engines: one short run (marked ``vllm``).
 
-The derivation from measurements is unit-tested in tests/test_simulate.py; this checks that the
+The derivation from measurements is unit-tested in tests/unit/test_simulate.py; this checks that the
 measurements are taken from real engines through the real proxy, that the profile written loads
 and simulates, and that no engine is left running.
 """

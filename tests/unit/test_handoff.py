@@ -364,7 +364,7 @@ def _deep(n: int) -> Any:
     return value
 
 
-#: (key, malformed value), as in tests/test_params.py
+#: (key, malformed value), as in tests/unit/test_params.py
 MALFORMED: list[tuple[str, Any]] = [
     ("remote_block_ids", "abc"), ("remote_port", "port"), ("remote_engine_id", 5),
     ("transfer_mode", "sideways"), ("remote_host", "a host"), ("remote_host", "h" * 254),

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROXY = Path(__file__).resolve().parents[1] / "kvbridge" / "proxy"
+PROXY = Path(__file__).resolve().parents[2] / "kvbridge" / "proxy"
 
 #: Top to bottom; a module imports only modules of later rows.
 LAYERS = (

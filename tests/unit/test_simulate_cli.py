@@ -15,7 +15,7 @@ from kvbridge.tools.simulate.validate import load_results, validate, within
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "bench_serve-2026-12-03.json"
 PNG = b"\x89PNG\r\n\x1a\n"
 DEDICATED = Path(tempfile.mkdtemp(prefix="kvbridge-sim-cli-")) / "host-dedicated.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-INTEGRATIONS = Path(__file__).resolve().parent.parent / "kvbridge" / "integrations"
+INTEGRATIONS = Path(__file__).resolve().parents[2] / "kvbridge" / "integrations"
 
 
 def _backend_name_checks(path: Path) -> list[str]:

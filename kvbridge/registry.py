@@ -25,6 +25,7 @@ from importlib import metadata
 from typing import Any
 
 from kvbridge.errors import BackendNotFound, BackendUnavailable, KVBridgeError
+from kvbridge.offload.tier import Tier
 from kvbridge.transport import BenchHook, Transport
 
 __all__ = ["GROUP", "TIER_GROUP", "BENCH_GROUP", "BackendStatus", "available", "load_class",
@@ -47,7 +48,7 @@ _EXTRA_REQUIREMENT = re.compile(
 
 def _entry_points(group: str = GROUP) -> dict[str, Any]:
     """The group's entry points as stevedore discovers them (its cached scan), not loaded."""
-    from stevedore import ExtensionManager
+    from stevedore import ExtensionManager  # only when asked: `import kvbridge` stays light
 
     class _Lister(ExtensionManager[Any]):  # stevedore's discovery without loading every plugin
         def __init__(self) -> None:
@@ -221,7 +222,6 @@ def available_tiers() -> list[str]:
 
 def load_tier_class(name: str) -> type[Any]:
     """Import offload tier ``name``; same errors as :func:`load_class`."""
-    from kvbridge.offload.tier import Tier
 
     return _load(TIER_GROUP, name, Tier, "offload tier")
 

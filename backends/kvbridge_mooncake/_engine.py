@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from kvbridge.errors import BackendUnavailable
@@ -93,7 +94,6 @@ def create_engine(host: str, metadata_server: str, protocol: str, device_name: s
 def probe() -> str:
     """Say whether the engine module loads; raise :class:`BackendUnavailable` when it does not."""
     module = import_engine_module()
-    from importlib.metadata import PackageNotFoundError, version
 
     dist, ver = "mooncake", "?"
     for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):

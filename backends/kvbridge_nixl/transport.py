@@ -53,6 +53,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
 import msgspec
@@ -174,7 +175,6 @@ class NixlTransport(Progress, BlockTransport):
     def probe(cls) -> str:
         """Short status for ``kvbridge backends``; raises :class:`BackendUnavailable`."""
         api = import_nixl()
-        from importlib.metadata import PackageNotFoundError, version
 
         try:
             ver = version("nixl")

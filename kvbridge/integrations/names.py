@@ -28,6 +28,7 @@ from typing import Literal
 
 from kvbridge import registry
 from kvbridge.config import Preset
+from kvbridge.errors import ConfigError
 
 __all__ = ["GENERIC", "ConnectorName", "connector_name", "connector_names", "lookup",
            "preset_for"]
@@ -101,7 +102,6 @@ def preset_for(name: str | None, what: str = "--connector") -> Preset | None:
         return None
     entry = lookup(name)
     if entry is None:
-        from kvbridge.errors import ConfigError
 
         raise ConfigError(f"{what}: no kvbridge connector is called {name!r} (known: {GENERIC}, "
                           f"{', '.join(c.name for c in connector_names())})")

@@ -4,7 +4,7 @@ Layers (docs/offload.md):
 
 - :mod:`.keys` — chained content keys over full token blocks (stable across processes).
 - :mod:`.tier` — the :class:`~kvbridge.offload.tier.Tier` ABC every tier implements.
-- :mod:`.dram`, :mod:`.disk` — the built-in tiers (entry points in ``kvbridge.tiers``).
+- :mod:`.tiers` — the built-in tiers, ``dram`` and ``disk`` (entry points in ``kvbridge.tiers``).
 - :mod:`.config` — the ``offload`` configuration (``kv_connector_extra_config`` + env).
 - :mod:`.manager` — worker side: ordered tiers, capacities, LRU, staging, write-behind.
 - :mod:`.book` — scheduler side: lookups, hits, stores, vLLM-free.

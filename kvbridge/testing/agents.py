@@ -24,11 +24,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.groups import KVGroup
 from kvbridge.layout import KVLayout
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
+from kvbridge.testing.faults import FaultyTransport
 from kvbridge.transport import Transport
 
 __all__ = ["Agent", "LocalAgent", "AgentProcess", "CacheShape", "make_caches"]
@@ -137,12 +139,8 @@ class LocalAgent:
 
 def _child(conn: Any, engine_id: str, shape: CacheShape, extra: dict[str, Any],
            faults: dict[str, Any] | None) -> None:
-    from kvbridge import registry
-
     transport = None
     if faults is not None:
-        from kvbridge.testing.faults import FaultyTransport
-
         config = Config.load(extra, env={})
         inner = registry.create(config.backend, engine_id, config.backend_options)
         transport = FaultyTransport(inner, **faults)

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge import errors
+from kvbridge import errors, registry
 from kvbridge.errors import PeerUnreachable
 from kvbridge.layout import KVLayout
 from kvbridge.transport import MemoryRegion, Op, Transport, notifying
@@ -99,7 +99,6 @@ def collect_notifications(
 
 class _PeerServer:
     def __init__(self, backend: str, name: str, options: Mapping[str, Any]) -> None:
-        from kvbridge import registry
 
         self.transport: Transport = registry.create(backend, name, options)
         self.buffers: list[U8] = []

@@ -25,6 +25,7 @@ corrupted chunk is a miss, never different bytes.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +46,6 @@ def chunk_of(key: str, size: int = CHUNK) -> bytes:
     seed = key.encode()
     out = bytearray()
     counter = 0
-    import hashlib
 
     while len(out) < size:
         out += hashlib.blake2b(seed + counter.to_bytes(8, "little")).digest()

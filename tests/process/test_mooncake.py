@@ -387,7 +387,7 @@ def test_missing_dependency_is_one_clear_line(msg: str, missing: bool, hint: str
 
 @pytest.mark.timeout(180)
 def test_raw_session_alternates_ops_and_verifies() -> None:
-    from kvbridge_mooncake import raw_bench, raw_session
+    from kvbridge_mooncake.bench import raw_bench, raw_session
 
     with raw_session(2 << 20, seed=3) as session:
         for op in ("write", "read"):

@@ -375,7 +375,7 @@ def test_vanished_peer_fails_not_hangs(
 def test_raw_bench_moves_and_checks_bytes() -> None:
     if not HAVE_NIXL:
         pytest.skip("the nixl package is not installed")
-    from kvbridge_nixl import raw_bench
+    from kvbridge_nixl.bench import raw_bench
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     for op in ("read", "WRITE"):
@@ -389,7 +389,7 @@ def test_raw_bench_moves_and_checks_bytes() -> None:
 def test_raw_session_alternates_ops_and_sizes_and_verifies() -> None:
     """The paired bench's raw column: one session, one target, any op and block size in any
     order; verify() compares both buffers and catches a wrong byte."""
-    from kvbridge_nixl import raw_session
+    from kvbridge_nixl.bench import raw_session
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with raw_session(4 << 20, seed=5) as session:
@@ -411,7 +411,7 @@ def test_raw_session_alternates_ops_and_sizes_and_verifies() -> None:
 def test_raw_session_prepared_ahead_moves_the_bytes() -> None:
     """``--ahead``'s raw column: prepare() makes the request, run() posts that one; a request
     prepared for another op or size is released, not posted."""
-    from kvbridge_nixl import raw_session
+    from kvbridge_nixl.bench import raw_session
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with raw_session(4 << 20, seed=6) as session:
@@ -432,7 +432,7 @@ def test_raw_session_prepared_ahead_moves_the_bytes() -> None:
 def test_shared_raw_session_moves_the_callers_buffers_at_its_permutation() -> None:
     """The raw column over kvbridge's own buffers: a responder over the far buffer, the
     session over the caller's READ and WRITE buffers, blocks at the permutation given."""
-    from kvbridge_nixl import raw_responder, raw_session
+    from kvbridge_nixl.bench import raw_responder, raw_session
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     total, block = 1 << 20, 65536

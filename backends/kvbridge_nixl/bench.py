@@ -22,11 +22,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.blocks import BlockRequest
 from kvbridge.errors import ConfigError, TransferFailed
+from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.testing.rawbench import RawTarget, scattered_blocks, serve_buffer
+from kvbridge.transport import MemoryRegion, Op
 from kvbridge_nixl._agent import NixlOptions, create_agent
+from kvbridge_nixl.transport import NixlTransport
 
-__all__ = ["RawSession", "RawResponder", "raw_bench", "block_cost"]
+__all__ = ["RawSession", "RawResponder", "raw_bench", "block_cost", "raw_session", "raw_responder"]
 
 
 def _target_main(
@@ -266,11 +270,6 @@ def block_cost(
     boundary validation and the index arrays or ranges) and the third NIXL's request creation.
     Blocking; both transports are closed before returning.
     """
-    from kvbridge.blocks import BlockRequest
-    from kvbridge.layout import KVLayout, KVPlane
-    from kvbridge.transport import MemoryRegion, Op
-    from kvbridge_nixl.transport import NixlTransport
-
     tag = f"{time.monotonic_ns():x}"
     made: list[NixlTransport] = []
     out: dict[str, list[tuple[float, float, float]]] = {}
@@ -305,3 +304,19 @@ def block_cost(
         for t in made:
             t.close()
     return out
+
+
+# -- the bench hook (entry point ``nixl`` of group ``kvbridge.bench_hooks``: this module) --------
+
+
+def raw_session(total_bytes: int, seed: int = 0, **options: Any) -> RawSession:
+    """:class:`RawSession`: NIXL alone, one transfer per ``run(op, block_bytes)`` call (seconds),
+    for the paired ``kvbridge bench transfer``; with ``peer`` and ``local``, over the bench's
+    own buffers and a :func:`raw_responder`."""
+    return RawSession(total_bytes, seed, **options)
+
+
+def raw_responder(address: int, nbytes: int, **options: Any) -> RawResponder:
+    """:class:`RawResponder`: a NIXL agent alone over memory the caller owns, the far side of a
+    shared :func:`raw_session` (``kvbridge bench transfer`` starts one in its target process)."""
+    return RawResponder(address, nbytes, **options)

@@ -22,7 +22,7 @@ from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge.testing.rawbench import RawTarget, scattered_blocks, serve_buffer
 from kvbridge_mooncake._engine import create_engine, is_bad_batch_id
 
-__all__ = ["RawSession", "raw_bench", "MAX_BATCH", "WINDOW"]
+__all__ = ["RawSession", "raw_bench", "raw_session", "MAX_BATCH", "WINDOW"]
 
 MAX_BATCH = 256
 WINDOW = 2
@@ -144,3 +144,12 @@ def raw_bench(block_bytes: int, total_bytes: int, op: str, reps: int) -> float:
         best = min(session.run(op, block_bytes) for _ in range(reps))
         session.verify(op, block_bytes)
     return n / best / 1e9
+
+
+# -- the bench hook (entry point ``mooncake`` of group ``kvbridge.bench_hooks``: this module) ----
+
+
+def raw_session(total_bytes: int, seed: int = 0) -> RawSession:
+    """:class:`RawSession`: the engine alone, one transfer per ``run(op, block_bytes)`` call
+    (seconds), for the paired ``kvbridge bench transfer``."""
+    return RawSession(total_bytes, seed)

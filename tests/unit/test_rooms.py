@@ -53,3 +53,17 @@ def test_the_tools_room_is_where_the_docs_say() -> None:
         assert (TOOLS / name).exists(), name
     for gone in ("cli.py", "demo.py", "doctor.py", "bench.py", "bench_e2e.py", "simulate"):
         assert not (ROOT / "kvbridge" / gone).exists(), f"kvbridge/{gone} belongs in tools/"
+
+
+#: the most lines one module may have: past it, a module does more than one job
+MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """Every module of kvbridge, of the backends and of the example backend (tests aside)."""
+    modules = [*ROOT.glob("kvbridge/**/*.py"), *ROOT.glob("backends/*/*.py"),
+               *ROOT.glob("examples/*/*.py")]
+    assert len(modules) > 100
+    over = sorted((str(p.relative_to(ROOT)), n) for p in modules
+                  if (n := len(p.read_text().splitlines())) > MAX_LINES)
+    assert over == [], f"modules over {MAX_LINES} lines: {over}"

@@ -183,7 +183,10 @@ class LMCacheTier(Tier):
             raw = bytearray(data) + bytes(pad)
             buf = torch.frombuffer(raw, dtype=torch.uint8).reshape(self._shape)
             tokens = self._tokens(key)
-            engine.clear(tokens)  # LMCache keeps an existing chunk: replace it
+            # LMCache keeps an existing chunk: replace it, once its disk backend wrote what it
+            # accepted (a write still queued would land after the clear: stale bytes on disk)
+            self._drain_disk_writes()
+            engine.clear(tokens)
             engine.store(tokens, kvcaches=buf)
             if engine.lookup(tokens) >= CHUNK_TOKENS:
                 stored.append(key)
@@ -191,6 +194,7 @@ class LMCacheTier(Tier):
 
     def evict(self, keys: Sequence[str]) -> None:
         engine = self._live()
+        self._drain_disk_writes()  # a queued write of a key would bring it back after the clear
         for key in keys:
             engine.clear(self._tokens(key))
 
@@ -204,6 +208,15 @@ class LMCacheTier(Tier):
         return sum(len(getattr(b.disk_worker, "put_tasks", ()))
                    for b in list(backends.values()) if hasattr(b, "disk_worker"))
 
+    def _drain_disk_writes(self, timeout: float = _DRAIN_S) -> int:
+        """Wait (polling every 5 ms, at most ``timeout`` s) until LMCache's disk backend has
+        written every chunk it accepted; the number still pending (0: drained). Without a disk
+        backend it returns at once."""
+        deadline = time.monotonic() + timeout
+        while (pending := self._pending_disk_writes()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return pending
+
     def close(self) -> None:
         """Destroy the LMCache engine once its disk backend has written what it accepted.
 
@@ -214,10 +227,7 @@ class LMCacheTier(Tier):
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + _DRAIN_S
-        while (pending := self._pending_disk_writes()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if pending:
+        if pending := self._drain_disk_writes():
             log.warning("offload tier %s: LMCache still writes %d chunk(s) to disk after %.0f s;"
                         " its engine is left open (destroying it now would crash the process)",
                         self.name, pending, _DRAIN_S)

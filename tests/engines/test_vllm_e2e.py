@@ -334,7 +334,11 @@ def test_without_the_wake_hook_decode_falls_back_to_polling(
     assert stats.get("recv_ok", 0) == 1 and stats.get("recv_failed", 0) == 0
     assert stats.get("wake_nudges", 0) == 0  # no hook, no listener: the step polls instead
     assert stats.get("recv_direct", 0) == 0  # and no direct arrival without the hook
-    assert stats.get("wake_waits", 0) >= 1 and stats.get("wake_woken", 0) >= 1
+    # it waited (bounded back-off) and the receive still completed: polling, not a poke. Whether
+    # one of those waits was cut short by input depends on when the request came in (under load
+    # all may run out), so only their sum is checked.
+    waits = stats.get("wake_waits", 0)
+    assert waits >= 1 and stats.get("wake_woken", 0) + stats.get("wake_timeouts", 0) == waits
     log = (d.log_path.read_text() if d.log_path else "")
     assert "wake-on-arrival hook installed" not in log
     assert "huge pages:" not in log

@@ -46,6 +46,9 @@ CHUNK_TOKENS = 16
 _ids = itertools.count()
 _build_lock = threading.Lock()
 _DRAIN_S = 30.0  # the longest close() waits for LMCache's disk writes
+#: the longest store (overwrite) and evict wait for disk writes LMCache already queued before
+#: they clear a chunk: back-pressure while the disk is behind, bounded when it is stuck
+_CLEAR_DRAIN_S = 2.0
 
 
 def _import() -> tuple[Any, Any, Any, Any, Any]:
@@ -185,7 +188,7 @@ class LMCacheTier(Tier):
             tokens = self._tokens(key)
             # LMCache keeps an existing chunk: replace it, once its disk backend wrote what it
             # accepted (a write still queued would land after the clear: stale bytes on disk)
-            self._drain_disk_writes()
+            self._drain_disk_writes(_CLEAR_DRAIN_S)
             engine.clear(tokens)
             engine.store(tokens, kvcaches=buf)
             if engine.lookup(tokens) >= CHUNK_TOKENS:
@@ -194,7 +197,8 @@ class LMCacheTier(Tier):
 
     def evict(self, keys: Sequence[str]) -> None:
         engine = self._live()
-        self._drain_disk_writes()  # a queued write of a key would bring it back after the clear
+        # a queued write of a key would bring it back after the clear
+        self._drain_disk_writes(_CLEAR_DRAIN_S)
         for key in keys:
             engine.clear(self._tokens(key))
 
@@ -208,10 +212,12 @@ class LMCacheTier(Tier):
         return sum(len(getattr(b.disk_worker, "put_tasks", ()))
                    for b in list(backends.values()) if hasattr(b, "disk_worker"))
 
-    def _drain_disk_writes(self, timeout: float = _DRAIN_S) -> int:
+    def _drain_disk_writes(self, timeout: float) -> int:
         """Wait (polling every 5 ms, at most ``timeout`` s) until LMCache's disk backend has
         written every chunk it accepted; the number still pending (0: drained). Without a disk
-        backend it returns at once."""
+        backend, or with nothing queued, it returns at once. A store or evict that still finds
+        writes queued after the bound clears anyway (the disk is stuck: those writes are
+        too)."""
         deadline = time.monotonic() + timeout
         while (pending := self._pending_disk_writes()) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -227,7 +233,7 @@ class LMCacheTier(Tier):
         if self._closed:
             return
         self._closed = True
-        if pending := self._drain_disk_writes():
+        if pending := self._drain_disk_writes(_DRAIN_S):
             log.warning("offload tier %s: LMCache still writes %d chunk(s) to disk after %.0f s;"
                         " its engine is left open (destroying it now would crash the process)",
                         self.name, pending, _DRAIN_S)

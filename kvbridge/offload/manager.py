@@ -17,8 +17,10 @@ the scheduler's :class:`~kvbridge.offload.orders.OffloadPlan`:
   thread, off the critical path; the scheduler holds the blocks until then), put them in every
   non-blocking tier at once and queue them for the blocking tiers (written behind by a second
   thread, the backlog bounded by ``max_backlog_bytes``).
-- **Capacity** — for tiers with ``managed = True`` an LRU index per tier; adding past
-  ``capacity_bytes`` evicts least recently used chunks (a prompt's blocks are touched last to
+- **Capacity** — for tiers with ``managed = True`` an index per tier, a
+  :class:`~kvbridge.lookup.LookupBuffer` of content keys (:func:`tier_index`: no leases, least
+  recently used evicted when full); adding past ``capacity_bytes`` evicts least recently used
+  chunks (a prompt's blocks are touched last to
   first, so a chain is evicted from its tail and its head — the useful part — lives longest).
   Persistent tiers' indexes are rebuilt from ``entries()`` at start. A hit in a lower tier is
   promoted into the non-blocking tiers above it.
@@ -36,18 +38,19 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge import registry
+from kvbridge.lookup import LookupBuffer, Overflow
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.keys import tier_key
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.tier import Tier, TierContext
 
-__all__ = ["OffloadManager", "build_tiers"]
+__all__ = ["OffloadManager", "build_tiers", "hold", "tier_index"]
 
 log = logging.getLogger("kvbridge.offload")
 
@@ -75,37 +78,23 @@ def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
     return tiers
 
 
-class _Index:
-    """LRU of one managed tier: key → bytes, most recently used last."""
+def tier_index(name: str, chunks: int, *,
+               clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, None]:
+    """The scheduler's view of one tier: the content keys it holds, at most ``chunks`` of
+    them, no leases, the least recently used evicted to make room (a
+    :class:`~kvbridge.lookup.LookupBuffer` home; owned under the manager's lock)."""
+    return LookupBuffer(f"offload tier {name}", chunks, overflow=Overflow.EVICT_LRU,
+                        clock=clock)
 
-    def __init__(self, capacity: int, chunk_bytes: int) -> None:
-        self.capacity = capacity
-        self.chunk_bytes = chunk_bytes
-        self.keys: OrderedDict[str, None] = OrderedDict()
 
-    @property
-    def used(self) -> int:
-        return len(self.keys) * self.chunk_bytes
-
-    def add(self, keys: Sequence[str]) -> list[str]:
-        """Insert/touch ``keys`` (last to first); return the keys evicted to make room."""
-        for k in reversed(keys):
-            self.keys[k] = None
-            self.keys.move_to_end(k)
-        evicted = []
-        while self.used > self.capacity and self.keys:
-            k, _ = self.keys.popitem(last=False)
-            evicted.append(k)
-        return evicted
-
-    def run(self, keys: Sequence[str], start: int) -> int:
-        """How many keys from ``start`` are indexed, consecutively."""
-        n = 0
-        for k in keys[start:]:
-            if k not in self.keys:
-                break
-            n += 1
-        return n
+def hold(index: LookupBuffer[str, None], keys: Sequence[str]) -> list[str]:
+    """Insert or touch ``keys`` in ``index``, last to first (so a chain's head is used most
+    recently and evicted last); return the keys evicted to make room."""
+    evicted: list[str] = []
+    for key in reversed(keys):
+        if not index.touch((key,)):
+            evicted.extend(old for old, _ in index.insert(key, None))
+    return evicted
 
 
 class _Lookup:
@@ -131,10 +120,13 @@ class OffloadManager:
         self._fp = layout_fingerprint
         self._lock = threading.Lock()
         self._tier_locks = {t.name: threading.Lock() for t in self.tiers}
-        self._index: dict[str, _Index] = {
-            t.name: _Index(t.capacity_bytes, io.chunk_bytes) for t in self.tiers if t.managed}
-        self._known: dict[str, OrderedDict[str, None]] = {
-            t.name: OrderedDict() for t in self.tiers if not t.managed}
+        self._index: dict[str, LookupBuffer[str, None]] = {
+            t.name: tier_index(t.name, t.capacity_bytes // io.chunk_bytes)
+            for t in self.tiers if t.managed}
+        #: keys stored into each unmanaged tier, remembered (boundedly) to skip re-storing
+        self._known: dict[str, LookupBuffer[str, None]] = {
+            t.name: tier_index(f"{t.name} (stored)", KNOWN_KEYS)
+            for t in self.tiers if not t.managed}
         self._lookups: dict[str, _Lookup] = {}
         self._answers: dict[str, int] = {}
         self._stored: set[str] = set()
@@ -190,13 +182,13 @@ class OffloadManager:
         if not entries:
             return
         index = self._index[tier.name]
+        evicted: list[str] = []
         for key, _ in entries:  # oldest first: the newest end up most recently used
-            index.keys[key] = None
-        evicted = index.add([])
+            evicted.extend(hold(index, [key]))
         if evicted:
             self._call(tier, "evict", evicted)
         log.info("offload tier %s: %d chunk(s) from a previous run (%d evicted to fit)",
-                 tier.name, len(index.keys), len(evicted))
+                 tier.name, len(index), len(evicted))
 
     def tkeys(self, keys: Sequence[str]) -> list[str]:
         return [tier_key(k, self._fp, self.rank, self.tp_size) for k in keys]
@@ -246,7 +238,7 @@ class OffloadManager:
             got: list[bytes] = []
             for i, tier in enumerate(self.tiers):
                 index = self._index.get(tier.name)
-                listed = index.run(lk.tkeys, p) if index is not None else n - p
+                listed = index.lookup(lk.tkeys, p) if index is not None else n - p
                 if listed == 0:
                     continue
                 if tier.blocking and not blocking_ok:
@@ -260,7 +252,7 @@ class OffloadManager:
                     self._count(f"offload_hit_blocks_{tier.name}", len(got))
                     if index is not None:
                         with self._lock:
-                            index.add(want[:len(got)])
+                            hold(index, want[:len(got)])
                     if i > 0:
                         self._promote(i, want[:len(got)], got)
                     break
@@ -285,7 +277,7 @@ class OffloadManager:
         with self._lock:
             first = keys[0] if keys else None
             for k in keys:
-                index.keys.pop(k, None)
+                index.discard(k)
         self._count("offload_load_failed", 1)
         log.warning("offload lookup %s: tier %s could not return a chunk it held (%s); the "
                     "prompt is recomputed from block %d on", lk.order.lookup_id, tier.name,
@@ -337,7 +329,7 @@ class OffloadManager:
         if self._everywhere(tkeys):
             with self._lock:
                 for index in self._index.values():
-                    index.add(tkeys)
+                    hold(index, tkeys)
                 self._stored.add(order.req_id)
             self._count("offload_store_skipped_present", 1)
             return
@@ -348,9 +340,9 @@ class OffloadManager:
             for t in self.tiers:
                 idx = self._index.get(t.name)
                 known = self._known.get(t.name)
-                if idx is not None and idx.run(tkeys, 0) < len(tkeys):
+                if idx is not None and idx.lookup(tkeys) < len(tkeys):
                     return False
-                if known is not None and not all(k in known for k in tkeys):
+                if known is not None and known.lookup(tkeys) < len(tkeys):
                     return False
         return True
 
@@ -392,8 +384,8 @@ class OffloadManager:
         known = self._known.get(tier.name)
         with self._lock:
             if index is not None:
-                todo = [(k, c) for k, c in items if k not in index.keys]
-                index.add([k for k, _ in items if k in index.keys])
+                todo = [(k, c) for k, c in items if k not in index]
+                hold(index, [k for k, _ in items if k in index])
             else:
                 assert known is not None
                 todo = [(k, c) for k, c in items if k not in known]
@@ -406,13 +398,10 @@ class OffloadManager:
         evicted: list[str] = []
         with self._lock:
             if index is not None:
-                evicted = index.add(list(stored))
+                evicted = hold(index, list(stored))
             else:
                 assert known is not None
-                for k in stored:
-                    known[k] = None
-                while len(known) > KNOWN_KEYS:
-                    known.popitem(last=False)
+                hold(known, list(stored))  # the oldest forgotten past KNOWN_KEYS
         if evicted:
             self._count(f"offload_evicted_blocks_{tier.name}", len(evicted))
             self._call(tier, "evict", evicted)
@@ -465,7 +454,7 @@ class OffloadManager:
         """Occupancy per tier (for stats)."""
         with self._lock:
             return {"tiers": [{"name": t.name, "managed": t.managed,
-                               "used_bytes": (self._index[t.name].used
+                               "used_bytes": (len(self._index[t.name]) * self.io.chunk_bytes
                                               if t.name in self._index else None),
                                "capacity_bytes": t.capacity_bytes} for t in self.tiers],
                     "staged_bytes": self._staged_bytes, "backlog_bytes": self._backlog_bytes,

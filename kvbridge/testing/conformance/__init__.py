@@ -5,6 +5,8 @@
   and :class:`HostilePeerConformance` (:mod:`.hostile_peer`, relayed, forged and stale peers
   refused) mixed in.
 * :class:`TierConformance` (:mod:`.tier`) — the :class:`~kvbridge.offload.tier.Tier` contract.
+* :class:`LookupBufferConformance` (:mod:`.lookup`) — the :class:`~kvbridge.lookup.LookupBuffer`
+  contract, as each home of a buffer builds it.
 
 Each module's docstring says how to subclass it and what it checks.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from kvbridge.testing.conformance.blocks import BlockConformance
 from kvbridge.testing.conformance.hostile_peer import HostilePeerConformance
+from kvbridge.testing.conformance.lookup import FakeClock, LookupBufferConformance
 from kvbridge.testing.conformance.tier import CHUNK, TierConformance, chunk_of
 from kvbridge.testing.conformance.transport import BLOCK_SIZES, Pair, TransportConformance
 
@@ -20,7 +23,9 @@ __all__ = [
     "BLOCK_SIZES",
     "CHUNK",
     "BlockConformance",
+    "FakeClock",
     "HostilePeerConformance",
+    "LookupBufferConformance",
     "Pair",
     "TierConformance",
     "TransportConformance",

@@ -244,10 +244,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.on_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return None  # loads are started asynchronously when the metadata is bound
+        return None  # loads are started when the metadata is bound (hand-offs: asynchronously)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self._worker is not None and self._worker.side is not None:
+            self._worker.side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -44,6 +44,14 @@ class BlockIO:
             self._views.append((view, offset, plane.block_bytes))
             offset += plane.block_bytes
 
+    @property
+    def layers(self) -> list[tuple[str, list[int]]]:
+        """Each layer's name and its planes' indexes, in the layout's order (first seen)."""
+        out: dict[str, list[int]] = {}
+        for i, plane in enumerate(self.layout.planes):
+            out.setdefault(plane.layer, []).append(i)
+        return list(out.items())
+
     def read(self, block_ids: Sequence[int]) -> list[bytes]:
         """The chunks of ``block_ids`` (copies), in order."""
         ids = check_block_ids(block_ids, self.layout.num_blocks)
@@ -54,16 +62,22 @@ class BlockIO:
             out[:, off:off + n] = view[ids]
         return [row.tobytes() for row in out]
 
-    def write(self, block_ids: Sequence[int], chunks: Sequence[bytes]) -> None:
-        """Copy ``chunks[i]`` into block ``block_ids[i]`` (every plane)."""
+    def check(self, block_ids: Sequence[int], chunks: Sequence[bytes]) -> list[int]:
+        """The block ids, after checking them and that each chunk has the block's size."""
         ids = check_block_ids(block_ids, self.layout.num_blocks)
         if ids.size != len(chunks):
             raise LayoutError(f"{ids.size} blocks but {len(chunks)} chunks")
-        if ids.size == 0:
-            return
         for c in chunks:
             if len(c) != self.chunk_bytes:
                 raise LayoutError(f"a chunk of {len(c)} bytes for blocks of {self.chunk_bytes}")
-        for row, chunk in zip(ids.tolist(), chunks, strict=True):
-            for view, off, n in self._views:  # straight from each chunk: no joined copy
+        return [int(i) for i in ids.tolist()]
+
+    def write(self, block_ids: Sequence[int], chunks: Sequence[bytes],
+              planes: Sequence[int] | None = None) -> None:
+        """Copy ``chunks[i]`` into block ``block_ids[i]``: every plane, or only ``planes``
+        (indexes into the layout's planes, e.g. one layer's from :attr:`layers`)."""
+        rows = self.check(block_ids, chunks)
+        views = self._views if planes is None else [self._views[p] for p in planes]
+        for row, chunk in zip(rows, chunks, strict=True):
+            for view, off, n in views:  # straight from each chunk: no joined copy
                 view[row] = np.frombuffer(chunk, dtype=np.uint8, count=n, offset=off)

@@ -14,7 +14,7 @@ Environment overrides (applied on top, highest precedence):
 - ``KVBRIDGE_OFFLOAD_<TIER>_<OPTION>=value`` — one tier option, e.g.
   ``KVBRIDGE_OFFLOAD_DISK_PATH=/mnt/nvme/kv``, ``KVBRIDGE_OFFLOAD_DRAM_CAPACITY_BYTES=4GiB``;
 - ``KVBRIDGE_OFFLOAD_<KNOB>=value`` for ``store``, ``load``, ``max_staged_bytes``,
-  ``max_backlog_bytes``, ``min_blocks``.
+  ``max_backlog_bytes``, ``min_blocks``, ``layerwise_load``.
 
 Sizes accept integers or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, powers of ten) suffixes.
 Every error is a :class:`~kvbridge.errors.ConfigError` naming the key.
@@ -35,7 +35,7 @@ __all__ = ["OffloadConfig", "TierSpec", "parse_size", "parse_bool", "apply_env",
 
 ENV_OFFLOAD = "KVBRIDGE_OFFLOAD"
 _KNOBS = {"store": "bool", "load": "bool", "max_staged_bytes": "size",
-          "max_backlog_bytes": "size", "min_blocks": "int"}
+          "max_backlog_bytes": "size", "min_blocks": "int", "layerwise_load": "bool"}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -85,6 +85,9 @@ class OffloadConfig:
     max_backlog_bytes: int = 1 << 30
     #: prompts with fewer full blocks are neither looked up nor stored
     min_blocks: int = 1
+    #: copy tier hits into their blocks layer by layer while the forward runs
+    #: (:mod:`kvbridge.offload.layerwise`) instead of all before it
+    layerwise_load: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -144,7 +147,8 @@ class OffloadConfig:
             return {}
         return {"tiers": [t.to_json() for t in self.tiers], "store": self.store,
                 "load": self.load, "max_staged_bytes": self.max_staged_bytes,
-                "max_backlog_bytes": self.max_backlog_bytes, "min_blocks": self.min_blocks}
+                "max_backlog_bytes": self.max_backlog_bytes, "min_blocks": self.min_blocks,
+                "layerwise_load": self.layerwise_load}
 
 
 def apply_env(raw: Mapping[str, Any] | None, env: Mapping[str, str],

@@ -47,6 +47,7 @@ from kvbridge.lookup import LookupBuffer, Overflow
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.keys import tier_key
+from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.tier import Tier, TierContext
 
@@ -137,6 +138,7 @@ class OffloadManager:
         self._sink: Callable[[dict[str, int]], None] | None = None
         self._progress: Callable[[], None] = lambda: None
         self._closed = False
+        self._feed: LayerFeed | None = None  # this step's layer-wise load (model-runner thread)
         for t in self.tiers:
             if t.managed:
                 self._rebuild(t)
@@ -196,17 +198,50 @@ class OffloadManager:
     # -- the plan (model-runner thread) -------------------------------------------------------
 
     def apply(self, plan: OffloadPlan) -> set[int]:
-        """Apply one step's plan; return block ids whose load could not be done (load errors)."""
-        bad: set[int] = set()
+        """Apply one step's plan; return block ids whose load could not be done (load errors).
+
+        Loads are copied into their blocks here, or, with ``layerwise_load``, by a
+        :class:`~kvbridge.offload.layerwise.LayerFeed` while the forward runs (call
+        :meth:`wait_layer` per layer and :meth:`finish_loads` after the forward)."""
+        bad = self.finish_loads()  # a feed never outlives its step
         for lid in plan.releases:
             self.release(lid)
         for order in plan.lookups:
             self.lookup(order)
+        feed: list[tuple[list[int], list[bytes]]] = []
         for load in plan.loads:
-            if not self.load(load):
+            chunks = self._claim(load)
+            if chunks is None:
                 bad.update(load.block_ids)
+            elif self.config.layerwise_load:
+                feed.append((self.io.check(load.block_ids, chunks), chunks))
+            else:
+                self.io.write(load.block_ids, chunks)
+            if chunks is not None:
+                self._count("offload_loaded_blocks", len(load.block_ids))
+        if feed:
+            self._feed = LayerFeed(self.io, feed)
+            self._feed.start()
         for store in plan.stores:
             self.store(store)
+        return bad
+
+    def wait_layer(self, layer: str) -> None:
+        """The forward is about to read ``layer``: wait until this step's loads put it in
+        place (no-op without a layer-wise load in flight)."""
+        if self._feed is not None:
+            self._feed.wait(layer)
+
+    def finish_loads(self) -> set[int]:
+        """End this step's layer-wise load; the block ids it could not load."""
+        feed, self._feed = self._feed, None
+        if feed is None:
+            return set()
+        bad = feed.finish()
+        self._count("offload_layerwise_steps", 1)
+        self._count("offload_layerwise_layers_waited", feed.layers_waited)
+        self._count("offload_layerwise_wait_us", int(feed.waited_s * 1e6))
+        self._count("offload_layerwise_copy_us", int(feed.copy_s * 1e6))
         return bad
 
     def lookup(self, order: LookupOrder) -> None:
@@ -291,6 +326,16 @@ class OffloadManager:
 
     def load(self, order: LoadOrder) -> bool:
         """Copy staged chunks into blocks (before the forward); False if nothing is staged."""
+        chunks = self._claim(order)
+        if chunks is None:
+            return False
+        self.io.write(order.block_ids, chunks)
+        self._count("offload_loaded_blocks", len(order.block_ids))
+        return True
+
+    def _claim(self, order: LoadOrder) -> list[bytes] | None:
+        """Take the staged chunks ``order`` loads (the lookup ends); None, counted and logged,
+        if they are not all staged."""
         with self._lock:
             lk = self._lookups.pop(order.lookup_id, None)
             ok = (lk is not None and lk.done and not lk.released
@@ -305,10 +350,8 @@ class OffloadManager:
             log.error("offload load %s: no staged chunks for %d block(s) (lookup %s); the "
                       "blocks are reported as load errors", order.lookup_id,
                       len(order.block_ids), "unknown" if lk is None else "short")
-            return False
-        self.io.write(order.block_ids, chunks)
-        self._count("offload_loaded_blocks", len(order.block_ids))
-        return True
+            return None
+        return chunks
 
     def release(self, lookup_id: str) -> None:
         with self._lock:
@@ -490,6 +533,7 @@ class OffloadManager:
         if self._closed:
             return
         self._closed = True
+        self.finish_loads()
         self.flush(timeout)
         for q in (self._fast, self._slow):
             q.put(None)

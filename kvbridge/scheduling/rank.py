@@ -168,8 +168,17 @@ class RankSide:
             for plan in plans:
                 self.loop.push_layer(plan, layer, fence)
 
+    def wait_layer(self, layer: str) -> None:
+        """The forward is about to read ``layer``'s KV: wait for this step's layer-wise tier
+        load to put it in place (no-op otherwise)."""
+        if self.offload is not None:
+            self.offload.wait_layer(layer)
+
     def after_forward(self) -> None:
-        """The step's forward has been issued: release push-ready KV behind a fence."""
+        """The step's forward has been issued: end its layer-wise tier load (its failures
+        become load errors) and release push-ready KV behind a fence."""
+        if self.offload is not None:
+            self._load_errors |= self.offload.finish_loads()
         for tid in self._prefill_done:
             self.loop.mark(tid, "kv_ready")
         self._prefill_done.clear()

@@ -1,15 +1,24 @@
 """FIFO pipes: ordered channels with send and receive halves, close and end-of-stream.
 
-Two kinds, one contract (modelled on anyio's memory object streams):
+The FIFO pipe is one of the core's two hand-off abstractions (the other is the
+:class:`~kvbridge.lookup.LookupBuffer`). Two kinds, one contract (:class:`SendHalf` and
+:class:`RecvHalf`; modelled on anyio's memory object streams):
 
 * :func:`memory_pipe` — an in-process pair, bounded (``send`` blocks while full: back-pressure).
+  It carries layer-by-layer tier loads to the forward pass
+  (:mod:`kvbridge.offload.layerwise`).
 * :class:`PipeReceiver` / :class:`PipeSender` — over ZeroMQ PUSH/PULL on the control network.
   Many senders may feed one receiver; order is kept per sender (ZeroMQ keeps per-connection
-  order) and checked with sequence numbers, so a gap is reported, never silently skipped.
+  order) and checked with sequence numbers, so a gap is reported, never silently skipped. It
+  carries notifications (:mod:`kvbridge.transports.notify`).
 
-``recv`` raises :class:`PipeClosed` once the stream ended (the sender closed it, or this half was
-closed) and :class:`TimeoutError` when nothing arrived in time. Payloads are bytes, framed in
-typed :class:`~kvbridge.messages.PipeFrame` messages — never pickle.
+Both halves of both kinds take and give the same types: ``send(payload: bytes, timeout)`` and
+``recv(timeout) -> (sender, payload)``. ``recv`` raises :class:`PipeClosed` once the stream
+ended (the sender closed it, or this half was closed) and :class:`TimeoutError` when nothing
+arrived in time; ``send`` raises :class:`PipeClosed` once either half closed and
+:class:`TimeoutError` while the pipe stays full. Payloads are bytes (a payload of another type
+is a ``TypeError``); over ZeroMQ they are framed in typed :class:`~kvbridge.messages.PipeFrame`
+messages — never pickle.
 """
 
 from __future__ import annotations
@@ -17,21 +26,43 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from kvbridge.errors import MessageError, PipeClosed
 from kvbridge.messages import Codec, PipeFrame
 
-__all__ = ["memory_pipe", "MemorySendHalf", "MemoryRecvHalf", "PipeSender", "PipeReceiver"]
+__all__ = ["memory_pipe", "MemorySendHalf", "MemoryRecvHalf", "PipeSender", "PipeReceiver",
+           "RecvHalf", "SendHalf"]
 
 _MAX_SENDER_BYTES = 1024
 
 
+class SendHalf(Protocol):
+    """The sending end of a FIFO pipe (see the module docstring)."""
+
+    def send(self, payload: bytes, timeout: float | None = ...) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RecvHalf(Protocol):
+    """The receiving end of a FIFO pipe: ``recv`` gives ``(sender, payload)`` in order."""
+
+    def recv(self, timeout: float | None = None) -> tuple[str, bytes]: ...
+
+    def close(self) -> None: ...
+
+
+def _check_payload(payload: object) -> None:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a pipe carries bytes, not {type(payload).__name__}")
+
+
 class _MemoryState:
     def __init__(self, capacity: int) -> None:
-        self.items: collections.deque[bytes] = collections.deque()
+        self.items: collections.deque[tuple[str, bytes]] = collections.deque()
         self.capacity = capacity
         self.cond = threading.Condition()
         self.send_closed = False
@@ -41,11 +72,15 @@ class _MemoryState:
 class MemorySendHalf:
     """Send half of :func:`memory_pipe`. Thread-safe."""
 
-    def __init__(self, state: _MemoryState) -> None:
+    def __init__(self, state: _MemoryState, sender: str) -> None:
         self._s = state
+        self.sender = sender
 
-    def send(self, item: bytes, timeout: float | None = None) -> None:
-        """Append ``item``; blocks while the pipe is full. Raises :class:`PipeClosed`."""
+    def send(self, payload: bytes, timeout: float | None = None) -> None:
+        """Append ``payload``; blocks while the pipe is full (up to ``timeout``; None: no
+        bound). Raises :class:`PipeClosed`, ``TimeoutError`` or ``TypeError``."""
+        _check_payload(payload)
+        item = (self.sender, bytes(payload))
         s = self._s
         deadline = None if timeout is None else time.monotonic() + timeout
         with s.cond:
@@ -74,7 +109,9 @@ class MemoryRecvHalf:
     def __init__(self, state: _MemoryState) -> None:
         self._s = state
 
-    def recv(self, timeout: float | None = None) -> bytes:
+    def recv(self, timeout: float | None = None) -> tuple[str, bytes]:
+        """Next ``(sender, payload)``; raises :class:`PipeClosed` after end-of-stream (once
+        everything sent was received) and ``TimeoutError``."""
         s = self._s
         deadline = None if timeout is None else time.monotonic() + timeout
         with s.cond:
@@ -97,10 +134,12 @@ class MemoryRecvHalf:
             self._s.cond.notify_all()
 
 
-def memory_pipe(capacity: int = 0) -> tuple[MemorySendHalf, MemoryRecvHalf]:
-    """An in-memory FIFO pair; ``capacity`` 0 means unbounded."""
+def memory_pipe(capacity: int = 0,
+                sender: str = "memory") -> tuple[MemorySendHalf, MemoryRecvHalf]:
+    """An in-memory FIFO pair; ``capacity`` 0 means unbounded; ``sender`` is the name ``recv``
+    gives with each payload (as a ZeroMQ pipe gives its sender's)."""
     state = _MemoryState(capacity)
-    return MemorySendHalf(state), MemoryRecvHalf(state)
+    return MemorySendHalf(state, sender), MemoryRecvHalf(state)
 
 
 class PipeSender:
@@ -124,10 +163,11 @@ class PipeSender:
     def send(self, payload: bytes, timeout: float | None = 5.0) -> None:
         """Queue ``payload``; raises :class:`PipeClosed` if closed, TimeoutError if the peer
         stays unreachable while the queue is full."""
+        _check_payload(payload)
         with self._lock:
             if self._closed:
                 raise PipeClosed(f"pipe to {self.address} is closed")
-            self._send(PipeFrame(seq=self._seq, payload=payload), timeout)
+            self._send(PipeFrame(seq=self._seq, payload=bytes(payload)), timeout)
             self._seq += 1
 
     def _send(self, frame: PipeFrame, timeout: float | None) -> None:

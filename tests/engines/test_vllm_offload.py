@@ -1,5 +1,6 @@
 """Offload tiers on a real vLLM engine: reuse after the prefix cache is reset, a restart that
-keeps the disk tier, a full tier that evicts, a corrupted disk chunk that is recomputed.
+keeps the disk tier (and loads layer by layer, ``layerwise_load``), a full tier that evicts, a
+corrupted disk chunk that is recomputed.
 
 One engine (``kv_both``, backend ``shm``) with ``dram`` then ``disk``; every output is compared
 with the first, tier-less computation of the same prompt (the single-engine reference), and
@@ -46,7 +47,7 @@ class Engine:
     def ctl(self) -> str:
         return f"tcp://127.0.0.1:{self.ctl_port}"
 
-    def start(self) -> None:
+    def start(self, layerwise: bool = False) -> None:
         offload = {"tiers": [{"name": "dram", "capacity_bytes": 24 * CHUNK},
                              {"name": "disk", "path": str(self.disk),
                               "capacity_bytes": 48 * CHUNK}]}
@@ -57,7 +58,8 @@ class Engine:
         self.server = VllmServer(self.model, name="offload", port=free_port(),
                                  kv_transfer_config=kv, cpu_bind="0",
                                  env={"VLLM_SERVER_DEV_MODE": "1",
-                                      "KVBRIDGE_ENGINE_SPIN_MS": "2"},
+                                      "KVBRIDGE_ENGINE_SPIN_MS": "2",
+                                      "KVBRIDGE_OFFLOAD_LAYERWISE_LOAD": str(int(layerwise))},
                                  extra_args=["--block-size", str(BLOCK)],
                                  log_path=self.logs / f"engine-{time.monotonic_ns()}.log")
         self.server.start().wait_ready(600)
@@ -161,11 +163,16 @@ def test_restart_keeps_the_disk_tier_and_corruption_is_recomputed(engine: Engine
     blob = bytearray(path.read_bytes())
     blob[-7] ^= 0x55
     path.write_bytes(bytes(blob))
-    engine.start()
+    # restarted with layer-wise loads (the FIFO pipe to the forward pass): the same outputs
+    engine.start(layerwise=True)
     before = engine.stats()
     assert engine.run(prompt) == ref
     after = engine.stats()
     assert _delta(after, before, "offload_hit_blocks_disk") == 6  # dram was lost, disk was not
+    assert _delta(after, before, "offload_layerwise_steps") >= 1
+    # the forward waited for every layer it read (vLLM calls wait_for_layer_load per layer)
+    steps = _delta(after, before, "offload_layerwise_steps")
+    assert _delta(after, before, "offload_layerwise_layers_waited") == 2 * steps
     assert engine.run(victim) == ref_victim
     final = engine.stats()
     assert _delta(final, after, "offload_load_failed") == 1

@@ -25,7 +25,7 @@ def test_memory_pipe_keeps_order() -> None:
     tx, rx = memory_pipe()
     for i in range(100):
         tx.send(b"%d" % i)
-    assert [rx.recv(timeout=1) for _ in range(100)] == [b"%d" % i for i in range(100)]
+    assert [rx.recv(timeout=1)[1] for _ in range(100)] == [b"%d" % i for i in range(100)]
 
 
 def test_memory_pipe_across_threads_keeps_order() -> None:
@@ -42,7 +42,7 @@ def test_memory_pipe_across_threads_keeps_order() -> None:
     got = []
     try:
         while True:
-            got.append(rx.recv(timeout=10))
+            got.append(rx.recv(timeout=10)[1])
     except PipeClosed:
         pass
     thread.join(10)
@@ -68,10 +68,10 @@ def test_memory_pipe_back_pressure() -> None:
     thread.start()
     time.sleep(0.05)
     assert not sent.is_set()  # still blocked while full
-    assert rx.recv(timeout=1) == b"a"
+    assert rx.recv(timeout=1) == ("memory", b"a")
     assert sent.wait(5)
     thread.join(5)
-    assert [rx.recv(timeout=1), rx.recv(timeout=1)] == [b"b", b"c"]
+    assert [rx.recv(timeout=1)[1], rx.recv(timeout=1)[1]] == [b"b", b"c"]
 
 
 def test_memory_pipe_eos_after_drain() -> None:
@@ -79,7 +79,7 @@ def test_memory_pipe_eos_after_drain() -> None:
     tx.send(b"1")
     tx.send(b"2")
     tx.close()
-    assert rx.recv() == b"1" and rx.recv() == b"2"
+    assert rx.recv() == ("memory", b"1") and rx.recv() == ("memory", b"2")
     with pytest.raises(PipeClosed, match="end of stream"):
         rx.recv(timeout=1)
     with pytest.raises(PipeClosed):
@@ -124,6 +124,22 @@ def test_memory_pipe_close_wakes_blocked_receiver() -> None:
     tx.close()
     thread.join(5)
     assert len(errors) == 1 and isinstance(errors[0], PipeClosed)
+
+
+def test_memory_and_zmq_halves_give_the_same_types(receiver: PipeReceiver) -> None:
+    """The contract's promise: the in-process pair gives ``(sender, payload)`` like ZeroMQ's,
+    and both refuse a payload that is not bytes."""
+    tx, rx = memory_pipe(sender="layers")
+    tx.send(bytearray(b"L0"))
+    zx = PipeSender(receiver.address, "layers")
+    try:
+        zx.send(b"L0")
+        assert rx.recv(timeout=1) == receiver.recv(timeout=5) == ("layers", b"L0")
+        for half in (tx, zx):
+            with pytest.raises(TypeError, match="bytes"):
+                half.send("text")  # type: ignore[arg-type]
+    finally:
+        zx.close()
 
 
 def test_memory_pipe_recv_timeout() -> None:

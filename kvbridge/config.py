@@ -55,7 +55,13 @@ class Config:
     mode: TransferMode = TransferMode.PULL
     """Default transfer mode for requests whose ``kv_transfer_params`` name none."""
     side_channel_host: str = "127.0.0.1"
-    """Address the control channel binds to and advertises."""
+    """Address the control channel binds to (and advertises, unless it is a wildcard or
+    ``advertise_host`` is set). A wildcard (``0.0.0.0``, ``::``, empty) is never advertised."""
+    advertise_host: str | None = None
+    """Address peers and the router dial to reach this engine's control channel, when it is not
+    ``side_channel_host`` (NAT, a wildcard bind). Unset with a wildcard ``side_channel_host``:
+    the address of the interface on the default route; without one, start-up fails naming this
+    option (kvbridge.advertise)."""
     side_channel_port: int = 0
     """Control-channel port of tp rank 0 (rank r uses port + r); 0 picks a free port."""
     lease_s: float = 30.0

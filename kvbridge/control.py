@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvbridge.advertise import advertised_host, bind_endpoint, format_address
 from kvbridge.errors import AuthError, ConfigError, KVBridgeError, MessageError, PeerUnreachable
 from kvbridge.messages import Ack, Codec, ErrorKind, Message
 
@@ -89,16 +90,20 @@ class RequestContext:
 
 
 class ControlServer:
-    """See the module docstring. ``port=0`` picks a free port; see :attr:`address`."""
+    """See the module docstring. ``port=0`` picks a free port. :attr:`address` is what peers
+    dial: ``advertise_host`` if given, else ``host`` — a wildcard ``host`` (``0.0.0.0``, ``::``,
+    empty) is replaced by the default-route interface's address or refused with a
+    :class:`ConfigError` naming ``advertise_host`` (:func:`kvbridge.advertise.advertised_host`)."""
 
     def __init__(self, codec: Codec, host: str = "127.0.0.1", port: int = 0, *,
-                 allow_insecure: bool = False) -> None:
+                 allow_insecure: bool = False, advertise_host: str | None = None) -> None:
         if not codec.authenticated and not is_loopback(host) and not allow_insecure:
             raise ConfigError(
                 f"refusing to bind the control channel to {host!r} without a shared secret: "
                 "anyone who can reach it could steer transfers. Set KVBRIDGE_SECRET (same on "
                 "every engine) or, on a trusted network, KVBRIDGE_ALLOW_INSECURE_CONTROL=1"
             )
+        shown = advertised_host(host, advertise_host)  # before binding: a refusal leaks nothing
         self._codec = codec
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.socket: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
@@ -106,17 +111,17 @@ class ControlServer:
         self.socket.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.socket.setsockopt(zmq.SNDHWM, 10000)
+        self.socket.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
         try:
             if port:
-                self.socket.bind(f"tcp://{host}:{port}")
+                self.socket.bind(bind_endpoint(host, port))
             else:
-                port = self.socket.bind_to_random_port(f"tcp://{host}")
+                port = self.socket.bind_to_random_port(bind_endpoint(host))
         except zmq.ZMQError as exc:
             self.socket.close()
             raise KVBridgeError(f"cannot bind the control channel to {host}:{port}: {exc}") from exc
         self.host, self.port = host, port
-        shown = f"[{host}]" if ":" in host else host
-        self.address = f"tcp://{shown}:{port}"
+        self.address = format_address(shown, port)
         self.dropped_auth = 0
         self.dropped_malformed = 0
         self._last_warning = 0.0

@@ -178,7 +178,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         each group's block size; empty for an engine without groups). Raises
         :class:`ParamsError` naming ``remote_block_ids`` when the prefill engine's groups cannot
         be this engine's (a hybrid model with vLLM's hybrid KV-cache manager on one side only),
-        or a group's table is not the prompt's length."""
+        or a group's table is not the prompt's length (naming ``kvbridge_block_size`` when
+        prefill's block size is not this engine's: hybrid models need equal block sizes)."""
         key = "kv_transfer_params.remote_block_ids"
         groups = self.remote_block_groups
         theirs = 1 if groups is None else len(groups)
@@ -189,8 +190,15 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                                    "hybrid KV-cache manager setting")
         if groups is None:
             return
+        theirs_size = self.kvbridge_block_size
         for g, (ids, size) in enumerate(zip(groups, group_block_sizes, strict=True)):
             need = -(-prompt_tokens // size)
+            if len(ids) != need and theirs_size is not None and theirs_size != size:
+                raise ParamsError("kv_transfer_params.kvbridge_block_size",
+                                  f"prefill's block size is {theirs_size}, this engine's "
+                                  f"{size}: this is a hybrid model ({mine} KV-cache groups), "
+                                  "whose KV moves only between engines of one TP size and "
+                                  "block size (docs/usage.md#hybrid-models)")
             if len(ids) != need:
                 raise ParamsError(key, f"group {g} names {len(ids)} blocks, the prompt "
                                        f"({prompt_tokens} tokens, block size {size}) has {need}")

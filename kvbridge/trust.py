@@ -124,8 +124,9 @@ def user_secret(path: Path) -> tuple[bytes, bool]:
 
 def resolve(config: Config, env: Mapping[str, str] | None = None) -> Trust:
     """The secret ``config`` asks for (see the module docstring). Raises :class:`ConfigError`
-    for a routable control address without a fleet secret (unless insecure is allowed) and
-    for a per-user secret file that is unsafe or unusable, naming the path."""
+    for a routable control address (bound or advertised) without a fleet secret (unless
+    insecure is allowed) and for a per-user secret file that is unsafe or unusable, naming the
+    path."""
     if config.secret:
         where = config.sources.get("secret", "configuration")
         return Trust(config.secret.encode(), f"fleet secret ({where})")
@@ -136,6 +137,12 @@ def resolve(config: Config, env: Mapping[str, str] | None = None) -> Trust:
             f"the control channel binds {config.side_channel_host!r}, a routable address, and "
             "no fleet secret is set: engines on other hosts cannot share this host's per-user "
             "secret. Set KVBRIDGE_SECRET (same on every engine) or, on a trusted network, "
+            "KVBRIDGE_ALLOW_INSECURE_CONTROL=1")
+    if config.advertise_host and not is_loopback(config.advertise_host):
+        raise ConfigError(
+            f"advertise_host {config.advertise_host!r} is a routable address, and no fleet secret "
+            "is set: engines on other hosts cannot share this host's per-user secret. Set "
+            "KVBRIDGE_SECRET (same on every engine) or, on a trusted network, "
             "KVBRIDGE_ALLOW_INSECURE_CONTROL=1")
     path = Path(config.secret_file).expanduser() if config.secret_file else \
         default_secret_file(env)

@@ -94,7 +94,8 @@ class TransferLoop(PeerEvents):
             [MemoryRegion(a, n, layout.device) for a, n in layout.regions()])
         port = config.side_channel_port + rank if config.side_channel_port else 0
         self.server = ControlServer(self.codec, config.side_channel_host, port,
-                                    allow_insecure=config.allow_insecure_control)
+                                    allow_insecure=config.allow_insecure_control,
+                                    advertise_host=config.advertise_host)
         if not self.codec.authenticated:
             log.warning("kvbridge control channel %s is unauthenticated (%s): anyone who can "
                         "reach it can steer transfers; unset KVBRIDGE_ALLOW_INSECURE_CONTROL or "

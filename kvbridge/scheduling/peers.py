@@ -42,7 +42,7 @@ from kvbridge.errors import (
     PeerUnreachable,
     RemoteError,
 )
-from kvbridge.groups import check_groups
+from kvbridge.groups import check_groups, describe_groups
 from kvbridge.heads import HeadSplit
 from kvbridge.host.placement import local_placement, shared_core_warning
 from kvbridge.layout import KVLayout
@@ -112,6 +112,13 @@ def check_compatible(mine: EngineInfo, theirs: EngineInfo) -> KVLayout:
                                  f"{theirs.engine_id}: each rank must talk to the matching rank")
         own.check_compatible(layout)
         return layout
+    if not same and (own.groups or layout.groups):
+        raise LayoutMismatch(
+            f"tensor-parallel {mine.tp_size} and block_size {own.block_size} here, "
+            f"{theirs.tp_size} and {layout.block_size} at {theirs.engine_id}: this is a hybrid "
+            f"model (KV-cache groups: {describe_groups(own.groups)} here, "
+            f"{describe_groups(layout.groups)} there), whose KV moves only between engines of "
+            "one TP size and block size (docs/usage.md#hybrid-models)")
     if mine.heads is None or theirs.heads is None:
         who = "this engine" if mine.heads is None else theirs.engine_id
         raise LayoutMismatch(

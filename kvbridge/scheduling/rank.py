@@ -65,6 +65,11 @@ class RankSide:
         """The prefill ranks (of ``len(peers)``) this rank receives from, or why none."""
         loop, p_tp = self.loop, len(peers)
         if loop.heads is None:  # no head split: only the rank of the same number, same TP
+            if p_tp != loop.tp_size and loop.layout.groups:
+                return (f"prefill runs tensor-parallel {p_tp}, this engine {loop.tp_size}: this "
+                        f"is a hybrid model ({len(loop.layout.groups)} KV-cache groups), whose "
+                        "KV moves only between engines of one TP size and block size "
+                        "(docs/usage.md#hybrid-models)")
             if p_tp != loop.tp_size:
                 return (f"prefill runs tensor-parallel {p_tp}, this engine {loop.tp_size}, and "
                         "this engine does not describe its KV heads (a head-major KV layout is "

@@ -117,6 +117,8 @@ def test_resolve_precedence(tmp_path: Path) -> None:
     assert insecure.secret is None and not insecure.authenticated
     with pytest.raises(ConfigError, match="routable"):
         trust.resolve(Config.load({"side_channel_host": "10.1.2.3"}, env={}))
+    with pytest.raises(ConfigError, match="advertise_host '10.1.2.3'.*routable"):
+        trust.resolve(Config.load({"advertise_host": "10.1.2.3"}, env={}))
     path = tmp_path / "s" / "secret"
     user = trust.resolve(Config.load({}, env={"KVBRIDGE_SECRET_FILE": str(path)}))
     assert user.path == path and user.created and user.secret == path.read_bytes().strip()

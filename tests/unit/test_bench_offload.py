@@ -95,7 +95,9 @@ def test_tier_options_merge_into_the_engine_row() -> None:
     s = BenchSettings(tier_options=opts)
     cfg = offload_config("disk_cold", s, Path("/d"))
     assert cfg == {"tiers": [{"name": "disk", "path": "/d", "capacity_bytes": "1GiB",
-                              "fsync": True}]}
+                              "fsync": True}], "layerwise_load": False}
+    layerwise = offload_config("dram_layerwise", s, Path("/d"))
+    assert layerwise is not None and layerwise["layerwise_load"] is True
     for bad in ("recompute={}", "nope={}", "dram", "dram=[1]", "dram={oops"):
         with pytest.raises(ConfigError, match="--tier-options"):
             parse_tier_options([bad])

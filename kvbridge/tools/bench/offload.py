@@ -10,6 +10,8 @@ engine per row, each started with the offload tiers of its row and stopped befor
 ``dram``            ``tiers: [dram]``
 ``disk``            ``tiers: [disk]`` (a fresh directory; no DRAM tier above it, so every hit
                     is read from the files — which the OS page cache may still hold)
+``*_layerwise``     ``dram`` / ``disk`` with ``layerwise_load``: hits copied layer by layer
+                    while the forward runs (the JSON adds the copy and wait times)
 ``disk_cold``       the same engine as ``disk``; before every repetition the tier's files are
                     dropped from the page cache (``fsync`` + ``POSIX_FADV_DONTNEED``)
 ``lmcache``         ``tiers: [lmcache]``

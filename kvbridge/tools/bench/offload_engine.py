@@ -24,6 +24,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.tools import prom
 from kvbridge.tools.bench.offload_results import (
     ENGINE_OF,
+    LAYERWISE,
     TIER_OF,
     BenchSettings,
     Rep,
@@ -68,7 +69,7 @@ def offload_config(row: str, settings: BenchSettings, disk_dir: Path,
         if master is not None:
             spec.update(master=master.master_address, metadata_url=master.metadata_url)
     spec.update(settings.tier_options.get(ENGINE_OF.get(row, row), {}))
-    return {"tiers": [spec]}
+    return {"tiers": [spec], "layerwise_load": row in LAYERWISE}
 
 
 def row_unavailable(row: str) -> str | None:

@@ -23,19 +23,23 @@ from kvbridge.errors import ConfigError
 from kvbridge.tools.args import parse_names
 from kvbridge.tools.report import table
 
-__all__ = ["AIMS", "BASELINE", "DEFAULT_ROWS", "ENGINE_OF", "ROW_NAMES", "TABLE_HEADERS",
+__all__ = ["AIMS", "BASELINE", "DEFAULT_ROWS", "ENGINE_OF", "LAYERWISE", "ROW_NAMES",
+           "TABLE_HEADERS",
            "TIER_OF", "BenchSettings", "Rep", "RowResult", "add_ratios", "format_report",
            "format_table", "median_min", "parse_rows", "parse_tier_options", "source_ok",
            "summarize", "table_rows", "usable_blocks", "verdicts"]
 
-ROW_NAMES: tuple[str, ...] = ("recompute", "dram", "disk", "disk_cold", "lmcache",
-                              "mooncake_store")
+ROW_NAMES: tuple[str, ...] = ("recompute", "dram", "dram_layerwise", "disk", "disk_layerwise",
+                              "disk_cold", "lmcache", "mooncake_store")
 DEFAULT_ROWS = ROW_NAMES
+#: rows whose engine loads tier hits layer by layer (``offload.layerwise_load``)
+LAYERWISE: frozenset[str] = frozenset({"dram_layerwise", "disk_layerwise"})
 BASELINE = "recompute"
 #: rows measured on another row's engine (no engine of their own)
 ENGINE_OF: dict[str, str] = {"disk_cold": "disk"}
 #: the offload tier each row reads from (None: no tier)
 TIER_OF: dict[str, str | None] = {"recompute": None, "dram": "dram", "disk": "disk",
+                                  "dram_layerwise": "dram", "disk_layerwise": "disk",
                                   "disk_cold": "disk", "lmcache": "lmcache",
                                   "mooncake_store": "mooncake_store"}
 #: the issue's aims: median TTFT at most this fraction of recompute's
@@ -192,6 +196,12 @@ def summarize(res: RowResult) -> dict[str, Any]:
         "ttft_cold_s": res.cold.ttft if res.cold is not None else None,
         "queue_mean_s": _mean([r.queue for r in ok]),
         "prefill_mean_s": _mean([r.prefill for r in ok]),
+        # layer-wise rows: the loader's copy time and the forward's wait for it, per request
+        # (1 - wait / copy is the share of the copy hidden behind compute)
+        "layerwise_copy_ms": _mean([r.deltas.get("offload_layerwise_copy_us", 0) / 1e3
+                                    for r in ok]) if res.row in LAYERWISE else None,
+        "layerwise_wait_ms": _mean([r.deltas.get("offload_layerwise_wait_us", 0) / 1e3
+                                    for r in ok]) if res.row in LAYERWISE else None,
         "expected_blocks": res.expected_blocks if tier else 0,
         "hit_blocks": [r.deltas.get(hit_key, 0) for r in ok],
         "source_ok": (all(source_ok(res.row, r, res.expected_blocks) for r in ok)

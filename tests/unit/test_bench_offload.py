@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,23 @@ def test_bench_prompts_use_the_big_vocabulary() -> None:
     ids = {i for p in a for i in p}
     assert min(ids) >= tm.NUM_SPECIAL_TOKENS and max(ids) >= tm.VOCAB_SIZE
     assert max(ids) < tm.BENCH_VOCAB_SIZE
+
+
+def test_hit_fraction_shares_a_prefix_and_gives_every_repetition_a_tail_of_its_own() -> None:
+    from kvbridge.tools.bench.offload import _prompts
+    from kvbridge.tools.bench.offload_results import shared_blocks
+
+    whole = BenchSettings.quick_defaults()
+    assert shared_blocks(whole) == (whole.prompt_len - 1) // whole.block_size
+    p = _prompts(whole)
+    assert p.reps == [p.cold] * whole.reps and len(p.cold) == whole.prompt_len
+
+    half = replace(whole, hit_fraction=0.5, reps=3)
+    n = shared_blocks(half)
+    assert n == (half.prompt_len // 2) // half.block_size
+    p = _prompts(half)
+    assert len(p.cold) == n * half.block_size
+    assert all(len(r) == half.prompt_len and r[:len(p.cold)] == p.cold for r in p.reps)
+    tails = [tuple(r[len(p.cold):]) for r in p.reps]
+    assert len(set(tails)) == 3  # no repetition can hit another's tail in the tier
+    assert _prompts(half) == p  # deterministic

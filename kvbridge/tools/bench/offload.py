@@ -65,6 +65,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.tools import tiny_model as tm
 from kvbridge.tools.bench.offload_engine import (
+    BenchPrompts,
     Progress,
     foreign_engines,
     row_unavailable,
@@ -82,8 +83,8 @@ from kvbridge.tools.bench.offload_results import (
     format_report,
     parse_rows,
     parse_tier_options,
+    shared_blocks,
     summarize,
-    usable_blocks,
     verdicts,
 )
 from kvbridge.tools.cpumeter import loadavg
@@ -108,10 +109,15 @@ def _model(settings: BenchSettings) -> tuple[Path, dict[str, Any], int, str]:
     return path, spec["config"], tm.spec_param_count(spec), name
 
 
-def _prompts(settings: BenchSettings) -> list[list[int]]:
-    if settings.quick:
-        return tm.random_prompts(2, settings.prompt_len, settings.seed)
-    return tm.bench_prompts(2, settings.prompt_len, settings.seed)
+def _prompts(settings: BenchSettings) -> BenchPrompts:
+    """The cold prompt, the warm-up prompt and each repetition's prompt (deterministic)."""
+    make = tm.random_prompts if settings.quick else tm.bench_prompts
+    prompt, warm = make(2, settings.prompt_len, settings.seed)
+    if settings.hit_fraction >= 1.0:
+        return BenchPrompts(prompt, warm, [prompt] * settings.reps)
+    shared = prompt[:shared_blocks(settings) * settings.block_size]
+    tails = make(settings.reps, settings.prompt_len - len(shared), settings.seed + 1)
+    return BenchPrompts(shared, warm, [shared + tail for tail in tails])
 
 
 def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
@@ -125,7 +131,7 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     model, cfg, params, name = _model(settings)
     prompts = _prompts(settings)
     per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-    expected = usable_blocks(settings.prompt_len, settings.block_size)
+    expected = shared_blocks(settings)
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "loadavg_start": loadavg()},
@@ -164,17 +170,26 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
     base = results.get(BASELINE)
     ref = base.cold.token_ids if base is not None and base.cold is not None and base.cold.ok \
         else None
+    own_prompts = settings.hit_fraction < 1.0  # each repetition has a prompt of its own
     for res in results.values():
-        if ref is not None:
+        if own_prompts:
+            if base is not None:
+                res.rep_references = {r.index: r.token_ids for r in base.reps if r.ok}
+                res.reference_from = "recompute's output for the same repetition"
+        elif ref is not None:
             res.reference, res.reference_from = ref, "recompute's output"
         elif res.cold is not None and res.cold.ok:
             res.reference, res.reference_from = res.cold.token_ids, "the row's own cold output"
-    report["reference_from"] = ("recompute's first output" if ref is not None
-                                else "each row's own cold output")
+    report["reference_from"] = (
+        "recompute's output for the same repetition" if own_prompts and base is not None
+        else "recompute's first output" if ref is not None and not own_prompts
+        else "each row's own cold output" if not own_prompts else "none (no recompute row)")
     rows_out = [summarize(results[r]) for r in settings.rows if r in results]
     add_ratios(rows_out)
     report["rows"] = rows_out
-    report["verdicts"] = verdicts(rows_out)
+    # the aims are for a whole prompt served from a tier
+    report["verdicts"] = verdicts(rows_out) if not own_prompts else [
+        f"aims not judged: the tier holds {settings.hit_fraction:g} of each prompt"]
     report["host"]["loadavg_end"] = loadavg()
     report["elapsed_s"] = round(time.monotonic() - t_start, 1)
     return report
@@ -195,6 +210,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"measured repetitions per row (default {d.reps})")
     p.add_argument("--prompt-len", type=int, default=None,
                    help=f"prompt tokens (default {d.prompt_len})")
+    p.add_argument("--hit-fraction", type=float, default=d.hit_fraction,
+                   help="share of the prompt the tier holds (default 1: all; 0.5: the first "
+                   "half, and every repetition computes a tail of its own)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--block-size", type=int, default=None,
                    help=f"vLLM --block-size = offload chunk (default {d.block_size}, vLLM's CPU "
@@ -230,6 +248,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                                              "request_timeout")
               if getattr(args, k) is not None}
     s = replace(base, rows=parse_rows(args.rows), max_tokens=args.max_tokens, seed=args.seed,
+                hit_fraction=args.hit_fraction,
                 tier_options=parse_tier_options(args.tier_options),
                 cpu_bind=args.cpu_bind or None, engine_spin_ms=args.engine_spin_ms,
                 start_timeout=args.start_timeout, settle_timeout=args.settle_timeout,
@@ -248,6 +267,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                           f"fit the model's {limit} positions")
     if s.quiet_poll_s <= 0:
         raise ConfigError("--quiet-poll must be > 0")
+    if not 0.0 < s.hit_fraction <= 1.0:
+        raise ConfigError(f"--hit-fraction must be in (0, 1], got {s.hit_fraction}")
     return s
 
 

@@ -16,6 +16,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from kvbridge.tools.bench.offload_results import (
     BenchSettings,
     Rep,
     RowResult,
-    usable_blocks,
+    shared_blocks,
 )
 from kvbridge.tools.client import complete, engine_stats, reset_prefix_cache, stream_complete
 from kvbridge.tools.cpumeter import loadavg
@@ -46,6 +47,17 @@ _METRICS = {"queue": "vllm:request_queue_time_seconds",
             "ttft_server": "vllm:time_to_first_token_seconds"}
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchPrompts:
+    """The prompts of a run: ``cold`` is computed once and stored by the tier; ``reps[i]`` is
+    repetition ``i``'s (``cold`` itself, or ``cold`` + a tail of its own with
+    ``hit_fraction`` < 1); ``warm`` warms the engine up."""
+
+    cold: list[int]
+    warm: list[int]
+    reps: list[list[int]]
 
 
 # -- engines -------------------------------------------------------------------------------------
@@ -260,7 +272,7 @@ def _request(eng: _Engine, prompt: list[int], settings: BenchSettings, index: in
     return rep
 
 
-def _measure(row: str, eng: _Engine, settings: BenchSettings, prompt: list[int],
+def _measure(row: str, eng: _Engine, settings: BenchSettings, prompts: Sequence[list[int]],
              res: RowResult, say: Progress) -> None:
     """The repetitions of one row on a running engine (after its cold request)."""
     tier = TIER_OF[row]
@@ -273,7 +285,7 @@ def _measure(row: str, eng: _Engine, settings: BenchSettings, prompt: list[int],
             if i == 0:
                 res.notes.append(f"page cache of {n} files dropped before each rep")
         time.sleep(0.3)  # let the previous request's store bookkeeping finish
-        rep = _request(eng, prompt, settings, i, expect)
+        rep = _request(eng, prompts[i], settings, i, expect)
         res.reps.append(rep)
         say(f"{row}: rep {i + 1}/{settings.reps}: "
             + (f"TTFT {rep.ttft:.3f} s, counters {rep.deltas}" if rep.ok
@@ -281,11 +293,11 @@ def _measure(row: str, eng: _Engine, settings: BenchSettings, prompt: list[int],
 
 
 def run_engine(engine_row: str, rows: Sequence[str], settings: BenchSettings, model: Path,
-               model_cfg: Mapping[str, Any], prompts: Sequence[list[int]], work: Path,
+               model_cfg: Mapping[str, Any], prompts: BenchPrompts, work: Path,
                log_dir: Path, say: Progress) -> list[RowResult]:
     """Start *engine_row*'s engine, measure every row of *rows* on it, stop it."""
-    prompt, warm = prompts
-    expected = usable_blocks(len(prompt), settings.block_size)
+    prompt, warm = prompts.cold, prompts.warm
+    expected = shared_blocks(settings)
     results = [RowResult(r, expected_blocks=expected) for r in rows]
     info: dict[str, Any] = {"loadavg_start": loadavg()}
     disk_dir = work / f"disk-{engine_row}"
@@ -328,7 +340,7 @@ def run_engine(engine_row: str, rows: Sequence[str], settings: BenchSettings, mo
                         f"{settings.settle_timeout:.0f} s")
             for r in results:
                 r.cold, r.stored_blocks, r.engine = cold, stored, info
-                _measure(r.row, eng, settings, prompt, r, say)
+                _measure(r.row, eng, settings, prompts.reps, r, say)
     except Exception as exc:  # noqa: BLE001 - report the row as failed, go on
         for r in results:
             if not r.reps:

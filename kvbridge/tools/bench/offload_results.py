@@ -26,7 +26,8 @@ from kvbridge.tools.report import table
 __all__ = ["AIMS", "BASELINE", "DEFAULT_ROWS", "ENGINE_OF", "LAYERWISE", "ROW_NAMES",
            "TABLE_HEADERS",
            "TIER_OF", "BenchSettings", "Rep", "RowResult", "add_ratios", "format_report",
-           "format_table", "median_min", "parse_rows", "parse_tier_options", "source_ok",
+           "format_table", "median_min", "parse_rows", "parse_tier_options", "shared_blocks",
+           "source_ok",
            "summarize", "table_rows", "usable_blocks", "verdicts"]
 
 ROW_NAMES: tuple[str, ...] = ("recompute", "dram", "dram_layerwise", "disk", "disk_layerwise",
@@ -56,6 +57,9 @@ class BenchSettings:
     rows: tuple[str, ...] = DEFAULT_ROWS
     reps: int = 5
     prompt_len: int = 3000
+    #: share of the prompt the tier holds (1: all of it; 0.5: the first half, the rest is new
+    #: in every repetition and computed)
+    hit_fraction: float = 1.0
     max_tokens: int = 2
     block_size: int = 128
     seed: int = 4321
@@ -115,6 +119,8 @@ class RowResult:
     reps: list[Rep] = field(default_factory=list)
     expected_blocks: int = 0
     reference: list[int] | None = None
+    #: per repetition index, where repetitions have prompts of their own (``hit_fraction`` < 1)
+    rep_references: dict[int, list[int]] = field(default_factory=dict)
     reference_from: str = ""
     stored_blocks: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -156,6 +162,16 @@ def usable_blocks(prompt_len: int, block_size: int) -> int:
     return max(0, (prompt_len - 1) // block_size)
 
 
+def shared_blocks(settings: BenchSettings) -> int:
+    """Blocks of the prompt the tier holds in each repetition (``hit_fraction`` of the usable
+    ones, at least one)."""
+    usable = usable_blocks(settings.prompt_len, settings.block_size)
+    if settings.hit_fraction >= 1.0:
+        return usable
+    return max(1, min(usable, int(settings.prompt_len * settings.hit_fraction)
+                      // settings.block_size))
+
+
 def median_min(values: Sequence[float]) -> tuple[float | None, float | None]:
     vals = [v for v in values if v is not None]
     if not vals:
@@ -187,7 +203,10 @@ def summarize(res: RowResult) -> dict[str, Any]:
     ok = [r for r in res.reps if r.ok]
     med, low = median_min([r.ttft for r in ok if r.ttft is not None])
     tier = TIER_OF[res.row]
-    checked = [r for r in ok if res.reference is not None]
+    def expected(r: Rep) -> list[int] | None:
+        return res.rep_references.get(r.index, res.reference)
+
+    checked = [r for r in ok if expected(r) is not None]
     hit_key = f"offload_hit_blocks_{tier}" if tier else "offload_loaded_blocks"
     return {
         "row": res.row, "tiers": res.tiers, "unavailable": res.unavailable, "error": res.error,
@@ -206,7 +225,7 @@ def summarize(res: RowResult) -> dict[str, Any]:
         "hit_blocks": [r.deltas.get(hit_key, 0) for r in ok],
         "source_ok": (all(source_ok(res.row, r, res.expected_blocks) for r in ok)
                       if ok else None),
-        "output_ok": (all(r.token_ids == res.reference for r in checked) if checked else None),
+        "output_ok": (all(r.token_ids == expected(r) for r in checked) if checked else None),
         "reference_from": res.reference_from,
         "stored_blocks": res.stored_blocks,
         "notes": list(res.notes), "engine": dict(res.engine),

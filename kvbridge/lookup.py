@@ -291,6 +291,15 @@ class LookupBuffer(Generic[K, V]):
     def values(self) -> list[V]:
         return [v for _, v in self.items()]
 
+    def __iter__(self) -> Iterator[K]:
+        """Live keys, least recently used first (a snapshot)."""
+        return iter(self.keys())
+
+    def held(self) -> list[tuple[K, V]]:
+        """Every entry, those whose lease ended but were not collected included (for an owner
+        shutting down: everything it must free)."""
+        return [(k, e.ref) for k, e in self._entries.items()]
+
     def __repr__(self) -> str:
         return (f"LookupBuffer({self.name!r}, {len(self._entries)}/{self.capacity}, "
                 f"{self.overflow.value})")

@@ -37,7 +37,7 @@ class Timers:
     """Named one-shot timers (see the module docstring). ``clock`` is injectable."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+        self._clock = self.clock = clock
         self._heap: list[tuple[float, int, Any]] = []
         self._live: dict[Any, tuple[float, int, Callable[[], None]]] = {}
         self._seq = itertools.count()

@@ -520,7 +520,7 @@ class TransferLoop(PeerEvents):
             expected = waits[0].spec
             self.results.fail(expected.req_id, expected.local_ids, why, safe=False,
                               transfer_id=expected.transfer_id)
-        for st in list(self.pull_source.staged.values()):
+        for st in self.pull_source.held():
             self.results.sent(st.plan.req_id)
         for out in list(self.push_source.outs.values()):
             if out.plan is not None and out.final and not any(t.handles for t in out.targets):

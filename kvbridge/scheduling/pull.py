@@ -1,7 +1,9 @@
 """Pull: D reads the KV P holds under a lease. Both halves run on the transfer loop's thread.
 
 P side (:class:`PullSource`), per transfer: *staged* (blocks pinned under a lease, renewed by
-D's heartbeats) → *claimed* by the decode ranks that read from this rank, each on its own
+D's heartbeats; the staged transfers are a :class:`~kvbridge.lookup.LookupBuffer` keyed by
+transfer id, at most :data:`MAX_STAGED`: beyond, a transfer is not staged and its blocks are
+freed at once) → *claimed* by the decode ranks that read from this rank, each on its own
 control connection, whose claim matched every staged fact (block ids, token count, prompt
 digest, and a decode rank this rank serves: :func:`~kvbridge.scheduling.mapping.consumers`) →
 released when every one of them sent DONE (each answered ok only if the lease still held), on a
@@ -25,11 +27,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
+from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -49,11 +54,13 @@ from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import PullSpec, SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
-__all__ = ["PullSource", "PullSink"]
+__all__ = ["PullSource", "PullSink", "MAX_STAGED", "staged_buffer"]
 
 log = logging.getLogger("kvbridge.pull")
 
 _MAX_EARLY_CLAIMS = 1024
+#: transfers one prefill rank holds staged at once (each pins blocks until D reads them)
+MAX_STAGED = 65536
 
 
 @dataclass
@@ -78,27 +85,66 @@ class _Staged:
         return self.expected is None or not self.expected <= self.claims.keys()
 
 
+def staged_buffer(capacity: int = MAX_STAGED,
+                  clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Any]:
+    """P's staged pulls: transfer id → what is staged, under the lease D renews; full is
+    full (back-pressure: the transfer is not staged)."""
+    return LookupBuffer("pull-staged", capacity, clock=clock)
+
+
 class PullSource:
     """P side of pulls (see the module docstring)."""
 
     def __init__(self, core: LoopContext) -> None:
         self.core = core
-        self.staged: dict[str, _Staged] = {}
+        self.staged: LookupBuffer[str, _Staged] = staged_buffer(clock=core.timers.clock)
+        self._armed: float | None = None  # when the leases' sweep timer fires
         self._early: dict[str, list[tuple[RequestContext, PullClaim]]] = {}
 
     def __len__(self) -> int:
         return len(self.staged)
 
+    # -- leases: the buffer holds the deadlines, one timer sweeps them -------------------------
+
+    def _arm(self) -> None:
+        """Make the sweep timer fire by the earliest lease's end (extensions only move
+        deadlines later, so an armed timer is never late; it re-arms when it fires)."""
+        due = self.staged.next_deadline()
+        if due is not None and (self._armed is None or due < self._armed):
+            self._armed = due
+            self.core.timers.set(("pull-leases",), max(0.0, due - self.core.timers.clock()),
+                                 self._sweep)
+
+    def _sweep(self) -> None:
+        self._armed = None
+        self._collect()
+        self._arm()
+
+    def _collect(self) -> None:
+        """Release every transfer whose lease ended (before any message is handled, so an
+        ended lease is never mistaken for one not staged yet)."""
+        for tid, st in self.staged.expire():
+            self._expired(tid, st)
+
     def stage(self, plan: SendPlan) -> None:
         core, tid = self.core, plan.transfer_id
+        self._collect()
         if tid in self.staged or core.ended.get(tid) is not None:
             core.stats["duplicate_transfer"] += 1
             log.warning("transfer %s of %s is already staged or ended (%s); not staged again",
                         tid, plan.req_id, core.ended.get(tid) or "staged")
             core.results.sent(plan.req_id)
             return
-        self.staged[tid] = _Staged(plan)
-        core.timers.set(("lease", tid), core.config.lease_s, lambda: self._expire(tid))
+        try:
+            self.staged.insert(tid, _Staged(plan), lease=core.config.lease_s)
+        except BufferFull as exc:
+            core.stats["staged_full"] += 1
+            log.warning("transfer %s of %s not staged (%s): its blocks are freed and its decode "
+                        "engine is told it is unknown", tid, plan.req_id, exc)
+            core.ended.record(tid, f"not staged: {exc}")
+            core.results.sent(plan.req_id)
+            return
+        self._arm()
         core.stats["staged"] += 1
         for ctx, claim in self._early.pop(tid, []):
             core.timers.cancel(("early", tid, ctx))
@@ -108,6 +154,7 @@ class PullSource:
 
     def on_claim(self, ctx: RequestContext, msg: PullClaim) -> Message | None:
         core, tid = self.core, msg.transfer_id
+        self._collect()
         if msg.generation not in (ANY_GENERATION, core.generation):
             return Ack(ok=False, kind=ErrorKind.STALE_GENERATION,
                        error=f"this engine is generation {core.generation}; the claim names "
@@ -153,8 +200,7 @@ class PullSource:
             log.warning("refusing claim of %s: %s", tid, problem)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
         st.claims[part.rank] = _Claim(ctx.conn, half)
-        lease = core.config.lease_s + core.config.transfer_timeout_s
-        core.timers.set(("lease", tid), lease, lambda: self._expire(tid))
+        self.staged.extend(tid, core.config.lease_s + core.config.transfer_timeout_s)
         core.stats["pull_claimed"] += 1
         return Ack()
 
@@ -199,6 +245,7 @@ class PullSource:
 
     def on_done(self, ctx: RequestContext, msg: PullDone) -> Message:
         core, tid = self.core, msg.transfer_id
+        self._collect()
         st = self.staged.get(tid)
         if st is None:
             core.stats["late_done"] += 1
@@ -236,6 +283,7 @@ class PullSource:
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
         """D gave up; None if this side does not hold the transfer."""
+        self._collect()
         st = self.staged.get(msg.transfer_id)
         if st is None:
             return None
@@ -248,34 +296,39 @@ class PullSource:
         return CancelReply(safe=True)
 
     def renew(self, ctx: RequestContext, tid: str) -> bool:
+        self._collect()
         st = self.staged.get(tid)
         if st is None or (st.claimant(ctx.conn) is None and not st.open()):
             return False
         lease = self.core.config.lease_s
         if st.claims:
             lease += self.core.config.transfer_timeout_s
-        self.core.timers.set(("lease", tid), lease, lambda: self._expire(tid))
-        return True
+        return self.staged.extend(tid, lease)
 
-    def _expire(self, tid: str) -> None:
-        st = self.staged.get(tid)
-        if st is None:
-            return
+    def _expired(self, tid: str, st: _Staged) -> None:
+        """``tid``'s lease ended (already out of the buffer): free its blocks."""
         self.core.count("lease_expired", "pull")
         waiting = sorted(set(st.expected or ()) - {r for r, c in st.claims.items() if c.done})
         log.warning("lease of %s (%s) expired before decode %s; %d blocks released", tid,
                     st.plan.req_id, f"rank(s) {waiting} finished reading" if st.claims
                     else "claimed it", len(st.plan.block_ids))
-        self._release(tid, "lease expired")
+        self._ended(tid, st, "lease expired")
 
     def _release(self, tid: str, why: str) -> None:
-        st = self.staged.pop(tid)
-        self.core.timers.cancel(("lease", tid))
+        st = self.staged.discard(tid)
+        if st is not None:
+            self._ended(tid, st, why)
+
+    def _ended(self, tid: str, st: _Staged, why: str) -> None:
         self.core.ended.record(tid, why)
         self.core.results.sent(st.plan.req_id)
 
+    def held(self) -> list[_Staged]:
+        """Everything staged, ended leases not yet collected included (for a loop that died)."""
+        return [st for _, st in self.staged.held()]
+
     def close(self) -> None:
-        for tid in list(self.staged):
+        for tid, _ in self.staged.held():
             self._release(tid, "engine shutting down")
 
 

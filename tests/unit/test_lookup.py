@@ -70,3 +70,14 @@ def test_offload_hold_evicts_a_chain_from_its_tail() -> None:
     assert hold(index, ["x", "y"]) == ["c"]  # 5 keys into 4: the chain's tail goes
     assert index.keys() == ["b", "a", "y", "x"]
     assert hold(index, ["a"]) == [] and index.keys()[-1] == "a"
+
+
+class TestStagedPulls(LookupBufferConformance):
+    """P's staged pulls (kvbridge.scheduling.pull.staged_buffer), keyed by transfer id."""
+
+    def make(self, capacity: int, clock: FakeClock) -> LookupBuffer[Any, Any]:
+        from kvbridge.scheduling.pull import staged_buffer
+        return staged_buffer(capacity, clock=clock)
+
+    def key(self, i: int) -> Any:
+        return f"prefill-engine-0-cmpl-{i:08x}-0"

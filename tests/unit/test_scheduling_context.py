@@ -178,11 +178,13 @@ def _claim(**kw: Any) -> PullClaim:
 def test_staged_claimed_done_releases_the_blocks_once() -> None:
     loop, src = _source()
     src.stage(PLAN)
-    assert ("lease", "t1") in loop.timers and len(src) == 1
+    assert "t1" in src.staged and ("pull-leases",) in loop.timers and len(src) == 1
     assert src.on_claim(CTX, _claim()) == Ack()
-    nbytes = mapping.side_bytes(src.staged["t1"].claims[0].half)
+    staged = src.staged.get("t1")
+    assert staged is not None
+    nbytes = mapping.side_bytes(staged.claims[0].half)
     assert src.on_done(CTX, PullDone(transfer_id="t1", nbytes=nbytes)) == Ack()
-    assert len(src) == 0 and ("lease", "t1") not in loop.timers
+    assert len(src) == 0 and "t1" not in src.staged
     assert loop.results.drain().finished_sending == {"req"}
     assert loop.ended.get("t1") == "done" and loop.stats["pull_served"] == 1
 

@@ -114,8 +114,9 @@ class LookupBufferConformance:
         assert len(buf) == 1  # still to be collected: the owner frees what it references
         with pytest.raises(DuplicateKey):
             buf.insert(k, self.ref(4), lease=1.0)
+        assert list(buf) == [] and buf.held() == [(k, self.ref(3))]
         assert buf.expire() == [(k, self.ref(3))]
-        assert buf.expire() == [] and len(buf) == 0
+        assert buf.expire() == [] and len(buf) == 0 and buf.held() == []
         buf.insert(k, self.ref(4), lease=1.0)  # collected: the key is free again
 
     def test_extend_moves_the_deadline_without_growing(self, clock: FakeClock) -> None:

@@ -503,6 +503,7 @@ class PushSource:
         if answer:
             self.core.server.reply(t.ctx, PushResult(transfer_id=out.tid, ok=False, nbytes=0,
                                                      error=why))
+        self._close(out)  # the rightful pushes may all have ended meanwhile
 
     def _fail(self, out: Out, error: str, *, silent: Target | None = None) -> None:
         """The push of ``out`` failed for every decode rank: each registration is answered

@@ -348,3 +348,21 @@ def test_of_two_registrations_d_confirmed_for_one_rank_the_second_is_refused_alo
     assert "already registered" in _failed_result(loop, CTX_X)
     out = src.outs["t1"]
     assert [t.ctx for t in out.targets] == [CTX] and out.complete() and out.error is None
+
+
+def test_a_push_that_ended_while_a_forgery_was_pending_closes_when_it_is_refused() -> None:
+    """The rightful push finished (here: D had the whole prompt, nothing to write) while a
+    forged registration was still being dialled: once that is refused, the push closes and
+    P's blocks are given back."""
+    loop, src, decode = _push_source()
+    src.on_register(CTX, _register(loop, block_ids=[], skip_blocks=3))
+    src.on_register(CTX_X, _register(loop, control_address="tcp://127.0.0.1:9"))
+    real_dial, unreachable = loop.dials
+    real_dial(decode)
+    loop.answers[-1](Ack())
+    src.ready(PLAN, None)
+    assert [m for c, m in loop.replies if c == CTX and isinstance(m, PushResult)] == [
+        PushResult(transfer_id="t1", ok=True, nbytes=0)]
+    unreachable(PeerUnreachable("connection refused"))
+    assert "t1" not in src.outs and loop.ended.get("t1") == "done"
+    assert loop.results.drain().finished_sending == {"req"}

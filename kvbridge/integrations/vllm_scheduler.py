@@ -91,7 +91,9 @@ class SchedulerSide:
         raw = getattr(request, "kv_transfer_params", None)
         if raw is not None:
             self._live[request.request_id] = request
-        self.book.on_new_request(request.request_id, raw, request.prompt_token_ids)
+        # abort_immediately: vLLM's clean-up of a rejected request (only vLLM sets it)
+        self.book.on_new_request(request.request_id, raw, request.prompt_token_ids,
+                                 cleanup=bool(getattr(request, "abort_immediately", False)))
         shorten_prompt(request, self.book.prefill_cut(request.request_id))
 
     def matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:

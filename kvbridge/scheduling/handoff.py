@@ -22,6 +22,19 @@ tokens (the connector shortens P's request, :meth:`HandoffBook.prefill_cut`; P's
 token is not the answer, the decode engine's is) and D receives those and computes the last
 token itself, with every block of its window present.
 
+**vLLM's clean-up request.** When vLLM's server refuses a decode leg before its engine saw
+it (or the leg failed), it submits a request that is aborted at once, with prompt ``[0]`` and
+the leg's ``kv_transfer_params``, only so that the connector can free what the hand-off holds
+(``AsyncLLM.notify_kv_transfer_request_rejected``). The book recognises it (``cleanup``: the
+request's ``abort_immediately``, which only vLLM sets) and counts it in ``cleanup_requests``
+(not ``params_rejected``). The clean-up can do no more than the failed leg could have: a
+transfer that a request of this engine named (live, or among the last
+:data:`REMEMBERED_TRANSFERS`) is left to that request's own hand-off, which already released
+it or chose not to (a refused claim cancels nothing) (``cleanup_ignored``). Only for a leg
+that never reached this engine is the prefill engine asked to release the transfer — a
+Cancel, as a decode leg sends when it gives up, so P releases only what a decode may: a staged
+pull no decode rank claimed yet, a push no decode rank confirmed.
+
 Single-threaded: vLLM drives it from the engine-core thread.
 """
 
@@ -49,13 +62,16 @@ from kvbridge.scheduling.planner import (
 )
 from kvbridge.scheduling.specs import SendPlan
 
-__all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress", "Blocks"]
+__all__ = ["RecvOrder", "StepPlan", "HandoffBook", "RankAddress", "Blocks", "REMEMBERED_TRANSFERS"]
 
 #: A request's blocks as vLLM gives them: a list of block ids, or (an engine with KV-cache
 #: groups) one list per group.
 Blocks = Sequence[int] | Sequence[Sequence[int]]
 
 log = logging.getLogger("kvbridge.connector")
+
+#: transfer ids of requests this engine saw that a clean-up request may not release
+REMEMBERED_TRANSFERS = 4096
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,8 @@ class HandoffBook:
         self._active_tids: dict[str, str] = {}  # transfer_id -> req_id (duplicates refused)
         #: req_id -> transfer_id of hand-offs the worker still runs (kept past request_finished)
         self._busy: dict[str, str] = {}
+        #: transfer ids named by requests this engine saw (the newest REMEMBERED_TRANSFERS)
+        self._named: dict[str, None] = {}
         self._plan = StepPlan()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -185,10 +203,21 @@ class HandoffBook:
         send = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
         return _Request(None, err, send=send)
 
-    def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None) -> None:
-        """Parse the request's ``kv_transfer_params`` (once)."""
+    def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None, *,
+                       cleanup: bool = False) -> None:
+        """Parse the request's ``kv_transfer_params`` (once). ``cleanup``: vLLM's clean-up
+        request (see the module docstring), answered by :meth:`_cleanup`."""
         if raw is None or req_id in self._reqs:
             return
+        if cleanup:
+            self._reqs[req_id] = self._cleanup(req_id, raw)
+            return
+        named = raw.get("transfer_id") if isinstance(raw, dict) else None
+        if isinstance(named, str):  # parsed or not: a clean-up after it may not release it
+            self._named.pop(named, None)
+            self._named[named] = None
+            if len(self._named) > REMEMBERED_TRANSFERS:
+                del self._named[next(iter(self._named))]
         try:
             params = parse(raw)
         except ParamsError as err:
@@ -229,6 +258,32 @@ class HandoffBook:
             if req.mode is TransferMode.PUSH:
                 self._plan.announces.append(req.transfer_id)
         self._reqs[req_id] = req
+
+    def _cleanup(self, req_id: str, raw: Any) -> _Request:
+        """vLLM's clean-up of a rejected decode leg: release at the prefill engine the transfer
+        its params name, unless a request of this engine named it (see the module docstring).
+        The request itself is inert (no receive, no send, nothing kept)."""
+        self.stats["cleanup_requests"] += 1
+        try:
+            params = parse(raw)
+        except ParamsError as err:
+            log.info("request %s: vLLM's clean-up of a rejected request; nothing to release "
+                     "(%s)", req_id, str(err)[:300])
+            return _Request(None, err)
+        tid, peers = params.transfer_id, self._peers(params)
+        if not (params.do_remote_prefill and tid and peers):
+            log.info("request %s: vLLM's clean-up of a rejected request; it names no transfer "
+                     "to release", req_id)
+        elif tid in self._named or tid in self._active_tids or tid in self._busy.values():
+            self.stats["cleanup_ignored"] += 1
+            log.info("request %s: vLLM's clean-up names transfer %s, which a request here "
+                     "used; left to that request's hand-off", req_id, tid)
+        else:
+            log.info("request %s: vLLM's clean-up of a rejected decode leg; asking prefill to "
+                     "release transfer %s", req_id, tid)
+            self._plan.releases.append((tid, peers, "the decode leg was rejected (vLLM's "
+                                                    "clean-up request)"))
+        return _Request(params)
 
     def _peers(self, params: TransferParams) -> tuple[PeerRef, ...]:
         """Every prefill rank's address, in rank order (prefill's TP size, not this engine's:

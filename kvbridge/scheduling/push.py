@@ -34,17 +34,22 @@ handshake) registers on its own connection, and is confirmed and written separat
 its blocks until each of them ended, and the failure of any (a Cancel, a failed WRITE, a rank
 that never registers within the lease) fails the push for all. Equal TP: one registration, from
 the decode rank of the same rank.
+
+A registration P cannot serve on its own account — its prompt or blocks differ from P's, its
+control address does not answer as the engine it names, that engine does not confirm it, or
+its decode rank is already served — is refused alone (``register_refused``): the push goes on
+with the rightful registrations (or ends with the lease). Which decode ranks a push serves is
+fixed by the first *confirmed* registration, so a stranger that read a live ``transfer_id``
+cannot end the push nor take its place (as a pull refuses a forged claim alone).
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 
-from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
+from kvbridge.blocks import prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
@@ -65,57 +70,14 @@ from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.push_limits import RegistrationLimits
+from kvbridge.scheduling.push_state import Out, Stage, Target
 from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import SendPlan
-from kvbridge.transport import HandleState, Op, TransferHandle
+from kvbridge.transport import HandleState, Op
 
 __all__ = ["PushSource"]
 
 log = logging.getLogger("kvbridge.push")
-
-
-class _Stage(enum.Enum):
-    CONFIRMING = "confirming"  # dialling the registering decode rank, asking it to confirm
-    CONFIRMED = "confirmed"
-
-
-@dataclass
-class _Target:
-    """One decode rank's registration of a push."""
-
-    reg: PushRegister
-    ctx: RequestContext
-    stage: _Stage = _Stage.CONFIRMING
-    peer: Peer | None = None
-    shape: mapping.Shape | None = None  # the decode rank's, from its handshake
-    share: mapping.Share | None = None  # the heads this rank writes it
-    posted: set[int] = field(default_factory=set)
-    #: the whole-request WRITE built ahead (posted when every plane is ready)
-    prepared: PreparedRequest | None = None
-    handles: list[TransferHandle] = field(default_factory=list)
-    nbytes: int = 0
-    error: str | None = None
-
-
-@dataclass
-class _Out:
-    tid: str
-    plan: SendPlan | None = None
-    final: bool = False  # the whole prompt's KV is written
-    fences: list[tuple[list[int], Fence | None]] = field(default_factory=list)  # not passed yet
-    ready: list[list[int]] = field(default_factory=list)  # plane groups whose fence passed
-    targets: list[_Target] = field(default_factory=list)
-    expected: frozenset[int] | None = None  # decode ranks this rank writes to
-    decode_tp: int | None = None
-    served: set[int] = field(default_factory=set)  # decode ranks whose push ended
-    error: str | None = None  # the push failed for every decode rank
-
-    def registered(self) -> set[int]:
-        return {t.shape.rank for t in self.targets if t.shape is not None} | self.served
-
-    def complete(self) -> bool:
-        """Every decode rank this rank writes to has registered."""
-        return self.expected is not None and self.expected <= self.registered()
 
 
 class PushSource:
@@ -123,7 +85,7 @@ class PushSource:
 
     def __init__(self, core: LoopContext) -> None:
         self.core = core
-        self.outs: dict[str, _Out] = {}
+        self.outs: dict[str, Out] = {}
         self.limits = RegistrationLimits(core.config.max_pending_per_peer,
                                          core.config.max_pending)
         self._announced: dict[str, None] = {}  # bounded, oldest first
@@ -153,23 +115,21 @@ class PushSource:
         if plan.layerwise or self.core.ended.get(plan.transfer_id) is not None:
             return
         out = self._with_plan(plan)
-        if out is not None:
-            for t in list(out.targets):
-                self._prepare(out, t)
+        for t in list(out.targets):
+            self._prepare(out, t)
 
-    def _with_plan(self, plan: SendPlan) -> _Out | None:
-        """The push of ``plan`` knowing its plan (a mismatch with a registration fails it:
-        None then)."""
+    def _with_plan(self, plan: SendPlan) -> Out:
+        """The push of ``plan`` knowing its plan (a registration that does not match it is
+        refused alone)."""
         out = self.outs.get(plan.transfer_id)
         if out is None:
-            out = self.outs[plan.transfer_id] = _Out(plan.transfer_id)
+            out = self.outs[plan.transfer_id] = Out(plan.transfer_id)
         if out.plan is None:
             out.plan = plan
             for t in list(out.targets):
                 problem = self._mismatch(out, t)
                 if problem is not None:
-                    self._fail(out, problem)
-                    return None
+                    self._refuse(out, t, problem)
         return out
 
     def ready(self, plan: SendPlan, fence: Fence | None, layer: str | None = None) -> None:
@@ -183,8 +143,6 @@ class PushSource:
                 core.results.sent(plan.req_id)
             return
         out = self._with_plan(plan)
-        if out is None:
-            return
         if layer is None:
             out.final = True
         planes = (list(range(len(core.layout.planes))) if layer is None
@@ -241,8 +199,8 @@ class PushSource:
             core.stats["register_refused_busy"] += 1
             return Ack(ok=False, kind=ErrorKind.BUSY, error=busy)
         if out is None:
-            out = self.outs[tid] = _Out(tid)
-        t = _Target(msg, ctx)
+            out = self.outs[tid] = Out(tid)
+        t = Target(msg, ctx)
         out.targets.append(t)
         self.limits.take(ctx.conn, msg.control_address)  # given back by _end, once
         wait = cfg.push_timeout_s if tid in self._announced else min(cfg.push_timeout_s,
@@ -251,7 +209,7 @@ class PushSource:
         core.stats["push_registrations"] += 1
         problem = self._mismatch(out, t)
         if problem is not None:
-            self._fail(out, problem, silent=t)
+            self._refuse(out, t, problem, answer=False)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
         core.server.reply(ctx, Ack())
         core.peers.ensure(msg.control_address, msg.sender_generation,
@@ -285,10 +243,10 @@ class PushSource:
 
     # -- the state machine -------------------------------------------------------------------
 
-    def _live(self, out: _Out, t: _Target) -> bool:
+    def _live(self, out: Out, t: Target) -> bool:
         return self.outs.get(out.tid) is out and t in out.targets
 
-    def _mismatch(self, out: _Out, t: _Target) -> str | None:
+    def _mismatch(self, out: Out, t: Target) -> str | None:
         plan, reg = out.plan, t.reg
         if plan is None:
             return None
@@ -311,7 +269,7 @@ class PushSource:
                         f"prompt has {blocks}")
         return None
 
-    def _src(self, out: _Out, t: _Target) -> tuple[tuple[int, ...], int]:
+    def _src(self, out: Out, t: Target) -> tuple[tuple[int, ...], int]:
         """P's blocks that pair with the ones ``t`` registered, and the prompt block they
         start at: per KV-cache group for a hybrid model (equal shapes only), else from the
         first of D's missing tokens (in this rank's block size)."""
@@ -322,55 +280,71 @@ class PushSource:
         _, first = self._span(out, t)
         return out.plan.block_ids[first:], first
 
-    def _dialled(self, out: _Out, t: _Target, result: Peer | KVBridgeError) -> None:
-        if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:
+    def _dialled(self, out: Out, t: Target, result: Peer | KVBridgeError) -> None:
+        if not self._live(out, t) or t.stage is not Stage.CONFIRMING:
             return
         if isinstance(result, KVBridgeError):
-            self._fail(out, f"cannot reach the registering decode engine: {result}")
+            self._refuse(out, t, f"cannot reach the registering decode engine: {result}")
             return
         if result.info.engine_id != t.reg.engine_id:
             self.core.stats["forged_register"] += 1
-            self._fail(out, f"{t.reg.control_address} is engine {result.info.engine_id}, "
-                            f"not {t.reg.engine_id}")
+            self._refuse(out, t, f"{t.reg.control_address} is engine {result.info.engine_id}, "
+                                 f"not {t.reg.engine_id}")
             return
         t.peer = result
         try:
             self._map(out, t, result)
         except (LayoutError, LayoutMismatch) as exc:
-            self._fail(out, f"cannot write decode rank {result.info.rank}: {exc}")
+            self._refuse(out, t, f"cannot write decode rank {result.info.rank}: {exc}")
             return
         problem = self._mismatch(out, t)
         if problem is not None:
-            self._fail(out, problem)
+            self._refuse(out, t, problem)
             return
         confirm = PushConfirm(transfer_id=out.tid, generation=t.reg.sender_generation,
                               block_ids=list(t.reg.block_ids), rank=self.core.rank)
         self.core.rpc.call(result.address, confirm, self.core.config.control_timeout_s,
                            lambda reply: self._confirmed(out, t, reply))
 
-    def _map(self, out: _Out, t: _Target, peer: Peer) -> None:
-        """Which decode rank registered, and which of this rank's heads it gets."""
-        core, info = self.core, peer.info
+    def _map(self, out: Out, t: Target, peer: Peer) -> None:
+        """Which decode rank registered, and which of this rank's heads it gets (the push's
+        decode ranks are fixed when it is confirmed: :meth:`_taken`)."""
+        info = peer.info
         if t.reg.layout_fingerprint != info.layout_fingerprint:
             raise LayoutMismatch("the registration's layout is not the registering engine's")
-        if info.rank in out.registered():
-            raise LayoutMismatch(f"decode rank {info.rank} already registered {out.tid}")
-        if out.decode_tp not in (None, info.tp_size):
-            raise LayoutMismatch(f"decode runs tensor-parallel {info.tp_size}, an earlier rank "
-                                 f"registered with {out.decode_tp}")
         shape = mapping.Shape(info.tp_size, info.rank, peer.layout.block_size, info.heads)
-        t.share, expected = mapping.serves(core.shape, shape)
-        t.shape, out.decode_tp, out.expected = shape, info.tp_size, expected
+        t.shape = shape
+        problem = self._taken(out, t)
+        if problem is not None:
+            raise LayoutMismatch(problem)
+        t.share, t.expected = mapping.serves(self.core.shape, shape)
 
-    def _confirmed(self, out: _Out, t: _Target, reply: Message | KVBridgeError) -> bool:
-        if not self._live(out, t) or t.stage is not _Stage.CONFIRMING:
+    @staticmethod
+    def _taken(out: Out, t: Target) -> str | None:
+        """Why ``t``'s decode rank cannot join the ranks confirmed so far, or None."""
+        assert t.shape is not None
+        if t.shape.rank in out.registered():
+            return f"decode rank {t.shape.rank} already registered {out.tid}"
+        if out.decode_tp not in (None, t.shape.tp_size):
+            return (f"decode runs tensor-parallel {t.shape.tp_size}, an earlier rank "
+                    f"registered with {out.decode_tp}")
+        return None
+
+    def _confirmed(self, out: Out, t: Target, reply: Message | KVBridgeError) -> bool:
+        if not self._live(out, t) or t.stage is not Stage.CONFIRMING:
             return False
         if not (isinstance(reply, Ack) and reply.ok):
             why = reply.error if isinstance(reply, Ack) else str(reply)
             self.core.stats["confirm_refused"] += 1
-            self._fail(out, f"decode did not confirm the registration: {why}")
+            self._refuse(out, t, f"decode did not confirm the registration: {why}")
             return False
-        t.stage = _Stage.CONFIRMED
+        taken = self._taken(out, t)  # another registration of that rank was confirmed first
+        if taken is not None:
+            self._refuse(out, t, taken)
+            return False
+        assert t.shape is not None
+        t.stage = Stage.CONFIRMED
+        out.decode_tp, out.expected = t.shape.tp_size, t.expected
         if out.complete():
             self.core.timers.cancel(("ready", out.tid))
         if not out.final:  # the KV is still being written: build the WRITE meanwhile
@@ -378,13 +352,13 @@ class PushSource:
         self._advance(out)
         return False
 
-    def _span(self, out: _Out, t: _Target) -> tuple[mapping.Span, int]:
+    def _span(self, out: Out, t: Target) -> tuple[mapping.Span, int]:
         """The tokens ``t`` receives and this rank's first prompt block of them."""
         assert out.plan is not None and t.shape is not None
         first = t.reg.skip_blocks * t.shape.block_size
         return mapping.Span(first, out.plan.num_tokens), first // self.core.layout.block_size
 
-    def _advance(self, out: _Out) -> None:
+    def _advance(self, out: Out) -> None:
         """Post every WRITE whose KV is ready and fence passed, to each decode rank that
         confirmed."""
         if out.plan is None:
@@ -397,11 +371,11 @@ class PushSource:
                 out.ready.append(planes)
         out.fences = still
         for t in list(out.targets):
-            if t.stage is _Stage.CONFIRMED and out.error is None and t.error is None:
+            if t.stage is Stage.CONFIRMED and out.error is None and t.error is None:
                 self._post(out, t)
             self.poll_one(out, t)
 
-    def _subs(self, out: _Out, t: _Target, planes: list[int]) -> list[mapping.SubTransfer]:
+    def _subs(self, out: Out, t: Target, planes: list[int]) -> list[mapping.SubTransfer]:
         """The sub-transfers of ``t``'s WRITE in ``planes``."""
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
@@ -411,11 +385,11 @@ class PushSource:
                             t.peer.layout.select(planes), t.shape, t.reg.block_ids,
                             t.reg.skip_blocks, t.share, span)
 
-    def _prepare(self, out: _Out, t: _Target) -> None:
+    def _prepare(self, out: Out, t: Target) -> None:
         """Build ``t``'s whole-request WRITE ahead (see :meth:`prepare`), where the transport
         can and the mapping is one sub-transfer; anything else is left to :meth:`_post`."""
         if (out.plan is None or out.plan.layerwise or out.error is not None
-                or t.stage is not _Stage.CONFIRMED or t.error is not None or t.posted
+                or t.stage is not Stage.CONFIRMED or t.error is not None or t.posted
                 or t.prepared is not None or not t.reg.block_ids or t.peer is None):
             return
         try:
@@ -425,12 +399,12 @@ class PushSource:
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
 
-    def _discard(self, t: _Target) -> None:
+    def _discard(self, t: Target) -> None:
         if t.prepared is not None:
             t.prepared.discard()
             t.prepared = None
 
-    def _post(self, out: _Out, t: _Target) -> None:
+    def _post(self, out: Out, t: Target) -> None:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
         for group in out.ready:
@@ -469,7 +443,7 @@ class PushSource:
                     if t.handles:
                         self.poll_one(out, t)
 
-    def poll_one(self, out: _Out, t: _Target) -> None:
+    def poll_one(self, out: Out, t: Target) -> None:
         if not self._live(out, t):
             return
         for handle in t.handles:
@@ -481,13 +455,13 @@ class PushSource:
         error = t.error or out.error
         if error is None and not (out.final and not out.fences):
             return  # more layers to come
-        if error is None and t.stage is not _Stage.CONFIRMED:
+        if error is None and t.stage is not Stage.CONFIRMED:
             return
         self._end(out, t, error)
         if error is not None:
             self._fail(out, error)
 
-    def _write_timeout(self, out: _Out, t: _Target) -> None:
+    def _write_timeout(self, out: Out, t: Target) -> None:
         if self._live(out, t) and t.handles:
             t.error = t.error or (f"WRITE did not finish within "
                                   f"{self.core.config.transfer_timeout_s} s")
@@ -514,7 +488,24 @@ class PushSource:
             self._fail(out, "prefill never became ready" if tid in self._announced
                        else "this prefill engine never received the request's prefill leg")
 
-    def _fail(self, out: _Out, error: str, *, silent: _Target | None = None) -> None:
+    def _refuse(self, out: Out, t: Target, why: str, *, answer: bool = True) -> None:
+        """One registration failed on its own account (see the module docstring): end it
+        alone, before anything was written for it (``answer``: send it a failed
+        ``PushResult``; False: the caller answers)."""
+        if not self._live(out, t):
+            return
+        out.targets.remove(t)
+        self._discard(t)
+        self.limits.give_back(t.ctx.conn, t.reg.control_address)  # t left out.targets
+        self.core.stats["register_refused"] += 1
+        log.warning("push %s: registration by %s refused: %s", out.tid, t.reg.control_address,
+                    why)
+        if answer:
+            self.core.server.reply(t.ctx, PushResult(transfer_id=out.tid, ok=False, nbytes=0,
+                                                     error=why))
+        self._close(out)  # the rightful pushes may all have ended meanwhile
+
+    def _fail(self, out: Out, error: str, *, silent: Target | None = None) -> None:
         """The push of ``out`` failed for every decode rank: each registration is answered
         once its WRITEs stopped (``silent``: one that needs no answer)."""
         if self.outs.get(out.tid) is not out:
@@ -525,7 +516,7 @@ class PushSource:
                 self._end(out, t, out.error, answer=t is not silent)
         self._close(out)
 
-    def _end(self, out: _Out, t: _Target, error: str | None, *, answer: bool = True) -> None:
+    def _end(self, out: Out, t: Target, error: str | None, *, answer: bool = True) -> None:
         """End one decode rank's push: every handle of it has stopped (or none was posted)."""
         core = self.core
         if t not in out.targets:
@@ -562,7 +553,7 @@ class PushSource:
         if error is None:
             self._close(out)
 
-    def _digest_source(self, out: _Out, t: _Target) -> DescriptorArray:
+    def _digest_source(self, out: Out, t: Target) -> DescriptorArray:
         """This rank's side of ``t``'s part (every plane), as the checksum covers it."""
         assert out.plan is not None and t.shape is not None
         span, _ = self._span(out, t)
@@ -571,7 +562,7 @@ class PushSource:
                             span)
         return mapping.side_descriptors(half)
 
-    def _close(self, out: _Out) -> None:
+    def _close(self, out: Out) -> None:
         """End the transfer once no decode rank's push is left to serve."""
         core = self.core
         if self.outs.get(out.tid) is not out or out.targets:

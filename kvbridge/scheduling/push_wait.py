@@ -110,8 +110,10 @@ class PushSink(Receiver[_In]):
         if isinstance(reply, Ack):
             if reply.ok:
                 return True  # registered; the PushResult follows on this call
+            # P refuses a registration alone (push.py); one that does not match P's prompt or
+            # layout is ours and cannot be served: say so, P need not hold its KV for a lease
             self._fail(w, f"prefill refused the registration: {reply.error}", safe=True,
-                       cancel=False)
+                       cancel=reply.kind is ErrorKind.MISMATCH)
             return False
         if isinstance(reply, PushResult):
             self._result(w, reply)

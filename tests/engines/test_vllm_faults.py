@@ -300,6 +300,107 @@ def test_a_relayed_decode_identity_gets_no_push_from_prefill(cluster: Cluster) -
     _healthy(cluster, 33)
 
 
+def _outcome_settled(c: Cluster, address: str, tid: str, timeout: float) -> str:
+    """``tid``'s outcome at ``address`` once it is no longer in progress (or after
+    ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    why = c.outcome(address, tid) or ""
+    while why.startswith("in progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        why = c.outcome(address, tid) or ""
+    return why
+
+
+def test_vllm_cleanup_of_a_rejected_decode_leg_releases_and_is_not_a_rejection(
+        cluster: Cluster) -> None:
+    """Issue 33 item 2: a decode leg vLLM's server refuses before its engine sees it (a token id
+    outside the vocabulary) makes vLLM send its clean-up request to D (prompt ``[0]``, the
+    leg's ``kv_transfer_params``, aborted at once). D recognises it: P's staged blocks are
+    released at once (not one lease later), ``cleanup_requests`` counts it and
+    ``params_rejected`` does not move. A decode leg that fails on D (a transfer P never
+    staged) is followed by a clean-up too: counted, and left to the leg's own hand-off."""
+    assert cluster.p is not None and cluster.d is not None
+    prompt = random_prompts(1, 150, seed=34)[0]
+    tid = "cleanup-pull"
+    staged = complete(cluster.p.url, prompt, 1, {"do_remote_decode": True, "transfer_id": tid})
+    params = staged["kv_transfer_params"]
+    before = cluster.stats(cluster.d_ctl).stats
+    t0 = time.monotonic()
+    status, body = _post(cluster.d.url, [*prompt[:-1], 10**6], params)  # out of vocabulary
+    assert status == 400, (status, body)
+    why = _outcome_settled(cluster, cluster.p_ctl, tid, LEASE_S + 5)
+    assert "cancelled by decode" in why and time.monotonic() - t0 < LEASE_S, why
+    status, _ = _post(cluster.d.url, prompt, {**params, "transfer_id": "cleanup-never-staged"})
+    assert status >= 500
+    deadline = time.monotonic() + 10
+    while (cluster.stats(cluster.d_ctl).stats.get("cleanup_requests", 0)
+           < before.get("cleanup_requests", 0) + 2 and time.monotonic() < deadline):
+        time.sleep(0.1)
+    after = cluster.stats(cluster.d_ctl).stats
+    assert after.get("params_rejected", 0) == before.get("params_rejected", 0)
+    assert after.get("cleanup_requests", 0) == before.get("cleanup_requests", 0) + 2
+    assert after.get("cleanup_ignored", 0) == before.get("cleanup_ignored", 0) + 1
+    _healthy(cluster, 35)
+
+
+def test_a_forged_push_register_fails_alone_and_the_real_push_is_served(
+        cluster: Cluster) -> None:
+    """Issue 33 item 5: P prefilled a push and waits for D's registration; strangers that read
+    the live transfer id (``kvbridge stats``) register it first: in D's name with other blocks,
+    in D's name for another prompt, and at an address nobody listens on. Each forged
+    registration is refused on its own; D's registration then still gets the push, and the
+    client HTTP 200 with the reference tokens."""
+    import os
+
+    from kvbridge.messages import Hello
+    from kvbridge.scheduling.planner import prompt_digest
+
+    assert cluster.p is not None and cluster.d is not None
+    prompt = random_prompts(1, 150, seed=36)[0]
+    ref = cluster.reference(prompt)
+    tid = "forged-register-live"
+    hello = engine_client(10.0)
+    try:
+        reply = hello.request(cluster.d_ctl, Hello(info=_probe_info(), challenge=os.urandom(16)))
+    finally:
+        hello.close()
+    d_info = reply.info  # type: ignore[attr-defined]
+    decode = push_decode_request(probe(cluster.p.url), tid)
+    stats = cluster.stats(cluster.p_ctl).stats
+    sent_before, refused_before = stats.get("push_sent", 0), stats.get("register_refused", 0)
+
+    def forged(address: str, tokens: list[int]) -> PushRegister:
+        return PushRegister(transfer_id=tid, generation="*", engine_id=d_info.engine_id,
+                            sender_generation=d_info.generation, control_address=address,
+                            block_ids=[1, 2, 3, 4, 5][:-(-len(tokens) // 32)],
+                            num_tokens=len(tokens), prompt_digest=prompt_digest(tokens),
+                            layout_fingerprint=d_info.layout_fingerprint)
+
+    forgeries = [forged(cluster.d_ctl, prompt), forged(cluster.d_ctl, prompt[:-40]),
+                 forged(f"tcp://127.0.0.1:{free_port()}", prompt)]
+    clients = [engine_client(10.0) for _ in forgeries]
+    try:
+        status, _ = _post(cluster.p.url, prompt, {"do_remote_decode": True, "transfer_id": tid,
+                                                  "transfer_mode": "push"}, max_tokens=1)
+        assert status == 200
+        assert tid in cluster.stats(cluster.p_ctl).held.get("pushing", [])  # live, readable
+        for client, reg in zip(clients, forgeries, strict=True):
+            client.request(cluster.p_ctl, reg)
+        time.sleep(0.5)  # P dialled, was refused, or could not connect
+        assert _post(cluster.d.url, prompt, decode) == (200, ref)
+    finally:
+        for client in clients:
+            client.close()
+    deadline = time.monotonic() + 15  # the unreachable address is refused within a dial
+    while (cluster.stats(cluster.p_ctl).stats.get("register_refused", 0) - refused_before
+           < len(forgeries) and time.monotonic() < deadline):
+        time.sleep(0.2)
+    stats = cluster.stats(cluster.p_ctl).stats
+    assert stats.get("push_sent", 0) == sent_before + 1
+    assert stats.get("register_refused", 0) - refused_before == len(forgeries)
+    _healthy(cluster, 37)
+
+
 def test_decode_leg_for_another_prompt_is_prefilled_locally(cluster: Cluster) -> None:
     """D checks remote_num_tokens and tp_size against its own request: a mismatch is computed
     here (correct tokens, a WARNING and a counter), never loaded."""

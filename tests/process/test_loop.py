@@ -180,6 +180,8 @@ def test_forged_registration_naming_a_real_decode_writes_nothing(local_pd: PD) -
 
 
 def test_registration_naming_an_address_of_another_engine_is_refused(local_pd: PD) -> None:
+    """Refused alone (issue 33 item 5): the rightful decode, registering after it, still gets
+    the push."""
     p, d = local_pd
     other = LocalAgent("other", extra=FAST)
     try:
@@ -193,10 +195,17 @@ def test_registration_naming_an_address_of_another_engine_is_refused(local_pd: P
         finally:
             c.close()
         p.ready(send("p", "t-x", [1]))
+        deadline = time.monotonic() + 5
+        while not p.loop.snapshot()["stats"].get("register_refused"):
+            assert time.monotonic() < deadline, "the forged registration was not refused"
+            time.sleep(0.02)
+        d.expect(expect("d", "t-x", p, [5]))
+        assert d.drain({"d"})["results"]["failed_recving"] == set()
+        np.testing.assert_array_equal(d.blocks([5]), p.blocks([1]))
         rp = p.drain({"p"})
         assert rp["results"]["finished_sending"] == {"p"}
-        assert rp["stats"]["push_failed"] == 1
-        assert rp["stats"].get("push_sent", 0) == 0
+        assert rp["stats"]["register_refused"] == 1 and rp["stats"]["push_sent"] == 1
+        assert rp["stats"].get("push_failed", 0) == 0
     finally:
         other.close()
 

@@ -17,7 +17,13 @@ import pytest
 
 from kvbridge.config import Config, TransferMode
 from kvbridge.params import PeerRef, TransferParams, parse
-from kvbridge.scheduling.handoff import HandoffBook, RankAddress, RecvOrder, StepPlan
+from kvbridge.scheduling.handoff import (
+    REMEMBERED_TRANSFERS,
+    HandoffBook,
+    RankAddress,
+    RecvOrder,
+    StepPlan,
+)
 from kvbridge.scheduling.planner import prompt_digest
 from kvbridge.scheduling.specs import SendPlan
 
@@ -658,3 +664,78 @@ def test_step_plan_pickles() -> None:
     plan = book.take_plan()
     again = pickle.loads(pickle.dumps(plan))
     assert again == plan and again.recvs[0].peers[1] == PeerRef("tcp://10.0.0.2:7001", "g1")
+
+
+# -- vLLM's clean-up request (issue 33 item 2) ------------------------------------------------
+
+RELEASE_WHY = "the decode leg was rejected (vLLM's clean-up request)"
+
+
+@pytest.mark.parametrize("leg", [_pull_leg("t-gone"), _push_leg("t-gone")])
+def test_vllm_cleanup_releases_the_prefill_and_is_no_rejection(leg: dict[str, Any]) -> None:
+    """vLLM's clean-up of a rejected decode leg (prompt [0], the leg's params, aborted at
+    once): P is asked to release the transfer, counted apart from params_rejected, nothing is
+    watched, received or kept here."""
+    book = _book("decode-0")
+    book.on_new_request("cmpl-x", leg, [0], cleanup=True)
+    assert book.matched_tokens("cmpl-x", 1, 0) == (0, False)
+    assert book.finished("cmpl-x", False, [], 1) == (False, None)
+    plan = book.take_plan()
+    assert plan.releases == [("t-gone", (P_REF,), RELEASE_WHY)]
+    assert not (plan.watches or plan.unwatches or plan.recvs or plan.cancel_recvs)
+    assert plan.counters == {"cleanup_requests": 1}
+    assert book.transfers_in_progress() == 0
+
+
+def test_the_cleanup_shape_from_a_client_is_still_a_rejection() -> None:
+    """Prompt [0] with a decode leg's params, sent by a client (not aborted by vLLM): a real
+    mismatch, served locally and counted as before; nothing is released."""
+    book = _book("decode-0")
+    book.on_new_request("r1", _pull_leg("t-gone"), [0])
+    plan = book.take_plan()
+    assert plan.counters == {"params_rejected": 1} and not plan.releases
+
+
+@pytest.mark.parametrize("raw", [{"do_remote_prefill": True, "remote_block_ids": "abc"},
+                                 {"do_remote_prefill": True, "transfer_id": "t-x"},
+                                 {"do_remote_decode": True, "transfer_id": "t-x"}, [1, 2]])
+def test_vllm_cleanup_that_names_nothing_releases_nothing(raw: Any) -> None:
+    book = _book("decode-0")
+    book.on_new_request("cmpl-x", raw, [0], cleanup=True)
+    assert book.finished("cmpl-x", False, [], 1) == (False, None)
+    plan = book.take_plan()
+    assert plan.counters == {"cleanup_requests": 1} and not plan.releases
+    assert not (plan.watches or plan.unwatches or plan.stages or plan.cancel_sends)
+
+
+def test_vllm_cleanup_never_releases_a_transfer_a_request_here_named() -> None:
+    """A hostile client gets vLLM to send a clean-up naming another request's transfer: while
+    that request waits, receives, its receive is still stopping, or after it ended, nothing is
+    released (a Cancel from this engine's connection would end that request's claim; and a
+    claim P refused cancels nothing, so neither may the clean-up that follows the failure)."""
+    book = _book("decode-0")
+    book.on_new_request("d1", _pull_leg("t-live"), PROMPT)
+    book.on_new_request("evil-1", _pull_leg("t-live"), [0], cleanup=True)  # waiting
+    book.after_alloc("d1", D_BLOCKS, 40, 40)
+    book.on_new_request("evil-2", _pull_leg("t-live"), [0], cleanup=True)  # receiving
+    assert book.finished("d1", False, D_BLOCKS, 40) == (True, None)
+    book.on_new_request("evil-3", _pull_leg("t-live"), [0], cleanup=True)  # still stopping
+    assert book.transfer_done("d1") == "t-live"
+    book.on_new_request("evil-4", _pull_leg("t-live"), [0], cleanup=True)  # it ended
+    book.on_new_request("d2", _pull_leg("t-refused", remote_num_tokens=7), PROMPT)
+    book.on_new_request("evil-5", _pull_leg("t-refused"), [0], cleanup=True)  # served locally
+    plan = book.take_plan()
+    assert not plan.releases
+    assert [o.transfer_id for o in plan.recvs] == ["t-live"] and plan.cancel_recvs == ["t-live"]
+    assert plan.counters == {"cleanup_requests": 5, "cleanup_ignored": 5, "params_rejected": 1}
+
+
+def test_vllm_cleanup_remembers_a_bounded_number_of_transfers() -> None:
+    book = _book("decode-0")
+    book.on_new_request("d0", _pull_leg("t-old"), PROMPT)
+    book.finished("d0", False, [], 40)
+    for i in range(REMEMBERED_TRANSFERS):
+        book.on_new_request(f"r{i}", {"transfer_id": f"t{i}"}, PROMPT)
+    book.take_plan()
+    book.on_new_request("cmpl-x", _pull_leg("t-old"), [0], cleanup=True)
+    assert book.take_plan().releases == [("t-old", (P_REF,), RELEASE_WHY)]

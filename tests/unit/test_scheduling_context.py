@@ -1,9 +1,11 @@
-"""A state machine driven without a transfer loop: :class:`PullSource` on a fake context.
+"""State machines driven without a transfer loop: :class:`PullSource` and the registrations
+of :class:`PushSource` on a fake context.
 
 The state machines reach their loop only through :class:`~kvbridge.scheduling.context.
-LoopContext`, so these tests run the P side of a pull with :class:`FakeLoop` (no sockets, no
-thread, no transport) and a hand-driven clock: every step is a plain call, every timer fires
-when the test says.
+LoopContext`, so these tests run the P side of a pull, and of a push up to its WRITE, with
+:class:`FakeLoop` (no sockets, no thread, no transport) and a hand-driven clock: every step is
+a plain call, every timer fires when the test says, every dial and call is answered by the
+test.
 """
 
 from __future__ import annotations
@@ -14,15 +16,27 @@ from typing import Any
 
 from kvbridge.config import Config
 from kvbridge.control import ReplyCallback, RequestContext
+from kvbridge.errors import PeerUnreachable
 from kvbridge.layout import KVLayout
-from kvbridge.messages import Ack, Cancel, CancelReply, ErrorKind, Message, PullClaim, PullDone
+from kvbridge.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    ErrorKind,
+    Message,
+    PullClaim,
+    PullDone,
+    PushRegister,
+    PushResult,
+)
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.leases import Timers
 from kvbridge.scheduling.observations import Observations
-from kvbridge.scheduling.peers import Peer, PeerCallback
+from kvbridge.scheduling.peers import Peer, PeerCallback, make_info
 from kvbridge.scheduling.pull import PullSource
+from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.results import Outcomes, ResultBox
 from kvbridge.scheduling.specs import SendPlan
 from kvbridge.testing.agents import make_caches
@@ -63,6 +77,8 @@ class FakeLoop:
     replies: list[tuple[RequestContext, Message]] = field(default_factory=list)
     calls: list[tuple[str, Message]] = field(default_factory=list)
     dialled: list[str] = field(default_factory=list)
+    dials: list[PeerCallback] = field(default_factory=list)  # answered by the test
+    answers: list[ReplyCallback] = field(default_factory=list)  # one per call
     watched: set[tuple[str, str]] = field(default_factory=set)
     cancelled: list[tuple[str, str]] = field(default_factory=list)
     marks: list[tuple[str, str]] = field(default_factory=list)
@@ -103,6 +119,7 @@ class FakeLoop:
     def call(self, address: str, msg: Message, timeout: float | None,
              callback: ReplyCallback) -> int:
         self.calls.append((address, msg))
+        self.answers.append(callback)
         return len(self.calls)
 
     def cancel(self, call_id: int) -> None:
@@ -110,6 +127,7 @@ class FakeLoop:
 
     def ensure(self, address: str, generation: str, callback: PeerCallback) -> None:
         self.dialled.append(address)
+        self.dials.append(callback)
 
     def watch(self, transfer_id: str, address: str, generation: str = "*") -> None:
         self.watched.add((transfer_id, address))
@@ -233,3 +251,120 @@ def test_a_claim_for_another_prompt_is_refused_and_counted() -> None:
     reply = src.on_claim(CTX, _claim(prompt_digest="other"))
     assert isinstance(reply, Ack) and reply.kind is ErrorKind.MISMATCH
     assert loop.stats["claim_refused"] == 1 and len(src) == 1
+
+
+# -- push registrations (issue 33 item 5) ------------------------------------------------------
+
+D_ADDR = "tcp://127.0.0.1:2"
+CTX_X = RequestContext(b"conn-x", b"rid-7")  # a stranger that read the live transfer id
+
+
+def _info(layout: KVLayout, engine_id: str, address: str) -> Any:
+    return make_info(engine_id=engine_id, generation=f"gen-{engine_id}", rank=0, tp_size=1,
+                     backend="fake", agent=engine_id, transport_metadata=b"", layout=layout,
+                     control_address=address, compat={}, checksum=False)
+
+
+def _push_source() -> tuple[FakeLoop, PushSource, Peer]:
+    _, layout = make_caches((2, 8, 4, 8))
+    loop = FakeLoop(layout, info=_info(layout, "prefill", "tcp://127.0.0.1:1"))
+    decode = Peer(_info(layout, "decode", D_ADDR), layout, "decode", D_ADDR)
+    return loop, PushSource(_context(loop)), decode
+
+
+def _register(loop: FakeLoop, **kw: Any) -> PushRegister:
+    fields: dict[str, Any] = dict(
+        transfer_id="t1", generation="*", engine_id="decode", sender_generation="gen-decode",
+        control_address=D_ADDR, block_ids=[7, 8, 9], num_tokens=10, prompt_digest="d",
+        layout_fingerprint=loop.layout.fingerprint())
+    return PushRegister(**{**fields, **kw})
+
+
+def _failed_result(loop: FakeLoop, ctx: RequestContext) -> str:
+    [result] = [m for c, m in loop.replies if c == ctx and isinstance(m, PushResult)]
+    assert not result.ok and result.error
+    return result.error
+
+
+def test_a_forged_registration_decode_never_made_is_refused_alone() -> None:
+    """Registered first, in D's name with other blocks: D refuses to confirm it. Only it
+    ends; D's own registration is then confirmed and the push goes on."""
+    loop, src, decode = _push_source()
+    assert src.on_register(CTX_X, _register(loop, block_ids=[1, 2, 3])) is None
+    assert src.on_register(CTX, _register(loop)) is None
+    forged_dial, real_dial = loop.dials
+    forged_dial(decode)  # P dials D for the forgery and asks it to confirm: refused
+    loop.answers[-1](Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER, error="not mine"))
+    assert "did not confirm" in _failed_result(loop, CTX_X)
+    real_dial(decode)
+    loop.answers[-1](Ack())
+    out = src.outs["t1"]
+    assert [t.ctx for t in out.targets] == [CTX] and out.complete() and out.error is None
+    assert loop.ended.get("t1") is None
+    assert loop.stats["confirm_refused"] == 1 and loop.stats["register_refused"] == 1
+
+
+def test_a_forged_registration_that_cannot_be_reached_or_is_another_engine_ends_alone() -> None:
+    loop, src, decode = _push_source()
+    src.on_register(CTX, _register(loop))
+    src.on_register(CTX_X, _register(loop, control_address="tcp://127.0.0.1:9"))
+    other = RequestContext(b"conn-y", b"rid-8")
+    src.on_register(other, _register(loop, engine_id="someone"))
+    real_dial, unreachable, impostor = loop.dials
+    unreachable(PeerUnreachable("connection refused"))
+    impostor(decode)  # the address answers as engine "decode", not "someone"
+    assert "cannot reach" in _failed_result(loop, CTX_X)
+    assert "not someone" in _failed_result(loop, other)
+    assert loop.stats["forged_register"] == 1
+    real_dial(decode)
+    loop.answers[-1](Ack())
+    assert src.outs["t1"].complete() and loop.ended.get("t1") is None
+
+
+def test_a_registration_for_another_prompt_is_refused_alone() -> None:
+    """Once P knows its plan, a registration for another prompt is refused at once; before,
+    when the plan comes. Neither ends the rightful registration."""
+    loop, src, _ = _push_source()
+    src.on_register(CTX, _register(loop))
+    early = RequestContext(b"conn-y", b"rid-8")
+    src.on_register(early, _register(loop, num_tokens=9))
+    src.prepare(PLAN)
+    assert "prefill computed 10 tokens" in _failed_result(loop, early)
+    refused = src.on_register(CTX_X, _register(loop, prompt_digest="other"))
+    assert isinstance(refused, Ack) and refused.kind is ErrorKind.MISMATCH
+    assert [t.ctx for t in src.outs["t1"].targets] == [CTX]
+    assert loop.ended.get("t1") is None and loop.stats["register_refused"] == 2
+
+
+def test_of_two_registrations_d_confirmed_for_one_rank_the_second_is_refused_alone() -> None:
+    """A copy of D's registration (D confirms both: it cannot tell them apart): the first
+    confirmed keeps the decode rank; the other is refused, the push is not failed."""
+    loop, src, decode = _push_source()
+    src.on_register(CTX, _register(loop))
+    src.on_register(CTX_X, _register(loop))
+    for dial in loop.dials:
+        dial(decode)
+    first, second = loop.answers
+    first(Ack())
+    second(Ack())
+    assert "already registered" in _failed_result(loop, CTX_X)
+    out = src.outs["t1"]
+    assert [t.ctx for t in out.targets] == [CTX] and out.complete() and out.error is None
+
+
+def test_a_push_that_ended_while_a_forgery_was_pending_closes_when_it_is_refused() -> None:
+    """The rightful push finished (here: D had the whole prompt, nothing to write) while a
+    forged registration was still being dialled: once that is refused, the push closes and
+    P's blocks are given back."""
+    loop, src, decode = _push_source()
+    src.on_register(CTX, _register(loop, block_ids=[], skip_blocks=3))
+    src.on_register(CTX_X, _register(loop, control_address="tcp://127.0.0.1:9"))
+    real_dial, unreachable = loop.dials
+    real_dial(decode)
+    loop.answers[-1](Ack())
+    src.ready(PLAN, None)
+    assert [m for c, m in loop.replies if c == CTX and isinstance(m, PushResult)] == [
+        PushResult(transfer_id="t1", ok=True, nbytes=0)]
+    unreachable(PeerUnreachable("connection refused"))
+    assert "t1" not in src.outs and loop.ended.get("t1") == "done"
+    assert loop.results.drain().finished_sending == {"req"}

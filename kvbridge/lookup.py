@@ -194,6 +194,13 @@ class LookupBuffer(Generic[K, V]):
         entry = self._live(key)
         return None if entry is None else entry.ref
 
+    def __getitem__(self, key: K) -> V:
+        """The live entry's reference; :class:`LookupMiss` (a ``KeyError``) if none."""
+        entry = self._live(key)
+        if entry is None:
+            raise LookupMiss(f"{self.name}: nothing held under {key!r}")
+        return entry.ref
+
     def __contains__(self, key: object) -> bool:
         return self._live(key) is not None
 

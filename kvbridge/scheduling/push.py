@@ -53,6 +53,7 @@ from kvbridge.blocks import prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
+from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -70,7 +71,7 @@ from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.push_limits import RegistrationLimits
-from kvbridge.scheduling.push_state import Out, Stage, Target
+from kvbridge.scheduling.push_state import Out, Stage, Target, push_table
 from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import SendPlan
 from kvbridge.transport import HandleState, Op
@@ -85,7 +86,7 @@ class PushSource:
 
     def __init__(self, core: LoopContext) -> None:
         self.core = core
-        self.outs: dict[str, Out] = {}
+        self.outs: LookupBuffer[str, Out] = push_table(clock=core.timers.clock)
         self.limits = RegistrationLimits(core.config.max_pending_per_peer,
                                          core.config.max_pending)
         self._announced: dict[str, None] = {}  # bounded, oldest first
@@ -115,15 +116,23 @@ class PushSource:
         if plan.layerwise or self.core.ended.get(plan.transfer_id) is not None:
             return
         out = self._with_plan(plan)
+        if out is None:
+            return
         for t in list(out.targets):
             self._prepare(out, t)
 
-    def _with_plan(self, plan: SendPlan) -> Out:
+    def _with_plan(self, plan: SendPlan) -> Out | None:
         """The push of ``plan`` knowing its plan (a registration that does not match it is
-        refused alone)."""
+        refused alone); None, and the transfer ended, if the push table is full."""
         out = self.outs.get(plan.transfer_id)
         if out is None:
-            out = self.outs[plan.transfer_id] = Out(plan.transfer_id)
+            try:
+                self.outs.insert(plan.transfer_id, out := Out(plan.transfer_id))
+            except BufferFull as exc:  # the transfer ends here: ready() frees its blocks
+                self.core.stats["push_table_full"] += 1
+                log.warning("push %s of %s not served: %s", plan.transfer_id, plan.req_id, exc)
+                self.core.ended.record(plan.transfer_id, f"not pushed: {exc}")
+                return None
         if out.plan is None:
             out.plan = plan
             for t in list(out.targets):
@@ -143,6 +152,10 @@ class PushSource:
                 core.results.sent(plan.req_id)
             return
         out = self._with_plan(plan)
+        if out is None:
+            if layer is None:
+                core.results.sent(plan.req_id)
+            return
         if layer is None:
             out.final = True
         planes = (list(range(len(core.layout.planes))) if layer is None
@@ -199,7 +212,11 @@ class PushSource:
             core.stats["register_refused_busy"] += 1
             return Ack(ok=False, kind=ErrorKind.BUSY, error=busy)
         if out is None:
-            out = self.outs[tid] = Out(tid)
+            try:
+                self.outs.insert(tid, out := Out(tid))
+            except BufferFull as exc:
+                core.stats["register_refused_busy"] += 1
+                return Ack(ok=False, kind=ErrorKind.BUSY, error=str(exc))
         t = Target(msg, ctx)
         out.targets.append(t)
         self.limits.take(ctx.conn, msg.control_address)  # given back by _end, once
@@ -569,7 +586,7 @@ class PushSource:
             return
         if out.error is None and not (out.final and out.complete()):
             return
-        del self.outs[out.tid]
+        self.outs.discard(out.tid)
         self._announced.pop(out.tid, None)
         for key in ("ready", "register"):
             core.timers.cancel((key, out.tid))

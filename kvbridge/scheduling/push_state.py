@@ -5,10 +5,13 @@ loop's thread owns it."""
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.blocks import PreparedRequest
 from kvbridge.control import RequestContext
+from kvbridge.lookup import LookupBuffer
 from kvbridge.messages import PushRegister
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.fences import Fence
@@ -16,7 +19,7 @@ from kvbridge.scheduling.peers import Peer
 from kvbridge.scheduling.specs import SendPlan
 from kvbridge.transport import TransferHandle
 
-__all__ = ["Stage", "Target", "Out"]
+__all__ = ["Stage", "Target", "Out", "MAX_PUSHES", "push_table"]
 
 
 class Stage(enum.Enum):
@@ -66,3 +69,16 @@ class Out:
     def complete(self) -> bool:
         """Every decode rank this rank writes to has registered (and was confirmed)."""
         return self.expected is not None and self.expected <= self.registered()
+
+
+#: pushes one prefill rank serves at once (registrations are bounded far below this by the
+#: fair limits, :mod:`~kvbridge.scheduling.push_limits`; plans by vLLM's running requests)
+MAX_PUSHES = 65536
+
+
+def push_table(capacity: int = MAX_PUSHES,
+               clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Out]:
+    """P's pushes: transfer id → the push (its plan when known, the registrations of the decode
+    ranks it writes). No lease of its own: its timers (registration, readiness, WRITEs) end
+    it; full is full (a registration is refused BUSY, a plan is not pushed)."""
+    return LookupBuffer("push-table", capacity, clock=clock)

@@ -81,3 +81,14 @@ class TestStagedPulls(LookupBufferConformance):
 
     def key(self, i: int) -> Any:
         return f"prefill-engine-0-cmpl-{i:08x}-0"
+
+
+class TestPushTable(LookupBufferConformance):
+    """P's pushes (kvbridge.scheduling.push_state.push_table), keyed by transfer id."""
+
+    def make(self, capacity: int, clock: FakeClock) -> LookupBuffer[Any, Any]:
+        from kvbridge.scheduling.push_state import push_table
+        return push_table(capacity, clock=clock)
+
+    def key(self, i: int) -> Any:
+        return f"proxy-{i:032x}"

@@ -82,7 +82,7 @@ class LookupBufferConformance:
         buf = self._buf(clock)
         k = self.key(1)
         assert buf.insert(k, self.ref(1), lease=10.0) == []
-        assert k in buf and buf.get(k) == self.ref(1) and len(buf) == 1
+        assert k in buf and buf.get(k) == buf[k] == self.ref(1) and len(buf) == 1
         assert buf.drop_select(k) == self.ref(1)
         assert k not in buf and len(buf) == 0
         with pytest.raises(LookupMiss):
@@ -108,6 +108,8 @@ class LookupBufferConformance:
         assert k in buf
         clock.now += 0.001
         assert k not in buf and buf.get(k) is None and buf.lookup([k]) == 0
+        with pytest.raises(KeyError):
+            buf[k]
         assert not buf.extend(k, 100.0)
         with pytest.raises(LookupMiss):
             buf.drop_select(k)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge import registry
-from kvbridge.lookup import LookupBuffer, Overflow
+from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss, Overflow
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.keys import tier_key
@@ -51,12 +51,14 @@ from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.tier import Tier, TierContext
 
-__all__ = ["OffloadManager", "build_tiers", "hold", "tier_index"]
+__all__ = ["OffloadManager", "build_tiers", "hold", "staging_buffer", "tier_index"]
 
 log = logging.getLogger("kvbridge.offload")
 
 #: staged chunks the scheduler never claimed are dropped after this long
 STAGE_TTL_S = 120.0
+#: lookups one rank holds at once; beyond, a lookup is answered "no hit" at once
+MAX_LOOKUPS = 1 << 16
 #: how many keys per unmanaged tier the manager remembers as stored (skips re-storing)
 KNOWN_KEYS = 1 << 16
 
@@ -88,6 +90,13 @@ def tier_index(name: str, chunks: int, *,
                         clock=clock)
 
 
+def staging_buffer(capacity: int = MAX_LOOKUPS, *,
+                   clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Any]:
+    """One rank's lookups: lookup id → the chunks staged for it, under a lease of
+    :data:`STAGE_TTL_S` (given at insert); full is full (a lookup is answered "no hit")."""
+    return LookupBuffer("offload lookups", capacity, clock=clock)
+
+
 def hold(index: LookupBuffer[str, None], keys: Sequence[str]) -> list[str]:
     """Insert or touch ``keys`` in ``index``, last to first (so a chain's head is used most
     recently and evicted last); return the keys evicted to make room."""
@@ -105,7 +114,6 @@ class _Lookup:
         self.chunks: list[bytes] = []
         self.done = False
         self.released = False
-        self.created = time.monotonic()
 
 
 class OffloadManager:
@@ -128,7 +136,8 @@ class OffloadManager:
         self._known: dict[str, LookupBuffer[str, None]] = {
             t.name: tier_index(f"{t.name} (stored)", KNOWN_KEYS)
             for t in self.tiers if not t.managed}
-        self._lookups: dict[str, _Lookup] = {}
+        #: lookup id → its staged chunks, for STAGE_TTL_S (a LookupBuffer home)
+        self._lookups: LookupBuffer[str, _Lookup] = staging_buffer()
         self._answers: dict[str, int] = {}
         self._stored: set[str] = set()
         self._staged_bytes = 0
@@ -248,10 +257,20 @@ class OffloadManager:
         tkeys = self.tkeys(order.keys)
         lk = _Lookup(order, tkeys)
         with self._lock:
-            old = self._lookups.pop(order.lookup_id, None)
+            old = self._lookups.discard(order.lookup_id)
             if old is not None:
                 self._drop(old)
-            self._lookups[order.lookup_id] = lk
+            try:
+                self._lookups.insert(order.lookup_id, lk, lease=STAGE_TTL_S)
+            except BufferFull:
+                self._answers[order.lookup_id] = 0  # a miss: vLLM computes the prompt
+                full = True
+            else:
+                full = False
+        if full:
+            self._count("offload_lookups_full", 1)
+            self._progress()
+            return
         self._count("offload_lookups", 1)
         if not self._advance(lk, blocking_ok=False):
             self._fast.put(lambda: self._finish_lookup(lk))
@@ -337,7 +356,10 @@ class OffloadManager:
         """Take the staged chunks ``order`` loads (the lookup ends); None, counted and logged,
         if they are not all staged."""
         with self._lock:
-            lk = self._lookups.pop(order.lookup_id, None)
+            try:  # a lookup whose staging expired does not serve (expire() drops it)
+                lk: _Lookup | None = self._lookups.drop_select(order.lookup_id)
+            except LookupMiss:
+                lk = None
             ok = (lk is not None and lk.done and not lk.released
                   and order.first + len(order.block_ids) <= len(lk.chunks))
             chunks: list[bytes] = []
@@ -355,7 +377,7 @@ class OffloadManager:
 
     def release(self, lookup_id: str) -> None:
         with self._lock:
-            lk = self._lookups.pop(lookup_id, None)
+            lk = self._lookups.discard(lookup_id)
             if lk is not None:
                 lk.released = True
                 self._drop(lk)
@@ -484,12 +506,10 @@ class OffloadManager:
         return out
 
     def _expire(self) -> None:
-        now = time.monotonic()
         with self._lock:
-            old = [lid for lid, lk in self._lookups.items()
-                   if lk.done and now - lk.created > STAGE_TTL_S]
-            for lid in old:
-                self._drop(self._lookups.pop(lid))
+            old = self._lookups.expire()
+            for _, lk in old:
+                self._drop(lk)  # a lookup still running sees it released and stops
         if old:
             self._count("offload_staging_expired", len(old))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,27 @@ def test_staging_budget_and_release(tmp_path: Path) -> None:
         r.manager.apply(OffloadPlan(releases=["L"]))
         assert r.manager.snapshot()["staged_bytes"] == 0
         assert r.lookup("N", keys) == 2
+    finally:
+        r.close()
+
+
+def test_staging_never_claimed_expires_and_then_does_not_serve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookups are a LookupBuffer with a lease of STAGE_TTL_S: staging the scheduler never
+    loaded is dropped (budget given back), and a load arriving after that is a load error."""
+    from kvbridge.offload import manager as mgr
+    monkeypatch.setattr(mgr, "STAGE_TTL_S", 0.2)
+    r = Rank(["dram"])
+    try:
+        keys = _keys(2)
+        r.store("a", keys, [0, 1])
+        assert r.lookup("L", keys) == 2
+        assert r.manager.snapshot()["staged_bytes"] > 0
+        time.sleep(0.3)
+        r.manager.take_answers()  # collects what expired
+        assert r.manager.snapshot()["staged_bytes"] == 0
+        assert r.manager.take_counters()["offload_staging_expired"] == 1
+        assert r.manager.apply(OffloadPlan(loads=[LoadOrder("L", 0, (4, 5))])) == {4, 5}
     finally:
         r.close()
 

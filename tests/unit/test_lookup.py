@@ -92,3 +92,14 @@ class TestPushTable(LookupBufferConformance):
 
     def key(self, i: int) -> Any:
         return f"proxy-{i:032x}"
+
+
+class TestOffloadLookups(LookupBufferConformance):
+    """One rank's staged tier lookups (kvbridge.offload.manager.staging_buffer)."""
+
+    def make(self, capacity: int, clock: FakeClock) -> LookupBuffer[Any, Any]:
+        from kvbridge.offload.manager import staging_buffer
+        return staging_buffer(capacity, clock=clock)
+
+    def key(self, i: int) -> Any:
+        return f"lookup-cmpl-{i}-0"

@@ -78,6 +78,12 @@ class Config:
     """Upper bound on one READ/WRITE; a timeout is a failure."""
     control_timeout_s: float = 5.0
     """Upper bound on one control-channel round trip."""
+    stall_s: float = 10.0
+    """D: how long a hand-off may make no progress before D gives it up (the load then fails
+    the way vLLM's ``kv_load_failure_policy`` says, and P is told to release). Progress: the
+    handshake with P finished, P answered the claim or registration, the READ finished (a READ
+    of N bytes may take ``stall_s`` + N / 64 MiB/s). A push waiting for P's prefill is not
+    stalled (``push_timeout_s`` bounds it)."""
     secret: str | None = None
     """Shared secret of the fleet: every control message, notification and shm handshake is
     HMAC-authenticated with it and replays are refused. Needed for a routable control address.
@@ -221,7 +227,8 @@ class Config:
 
     def _validate(self) -> None:
         for key in ("lease_s", "heartbeat_s", "push_timeout_s", "transfer_timeout_s",
-                    "control_timeout_s", "replay_window_s", "gone_grace_s", "prefill_wait_s"):
+                    "control_timeout_s", "stall_s", "replay_window_s", "gone_grace_s",
+                    "prefill_wait_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.heartbeat_s >= self.lease_s:

@@ -179,6 +179,7 @@ class _Call:
     rid: bytes
     callback: ReplyCallback
     deadline: float | None
+    timeout: float | None = None
     replies: int = 0
 
 
@@ -234,7 +235,7 @@ class RpcClient:
         call_id = next(self._ids)
         rid = (next(self._rids) & ((1 << 64) - 1)).to_bytes(8, "little")
         deadline = None if timeout is None else self._clock() + timeout
-        call = _Call(call_id, address, rid, callback, deadline)
+        call = _Call(call_id, address, rid, callback, deadline, timeout)
         try:
             conn = self._conn(address)
             if len(conn.calls) >= self._max_calls:
@@ -317,7 +318,8 @@ class RpcClient:
             if call is None or call.deadline is None or call.deadline > now:
                 continue
             self.cancel(call_id)
-            self._fail(call, PeerUnreachable(f"no answer from {call.address} in time"))
+            self._fail(call, PeerUnreachable(
+                f"no answer from {call.address} within {call.timeout or 0:.1f} s"))
 
     def next_deadline(self) -> float | None:
         while self._heap and self._heap[0][1] not in self._calls:

@@ -117,15 +117,23 @@ class ErrorKind(enum.StrEnum):
 MAX_PLACEMENT_CORES = 4096
 
 
+_Cores = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)], ...],
+                   msgspec.Meta(max_length=MAX_PLACEMENT_CORES)]
+
+
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """Where an engine rank runs: its host's boot id and the cores its threads may use.
+    """Where an engine rank runs: its host's boot id, the cores its transfer threads may use
+    (``cores``: those of the thread that made the rank, which every thread started after it
+    inherits), and the cores any thread of its process may use (``process_cores``, empty
+    where unknown or sent by an older engine; wider than ``cores`` where vLLM pinned the
+    worker's main thread to one core of the engine's list).
 
     Only compared, never trusted: a peer that lies about it can at most cause or hide a
     warning (:func:`kvbridge.host.placement.shared_core_warning`)."""
 
     host: Annotated[str, msgspec.Meta(max_length=64)]
-    cores: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)], ...],
-                     msgspec.Meta(max_length=MAX_PLACEMENT_CORES)]
+    cores: _Cores
+    process_cores: _Cores = ()
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,9 +1,14 @@
 """Where an engine rank runs, and the one placement known to break a transport.
 
-:func:`local_placement` reads this host's boot id and the cores the calling thread may use (in
-a vLLM CPU worker, the ``VLLM_CPU_OMP_THREADS_BIND`` core(s): vLLM binds the worker's main thread
-and every thread started after inherits it). It goes into this rank's
-:class:`~kvbridge.messages.EngineInfo`, so each side of a handshake knows the other's.
+:func:`local_placement` reads this host's boot id, the cores the calling thread may use, and
+the cores any thread of this process may use. In a vLLM CPU worker the first is one core even
+when the engine was given several: vLLM pins each OpenMP thread to one core of the rank's
+``VLLM_CPU_OMP_THREADS_BIND`` list, the worker's main thread (OpenMP's first) to the list's
+first core, and every thread started after it inherits that core — kvbridge's loop, NIXL's
+progress thread, UCX's threads. (Measured with ``VLLM_CPU_OMP_THREADS_BIND=0-1``: every thread of
+the worker but one OpenMP thread on core 0; with ``nobind``, all on cores 0-1.) It goes into
+this rank's :class:`~kvbridge.messages.EngineInfo`, so each side of a handshake knows the
+other's.
 
 :func:`shared_core_warning` says when two ranks on one host are both confined to the same
 single core over a transport that is not ``shared_core_safe`` (its
@@ -27,14 +32,16 @@ from collections.abc import Sequence
 from kvbridge.messages import MAX_PLACEMENT_CORES, EngineInfo, Placement
 from kvbridge.transport import Capabilities
 
-__all__ = ["fleet_cores", "local_placement", "shared_core_warning", "BOOT_ID_PATH", "DOCS"]
+__all__ = ["fleet_cores", "local_placement", "process_cores", "shared_core_warning",
+           "BOOT_ID_PATH", "DOCS"]
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 DOCS = "docs/backends/nixl.md#known-issue-ucx-never-confine-a-p-and-a-d-to-the-same-core"
 
 
 def local_placement(boot_id_path: str = BOOT_ID_PATH) -> Placement | None:
-    """This host's boot id and the calling thread's allowed cores, or ``None`` if unknown."""
+    """This host's boot id, the calling thread's allowed cores and the union of every thread's
+    of this process (:func:`process_cores`), or ``None`` if unknown."""
     try:
         with open(boot_id_path) as f:
             host = f.read().strip()[:64]
@@ -43,7 +50,32 @@ def local_placement(boot_id_path: str = BOOT_ID_PATH) -> Placement | None:
         return None
     if not host or not cores or len(cores) > MAX_PLACEMENT_CORES:
         return None
-    return Placement(host=host, cores=cores)
+    return Placement(host=host, cores=cores, process_cores=process_cores())
+
+
+def process_cores(tasks: str = "/proc/self/task") -> tuple[int, ...]:
+    """The cores any thread of this process may use (empty if unknown)."""
+    cores: set[int] = set()
+    try:
+        for tid in os.listdir(tasks):
+            try:
+                cores |= os.sched_getaffinity(int(tid))
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+    except (OSError, AttributeError):
+        return ()
+    return tuple(sorted(cores)) if len(cores) <= MAX_PLACEMENT_CORES else ()
+
+
+def _span(cores: Sequence[int]) -> str:
+    """``0-3,6`` for (0, 1, 2, 3, 6)."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def shared_core_warning(mine: EngineInfo, theirs: EngineInfo, transport: str,
@@ -55,10 +87,19 @@ def shared_core_warning(mine: EngineInfo, theirs: EngineInfo, transport: str,
         return None
     if len(a.cores) != 1 or a.cores != b.cores:
         return None
-    return (f"engine {theirs.engine_id} rank {theirs.rank} runs on this host confined to the "
-            f"same single core ({a.cores[0]}) as this rank: the {transport} transport's first "
-            f"connection between them can livelock and stall hand-offs for minutes; give P and "
-            f"D engines disjoint cores ({DOCS})")
+    wider = [f"{who} process may use cores {_span(p.process_cores)}"
+             for who, p in (("its", b), ("this rank's", a)) if len(p.process_cores) > 1]
+    why = ""
+    if wider:
+        why = (f" ({' and '.join(wider)}, but a vLLM CPU worker pins its main thread, and so "
+               "every thread started after it, to the first core of its "
+               "VLLM_CPU_OMP_THREADS_BIND list; VLLM_CPU_OMP_THREADS_BIND=nobind leaves them on "
+               "all of the process's cores)")
+    return (f"engine {theirs.engine_id} rank {theirs.rank} runs on this host with its transfer "
+            f"threads (kvbridge's loop, the transport's threads) confined to the same single "
+            f"core ({a.cores[0]}) as this rank's{why}: the {transport} transport's first "
+            f"connection between them can livelock, and hand-offs stall until stall_s gives "
+            f"them up; give P and D engines' first cores apart ({DOCS})")
 
 
 def fleet_cores(cpus: Sequence[int], prefill: int, decode: int) -> tuple[list[int], list[int]]:

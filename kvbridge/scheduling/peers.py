@@ -17,7 +17,11 @@ and logged at WARNING (at most once a second); nothing of it is kept.
 
 Handshakes are asynchronous (through the loop's :class:`~kvbridge.control.RpcClient`), and
 loading a peer into the transport (which may itself take a round trip, e.g. shm proving the
-peer's process) runs on a helper thread, so a hung peer never stalls the loop. Concurrent
+peer's process) runs on helper threads (:data:`ADD_THREADS`), so a hung peer never stalls the
+loop, and a transport stuck adding one peer (NIXL's connection set-up can livelock) does not
+hold up the handshakes of others (up to ``ADD_THREADS - 1`` stuck at once). The receive that
+waits on a stuck handshake gives up after ``stall_s``; the handshake itself goes on, and its
+peer is kept if it ever completes. Concurrent
 :meth:`PeerTable.ensure` calls for one address share one handshake. The table is
 bounded (least recently used peers are forgotten first). Owned by the loop thread.
 """
@@ -51,11 +55,13 @@ from kvbridge.scheduling.leases import Prober
 from kvbridge.scheduling.mapping import check_block_sizes
 from kvbridge.transport import Transport
 
-__all__ = ["Peer", "PeerTable", "check_compatible", "ANY_GENERATION"]
+__all__ = ["Peer", "PeerTable", "check_compatible", "ANY_GENERATION", "ADD_THREADS"]
 
 log = logging.getLogger("kvbridge.peers")
 
 ANY_GENERATION = "*"
+#: helper threads adding peers to the transport (each address has at most one add running)
+ADD_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,8 @@ class PeerTable:
         self.me = me
         self._loopback_only = loopback_only
         self._submit = submit
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-peers")
+        self._pool = ThreadPoolExecutor(max_workers=ADD_THREADS,
+                                        thread_name_prefix="kvbridge-peers")
         self._prober = prober
         self._transport = transport
         self._rpc = rpc

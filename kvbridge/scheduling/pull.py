@@ -13,7 +13,11 @@ With equal TP on both sides the one consumer is the decode rank of the same rank
 
 D side (:class:`PullSink`), per transfer and prefill rank read from (one part; several with
 heterogeneous TP, joined by a :class:`~kvbridge.scheduling.fanin.FanIn`): handshake (cached) →
-claim → READ (bounded by ``transfer_timeout_s``) → DONE → received. The READ is built while the
+claim → READ (bounded by ``transfer_timeout_s``) → DONE → received. A part that makes no
+progress is given up within ``stall_s`` (the handshake, the claim's answer) or, for a posted
+READ of N bytes, ``stall_s`` + N / :data:`STALL_READ_RATE` (when that is below
+``transfer_timeout_s``), not after ``push_timeout_s``. A claim P did not answer is followed by a
+Cancel (P may accept it after D gave up); a refused one is not. The READ is built while the
 claim is in flight (:func:`~kvbridge.blocks.prepare_parts`, where the transport builds requests
 ahead and the part is one sub-transfer), so an accepted claim only posts it; a part that ends
 before posting discards it. Every failure before the
@@ -54,13 +58,16 @@ from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import PullSpec, SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
-__all__ = ["PullSource", "PullSink", "MAX_STAGED", "staged_buffer"]
+__all__ = ["PullSource", "PullSink", "MAX_STAGED", "STALL_READ_RATE", "staged_buffer"]
 
 log = logging.getLogger("kvbridge.pull")
 
 _MAX_EARLY_CLAIMS = 1024
 #: transfers one prefill rank holds staged at once (each pins blocks until D reads them)
 MAX_STAGED = 65536
+#: bytes per second a posted READ must at least move to not count as stalled: a READ of N bytes
+#: is given up after ``stall_s`` + N / STALL_READ_RATE (``transfer_timeout_s`` at most)
+STALL_READ_RATE = 64 << 20
 
 
 @dataclass
@@ -373,6 +380,7 @@ class PullSink(Receiver[_Pull]):
                           num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
                           part=ClaimPart(tp_size=core.tp_size, rank=core.rank,
                                          block_size=core.layout.block_size, first_token=first))
+        self._expect(job, core.config.stall_s, f"prefill {job.address} did not answer the claim")
         core.rpc.call(job.address, claim, core.config.control_timeout_s,
                       lambda reply: self._claimed(job, reply))
         if self._live(job):  # else the claim failed at once (its callback ran inside call)
@@ -408,9 +416,13 @@ class PullSink(Receiver[_Pull]):
         if not self._live(job):
             return False
         if not (isinstance(reply, Ack) and reply.ok):
-            why = reply.error if isinstance(reply, Ack) else str(reply)
             self.core.stats["claim_refused"] += 1
-            self._fail(job, f"prefill refused the claim: {why}", cancel=False)
+            if isinstance(reply, Ack):
+                self._fail(job, f"prefill refused the claim: {reply.error}", cancel=False)
+            else:  # no answer: P may still take the claim when it reads it, so say we gave up
+                self._fail(job, f"prefill did not answer the claim: {reply}"
+                           if isinstance(reply, KVBridgeError) else
+                           f"prefill answered the claim with {type(reply).__name__}")
             return False
         assert job.peer is not None
         core, s = self.core, job.spec
@@ -428,6 +440,12 @@ class PullSink(Receiver[_Pull]):
         core.watch_handle(job.handle)
         core.timers.set(("read", s.transfer_id, job.address), core.config.transfer_timeout_s,
                         lambda: self._timed_out(job))
+        bound = core.config.stall_s + job.handle.nbytes / STALL_READ_RATE
+        if bound < core.config.transfer_timeout_s:
+            self._expect(job, bound, f"the READ of {job.handle.nbytes} bytes from prefill "
+                                     f"{job.address} did not finish")
+        else:
+            self._progressed(job)
         return False
 
     def poll(self) -> None:
@@ -441,6 +459,7 @@ class PullSink(Receiver[_Pull]):
                 continue
             job.reading = False
             self.core.timers.cancel(("read", job.tid, job.address))
+            self._progressed(job)
             self._observe(job, handle, state)
             if job.failure is not None:  # already failed (timeout, abort): blocks now safe
                 self._forget(job)
@@ -496,6 +515,9 @@ class PullSink(Receiver[_Pull]):
             if self._live(job) and job.handle is None:
                 self._fail(job, f"no READ posted within {self.core.config.push_timeout_s} s")
 
+    def _stalled_part(self, part: _Pull, why: str) -> None:
+        self._fail(part, why)
+
     def _timed_out(self, job: _Pull) -> None:
         if self._live(job):
             self.core.count("transfer_timeout", "pull", job.peer)
@@ -529,6 +551,8 @@ class PullSink(Receiver[_Pull]):
         if cancel:
             core.cancel_remote(job.address, s.transfer_id, why)
         self._discard(job)
+        self._progressed(job)
+        core.heartbeats.unwatch(s.transfer_id, job.address)  # D wants nothing more of P
         reading = job.reading
         job.failure = why
         core.count("recv_failed", "pull", job.peer, stats=False)  # results.fail counts it

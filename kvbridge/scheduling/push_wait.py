@@ -8,7 +8,8 @@ and did not cancel; from then on P may write) → the registration's final ``Pus
 (byte count and checksum checked against this rank's side of the part) → received. Giving up
 (timeout, abort) before confirming is safe at once; after, D sends Cancel and keeps its blocks
 until P answers that no WRITE is in flight, P's ``PushResult`` arrives, or P is proven gone
-(plus ``gone_grace_s``).
+(plus ``gone_grace_s``). The handshake and the registration's first answer must each come
+within ``stall_s``; after that D waits for P's prefill, which ``push_timeout_s`` bounds.
 
 Runs on the transfer loop's thread.
 """
@@ -91,6 +92,8 @@ class PushSink(Receiver[_In]):
             control_address=core.control_address, block_ids=list(s.local_ids),
             skip_blocks=s.skip_blocks, num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
             layout_fingerprint=core.info.layout_fingerprint)
+        self._expect(w, core.config.stall_s,
+                     f"prefill {w.address} did not answer the registration")
         w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
                                lambda reply: self._answer(w, reply))
         core.stats["push_registered"] += 1
@@ -108,8 +111,9 @@ class PushSink(Receiver[_In]):
         if w not in self.jobs.get(w.tid, ()):
             return False
         if isinstance(reply, Ack):
-            if reply.ok:
-                return True  # registered; the PushResult follows on this call
+            if reply.ok:  # registered; the PushResult follows on this call, after P's
+                self._progressed(w)  # prefill: push_timeout_s bounds that, not stall_s
+                return True
             # P refuses a registration alone (push.py); one that does not match P's prompt or
             # layout is ours and cannot be served: say so, P need not hold its KV for a lease
             self._fail(w, f"prefill refused the registration: {reply.error}", safe=True,
@@ -176,6 +180,9 @@ class PushSink(Receiver[_In]):
         w.state = _Wait.CONFIRMED
         w.confirmed_after = core.heartbeats.sent
         return Ack()
+
+    def _stalled_part(self, part: _In, why: str) -> None:
+        self._give_up(part, why)
 
     def _timed_out(self, tid: str) -> None:
         live = [w for w in self.jobs.get(tid, ()) if self._live(w)]
@@ -247,6 +254,7 @@ class PushSink(Receiver[_In]):
         core, s = self.core, w.spec
         if cancel and w.state is not _Wait.DIALING:
             core.cancel_remote(w.address, s.transfer_id, why)
+        self._progressed(w)
         w.failure = why
         core.count("recv_failed", "push", w.peer, stats=False)  # results.fail counts it
         if safe:

@@ -6,8 +6,11 @@ when there are several, to a :class:`~kvbridge.scheduling.fanin.FanIn` that repo
 receive once. :class:`Receiver` keeps the parts (``jobs``: transfer id → its parts), opens a
 receive (:meth:`Receiver._open`: refuses a second one of the same id, bounds the whole
 hand-off by ``push_timeout_s``, keeps each prefill rank's lease alive with heartbeats and dials
-it) and forgets a part that ended (:meth:`Receiver._drop`). What happens between the dial and
-the end is the subclass's: :class:`~kvbridge.scheduling.pull.PullSink` (claim, READ, DONE) and
+it), watches each part for progress (:meth:`Receiver._expect`: a part that does not reach its
+next step within ``stall_s``, or the bound its step names, is given up through
+:meth:`Receiver._stalled_part`; the dial starts it) and forgets a part that ended
+(:meth:`Receiver._drop`). What happens between the dial and the end is the subclass's:
+:class:`~kvbridge.scheduling.pull.PullSink` (claim, READ, DONE) and
 :class:`~kvbridge.scheduling.push_wait.PushSink` (register, confirm, wait for the WRITE).
 
 Loop thread only.
@@ -126,10 +129,32 @@ class Receiver(Generic[P]):
         core.timers.set((self.kind, tid), core.config.push_timeout_s, lambda: stalled(tid))
         for part in parts:
             core.heartbeats.watch(tid, part.address, part.source.generation)
+            self._expect(part, core.config.stall_s,
+                         f"the handshake with prefill {part.address} did not finish")
         for part in parts:
             if self._live(part):  # an earlier part's failure may have given it up already
                 core.peers.ensure(part.address, part.source.generation,
                                   functools.partial(self._handshaken, part))
+
+    def _expect(self, part: P, bound: float, what: str) -> None:
+        """``part`` must make its next step within ``bound`` seconds (replacing the step it
+        waited for before): else it is counted (``handoff_stalled``) and given up, the reason
+        saying ``what`` did not happen."""
+        self.core.timers.set(("stall", part.tid, part.address), bound,
+                             lambda: self._no_progress(part, bound, what))
+
+    def _progressed(self, part: P) -> None:
+        """``part`` waits for nothing that ``stall_s`` bounds (any more)."""
+        self.core.timers.cancel(("stall", part.tid, part.address))
+
+    def _no_progress(self, part: P, bound: float, what: str) -> None:
+        if self._live(part):
+            self.core.count("handoff_stalled", self.kind, part.peer)
+            self._stalled_part(part, f"no progress within {bound:.1f} s: {what}")
+
+    def _stalled_part(self, part: P, why: str) -> None:
+        """Give ``part`` up: it made no progress (``why``)."""
+        raise NotImplementedError
 
     def _handshaken(self, part: P, result: Peer | KVBridgeError) -> None:
         """The dial of ``part``'s prefill rank ended (the peer, or why not)."""
@@ -143,6 +168,7 @@ class Receiver(Generic[P]):
         """``part`` ended: forget it (the last part of its receive ends the hand-off timer)
         and stop keeping its prefill rank's lease alive."""
         tid = part.tid
+        self._progressed(part)
         parts = self.jobs.get(tid)
         if parts is not None and part in parts:
             parts.remove(part)

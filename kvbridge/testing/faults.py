@@ -25,6 +25,18 @@ notification handed to ``send_notification`` or attached to a transfer counts, i
 ``drop_notification`` (n or a collection of n)
     Notification n is swallowed: a standalone one is never sent (and its peer name is not
     checked); an attached one is stripped and its transfer otherwise runs normally.
+``stall`` (n or a collection of n)
+    Transfer n makes no progress: it is posted (its bytes may land) but its handle stays
+    PENDING, and an attached notification is held back, until :meth:`FaultyTransport.unstall`
+    (then it completes as usual) or :meth:`~FaultyTransport.close` (then it ends FAILED). What a
+    READ or WRITE looks like when the peer's side of the transport livelocks.
+``stall_add_peer`` (n or a collection of n)
+    Call n of ``add_peer`` (counted from 1, every call) blocks until :meth:`unstall` (then it
+    adds the peer as usual) or :meth:`close` (then it raises :class:`TransportClosed`): a
+    connection set-up that never finishes, as NIXL's ``add_remote_agent`` can on a shared core.
+
+:class:`FaultyBackend` is the same wrapper as a backend plugin, for tests that inject faults into
+engines they start (a vLLM engine builds its transport from its configuration).
 
 Every injected fault is appended to :attr:`FaultyTransport.injected` as ``(kind, n)``, so a test
 can assert it really happened. Transfers with no fault and no delay return the inner transport's
@@ -40,12 +52,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import TransferTimeout, TransportClosed
+from kvbridge import registry
+from kvbridge.errors import ConfigError, TransferTimeout, TransportClosed
 from kvbridge.transport import (
     DescriptorArray,
     HandleState,
@@ -56,7 +70,7 @@ from kvbridge.transport import (
     notifying,
 )
 
-__all__ = ["FaultyTransport"]
+__all__ = ["FaultyTransport", "FaultyBackend", "FAULTS"]
 
 log = logging.getLogger("kvbridge.testing.faults")
 
@@ -92,6 +106,8 @@ class _Pending:
     restore: int | None  # WRITE: source byte to flip back
     flip_landed: int | None  # READ: landed byte to flip
     notification: bytes | None  # held back until the delay passed
+    stalled: bool = False  # completes only after unstall() (or fails at close)
+    cut: bool = False  # still stalled when the transport closed: ends FAILED
 
 
 class FaultyTransport(Transport):
@@ -108,6 +124,8 @@ class FaultyTransport(Transport):
         corrupt: int | Iterable[int] | None = None,
         corrupt_offset: int = 0,
         drop_notification: int | Iterable[int] | None = None,
+        stall: int | Iterable[int] | None = None,
+        stall_add_peer: int | Iterable[int] | None = None,
     ) -> None:
         super().__init__(inner.agent_name, inner.options)
         self.inner = inner
@@ -117,6 +135,11 @@ class FaultyTransport(Transport):
         self.corrupt = _nths(corrupt)
         self.corrupt_offset = int(corrupt_offset)
         self.drop_notification = _nths(drop_notification)
+        self.stall = _nths(stall)
+        self.stall_add_peer = _nths(stall_add_peer)
+        self._stalled: list[TransferHandle] = []
+        self._unstalled = threading.Event()
+        self._adds = itertools.count(1)
         self.injected: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         self._transfers = itertools.count(1)
@@ -137,6 +160,16 @@ class FaultyTransport(Transport):
         self.inner.attest(proof, peer_metadata)
 
     def add_peer(self, metadata: bytes, proof: bytes) -> str:
+        with self._lock:
+            n = next(self._adds)
+            stalled = n in self.stall_add_peer
+            if stalled:
+                self._record("stall_add_peer", n)
+        if stalled:
+            self._unstalled.wait()
+            if self._closed:
+                raise TransportClosed(f"faulty transport {self.agent_name!r} closed while "
+                                      f"add_peer #{n} was stalled")
         return self.inner.add_peer(metadata, proof)
 
     def on_peer_lost(self, callback: Callable[[str], None] | None) -> None:
@@ -176,10 +209,11 @@ class FaultyTransport(Transport):
             n = next(self._transfers)
             note_n = next(self._notes) if notification is not None else None
             fail, corrupt = n in self.fail, n in self.corrupt
+            stall = n in self.stall and not fail
             send = notification
             if note_n is not None and note_n in self.drop_notification:
                 send = None
-            held = send if (self.delay > 0 and not fail) else None
+            held = send if ((self.delay > 0 or stall) and not fail) else None
             inner_note = None if (fail or held is not None) else send
             restore = flip_landed = None
             if corrupt:
@@ -204,14 +238,28 @@ class FaultyTransport(Transport):
                 self._record("fail", n)
             if corrupt:
                 self._record("corrupt", n)
-            if not (fail or corrupt or self.delay > 0):
+            if stall:
+                self._record("stall", n)
+            if not (fail or corrupt or stall or self.delay > 0):
                 return handle  # transparent
             outer = TransferHandle(op, peer, handle.nbytes, handle.count)
             outer.native = _Pending(
-                handle, n, outer.started + self.delay, fail, restore, flip_landed, held
+                handle, n, outer.started + self.delay, fail, restore, flip_landed, held, stall
             )
-            self._queue.put(outer)
+            if stall and not self._unstalled.is_set():
+                self._stalled.append(outer)
+            else:
+                self._queue.put(outer)
             return outer
+
+    def unstall(self) -> None:
+        """End every stall injected so far and to come: stalled transfers complete as usual
+        (in submission order) and stalled ``add_peer`` calls go on."""
+        with self._lock:
+            self._unstalled.set()
+            stalled, self._stalled = self._stalled, []
+            for outer in stalled:
+                self._queue.put(outer)
 
     def _complete(self) -> None:
         while True:
@@ -229,6 +277,9 @@ class FaultyTransport(Transport):
                 self._stop.wait(left)
             if p.fail:
                 outer.fail(f"injected failure of transfer #{p.number}")
+                continue
+            if p.cut:
+                outer.fail(f"transfer #{p.number} was stalled until the transport closed")
                 continue
             if state is not HandleState.DONE:
                 outer.fail(p.inner.error or "transfer failed")
@@ -263,10 +314,45 @@ class FaultyTransport(Transport):
                 return
             with self._lock:
                 self._closed = True
+                stalled, self._stalled = self._stalled, []
+                for outer in stalled:
+                    outer.native.cut = True
+                    self._queue.put(outer)
                 self._queue.put(None)
+                self._unstalled.set()  # stalled add_peer calls raise TransportClosed
             self._stop.set()
             end = time.monotonic() + timeout
             self._thread.join(timeout)
             self.inner.close(max(0.0, end - time.monotonic()))
             self._abandon.set()
             self._thread.join(5.0)
+
+
+#: the keyword arguments of :class:`FaultyTransport` that name faults
+FAULTS = frozenset({"delay", "fail", "corrupt", "corrupt_offset", "drop_notification", "stall",
+                    "stall_add_peer"})
+
+
+class FaultyBackend(FaultyTransport):
+    """:class:`FaultyTransport` as a backend plugin (``Transport(agent_name, options)``), for
+    tests that inject faults into engines they start. ``backend_options``: ``inner`` (the
+    wrapped backend's name, default ``shm``), ``faults`` (a mapping of :data:`FAULTS` to
+    values, as the keyword arguments of :class:`FaultyTransport`), and the inner backend's own
+    options. It presents itself under the inner backend's ``name`` and capabilities, so an
+    engine using it hands off with engines of that backend.
+
+    Test-only: no distribution registers it. A test that wants it declares the entry point
+    itself, on the path of the engines it starts (``tests/engines/test_vllm_faults.py``)."""
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
+        opts = dict(options or {})
+        inner_name = opts.pop("inner", "shm")
+        faults = opts.pop("faults", {})
+        if not isinstance(inner_name, str):
+            raise ConfigError(f"backend_options.inner: a backend name, got {inner_name!r}")
+        if not isinstance(faults, Mapping) or not set(faults) <= FAULTS:
+            raise ConfigError(f"backend_options.faults: a mapping of {sorted(FAULTS)}, got "
+                              f"{faults!r}")
+        inner = registry.create(inner_name, agent_name, opts)
+        super().__init__(inner, **dict(faults))
+        setattr(self, "name", inner.name)  # noqa: B010 - per instance: it is the inner backend

@@ -2,6 +2,10 @@
 killed and restarted under load. One P and one D over ``shm`` (the semantics tested here live
 in the core, not in a transport), with the HTTP guard in front of each engine.
 
+Two tests start one more engine of their own: a P with other weights (the negative control) and
+a D whose transport stalls (issue 33: the test-only ``faulty`` backend, registered on that
+engine's path only).
+
 Every test ends with the same three checks the fault matrix (docs/operations.md) promises:
 no engine crashed (both still serve), no wrong output (every answer that is HTTP 200 equals
 the single-engine reference), and no blocks still held one lease later.
@@ -10,9 +14,11 @@ the single-engine reference), and no blocks still held one lease later.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -486,6 +492,61 @@ def test_decode_restarted_at_the_same_address(cluster: Cluster) -> None:
     assert status == 200 and out == cluster.reference(prompt)
     assert time.monotonic() - t0 < 15
     _healthy(cluster, 19)
+
+
+def _faulty_backend_path(where: Path) -> str:
+    """A directory that, on an engine's ``PYTHONPATH``, registers the test-only backend
+    ``faulty`` (:class:`kvbridge.testing.faults.FaultyBackend`): an entry point of a
+    distribution that exists only there, so no production install knows the name."""
+    dist = where / "kvbridge_faulty_test-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-faulty-test\n"
+                                   "Version: 0\n")
+    (dist / "entry_points.txt").write_text(
+        "[kvbridge.backends]\nfaulty = kvbridge.testing.faults:FaultyBackend\n")
+    return os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def test_a_pull_that_stalls_is_recomputed_within_stall_s(cluster: Cluster,
+                                                         tmp_path: Path) -> None:
+    """Issue 33: D's first connection set-up to P never finishes (a transport whose first
+    ``add_peer`` blocks, as NIXL's ``add_remote_agent`` did on a shared core). D gives the
+    hand-off up after ``stall_s`` (2 s), not ``push_timeout_s`` (30 s here), and with
+    ``kv_load_failure_policy: recompute`` the client gets HTTP 200 and the reference tokens,
+    within seconds; P is told and holds nothing."""
+    assert cluster.p is not None
+    stall_s, ctl = 2.0, free_port()
+    kv = _connector("kv_consumer", "faults-D-stall", ctl)
+    kv["kv_load_failure_policy"] = "recompute"
+    kv["kv_connector_extra_config"].update(
+        backend="faulty", stall_s=stall_s,
+        backend_options={"inner": "shm", "faults": {"stall_add_peer": [1]}})
+    stalling = VllmServer(cluster.model, name="decode-stall", port=free_port(),
+                          kv_transfer_config=kv, cpu_bind="1",
+                          env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2",
+                               "PYTHONPATH": _faulty_backend_path(tmp_path / "plugin")},
+                          extra_args=["--block-size", "32"],
+                          log_path=cluster.logs / "decode-stall.log")
+    address = f"tcp://127.0.0.1:{ctl}"
+    try:
+        start_servers([stalling], timeout=600)
+        prompt = random_prompts(1, 150, seed=40)[0]
+        ref = cluster.reference(prompt)
+        staged = complete(cluster.p.url, prompt, 1, {"do_remote_decode": True,
+                                                     "transfer_id": "stalled-pull"})
+        t0 = time.monotonic()
+        status, out = _post(stalling.url, prompt, staged["kv_transfer_params"])
+        took = time.monotonic() - t0
+        assert (status, out) == (200, ref)
+        assert took < stall_s + 8, f"the stalled pull took {took:.1f} s"
+        why = cluster.outcome(address, "stalled-pull") or ""
+        assert "no progress within 2.0 s" in why and "handshake" in why, why
+        assert cluster.stats(address).stats.get("handoff_stalled", 0) == 1
+        assert cluster.wait_idle(cluster.p_ctl, timeout=5) == 0  # released at D's word
+        assert "cancelled by decode" in (cluster.outcome(cluster.p_ctl, "stalled-pull") or "")
+    finally:
+        stalling.stop()
+    _healthy(cluster, 41)
 
 
 def test_negative_control_kv_from_other_weights_changes_output(cluster: Cluster) -> None:

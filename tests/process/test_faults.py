@@ -167,6 +167,79 @@ def test_close_with_delayed_transfers_does_not_hang(make: Any) -> None:
     assert all(ft.poll(h).terminal for h in handles)
 
 
+def test_stalled_transfer_stays_pending_until_unstalled(make: Any, peer: PeerProcess) -> None:
+    ft, pair = make(stall=2)
+    first = _write(pair, [1], [1], b"s1")
+    stalled = _write(pair, [2], [2], b"s2")
+    assert ft.wait(first, 10) is HandleState.DONE
+    time.sleep(0.5)
+    assert ft.poll(stalled) is HandleState.PENDING
+    got, _ = peer.notifications(2, timeout=0.5)
+    assert [m for _, m in got] == [b"s1"]  # the stalled one's notification is held back
+    ft.unstall()
+    assert ft.wait(stalled, 10) is HandleState.DONE
+    got, _ = peer.notifications(1, timeout=10)
+    assert [m for _, m in got] == [b"s2"]
+    assert ft.injected == [("stall", 2)]
+
+
+def test_stalled_transfer_fails_at_close(make: Any) -> None:
+    ft, pair = make(stall=1)
+    h = _write(pair, [4], [4])
+    t0 = time.monotonic()
+    ft.close(timeout=2.0)
+    assert time.monotonic() - t0 < 10
+    assert ft.poll(h) is HandleState.FAILED and "stalled" in (h.error or "")
+
+
+def test_stalled_add_peer_blocks_until_unstalled_or_closed(peer: PeerProcess) -> None:
+    import threading
+
+    from kvbridge.errors import TransportClosed
+
+    for end in ("unstall", "close"):
+        ft = FaultyTransport(ShmTransport(f"faulty-{uuid.uuid4().hex[:8]}"), stall_add_peer=1)
+        try:
+            buf, _ = kv_buffer(2, 16, 4096, 3)
+            meta = ft.register_memory([MemoryRegion(buf.ctypes.data, buf.nbytes)])
+            remote = peer.setup(2, 16, 4096, 4)
+            proof = peer.invite(meta)
+            out: list[object] = []
+
+            def add(remote: Any = remote, proof: bytes = proof, ft: FaultyTransport = ft,
+                    out: list[object] = out) -> None:
+                try:
+                    out.append(ft.add_peer(remote.metadata, proof))
+                except TransportClosed as exc:
+                    out.append(exc)
+
+            t = threading.Thread(target=add)
+            t.start()
+            t.join(0.5)
+            assert t.is_alive() and out == []  # stalled
+            ft.unstall() if end == "unstall" else ft.close(2.0)
+            t.join(10)
+            assert len(out) == 1
+            assert isinstance(out[0], str if end == "unstall" else TransportClosed), out
+            assert ft.injected == [("stall_add_peer", 1)]
+        finally:
+            ft.close()
+
+
+def test_faulty_backend_presents_its_inner_backend() -> None:
+    from kvbridge.errors import ConfigError
+    from kvbridge.testing.faults import FaultyBackend
+
+    fb = FaultyBackend("fb", {"inner": "shm", "faults": {"stall": [1, 3]}})
+    try:
+        assert fb.name == "shm" and fb.stall == frozenset({1, 3})
+        assert fb.capabilities == fb.inner.capabilities
+    finally:
+        fb.close()
+    with pytest.raises(ConfigError, match="faults"):
+        FaultyBackend("fb", {"faults": {"explode": 1}})
+
+
 class TestFaultyTransportConformance(TransportConformance):
     """The whole suite through the wrapper (a small delay routes every transfer through it)."""
 

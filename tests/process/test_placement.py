@@ -39,6 +39,29 @@ def test_local_placement_is_this_host_and_this_threads_cores() -> None:
     assert got.cores == tuple(sorted(os.sched_getaffinity(0)))
 
 
+def test_a_thread_pinned_to_one_core_reports_it_and_its_process_cores() -> None:
+    """What a vLLM CPU worker given cores 0-1 looks like (issue 33): its main thread, and the
+    transfer threads started after it, are pinned to core 0 while the process runs on both."""
+    import threading
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    got: list[object] = []
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {cpus[0]})
+        got.append(local_placement())
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join(10)
+    placement = got[0]
+    assert isinstance(placement, Placement)
+    assert placement.cores == (cpus[0],)
+    assert set(cpus) <= set(placement.process_cores)
+
+
 def test_local_placement_unknown_without_a_boot_id(tmp_path: Path) -> None:
     assert local_placement(str(tmp_path / "missing")) is None
     (tmp_path / "empty").write_text("")
@@ -65,6 +88,19 @@ def test_shared_core_warning_only_for_an_unsafe_transport_and_one_shared_core(
         assert "the nixl transport" in warning
 
 
+def test_the_warning_says_why_a_rank_given_more_cores_is_on_one() -> None:
+    import msgspec
+
+    wide = msgspec.structs.replace(
+        _info(), placement=Placement(host="boot-a", cores=(0,), process_cores=(0, 1)))
+    warning = shared_core_warning(_info(engine_id="engine-d"), wide, "nixl", UNSAFE)
+    assert warning is not None and "same single core (0)" in warning
+    assert "its process may use cores 0-1" in warning
+    assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in warning
+    plain = shared_core_warning(_info(engine_id="engine-d"), _info(), "nixl", UNSAFE)
+    assert plain is not None and "process may use" not in plain  # an older peer: nothing said
+
+
 def test_only_nixl_is_not_shared_core_safe() -> None:
     from kvbridge.transports.memory import MemoryTransport
     from kvbridge.transports.shm import ShmTransport
@@ -87,9 +123,14 @@ def test_shared_core_warning_needs_both_placements() -> None:
 
 
 def test_placement_round_trips_and_an_older_peer_without_it_decodes() -> None:
+    import msgspec
+
     codec = Codec()
     reply = HelloReply(info=_info(cores=(2, 3)))
     assert codec.decode(codec.encode(reply)) == reply
+    wide = msgspec.structs.replace(
+        INFO, placement=Placement(host="b", cores=(2,), process_cores=(2, 3)))
+    assert codec.decode(codec.encode(HelloReply(info=wide))).info == wide
     assert codec.decode(codec.encode(HelloReply(info=INFO))).info.placement is None
 
 
@@ -99,6 +140,7 @@ def test_placement_round_trips_and_an_older_peer_without_it_decodes() -> None:
     (Placement(host="boot", cores=(1 << 21,)), "cores"),  # forged: absurd core number
     (Placement(host="boot", cores=tuple(range(MAX_PLACEMENT_CORES + 1))), "cores"),  # oversized
     (Placement(host=7, cores=(0,)), "host"),  # type: ignore[arg-type]  # malformed
+    (Placement(host="boot", cores=(0,), process_cores=(-3,)), "process_cores"),
 ])
 def test_hostile_placement_is_refused_naming_the_field(placement: Placement, field: str) -> None:
     import msgspec

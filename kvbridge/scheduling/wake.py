@@ -235,6 +235,9 @@ class EngineWake:
             woke = bool(inputs.queue) or self._poked.is_set()
             if not woke:
                 woke = inputs.not_empty.wait(self.delay)
+                # the nudge's input landed as the wait ran out: the engine takes it next, so
+                # the poke was not missed (and the next wait starts short)
+                woke = woke or bool(inputs.queue)
         if not woke and self._poked.is_set():
             self.counts["wake_missed"] += 1  # a poke came, yet the wait ran out
         self._waited(woke)

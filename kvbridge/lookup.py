@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 from kvbridge.errors import KVBridgeError
 
@@ -63,6 +63,7 @@ __all__ = [
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+D = TypeVar("D")
 
 #: the longest ``str``/``bytes`` key a buffer accepts unless told otherwise
 MAX_KEY_LEN = 512
@@ -189,10 +190,16 @@ class LookupBuffer(Generic[K, V]):
         self._push(key, deadline)
         return evicted
 
-    def get(self, key: K) -> V | None:
-        """The live entry's reference, or None (does not count as a use for LRU)."""
+    @overload
+    def get(self, key: K) -> V | None: ...
+
+    @overload
+    def get(self, key: K, default: D) -> V | D: ...
+
+    def get(self, key: K, default: object = None) -> object:
+        """The live entry's reference, or ``default`` (does not count as a use for LRU)."""
         entry = self._live(key)
-        return None if entry is None else entry.ref
+        return default if entry is None else entry.ref
 
     def __getitem__(self, key: K) -> V:
         """The live entry's reference; :class:`LookupMiss` (a ``KeyError``) if none."""

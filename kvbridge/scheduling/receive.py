@@ -26,13 +26,14 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvbridge.errors import KVBridgeError, PeerError
 from kvbridge.layout import KVLayout
+from kvbridge.lookup import LookupBuffer
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fanin import Box, FanIn
 from kvbridge.scheduling.peers import Peer
 from kvbridge.scheduling.specs import Source
 
-__all__ = ["Half", "check_source", "Part", "Receiver"]
+__all__ = ["Half", "check_source", "Part", "Receiver", "MAX_RECEIVES", "receive_table"]
 
 #: one side of a part: per layout (a plane selection), the block ids it covers
 Half = list[tuple[KVLayout, mapping.Ids]]
@@ -91,6 +92,17 @@ class Part(Generic[S]):
 P = TypeVar("P", bound=Part[Any])
 
 
+#: receives one decode rank runs at once (each holds blocks vLLM allocated for it)
+MAX_RECEIVES = 65536
+
+
+def receive_table(capacity: int = MAX_RECEIVES,
+                  clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Any]:
+    """D's receives: transfer id → the parts of the receive (a LookupBuffer home, no lease);
+    full is full (a receive is failed at once, safely: nothing was posted)."""
+    return LookupBuffer("receives", capacity, clock=clock)
+
+
 class Receiver(Generic[P]):
     """See the module docstring. ``kind`` names the hand-off timer ``(kind, transfer id)``."""
 
@@ -98,7 +110,9 @@ class Receiver(Generic[P]):
 
     def __init__(self, core: LoopContext) -> None:
         self.core = core
-        self.jobs: dict[str, list[P]] = {}
+        #: transfer id → its parts; no lease (the hand-off timer and the parts' own bounds end
+        #: a receive, and a failed part stays until its transfer handle stopped)
+        self.jobs: LookupBuffer[str, list[P]] = receive_table(clock=core.timers.clock)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -115,16 +129,22 @@ class Receiver(Generic[P]):
         ``push_timeout_s``, each source dialled (:meth:`_handshaken` follows); a transfer id
         already here is refused (``busy`` says how)."""
         core, tid = self.core, spec.transfer_id
-        if tid in self.jobs:
+        if tid in self.jobs:  # (its outcome is the running receive's)
             core.results.fail(spec.req_id, spec.local_ids, f"transfer {tid} is {busy}",
                               safe=True)
+            return
+        if not self.jobs.free:
+            core.results.fail(spec.req_id, spec.local_ids, f"this decode rank receives "
+                              f"{self.jobs.capacity} transfers already", safe=True,
+                              transfer_id=tid)
             return
         sources = spec.parts()
         box: Box = core.results
         if len(sources) > 1:
             box = FanIn(core.results, spec.req_id, tid, spec.local_ids, len(sources),
                         lambda why: self.cancel(tid, why))
-        parts = self.jobs[tid] = [make(src, box) for src in sources]
+        parts = [make(src, box) for src in sources]
+        self.jobs.insert(tid, parts)
         core.mark(tid, "recv_start")
         core.timers.set((self.kind, tid), core.config.push_timeout_s, lambda: stalled(tid))
         for part in parts:
@@ -173,7 +193,7 @@ class Receiver(Generic[P]):
         if parts is not None and part in parts:
             parts.remove(part)
             if not parts:
-                del self.jobs[tid]
+                self.jobs.discard(tid)
                 self.core.timers.cancel((self.kind, tid))
         self.core.heartbeats.unwatch(tid, part.address)
 

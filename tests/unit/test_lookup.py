@@ -103,3 +103,14 @@ class TestOffloadLookups(LookupBufferConformance):
 
     def key(self, i: int) -> Any:
         return f"lookup-cmpl-{i}-0"
+
+
+class TestReceives(LookupBufferConformance):
+    """D's receives, pull and push (kvbridge.scheduling.receive.receive_table)."""
+
+    def make(self, capacity: int, clock: FakeClock) -> LookupBuffer[Any, Any]:
+        from kvbridge.scheduling.receive import receive_table
+        return receive_table(capacity, clock=clock)
+
+    def ref(self, i: int) -> Any:
+        return [("part", i)]

@@ -368,3 +368,22 @@ def test_a_push_that_ended_while_a_forgery_was_pending_closes_when_it_is_refused
     unreachable(PeerUnreachable("connection refused"))
     assert "t1" not in src.outs and loop.ended.get("t1") == "done"
     assert loop.results.drain().finished_sending == {"req"}
+
+
+def test_a_receive_past_the_table_s_capacity_fails_at_once_and_safely() -> None:
+    """D's receives are a LookupBuffer: when it is full a new receive is failed at once (safe:
+    nothing was posted into its blocks), the receives already there go on."""
+    from kvbridge.scheduling.pull import PullSink
+    from kvbridge.scheduling.receive import receive_table
+    from kvbridge.scheduling.specs import PullSpec
+
+    _, layout = make_caches((2, 8, 4, 8))
+    loop = FakeLoop(layout)
+    sink = PullSink(_context(loop))
+    sink.jobs = receive_table(1, clock=loop.clock)
+    sink.start(PullSpec("r1", "t1", "tcp://127.0.0.1:9", (1, 2), (3, 4), num_tokens=32))
+    sink.start(PullSpec("r2", "t2", "tcp://127.0.0.1:9", (5, 6), (7, 8), num_tokens=32))
+    assert "t1" in sink.jobs and "t2" not in sink.jobs
+    res = loop.results.drain()
+    assert res.failed_recving == {"r2"} and "r1" not in res.failed_recving
+    assert "receives 1 transfers already" in (loop.ended.get("t2") or "")

@@ -228,17 +228,36 @@ def probe(url: str, timeout: float = 30.0) -> Any:
 
 def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
     """``POST /reset_prefix_cache`` (vLLM serves it when ``VLLM_SERVER_DEV_MODE=1``): the next
-    request finds nothing in vLLM's own prefix cache, so any reuse comes from a connector."""
+    request finds nothing in vLLM's own prefix cache, so any reuse comes from a connector.
+
+    vLLM refuses the reset (``{"success": false}``) while blocks are still held — a finished
+    request whose blocks a connector is still copying out, for instance — so this retries until
+    it succeeds, and raises :class:`EngineError` if it has not within ``timeout``: a reset that
+    silently failed would let vLLM's own cache serve what a test means to load from a tier."""
     req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"",
                                  method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            resp.read()
-    except urllib.error.HTTPError as e:
-        raise EngineError(f"POST {req.full_url} -> HTTP {e.code} (is VLLM_SERVER_DEV_MODE=1 "
-                          "set?)", e.code) from e
-    except (urllib.error.URLError, OSError) as e:
-        raise EngineError(f"POST {req.full_url} failed: {e}") from e
+    deadline = time.monotonic() + timeout
+    pause = 0.05
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"POST {req.full_url} -> HTTP {e.code} (is "
+                              "VLLM_SERVER_DEV_MODE=1 set?)", e.code) from e
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineError(f"POST {req.full_url} failed: {e}") from e
+        try:
+            answer = json.loads(body or b"{}")
+        except ValueError:
+            answer = {}
+        if not isinstance(answer, dict) or answer.get("success", True) is not False:
+            return
+        if time.monotonic() + pause > deadline:
+            raise EngineError(f"POST {req.full_url}: vLLM refused the reset for {timeout:.0f} s "
+                              "(blocks still held)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
 
 
 def stats_reply(address: str, timeout: float = 30.0) -> Any:

@@ -331,7 +331,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{s['max_tokens']}, {s['reps']} reps per row",
         "", format_table(report["rows"]), "",
     ]
-    parts += verdicts(report["rows"])
+    parts += report.get("verdicts") or verdicts(report["rows"])
     parts += ["", "TTFT: client side, request sent -> first streamed token, after "
               "POST /reset_prefix_cache; x recompute: median / recompute's median; cold: the "
               "row's first (computed) request; queue/prefill: vLLM's own request histograms "

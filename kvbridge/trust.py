@@ -132,18 +132,16 @@ def resolve(config: Config, env: Mapping[str, str] | None = None) -> Trust:
         return Trust(config.secret.encode(), f"fleet secret ({where})")
     if config.allow_insecure_control:
         return Trust(None, "allow_insecure_control is set and no secret")
-    if not is_loopback(config.side_channel_host):
-        raise ConfigError(
-            f"the control channel binds {config.side_channel_host!r}, a routable address, and "
-            "no fleet secret is set: engines on other hosts cannot share this host's per-user "
-            "secret. Set KVBRIDGE_SECRET (same on every engine) or, on a trusted network, "
-            "KVBRIDGE_ALLOW_INSECURE_CONTROL=1")
-    if config.advertise_host and not is_loopback(config.advertise_host):
-        raise ConfigError(
-            f"advertise_host {config.advertise_host!r} is a routable address, and no fleet secret "
-            "is set: engines on other hosts cannot share this host's per-user secret. Set "
-            "KVBRIDGE_SECRET (same on every engine) or, on a trusted network, "
-            "KVBRIDGE_ALLOW_INSECURE_CONTROL=1")
+    hosts = [("the control channel binds {!r}, a", config.side_channel_host)]
+    if config.advertise_host:
+        hosts.append(("advertise_host {!r} is a", config.advertise_host))
+    for what, host in hosts:
+        if not is_loopback(host):
+            raise ConfigError(
+                what.format(host) + " routable address, and no fleet secret is set: engines on "
+                "other hosts cannot share this host's per-user secret. Set KVBRIDGE_SECRET "
+                "(same on every engine) or, on a trusted network, "
+                "KVBRIDGE_ALLOW_INSECURE_CONTROL=1")
     path = Path(config.secret_file).expanduser() if config.secret_file else \
         default_secret_file(env)
     secret, created = user_secret(path)

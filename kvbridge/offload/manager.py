@@ -91,7 +91,7 @@ def tier_index(name: str, chunks: int, *,
 
 
 def staging_buffer(capacity: int = MAX_LOOKUPS, *,
-                   clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Any]:
+                   clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, _Lookup]:
     """One rank's lookups: lookup id → the chunks staged for it, under a lease of
     :data:`STAGE_TTL_S` (given at insert); full is full (a lookup is answered "no hit")."""
     return LookupBuffer("offload lookups", capacity, clock=clock)
@@ -342,15 +342,6 @@ class OffloadManager:
             if not tier.blocking:
                 self._put(tier, list(zip(keys, chunks, strict=True)))
                 self._count("offload_promoted_blocks", len(keys))
-
-    def load(self, order: LoadOrder) -> bool:
-        """Copy staged chunks into blocks (before the forward); False if nothing is staged."""
-        chunks = self._claim(order)
-        if chunks is None:
-            return False
-        self.io.write(order.block_ids, chunks)
-        self._count("offload_loaded_blocks", len(order.block_ids))
-        return True
 
     def _claim(self, order: LoadOrder) -> list[bytes] | None:
         """Take the staged chunks ``order`` loads (the lookup ends); None, counted and logged,

@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
@@ -93,7 +92,7 @@ class _Staged:
 
 
 def staged_buffer(capacity: int = MAX_STAGED,
-                  clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, Any]:
+                  clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, _Staged]:
     """P's staged pulls: transfer id → what is staged, under the lease D renews; full is
     full (back-pressure: the transfer is not staged)."""
     return LookupBuffer("pull-staged", capacity, clock=clock)

@@ -40,6 +40,7 @@ Single-threaded: vLLM drives it from the engine-core thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from kvbridge import __version__
 from kvbridge.config import Config, TransferMode
 from kvbridge.errors import KVBridgeError, LayoutError, ParamsError
 from kvbridge.groups import GroupKind, KVGroup
+from kvbridge.lookup import InvalidKey, LookupBuffer, Overflow
 from kvbridge.offload.orders import OffloadPlan
 from kvbridge.params import PeerRef, TransferParams, parse, to_wire
 from kvbridge.scheduling.planner import (
@@ -172,7 +174,8 @@ class HandoffBook:
         #: req_id -> transfer_id of hand-offs the worker still runs (kept past request_finished)
         self._busy: dict[str, str] = {}
         #: transfer ids named by requests this engine saw (the newest REMEMBERED_TRANSFERS)
-        self._named: dict[str, None] = {}
+        self._named: LookupBuffer[str, None] = LookupBuffer(
+            "named transfers", REMEMBERED_TRANSFERS, overflow=Overflow.EVICT_LRU)
         self._plan = StepPlan()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -213,11 +216,11 @@ class HandoffBook:
             self._reqs[req_id] = self._cleanup(req_id, raw)
             return
         named = raw.get("transfer_id") if isinstance(raw, dict) else None
-        if isinstance(named, str):  # parsed or not: a clean-up after it may not release it
-            self._named.pop(named, None)
-            self._named[named] = None
-            if len(self._named) > REMEMBERED_TRANSFERS:
-                del self._named[next(iter(self._named))]
+        # parsed or not: a clean-up after it may not release it (an id too long to remember
+        # is refused by the parser below, and no transfer can have it)
+        if isinstance(named, str) and not self._named.touch((named,)):
+            with contextlib.suppress(InvalidKey):
+                self._named.insert(named, None)
         try:
             params = parse(raw)
         except ParamsError as err:

@@ -739,3 +739,13 @@ def test_vllm_cleanup_remembers_a_bounded_number_of_transfers() -> None:
     book.take_plan()
     book.on_new_request("cmpl-x", _pull_leg("t-old"), [0], cleanup=True)
     assert book.take_plan().releases == [("t-old", (P_REF,), RELEASE_WHY)]
+
+
+def test_an_oversized_transfer_id_is_refused_and_not_remembered() -> None:
+    """A client's transfer_id too long for the parser is a rejection, and the book does not
+    keep it (the remembered ids are a bounded LookupBuffer of bounded keys)."""
+    book = _book("decode-0")
+    huge = "t" * 100_000
+    book.on_new_request("r-huge", {"transfer_id": huge}, PROMPT)
+    assert book.stats["params_rejected"] == 1
+    assert huge not in book._named and len(book._named) == 0  # noqa: SLF001

@@ -42,6 +42,7 @@ from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
 from kvbridge.scheduling.dispatch import answer, outcome
 from kvbridge.scheduling.fences import Fence, FenceWaiter
+from kvbridge.scheduling.layer_stream import LayerStream
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
@@ -141,6 +142,7 @@ class TransferLoop(PeerEvents):
         self.push_sink = PushSink(self)
         self._events: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque())
+        self._streams: list[LayerStream] = []  # layer-wise pushes being written (loop thread)
         self._wake_cb: Callable[[], None] | None = None
         self._arrival_cb: Callable[[str, str], None] | None = None
         self._in_flight: set[TransferHandle] = set()
@@ -215,10 +217,16 @@ class TransferLoop(PeerEvents):
         if not self.dead:
             self.submit(self.push_source.prepare, plan)
 
-    def push_layer(self, plan: SendPlan, layer: str, fence: Fence | None = None) -> None:
-        """P, layer-wise push: ``layer``'s KV of ``plan`` is final; :meth:`push_ready` follows."""
+    def push_layers(self, stream: LayerStream) -> None:
+        """P, layer-wise push: the loop drains ``stream`` (which the forward fills) from now
+        on, and WRITEs each layer of its plans as it comes; the end of the stream is their
+        readiness (as :meth:`push_ready` is for a whole-request push)."""
         if not self.dead:
-            self.submit(self.push_source.ready, plan, fence, layer)
+            self.submit(self._streams.append, stream)
+
+    def wake(self) -> None:
+        """Make the loop look at its inputs now (a pipe it drains got something). Any thread."""
+        self._wake()
 
     def start_pull(self, spec: PullSpec) -> None:
         """D: claim and READ the blocks; the outcome shows in :meth:`drain`."""
@@ -486,9 +494,13 @@ class TransferLoop(PeerEvents):
                     pass
             else:
                 self._guard(self.rpc.on_readable, sock)
+        # layer-wise pushes are drained before the events (a flush() after a stream's end then
+        # returns once the end was taken) and after them (a stream attached by one of them)
+        self._pump_all()
         for _ in range(len(self._events)):
             fn, args = self._events.popleft()
             self._guard(fn, *args)
+        self._pump_all()
         if self._in_flight:
             # Only handles that were terminal *before* the state machines polled them leave the
             # set: one finishing during the poll (the transport's thread) is seen next step,
@@ -508,6 +520,21 @@ class TransferLoop(PeerEvents):
         self._guard(self.rpc.expire)
         for fn in self.timers.due():
             self._guard(fn)
+
+    def _pump_all(self) -> None:
+        for stream in list(self._streams):
+            self._guard(self._pump, stream)
+
+    def _pump(self, stream: LayerStream) -> None:
+        """Hand the layers the forward wrote since the last step to the push source."""
+        layers, ended = stream.take()
+        for layer, fence in layers:
+            for plan in stream.plans:
+                self.push_source.ready(plan, fence, layer)
+        if ended:
+            self._streams.remove(stream)
+            for plan in stream.plans:
+                self.push_source.ready(plan, stream.final_fence, None)
 
     def _fail_everything(self) -> None:
         why = self.dead or "transfer loop stopped"

@@ -28,6 +28,7 @@ from kvbridge.params import PeerRef
 from kvbridge.scheduling import mapping
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.handoff import StepPlan
+from kvbridge.scheduling.layer_stream import LayerStream
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan, Source
 
@@ -51,7 +52,8 @@ class RankSide:
         self.offload = offload
         self.rank = loop.rank
         self._fence = fence or (lambda: None)
-        self._ready: list[SendPlan] = []
+        self._ready: list[SendPlan] = []  # whole-request pushes the forward writes
+        self._stream: LayerStream | None = None  # this step's layer-wise pushes
         self._prefill_done: list[str] = []
         self._finished: set[str] = set()  # requests vLLM finished that we hold blocks for
         self._sending: set[str] = set()  # requests whose blocks the loop holds for sending
@@ -154,11 +156,18 @@ class RankSide:
         for tid in plan.cancel_sends:
             loop.cancel_send(tid)
         # push-ready KV is released after this step's forward wrote it (see after_forward);
-        # meanwhile the loop builds the WRITEs
+        # meanwhile the loop builds the WRITEs. Layer-wise pushes go layer by layer through
+        # one pipe the forward fills (kvbridge.scheduling.layer_stream).
         for send in plan.push_ready:
             self._sending.add(send.req_id)
             loop.push_prepare(send)
-        self._ready.extend(plan.push_ready)
+        self._ready.extend(p for p in plan.push_ready if not p.layerwise)
+        layerwise = [p for p in plan.push_ready if p.layerwise]
+        if layerwise:
+            if self._stream is not None:  # a step that never ran its forward: end it now
+                self._end_stream()
+            self._stream = LayerStream(layerwise, loop.wake)
+            loop.push_layers(self._stream)
         self._prefill_done.extend(plan.prefill_done)
         for tid, event, when in plan.marks:
             loop.mark(tid, event, when)
@@ -167,11 +176,20 @@ class RankSide:
 
     def layer_saved(self, layer: str) -> None:
         """Layer-wise push: ``layer``'s KV of the requests finishing prefill is written."""
-        plans = [p for p in self._ready if p.layerwise]
-        if plans:
-            fence = self._fence()
-            for plan in plans:
-                self.loop.push_layer(plan, layer, fence)
+        if self._stream is not None:
+            self._stream.written(layer, self._fence())
+
+    def _end_stream(self) -> bool:
+        """End this step's layer-wise push stream (the rest of its KV is written); False if
+        there was none."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return False
+        stream.end(self._fence())
+        if self.loop.dead:  # nobody drains it: the blocks are free to go
+            for plan in stream.plans:
+                self.loop.results.sent(plan.req_id)
+        return True
 
     def wait_layer(self, layer: str) -> None:
         """The forward is about to read ``layer``'s KV: wait for this step's layer-wise tier
@@ -187,13 +205,15 @@ class RankSide:
         for tid in self._prefill_done:
             self.loop.mark(tid, "kv_ready")
         self._prefill_done.clear()
+        handed = self._end_stream()
         if self._ready:
+            handed = True
             fence = self._fence()
             for plan in self._ready:
                 self.loop.push_ready(plan, fence)
             self._ready.clear()
-            if self.loop.config.wake_on_arrival:
-                self.loop.flush(POST_WAIT_S)  # the loop posts now, not when it gets the GIL
+        if handed and self.loop.config.wake_on_arrival:
+            self.loop.flush(POST_WAIT_S)  # the loop posts now, not when it gets the GIL
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` for vLLM this step."""

@@ -28,6 +28,7 @@ from kvbridge import registry
 from kvbridge.config import Config
 from kvbridge.groups import KVGroup
 from kvbridge.layout import KVLayout
+from kvbridge.scheduling.layer_stream import LayerStream
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.testing.faults import FaultyTransport
@@ -97,15 +98,26 @@ class LocalAgent:
                                  compat=compat or {"model": "test"}, transport=transport)
         self.address = self.loop.control_address
         self.generation = self.loop.generation
+        self._streams: dict[str, LayerStream] = {}
 
     def stage(self, plan: SendPlan) -> None:
         self.loop.stage_pull(plan)
 
     def ready(self, plan: SendPlan) -> None:
-        self.loop.push_ready(plan)
+        stream = self._streams.pop(plan.transfer_id, None)
+        if stream is not None:
+            stream.end(None)  # a layer-wise push: the end of its stream is its readiness
+        else:
+            self.loop.push_ready(plan)
 
     def layer(self, plan: SendPlan, layer: str) -> None:
-        self.loop.push_layer(plan, layer)
+        """Layer-wise push (as the forward does it): ``layer`` of ``plan`` is written; the
+        first call opens the plan's :class:`LayerStream`, :meth:`ready` ends it."""
+        stream = self._streams.get(plan.transfer_id)
+        if stream is None:
+            stream = self._streams[plan.transfer_id] = LayerStream([plan], self.loop.wake)
+            self.loop.push_layers(stream)
+        stream.written(layer, None)
 
     def pull(self, spec: PullSpec) -> None:
         self.loop.start_pull(spec)

@@ -156,3 +156,4 @@ class HeteroAgent(LocalAgent):
                                  transport=transport, heads=rank.shape.heads)
         self.address = self.loop.control_address
         self.generation = self.loop.generation
+        self._streams = {}

@@ -15,8 +15,10 @@ the scheduler's :class:`~kvbridge.offload.orders.OffloadPlan`:
   memory, cannot fail on a tier's account).
 - **Store** — copy a finished request's full prompt blocks out of the KV cache (on the I/O
   thread, off the critical path; the scheduler holds the blocks until then), put them in every
-  non-blocking tier at once and queue them for the blocking tiers (written behind by a second
-  thread, the backlog bounded by ``max_backlog_bytes``).
+  non-blocking tier at once and send them down the write-behind FIFO pipe
+  (:func:`~kvbridge.transports.pipe.memory_pipe`) to the blocking tiers, written by a second
+  thread in order, the backlog bounded by ``max_backlog_bytes`` (past it a store skips that tier
+  and is counted, ``offload_backlog_full_<tier>``; the engine never waits on a slow tier).
 - **Capacity** — for tiers with ``managed = True`` an index per tier, a
   :class:`~kvbridge.lookup.LookupBuffer` of content keys (:func:`tier_index`: no leases, least
   recently used evicted when full); adding past ``capacity_bytes`` evicts least recently used
@@ -26,23 +28,25 @@ the scheduler's :class:`~kvbridge.offload.orders.OffloadPlan`:
   promoted into the non-blocking tiers above it.
 
 Thread safety: public methods are called from the worker's model-runner thread; the two I/O
-threads share the indexes and staging under one lock, and a blocking tier is called by one
-thread at a time (a lock per tier). Tier exceptions are caught, logged with the tier's name and
-counted; they never reach vLLM.
+threads (each draining one FIFO pipe of jobs: lookups and copies out; write-behind) share the
+indexes and staging under one lock, and a blocking tier is called by one thread at a time (a
+lock per tier). Tier exceptions are caught, logged with the tier's name and counted; they never
+reach vLLM. After :meth:`close`, a job is run on the caller's thread (nothing is dropped).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import registry
+from kvbridge.errors import PipeClosed
 from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss, Overflow
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
@@ -50,10 +54,18 @@ from kvbridge.offload.keys import tier_key
 from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.tier import Tier, TierContext
+from kvbridge.transports.pipe import MemoryRecvHalf, MemorySendHalf, memory_pipe
 
 __all__ = ["OffloadManager", "build_tiers", "hold", "staging_buffer", "tier_index"]
 
 log = logging.getLogger("kvbridge.offload")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One job down an I/O thread's pipe."""
+
+    run: Callable[[], None]
 
 #: staged chunks the scheduler never claimed are dropped after this long
 STAGE_TTL_S = 120.0
@@ -151,11 +163,13 @@ class OffloadManager:
         for t in self.tiers:
             if t.managed:
                 self._rebuild(t)
-        self._fast: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._slow: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._worker, args=(q,), daemon=True,
+        #: two FIFO pipes of jobs, each drained by its own thread: lookups and copies out
+        #: (``io``), and the blocking tiers' write-behind (``writer``)
+        self._fast, fast_rx = memory_pipe(sender="offload-io", kind=_Job)
+        self._slow, slow_rx = memory_pipe(sender="write-behind", kind=_Job)
+        self._threads = [threading.Thread(target=self._worker, args=(rx,), daemon=True,
                                           name=f"kvbridge-offload-{name}-{rank}")
-                         for q, name in ((self._fast, "io"), (self._slow, "writer"))]
+                         for rx, name in ((fast_rx, "io"), (slow_rx, "writer"))]
         for th in self._threads:
             th.start()
         log.info("offload rank %d/%d: tiers %s; chunk %d bytes", rank, tp_size,
@@ -273,7 +287,7 @@ class OffloadManager:
             return
         self._count("offload_lookups", 1)
         if not self._advance(lk, blocking_ok=False):
-            self._fast.put(lambda: self._finish_lookup(lk))
+            self._submit(self._fast, functools.partial(self._finish_lookup, lk))
 
     def _finish_lookup(self, lk: _Lookup) -> None:
         self._advance(lk, blocking_ok=True)
@@ -389,7 +403,7 @@ class OffloadManager:
                 self._stored.add(order.req_id)
             self._count("offload_store_skipped_present", 1)
             return
-        self._fast.put(lambda: self._copy_out(order, tkeys))
+        self._submit(self._fast, functools.partial(self._copy_out, order, tkeys))
 
     def _everywhere(self, tkeys: Sequence[str]) -> bool:
         with self._lock:
@@ -425,7 +439,7 @@ class OffloadManager:
                     self._count(f"offload_backlog_full_{tier.name}", 1)
                     continue
                 self._backlog_bytes += size
-            self._slow.put(functools.partial(self._write_behind, tier, items, size))
+            self._submit(self._slow, functools.partial(self._write_behind, tier, items, size))
 
     def _write_behind(self, tier: Tier, items: list[tuple[str, bytes]], size: int) -> None:
         try:
@@ -516,28 +530,36 @@ class OffloadManager:
 
     # -- threads ---------------------------------------------------------------------------------
 
-    def _worker(self, q: queue.Queue[Callable[[], None] | None]) -> None:
+    def _worker(self, rx: MemoryRecvHalf[_Job]) -> None:
         while True:
-            job = q.get()
-            if job is None:
+            try:
+                _, job = rx.recv()
+            except PipeClosed:  # the end of the stream: close() sent it after the last job
                 return
             try:
-                job()
+                job.run()
             except Exception:  # noqa: BLE001
                 log.exception("offload job failed")
             self._flush_counters()
 
+    @staticmethod
+    def _submit(pipe: MemorySendHalf[_Job], fn: Callable[[], None]) -> None:
+        """Queue ``fn`` on one of the job pipes; once the manager closed, run it here (a late
+        store still releases its blocks; a late lookup is still answered)."""
+        try:
+            pipe.send(_Job(fn))
+        except PipeClosed:
+            fn()
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued job ran (tests, shutdown); False on timeout."""
         deadline = time.monotonic() + timeout
-        for q in (self._fast, self._slow):
+        for pipe in (self._fast, self._slow, self._fast):  # write-behind may queue I/O jobs
             done = threading.Event()
-            q.put(done.set)
+            self._submit(pipe, done.set)
             if not done.wait(max(0.0, deadline - time.monotonic())):
                 return False
-        done = threading.Event()
-        self._fast.put(done.set)
-        return done.wait(max(0.0, deadline - time.monotonic()))
+        return True
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes (bounded), stop the threads, close the tiers. Idempotent."""
@@ -546,8 +568,8 @@ class OffloadManager:
         self._closed = True
         self.finish_loads()
         self.flush(timeout)
-        for q in (self._fast, self._slow):
-            q.put(None)
+        for pipe in (self._fast, self._slow):
+            pipe.close()  # end of stream: each thread ends after the jobs queued before it
         for th in self._threads:
             th.join(timeout=1.0)
         for tier in self.tiers:

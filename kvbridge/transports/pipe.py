@@ -6,7 +6,9 @@ The FIFO pipe is one of the core's two hand-off abstractions (the other is the
 
 * :func:`memory_pipe` — an in-process pair, bounded (``send`` blocks while full: back-pressure).
   It carries layer-by-layer tier loads to the forward pass
-  (:mod:`kvbridge.offload.layerwise`).
+  (:mod:`kvbridge.offload.layerwise`), the layers the forward pass wrote to the transfer loop
+  (layer-wise push, :mod:`kvbridge.scheduling.layer_stream`) and the offload tiers'
+  write-behind jobs (:mod:`kvbridge.offload.manager`).
 * :class:`PipeReceiver` / :class:`PipeSender` — over ZeroMQ PUSH/PULL on the control network.
   Many senders may feed one receiver; order is kept per sender (ZeroMQ keeps per-connection
   order) and checked with sequence numbers, so a gap is reported, never silently skipped. It
@@ -18,7 +20,9 @@ ended (the sender closed it, or this half was closed) and :class:`TimeoutError` 
 arrived in time; ``send`` raises :class:`PipeClosed` once either half closed and
 :class:`TimeoutError` while the pipe stays full. Payloads are bytes (a payload of another type
 is a ``TypeError``); over ZeroMQ they are framed in typed :class:`~kvbridge.messages.PipeFrame`
-messages — never pickle.
+messages — never pickle. An in-process pipe may be made for another payload type
+(``memory_pipe(kind=WriteJob)``): it never leaves the process, and still refuses any other
+type.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 import zmq
 
@@ -37,6 +41,8 @@ __all__ = ["memory_pipe", "MemorySendHalf", "MemoryRecvHalf", "PipeSender", "Pip
            "RecvHalf", "SendHalf"]
 
 _MAX_SENDER_BYTES = 1024
+
+T = TypeVar("T")
 
 
 class SendHalf(Protocol):
@@ -55,33 +61,43 @@ class RecvHalf(Protocol):
     def close(self) -> None: ...
 
 
+_BYTES = (bytes, bytearray, memoryview)
+
+
 def _check_payload(payload: object) -> None:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
+    if not isinstance(payload, _BYTES):
         raise TypeError(f"a pipe carries bytes, not {type(payload).__name__}")
 
 
-class _MemoryState:
-    def __init__(self, capacity: int) -> None:
-        self.items: collections.deque[tuple[str, bytes]] = collections.deque()
+class _MemoryState(Generic[T]):
+    def __init__(self, capacity: int, kind: type[T]) -> None:
+        self.items: collections.deque[tuple[str, T]] = collections.deque()
         self.capacity = capacity
+        self.kind = kind
         self.cond = threading.Condition()
         self.send_closed = False
         self.recv_closed = False
 
 
-class MemorySendHalf:
+class MemorySendHalf(Generic[T]):
     """Send half of :func:`memory_pipe`. Thread-safe."""
 
-    def __init__(self, state: _MemoryState, sender: str) -> None:
+    def __init__(self, state: _MemoryState[T], sender: str) -> None:
         self._s = state
         self.sender = sender
 
-    def send(self, payload: bytes, timeout: float | None = None) -> None:
+    def send(self, payload: T, timeout: float | None = None) -> None:
         """Append ``payload``; blocks while the pipe is full (up to ``timeout``; None: no
-        bound). Raises :class:`PipeClosed`, ``TimeoutError`` or ``TypeError``."""
-        _check_payload(payload)
-        item = (self.sender, bytes(payload))
+        bound). Raises :class:`PipeClosed`, ``TimeoutError`` or ``TypeError`` (a payload not
+        of the pipe's kind; bytes-like payloads of a bytes pipe are copied to ``bytes``)."""
         s = self._s
+        if s.kind is bytes:
+            _check_payload(payload)
+            payload = cast(T, bytes(cast(bytes, payload)))
+        elif not isinstance(payload, s.kind):
+            raise TypeError(f"this pipe carries {s.kind.__name__}, not "
+                            f"{type(payload).__name__}")
+        item = (self.sender, payload)
         deadline = None if timeout is None else time.monotonic() + timeout
         with s.cond:
             while True:
@@ -103,13 +119,13 @@ class MemorySendHalf:
             self._s.cond.notify_all()
 
 
-class MemoryRecvHalf:
+class MemoryRecvHalf(Generic[T]):
     """Receive half of :func:`memory_pipe`. Thread-safe."""
 
-    def __init__(self, state: _MemoryState) -> None:
+    def __init__(self, state: _MemoryState[T]) -> None:
         self._s = state
 
-    def recv(self, timeout: float | None = None) -> tuple[str, bytes]:
+    def recv(self, timeout: float | None = None) -> tuple[str, T]:
         """Next ``(sender, payload)``; raises :class:`PipeClosed` after end-of-stream (once
         everything sent was received) and ``TimeoutError``."""
         s = self._s
@@ -134,11 +150,22 @@ class MemoryRecvHalf:
             self._s.cond.notify_all()
 
 
-def memory_pipe(capacity: int = 0,
-                sender: str = "memory") -> tuple[MemorySendHalf, MemoryRecvHalf]:
+@overload
+def memory_pipe(capacity: int = ..., sender: str = ...
+                ) -> tuple[MemorySendHalf[bytes], MemoryRecvHalf[bytes]]: ...
+
+
+@overload
+def memory_pipe(capacity: int = ..., sender: str = ..., *, kind: type[T]
+                ) -> tuple[MemorySendHalf[T], MemoryRecvHalf[T]]: ...
+
+
+def memory_pipe(capacity: int = 0, sender: str = "memory", *, kind: type[Any] = bytes
+                ) -> tuple[MemorySendHalf[Any], MemoryRecvHalf[Any]]:
     """An in-memory FIFO pair; ``capacity`` 0 means unbounded; ``sender`` is the name ``recv``
-    gives with each payload (as a ZeroMQ pipe gives its sender's)."""
-    state = _MemoryState(capacity)
+    gives with each payload (as a ZeroMQ pipe gives its sender's); ``kind`` the payload type
+    (bytes unless said: what the ZeroMQ halves carry)."""
+    state = _MemoryState(capacity, kind)
     return MemorySendHalf(state, sender), MemoryRecvHalf(state)
 
 

@@ -177,6 +177,25 @@ def test_disk_survives_restart_and_corruption_shortens_the_hit(tmp_path: Path) -
         again.close()
 
 
+def test_close_ends_the_write_behind_pipe_after_every_queued_store(tmp_path: Path) -> None:
+    """The blocking tier is written behind through a FIFO pipe; closing the manager ends the
+    stream after what was queued (nothing dropped), and a store that comes later still
+    releases its blocks."""
+    r = Rank([{"name": "disk", "path": str(tmp_path)}])
+    chains = [_keys(2, salt) for salt in (0, 1000, 2000)]
+    for i, keys in enumerate(chains):
+        r.fill(2 * i, float(i))
+        r.manager.apply(OffloadPlan(stores=[StoreOrder(f"r{i}", tuple(keys), (2 * i, 2 * i + 1))]))
+    r.close()
+    again = Rank([{"name": "disk", "path": str(tmp_path)}])
+    try:
+        assert [again.lookup(f"L{i}", keys) for i, keys in enumerate(chains)] == [2, 2, 2]
+    finally:
+        again.close()
+    r.manager.apply(OffloadPlan(stores=[StoreOrder("late", tuple(_keys(1, 5000)), (9,))]))
+    assert "late" in r.manager.take_stored()
+
+
 def test_capacity_evicts_lru_tail_first(tmp_path: Path) -> None:
     probe = Rank(["dram"])
     chunk = probe.io.chunk_bytes

@@ -369,3 +369,14 @@ def test_zmq_receiver_timeout_and_close() -> None:
     rx.close()
     with pytest.raises(PipeClosed, match="receiver is closed"):
         rx.recv(timeout=0.05)
+
+
+def test_memory_pipe_of_another_kind_refuses_any_other_type() -> None:
+    tx, rx = memory_pipe(kind=int)
+    tx.send(7)
+    with pytest.raises(TypeError, match="carries int, not str"):
+        tx.send("7")  # type: ignore[arg-type]
+    assert rx.recv(timeout=1) == ("memory", 7)
+    btx, _ = memory_pipe()
+    with pytest.raises(TypeError, match="carries bytes"):
+        btx.send(7)  # type: ignore[arg-type]

@@ -51,6 +51,12 @@ def finished_ok(request: Request) -> bool:
                               RequestStatus.FINISHED_STOPPED)
 
 
+def _salt(request: Request) -> str | None:
+    """The request's ``cache_salt`` (vLLM's tenant salt; None when it has none)."""
+    salt = getattr(request, "cache_salt", None)
+    return salt if isinstance(salt, str) and salt else None
+
+
 class SchedulerSide:
     """vLLM's scheduler hooks → :class:`HandoffBook` and :class:`OffloadBook`; runs on the
     engine-core thread."""
@@ -93,14 +99,16 @@ class SchedulerSide:
             self._live[request.request_id] = request
         # abort_immediately: vLLM's clean-up of a rejected request (only vLLM sets it)
         self.book.on_new_request(request.request_id, raw, request.prompt_token_ids,
-                                 cleanup=bool(getattr(request, "abort_immediately", False)))
+                                 cleanup=bool(getattr(request, "abort_immediately", False)),
+                                 salt=_salt(request))
         shorten_prompt(request, self.book.prefill_cut(request.request_id))
 
     def matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: a tier hit or a P/D receive (the planner says)."""
         self.seen(request)
         req_id = request.request_id
-        tier = self.offload.matched(req_id, request.prompt_token_ids, num_computed)
+        tier = self.offload.matched(req_id, request.prompt_token_ids, num_computed,
+                                    _salt(request))
         count, load_async = self.book.matched_tokens(req_id, request.num_prompt_tokens,
                                                      num_computed)
         return load_source(tier, count, load_async)
@@ -201,7 +209,8 @@ class SchedulerSide:
         hold, params = self.book.finished(req_id, ok, tables if self.groups else tables[0],
                                           request.num_prompt_tokens)
         # offload is refused with groups, so its book sees the one table there is
-        store = self.offload.finished(req_id, ok, request.prompt_token_ids, tables[0])
+        store = self.offload.finished(req_id, ok, request.prompt_token_ids, tables[0],
+                                      _salt(request))
         return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:

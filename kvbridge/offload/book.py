@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.offload.config import OffloadConfig
-from kvbridge.offload.keys import block_keys
+from kvbridge.offload.keys import block_keys, salted
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 
 __all__ = ["OffloadBook", "LOOKUP_TIMEOUT_S"]
@@ -73,11 +73,11 @@ class OffloadBook:
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def _req(self, req_id: str, prompt: Sequence[int] | None) -> _Req | None:
+    def _req(self, req_id: str, prompt: Sequence[int] | None, salt: str | None) -> _Req | None:
         req = self._reqs.get(req_id)
         if req is None and prompt is not None:
             try:
-                keys = block_keys(self.seed, prompt, self.block_size)
+                keys = block_keys(salted(self.seed, salt), prompt, self.block_size)
             except ValueError:
                 keys = []
             req = self._reqs[req_id] = _Req(keys)
@@ -85,12 +85,13 @@ class OffloadBook:
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def matched(self, req_id: str, prompt: Sequence[int] | None,
-                num_computed: int) -> int | None:
-        """Tokens beyond ``num_computed`` the tiers can supply; ``None`` = not known yet."""
+    def matched(self, req_id: str, prompt: Sequence[int] | None, num_computed: int,
+                salt: str | None = None) -> int | None:
+        """Tokens beyond ``num_computed`` the tiers can supply; ``None`` = not known yet.
+        ``salt``: the request's ``cache_salt`` (its keys are only its tenant's)."""
         if not (self.enabled and self.config.load) or prompt is None:
             return 0
-        req = self._req(req_id, prompt)
+        req = self._req(req_id, prompt, salt)
         if req is None:
             return 0
         if req.settled and req.lookup_id:  # preempted after its load: look up afresh
@@ -168,15 +169,16 @@ class OffloadBook:
     # -- stores ----------------------------------------------------------------------------------
 
     def finished(self, req_id: str, ok: bool, prompt: Sequence[int] | None,
-                 block_ids: Sequence[int]) -> bool:
-        """``request_finished``: True if the blocks must be held for a store."""
+                 block_ids: Sequence[int], salt: str | None = None) -> bool:
+        """``request_finished``: True if the blocks must be held for a store (under the keys
+        of ``salt``, the request's ``cache_salt``)."""
         req = self._reqs.pop(req_id, None)
         if req is not None and req.lookup_id and not req.settled:
             self._plan.releases.append(req.lookup_id)
         if not (self.enabled and self.config.store and ok) or prompt is None:
             return False
         if req is None:
-            req = _Req(block_keys(self.seed, prompt, self.block_size))
+            req = _Req(block_keys(salted(self.seed, salt), prompt, self.block_size))
         n = min(len(req.keys), len(block_ids))
         if n < self.config.min_blocks:
             return False

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["seed_key", "block_keys", "tier_key", "namespace_of", "weights_fingerprint",
+__all__ = ["seed_key", "salted", "block_keys", "tier_key", "namespace_of", "weights_fingerprint",
            "KEY_BYTES"]
 
 #: digest size of a key (hex strings are twice as long)
@@ -30,6 +30,15 @@ def seed_key(identity: Mapping[str, str]) -> bytes:
     """The chain's seed from ``identity`` (model, dtype, KV geometry…); order-independent."""
     blob = json.dumps(dict(identity), sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(b"kvbridge-kv-v1\0" + blob, digest_size=KEY_BYTES).digest()
+
+
+def salted(seed: bytes, salt: str | None) -> bytes:
+    """The chain's seed for a request with vLLM's ``cache_salt`` ``salt``: requests under
+    different salts (tenants) never share a key, so never a tier entry. No salt: ``seed``."""
+    if not salt:
+        return seed
+    return hashlib.blake2b(seed + salt.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES,
+                           person=b"kvbridge-salt").digest()
 
 
 def block_keys(seed: bytes, tokens: Sequence[int], block_size: int,

@@ -7,6 +7,7 @@ between engines is ``kv_transfer_params`` inside the OpenAI request bodies (docs
 - :mod:`~kvbridge.proxy.pool` — the engines, the upstream session, probes, health and rotation;
 - :mod:`~kvbridge.proxy.dispatch` — push or pull per request, retries, explained failures;
 - :mod:`~kvbridge.proxy.relay` — the legs: P's prefill, D's answer and stream to the client;
+- :mod:`~kvbridge.proxy.tenants` — ``cache_salt`` from the operator's tenant header;
 - :mod:`~kvbridge.proxy.metrics`, :mod:`~kvbridge.proxy.reasons`.
 
 Contract:
@@ -20,7 +21,8 @@ Contract:
   A P leg still draining after D answered runs to its end in the background; when the request
   failed or was cancelled, it is cancelled too.
 - Every failure of a request ends at the handler: a body that is not JSON is a 400, one that
-  :func:`~kvbridge.proxy.routing.validate_request` refuses a 400 naming the field; a failed
+  :func:`~kvbridge.proxy.routing.validate_request` refuses a 400 naming the field (so is a
+  tenant header :mod:`~kvbridge.proxy.tenants` cannot use); a failed
   dispatch is a JSON error with the status and type of its
   :class:`~kvbridge.proxy.failures.LegFailed` (or D's own answer). Every request, whatever its
   end, is counted once in ``requests_total`` (and, once routed, in
@@ -51,6 +53,7 @@ from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.relay import Call, Relay
 from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, validate_request
 from kvbridge.proxy.settings import ProxySettings
+from kvbridge.proxy.tenants import SaltError, TenantSalt
 
 __all__ = ["ProxySettings", "ProxyServer", "serve"]
 
@@ -84,6 +87,8 @@ class ProxyServer:
         self.decodes = self.fleet.decodes
         self.dispatcher = Dispatcher(settings, self.metrics, self.fleet,
                                      Relay(settings, self.metrics, self.fleet))
+        self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
+                      if settings.salt_header else None)
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -184,6 +189,13 @@ class ProxyServer:
             self.metrics.error("bad_request")
             self.metrics.request_done("none", "client_error")
             return _error(400, problem.message, "invalid_request_error", problem.param)
+        if self._salt is not None:
+            try:
+                self._salt.apply(body, request.headers)
+            except SaltError as exc:
+                self.metrics.error("bad_request")
+                self.metrics.request_done("none", "client_error")
+                return _error(400, str(exc), "invalid_request_error", self._salt.header)
 
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         rid = request.headers.get("X-Request-Id") or "kvb-" + uuid.uuid4().hex

@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECRET",
         help="the engines' control-channel secret (default: $KVBRIDGE_SECRET)",
     )
+    parser.add_argument(
+        "--salt-from-header",
+        default=os.environ.get("KVBRIDGE_SALT_FROM_HEADER") or None,
+        metavar="HEADER",
+        help="tenant isolation: set each request's cache_salt from this header (HMAC with the "
+        "control secret) and ignore a cache_salt in the client's body; requests without the "
+        "header get none (default: $KVBRIDGE_SALT_FROM_HEADER, else off)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -128,6 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_retries=args.retries,
         health_interval_s=args.health_interval,
         health_failures=args.health_failures,
+        salt_header=args.salt_from_header,
     )
 
 

@@ -48,6 +48,10 @@ class ProxySettings:
     health_failures: int = 2
     """Failed checks in a row (timeouts, non-200) that take an engine out of rotation; a refused
     connection takes it out at once."""
+    salt_header: str | None = None
+    """``--salt-from-header``: the request header naming the tenant; the proxy then sets each
+    request's ``cache_salt`` from it (HMAC with ``control_secret``) and ignores a salt in the
+    client's body (:mod:`kvbridge.proxy.tenants`). None: bodies pass as they are."""
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""
@@ -60,6 +64,14 @@ class ProxySettings:
                               f"{self.health_interval_s}")
         if self.health_failures < 1:
             raise ConfigError(f"--health-failures must be >= 1, got {self.health_failures}")
+        if self.salt_header is not None:
+            if not self.salt_header.strip() or not self.salt_header.isascii():
+                raise ConfigError(f"--salt-from-header must name a header, got "
+                                  f"{self.salt_header!r}")
+            if not self.control_secret:
+                raise ConfigError("--salt-from-header needs the fleet secret "
+                                  "(--control-secret or KVBRIDGE_SECRET) to key the salts: "
+                                  "without it any client could compute another tenant's salt")
         for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

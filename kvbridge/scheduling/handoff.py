@@ -207,9 +207,10 @@ class HandoffBook:
         return _Request(None, err, send=send)
 
     def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None, *,
-                       cleanup: bool = False) -> None:
+                       cleanup: bool = False, salt: str | None = None) -> None:
         """Parse the request's ``kv_transfer_params`` (once). ``cleanup``: vLLM's clean-up
-        request (see the module docstring), answered by :meth:`_cleanup`."""
+        request (see the module docstring), answered by :meth:`_cleanup`. ``salt``: the
+        request's ``cache_salt``, part of the prompt digest both sides compare."""
         if raw is None or req_id in self._reqs:
             return
         if cleanup:
@@ -251,7 +252,7 @@ class HandoffBook:
             self._reqs[req_id] = self._refuse(req_id, raw, err)
             return
         assert prompt is not None
-        req.digest = prompt_digest(prompt[:handed])
+        req.digest = prompt_digest(prompt[:handed], salt)
         self._active_tids[req.transfer_id] = req_id
         if params.do_remote_prefill:
             req.recv = True

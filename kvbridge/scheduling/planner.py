@@ -45,10 +45,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """A short stable digest of a prompt's token ids (blake2b-128 over int64 little-endian)."""
+def prompt_digest(token_ids: Sequence[int], salt: str | None = None) -> str:
+    """A short stable digest of a prompt's token ids (blake2b-128 over int64 little-endian),
+    and of its ``cache_salt`` when it has one (a hand-off never crosses tenants)."""
     data = np.asarray(token_ids, dtype="<i8").tobytes()
-    return hashlib.blake2b(data, digest_size=16, person=b"kvbridge-prompt").hexdigest()
+    if not salt:
+        return hashlib.blake2b(data, digest_size=16, person=b"kvbridge-prompt").hexdigest()
+    key = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    return hashlib.blake2b(data, digest_size=16, key=key, person=b"kvbridge-psalt").hexdigest()
 
 
 def prompt_blocks(block_ids: Sequence[int], num_prompt_tokens: int, block_size: int) -> list[int]:

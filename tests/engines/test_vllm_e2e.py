@@ -144,6 +144,21 @@ def test_sequential_outputs_match_single_engine(cluster: Cluster, mode: str) -> 
     assert moved > 0
 
 
+def test_a_salted_request_is_handed_off_under_its_salt(cluster: Cluster) -> None:
+    """``cache_salt`` is part of the prompt digest P and D compare: both legs carry the same
+    salt (the proxy passes it, or sets it from the tenant header), so the hand-off works."""
+    prompts = random_prompts(2, 150, seed=14)
+    refs = [cluster.reference(p) for p in prompts]
+    before = cluster.stats(cluster.d_ctl).stats
+    outs = [output_token_ids(complete(cluster.proxies.urls[mode], p, MAX_TOKENS,
+                                      extra={**_GREEDY, "cache_salt": "tenant-A"}, timeout=180))
+            for mode, p in zip(("pull", "push"), prompts, strict=True)]
+    assert outs == refs
+    after = cluster.stats(cluster.d_ctl).stats
+    assert after.get("recv_ok", 0) - before.get("recv_ok", 0) == 2
+    assert after.get("recv_failed", 0) == before.get("recv_failed", 0)
+
+
 def test_concurrent_push_and_pull_in_the_same_engines(cluster: Cluster) -> None:
     prompts = random_prompts(6, 200, seed=21)
     refs = [cluster.reference(p) for p in prompts]

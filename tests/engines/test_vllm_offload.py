@@ -69,9 +69,11 @@ class Engine:
             self.server.stop()
             self.server = None
 
-    def run(self, prompt: list[int]) -> list[int]:
+    def run(self, prompt: list[int], salt: str | None = None) -> list[int]:
+        """Greedy tokens of ``prompt`` (under ``cache_salt`` ``salt``, a tenant)."""
         assert self.server is not None
-        out = output_token_ids(complete(self.server.url, prompt, MAX_TOKENS, extra=GREEDY,
+        extra = {**GREEDY, "cache_salt": salt} if salt else GREEDY
+        out = output_token_ids(complete(self.server.url, prompt, MAX_TOKENS, extra=extra,
                                         timeout=120))
         assert out is not None
         return out
@@ -132,6 +134,28 @@ def test_reset_prefix_cache_then_the_tier_serves_identical_output(engine: Engine
     before = engine.stats()
     assert engine.run(other) == ref_other
     assert _delta(engine.stats(), before, "offload_loaded_blocks") == 6  # stored after ref
+
+
+def test_tenants_never_share_tier_entries(engine: Engine) -> None:
+    """Tier keys are salted with vLLM's ``cache_salt``: tenant B never hits what tenant A
+    stored (nor does a request without a salt), and A's repeat does."""
+    prompt = random_prompts(1, 200, seed=93)[0]
+    before = engine.stats()
+    ref = engine.run(prompt, salt="tenant-A")
+    engine.settle("offload_stored_blocks_disk",
+                  before.get("offload_stored_blocks_disk", 0) + 6)
+
+    def hits(salt: str | None) -> int:
+        engine.reset()
+        b = engine.stats()
+        assert engine.run(prompt, salt) == ref
+        a = engine.stats()
+        assert _delta(a, b, "offload_load_failed") == 0
+        return sum(_delta(a, b, f"offload_hit_blocks_{t}") for t in ("dram", "disk"))
+
+    assert hits("tenant-B") == 0
+    assert hits(None) == 0
+    assert hits("tenant-A") == 6
 
 
 def test_full_tiers_evict_without_errors(engine: Engine) -> None:

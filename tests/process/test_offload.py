@@ -19,7 +19,7 @@ from kvbridge.layout import KVLayout
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.config import OffloadConfig, parse_size
-from kvbridge.offload.keys import block_keys, seed_key
+from kvbridge.offload.keys import block_keys, salted, seed_key
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 
@@ -50,12 +50,32 @@ def test_keys_depend_on_identity_not_its_order() -> None:
 
 
 def test_keys_are_stable_across_processes() -> None:
-    code = ("from kvbridge.offload.keys import block_keys, seed_key;"
+    code = ("from kvbridge.offload.keys import block_keys, salted, seed_key;"
             "print(','.join(block_keys(seed_key({'model': 'm', 'dtype': 'float32'}),"
             " list(range(12)), 4)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "random", "PATH": ""}).stdout
     assert out.strip().split(",") == block_keys(SEED, list(range(12)), BS)
+
+
+def test_keys_of_different_salts_never_meet() -> None:
+    toks = list(range(3 * BS))
+    plain = block_keys(SEED, toks, BS)
+    a, b = (block_keys(salted(SEED, s), toks, BS) for s in ("tenant-A", "tenant-B"))
+    assert salted(SEED, None) == salted(SEED, "") == SEED  # no salt: today's keys
+    assert not set(plain) & set(a) and not set(a) & set(b) and not set(plain) & set(b)
+    assert a == block_keys(salted(SEED, "tenant-A"), toks, BS)  # stable
+
+
+def test_book_stores_and_looks_up_under_the_requests_salt() -> None:
+    book = OffloadBook(OffloadConfig.parse({"tiers": ["dram"]}), SEED, block_size=BS)
+    prompt = list(range(3 * BS + 1))
+    assert book.finished("a", True, prompt, [0, 1, 2, 3], salt="tenant-A")
+    assert book.matched("b", prompt, 0, salt="tenant-B") is None  # a lookup goes out
+    plan = book.take_plan()
+    [store], [lookup] = plan.stores, plan.lookups
+    assert store.keys == tuple(block_keys(salted(SEED, "tenant-A"), prompt, BS))
+    assert lookup.keys == tuple(block_keys(salted(SEED, "tenant-B"), prompt, BS))[:3]
 
 
 def test_keys_refuse_out_of_range_tokens() -> None:

@@ -1410,3 +1410,71 @@ async def test_cli_serves_on_port_zero_and_stops_on_sigterm(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# ------------------------------------------------------------------------------ tenants
+
+
+async def _salts(client: aiohttp.ClientSession, proxy: ProxyServer, p: StandIn, d: StandIn,
+                 headers: dict[str, str], body: dict[str, Any]) -> tuple[Any, Any]:
+    async with client.post(proxy.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+    return (p.requests()[-1].body.get("cache_salt"), d.requests()[-1].body.get("cache_salt"))
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_salt_from_header_sets_the_salt_of_both_legs_and_ignores_the_clients(
+        engines: Any, proxies: Any, client: Any, mode: ProxyMode) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=mode, salt_header="X-Tenant",
+                          control_secret="fleet-secret")
+    forged = {**COMPLETION, "cache_salt": "someone-elses"}
+    a1 = await _salts(client, proxy, p, d, {"X-Tenant": "acme"}, forged)
+    a2 = await _salts(client, proxy, p, d, {"X-Tenant": "acme"}, COMPLETION)
+    b = await _salts(client, proxy, p, d, {"X-Tenant": "globex"}, COMPLETION)
+    none = await _salts(client, proxy, p, d, {}, forged)
+    assert a1[0] == a1[1] == a2[0] == a2[1]  # one tenant, one salt, on P and D alike
+    assert re.fullmatch(r"[0-9a-f]{64}", a1[0]) and a1[0] != "someone-elses"
+    assert b[0] == b[1] and b[0] != a1[0]
+    assert none == (None, None)  # no tenant: no salt, and never the client's own
+
+
+async def test_salt_depends_on_the_secret(engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    one = await proxies([p.url], [d.url], salt_header="X-Tenant", control_secret="s1")
+    two = await proxies([p.url], [d.url], salt_header="X-Tenant", control_secret="s2")
+    h = {"X-Tenant": "acme"}
+    assert (await _salts(client, one, p, d, h, COMPLETION)
+            != await _salts(client, two, p, d, h, COMPLETION))
+
+
+async def test_oversized_tenant_header_is_400_naming_it(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], salt_header="X-Tenant", control_secret="s")
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION,
+                           headers={"X-Tenant": "x" * 5000}) as r:
+        assert r.status == 400
+        answer = await r.json()
+    assert answer["error"]["param"] == "X-Tenant" and "X-Tenant" in answer["error"]["message"]
+    assert p.requests() == [] and d.requests() == []
+
+
+async def test_without_salt_from_header_the_clients_salt_passes(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url])
+    got = await _salts(client, proxy, p, d, {"X-Tenant": "acme"},
+                       {**COMPLETION, "cache_salt": "mine"})
+    assert got == ("mine", "mine")
+
+
+def test_salt_from_header_needs_a_secret_and_a_header_name() -> None:
+    with pytest.raises(ConfigError, match="needs the fleet secret"):
+        ProxySettings(["http://p"], ["http://d"], salt_header="X-Tenant").check()
+    with pytest.raises(ConfigError, match="must name a header"):
+        ProxySettings(["http://p"], ["http://d"], salt_header=" ", control_secret="s").check()

@@ -191,6 +191,14 @@ def test_prompt_digest_tells_prompts_apart() -> None:
         seen.add(digest)
 
 
+def test_prompt_digest_of_a_salted_prompt_is_its_tenants_only() -> None:
+    tokens = [11, 22, 33, 44]
+    a, b = prompt_digest(tokens, "tenant-A"), prompt_digest(tokens, "tenant-B")
+    assert prompt_digest(tokens, None) == prompt_digest(tokens, "") == prompt_digest(tokens)
+    assert len({a, b, prompt_digest(tokens)}) == 3  # a hand-off never crosses tenants
+    assert a == prompt_digest(tuple(tokens), "tenant-A")
+
+
 @pytest.mark.parametrize(("tier", "receive", "want"), [
     (None, (0, False), (None, False)),  # tier lookup in flight: ask again
     (None, (32, True), (None, False)),  # ... even when a receive is known

@@ -64,6 +64,11 @@ class Config:
     option (kvbridge.advertise)."""
     side_channel_port: int = 0
     """Control-channel port of tp rank 0 (rank r uses port + r); 0 picks a free port."""
+    model_identity: str | None = None
+    """What names this engine's weights and tokenizer in the model identity, instead of their
+    content digest (kvbridge.fingerprint): set the same value on engines whose checkpoints you
+    know to be bit-identical but that are stored differently, or a release name you control.
+    Engines of different identities never exchange KV nor share tier entries."""
     lease_s: float = 30.0
     """How long P keeps a request's blocks pinned without a heartbeat from D."""
     heartbeat_s: float = 2.0
@@ -242,6 +247,10 @@ class Config:
         for key in ("max_pending", "max_pending_per_peer", "max_peers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.model_identity is not None and not (
+                0 < len(self.model_identity) <= 256 and self.model_identity.isprintable()):
+            raise ConfigError("model_identity must be 1 to 256 printable characters, got "
+                              f"{self.model_identity!r:.80}")
         if self.backend == "compose":
             self.compose_members()
         self.offload_config()

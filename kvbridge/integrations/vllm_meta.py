@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,14 +20,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvbridge.offload.keys import weights_fingerprint
+from kvbridge.fingerprint import checkpoint_digest
+from kvbridge.messages import PROTOCOL_VERSION
 from kvbridge.scheduling.handoff import StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["KVBridgeMetadata", "KVBridgeHandshake", "KVBridgeWorkerMeta", "model_identity",
-           "parallel_sizes"]
+           "identity_digest", "parallel_sizes"]
 
 
 @dataclass
@@ -63,23 +65,58 @@ class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return KVBridgeWorkerMeta(merged)
 
 
-def model_identity(vllm_config: VllmConfig) -> dict[str, str]:
-    """What makes two engines' KV for the same tokens identical: the seed of offload keys."""
+#: HF config keys that say where a checkpoint was loaded from, not what it computes
+_WHERE_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
+
+
+def model_identity(vllm_config: VllmConfig, declared: str | None = None) -> dict[str, str]:
+    """What makes two engines' KV for the same tokens identical: the seed of offload keys, and
+    (:func:`identity_digest`) part of every handshake.
+
+    ``weights`` names the checkpoint by content (:func:`kvbridge.fingerprint.checkpoint_digest`
+    of the model directory, and of the tokenizer's when it is another one), never by path or
+    modification time; a model given by hub name by its name and declared revision. ``declared``
+    (the ``model_identity`` setting) replaces it, for an operator who knows better."""
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     try:
-        hf = json.dumps(mc.hf_config.to_dict(), sort_keys=True, default=str)
+        hf_dict = {k: v for k, v in mc.hf_config.to_dict().items() if k not in _WHERE_KEYS}
+        hf = json.dumps(hf_dict, sort_keys=True, default=str)
     except Exception:  # noqa: BLE001 - an exotic config: fall back to its repr
         hf = repr(mc.hf_config)
     tp, _ = parallel_sizes(vllm_config)
+    if declared is not None:
+        weights = "declared:" + declared
+    else:
+        weights = _content(str(mc.model), getattr(mc, "revision", None))
+        tokenizer = str(getattr(mc, "tokenizer", "") or mc.model)
+        if os.path.realpath(tokenizer) != os.path.realpath(str(mc.model)):
+            weights += "|tokenizer:" + _content(tokenizer,
+                                                getattr(mc, "tokenizer_revision", None))
     return {
-        "model": str(mc.model), "revision": str(getattr(mc, "revision", None)),
-        "weights": weights_fingerprint(str(mc.model)),
+        "weights": weights,
         "hf_config": hashlib.blake2b(hf.encode(), digest_size=16).hexdigest(),
         "dtype": str(mc.dtype), "cache_dtype": str(cc.cache_dtype),
         "block_size": str(cc.block_size), "tp_size": str(tp),
         "quantization": str(getattr(mc, "quantization", None)),
+        "kvbridge": str(PROTOCOL_VERSION),
     }
+
+
+def _content(path: str, revision: object) -> str:
+    digest = checkpoint_digest(path)
+    if digest is not None:
+        return "content:" + digest
+    return f"name:{path}@{revision}"  # a hub name: only its revision tells versions apart
+
+
+def identity_digest(identity: dict[str, str]) -> str:
+    """A short digest of a :func:`model_identity` for handshakes, less what the layout and head
+    split check themselves (block size, TP size): engines of other block or TP sizes may still
+    exchange KV of one model."""
+    comparable = {k: v for k, v in identity.items() if k not in ("block_size", "tp_size")}
+    blob = json.dumps(comparable, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=8, person=b"kvbridge-model").hexdigest()
 
 
 def parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:

@@ -69,7 +69,8 @@ class SchedulerSide:
                                 groups=groups, null_block=NULL_BLOCK if groups else None)
         self.groups = groups
         self.offload = OffloadBook(config.offload_config(),
-                                   seed_key(model_identity(vllm_config)),
+                                   seed_key(model_identity(vllm_config,
+                                                           config.model_identity)),
                                    block_size=block_size, tp_size=tp_size)
         self.config = config
         self.kv_cache_manager: Any = None

@@ -19,7 +19,12 @@ from kvbridge.groups import KVGroup
 from kvbridge.heads import HeadSplit
 from kvbridge.host.hugepages import back_with_huge_pages
 from kvbridge.integrations.vllm_groups import group_layers, with_groups
-from kvbridge.integrations.vllm_meta import KVBridgeHandshake, KVBridgeMetadata, model_identity
+from kvbridge.integrations.vllm_meta import (
+    KVBridgeHandshake,
+    KVBridgeMetadata,
+    identity_digest,
+    model_identity,
+)
 from kvbridge.layout import KVLayout
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.keys import namespace_of, seed_key
@@ -83,6 +88,10 @@ class WorkerSide:
             "num_hidden_layers": str(getattr(hf, "num_hidden_layers", "?")),
             "dtype": str(mc.dtype).removeprefix("torch."),
             "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            # weights and tokenizer by content (kvbridge.fingerprint), dtypes, quantization,
+            # kvbridge version: a peer of another model is refused at the handshake
+            "model_identity": identity_digest(
+                model_identity(self._vllm_config, self.config.model_identity)),
         }
         on_gpu = any(str(getattr(t, "device", "cpu")).startswith("cuda")
                      for t in kv_caches.values())
@@ -160,7 +169,7 @@ class WorkerSide:
         if on_gpu:
             raise ConfigError("offload tiers need the KV cache in host memory (CPU engines); "
                               "GPU offload is not built yet: remove 'offload' from the config")
-        seed = seed_key(model_identity(self._vllm_config))
+        seed = seed_key(model_identity(self._vllm_config, self.config.model_identity))
         namespace = namespace_of(seed, layout.fingerprint())
         io = BlockIO(layout)
         # the disk tier's MAC is keyed by the engine's secret

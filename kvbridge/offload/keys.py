@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["seed_key", "salted", "block_keys", "tier_key", "namespace_of", "weights_fingerprint",
-           "KEY_BYTES"]
+__all__ = ["seed_key", "salted", "block_keys", "tier_key", "namespace_of", "KEY_BYTES"]
 
 #: digest size of a key (hex strings are twice as long)
 KEY_BYTES = 16
@@ -77,27 +75,3 @@ def tier_key(key: str, layout_fingerprint: str, rank: int, tp_size: int) -> str:
 def namespace_of(seed: bytes, layout_fingerprint: str) -> str:
     """A directory/object-name prefix for one model + KV layout (hex, filesystem-safe)."""
     return hashlib.blake2b(seed + layout_fingerprint.encode(), digest_size=KEY_BYTES).hexdigest()
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
-
-
-def weights_fingerprint(model: str) -> str:
-    """A cheap fingerprint of a local model directory's files (name, size, mtime).
-
-    Different weights under the same path give different keys, so a tier never serves KV
-    computed by other weights. A model given by hub name (not a directory) fingerprints as
-    its name: the model identity then relies on its revision.
-    """
-    if not os.path.isdir(model):
-        return "name:" + model
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    for name in sorted(os.listdir(model)):
-        if not name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        try:
-            st = os.stat(os.path.join(model, name))
-        except OSError:
-            continue
-        h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()

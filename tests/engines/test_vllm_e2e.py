@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,7 +107,10 @@ def cluster(request: pytest.FixtureRequest,
     p = VllmServer(model, name="prefill",
                    kv_transfer_config=_connector("kv_producer", "e2e-P", backend), cpu_bind="0",
                    env=env, extra_args=args, log_path=logs / "prefill.log")
-    d = VllmServer(model, name="decode",
+    # D runs a copy of the checkpoint in another directory, with other modification times:
+    # the model identity is the content, so every hand-off below crosses copies
+    d = VllmServer(str(shutil.copytree(model, logs / "model-copy",
+                                       copy_function=shutil.copyfile)), name="decode",
                    kv_transfer_config=_connector("kv_consumer", "e2e-D", backend), cpu_bind="1",
                    env=env, extra_args=args, log_path=logs / "decode.log")
     proxies: ProxyThread | None = None

@@ -2,8 +2,9 @@
 killed and restarted under load. One P and one D over ``shm`` (the semantics tested here live
 in the core, not in a transport), with the HTTP guard in front of each engine.
 
-Two tests start one more engine of their own: a P with other weights (the negative control) and
-a D whose transport stalls (issue 33: the test-only ``faulty`` backend, registered on that
+Two tests start engines of their own: a P with other weights and a D declaring the same model
+identity as that P (the refusal of other weights, and the negative control), and a D whose
+transport stalls (issue 33: the test-only ``faulty`` backend, registered on that
 engine's path only).
 
 Every test ends with the same three checks the fault matrix (docs/operations.md) promises:
@@ -549,27 +550,55 @@ def test_a_pull_that_stalls_is_recomputed_within_stall_s(cluster: Cluster,
     _healthy(cluster, 41)
 
 
-def test_negative_control_kv_from_other_weights_changes_output(cluster: Cluster) -> None:
-    """The comparison has teeth: KV computed by a prefill engine with other weights (same
-    architecture, so every compatibility check passes) must change D's output. If D silently
-    recomputed instead of using the KV it received, this would fail."""
+def _connector_as(role: str, engine_id: str, port: int, identity: str) -> dict[str, Any]:
+    kv = _connector(role, engine_id, port)
+    kv["kv_connector_extra_config"]["model_identity"] = identity
+    return kv
+
+
+def test_kv_from_other_weights_is_refused_and_the_check_has_teeth(cluster: Cluster) -> None:
+    """Two checkpoints of one architecture (other seeds: every layout check passes).
+
+    1. A P with other weights (here declaring an identity of its own) is refused at the
+       handshake by the cluster's D, whose identity is its checkpoint's content: the receive
+       fails naming both identities, and no wrong token is served.
+    2. The negative control: a D that declares the same identity as that P (an operator who
+       says "these are one model") takes its KV, and the output changes. If D silently
+       recomputed instead of using the KV it received, this would fail.
+    """
     assert cluster.d is not None
-    port, ctl = free_port(), free_port()
-    other = VllmServer(str(build_tiny_model(seed=1)), name="prefill-other", port=port,
-                       kv_transfer_config=_connector("kv_producer", "faults-P2", ctl),
-                       cpu_bind="0", env={"VLLM_TARGET_DEVICE": "cpu",
-                                          "KVBRIDGE_ENGINE_SPIN_MS": "2"},
-                       extra_args=["--block-size", "32"],
+    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"}
+    p2_ctl, d2_ctl = free_port(), free_port()
+    other = VllmServer(str(build_tiny_model(seed=1)), name="prefill-other", port=free_port(),
+                       kv_transfer_config=_connector_as("kv_producer", "faults-P2", p2_ctl,
+                                                        "declared-one-model"),
+                       cpu_bind="0", env=env, extra_args=["--block-size", "32"],
                        log_path=cluster.logs / "prefill-other.log")
+    believer = VllmServer(cluster.model, name="decode-declared", port=free_port(),
+                          kv_transfer_config=_connector_as("kv_consumer", "faults-D2", d2_ctl,
+                                                           "declared-one-model"),
+                          cpu_bind="1", env=env, extra_args=["--block-size", "32"],
+                          log_path=cluster.logs / "decode-declared.log")
     try:
-        start_servers([other], timeout=600)
+        start_servers([other, believer], timeout=600)
         prompt = random_prompts(1, 150, seed=20)[0]
+        ref = cluster.reference(prompt)
+
         answer = complete(other.url, prompt, 1, {"do_remote_decode": True,
                                                  "transfer_id": "other-weights"})
-        before = cluster.stats(cluster.d_ctl).stats.get("recv_ok", 0)
+        before = cluster.stats(cluster.d_ctl).stats
         status, out = _post(cluster.d.url, prompt, answer["kv_transfer_params"])
+        assert status != 200 or out == ref  # refused: never a wrong token
+        after = cluster.stats(cluster.d_ctl).stats
+        assert after.get("recv_ok", 0) == before.get("recv_ok", 0)
+        why = cluster.outcome(cluster.d_ctl, "other-weights") or ""
+        assert "model_identity differs" in why, why
+
+        answer = complete(other.url, prompt, 1, {"do_remote_decode": True,
+                                                 "transfer_id": "declared-same"})
+        status, out = _post(believer.url, prompt, answer["kv_transfer_params"])
         assert status == 200
-        assert cluster.stats(cluster.d_ctl).stats.get("recv_ok", 0) == before + 1  # KV moved
-        assert out != cluster.reference(prompt)  # ... and it was used
+        assert out != ref  # the KV of the other weights moved, and was used
     finally:
         other.stop()
+        believer.stop()

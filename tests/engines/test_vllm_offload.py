@@ -2,13 +2,15 @@
 keeps the disk tier (and loads layer by layer, ``layerwise_load``), a full tier that evicts, a
 corrupted disk chunk that is recomputed.
 
-One engine (``kv_both``, backend ``shm``) with ``dram`` then ``disk``; every output is compared
+One engine (``kv_both``, backend ``shm``) with ``dram`` then ``disk`` (restarted once from a
+copy of its checkpoint elsewhere, which must still hit the disk tier); every output is compared
 with the first, tier-less computation of the same prompt (the single-engine reference), and
 the engine's own counters say where the KV came from.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -187,7 +189,11 @@ def test_restart_keeps_the_disk_tier_and_corruption_is_recomputed(engine: Engine
     blob = bytearray(path.read_bytes())
     blob[-7] ^= 0x55
     path.write_bytes(bytes(blob))
-    # restarted with layer-wise loads (the FIFO pipe to the forward pass): the same outputs
+    # restarted from a copy of the checkpoint in another directory, with other modification
+    # times (the model identity is the content: the disk tier still hits), and with layer-wise
+    # loads (the FIFO pipe to the forward pass): the same outputs
+    engine.model = str(shutil.copytree(engine.model, engine.disk.parent / "model-copy",
+                                       copy_function=shutil.copyfile))
     engine.start(layerwise=True)
     before = engine.stats()
     assert engine.run(prompt) == ref

@@ -21,7 +21,7 @@ LAYERS = (
     ("dispatch",),
     ("relay",),
     ("pool",),
-    ("failures", "metrics", "reasons"),
+    ("failures", "metrics", "reasons", "tenants"),
     ("settings",),
     ("routing",),
 )

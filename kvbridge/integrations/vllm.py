@@ -54,7 +54,10 @@ from kvbridge.integrations.vllm_worker import WorkerSide
 from kvbridge.scheduling.handoff import RankAddress
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -197,6 +200,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.worker_output(connector_output)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The offload tiers' KV events, in vLLM's format (vLLM publishes them with its own;
+        :mod:`kvbridge.integrations.vllm_events`)."""
+        return self._sched.take_events() if self._sched is not None else ()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -274,10 +282,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or self._worker.side is None:
             return None
         answers = self._worker.side.take_offload_answers()
-        if not answers:
+        events = self._worker.side.take_tier_events()
+        if not (answers or events):
             return None
         rank = self._worker.rank
-        return KVBridgeWorkerMeta({lid: {rank: n} for lid, n in answers.items()})
+        return KVBridgeWorkerMeta({lid: {rank: n} for lid, n in answers.items()}, events)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None or self._worker.side is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,13 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge.fingerprint import checkpoint_digest
 from kvbridge.messages import PROTOCOL_VERSION
+from kvbridge.offload.events import TierEvent
 from kvbridge.scheduling.handoff import StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["KVBridgeMetadata", "KVBridgeHandshake", "KVBridgeWorkerMeta", "model_identity",
-           "identity_digest", "parallel_sizes"]
+           "identity_digest", "kv_events_enabled", "parallel_sizes"]
 
 
 @dataclass
@@ -53,16 +54,20 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker → scheduler, once per step: offload lookup answers (lookup id → rank → blocks)."""
+    """Worker → scheduler, once per step: offload lookup answers (lookup id → rank → blocks)
+    and rank 0's tier KV events (:mod:`kvbridge.offload.events`)."""
 
     answers: dict[str, dict[int, int]]
+    tier_events: list[TierEvent] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = {k: dict(v) for k, v in self.answers.items()}
+        events = list(self.tier_events)
         if isinstance(other, KVBridgeWorkerMeta):
             for lid, ranks in other.answers.items():
                 merged.setdefault(lid, {}).update(ranks)
-        return KVBridgeWorkerMeta(merged)
+            events += other.tier_events
+        return KVBridgeWorkerMeta(merged, events)
 
 
 #: HF config keys that say where a checkpoint was loaded from, not what it computes
@@ -117,6 +122,12 @@ def identity_digest(identity: dict[str, str]) -> str:
     comparable = {k: v for k, v in identity.items() if k not in ("block_size", "tp_size")}
     blob = json.dumps(comparable, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(blob, digest_size=8, person=b"kvbridge-model").hexdigest()
+
+
+def kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    """vLLM publishes KV events (``--kv-events-config``): the tiers then add theirs."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
 def parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:

@@ -22,8 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvbridge.config import Config
 from kvbridge.groups import KVGroup
 from kvbridge.integrations import vllm_idle
+from kvbridge.integrations.vllm_events import TierEventBook
 from kvbridge.integrations.vllm_groups import NULL_BLOCK, shorten_prompt
-from kvbridge.integrations.vllm_meta import KVBridgeMetadata, KVBridgeWorkerMeta, model_identity
+from kvbridge.integrations.vllm_meta import (
+    KVBridgeMetadata,
+    KVBridgeWorkerMeta,
+    kv_events_enabled,
+    model_identity,
+)
 from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.keys import seed_key
 from kvbridge.scheduling.arrivals import DirectArrivals
@@ -68,6 +74,10 @@ class SchedulerSide:
         self.book = HandoffBook(config, engine_id, block_size=block_size, tp_size=tp_size,
                                 groups=groups, null_block=NULL_BLOCK if groups else None)
         self.groups = groups
+        #: the tiers' KV events in vLLM's format (vLLM publishes them; None: events off)
+        self.events = (TierEventBook(block_size)
+                       if kv_events_enabled(vllm_config) and config.offload_config().enabled
+                       else None)
         self.offload = OffloadBook(config.offload_config(),
                                    seed_key(model_identity(vllm_config,
                                                            config.model_identity)),
@@ -210,8 +220,12 @@ class SchedulerSide:
         hold, params = self.book.finished(req_id, ok, tables if self.groups else tables[0],
                                           request.num_prompt_tokens)
         # offload is refused with groups, so its book sees the one table there is
+        hashes: tuple[bytes, ...] = ()
+        if self.events is not None and ok:
+            hashes = self.events.remember(
+                request, request.num_prompt_tokens // self.events.block_size)
         store = self.offload.finished(req_id, ok, request.prompt_token_ids, tables[0],
-                                      _salt(request))
+                                      _salt(request), hashes)
         return hold or store, params
 
     def worker_output(self, output: KVConnectorOutput) -> None:
@@ -222,6 +236,8 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVBridgeWorkerMeta):
             self.offload.answered(meta.answers)
+            if meta.tier_events and self.events is not None:
+                self.events.add(meta.tier_events)
         for req_id in output.finished_recving or ():
             tid = self.book.transfer_done(req_id)
             if tid is not None and req_id in self._live:
@@ -229,6 +245,14 @@ class SchedulerSide:
                 self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():
             self.book.transfer_done(req_id)
+
+    def take_events(self) -> list[Any]:
+        """The tiers' KV events made since the last call, as vLLM's ``KVCacheEvent``s."""
+        if self.events is None:
+            return []
+        self.book.stats.update(self.events.stats)
+        self.events.stats.clear()
+        return self.events.take()
 
     def _drop_delivered(self, output: KVConnectorOutput) -> None:
         """The workers' report of receives vLLM was already told of directly: removed from

@@ -23,6 +23,7 @@ from kvbridge.integrations.vllm_meta import (
     KVBridgeHandshake,
     KVBridgeMetadata,
     identity_digest,
+    kv_events_enabled,
     model_identity,
 )
 from kvbridge.layout import KVLayout
@@ -176,7 +177,8 @@ class WorkerSide:
         tiers = build_tiers(cfg, io.chunk_bytes, namespace,
                             secret=trust.resolve(self.config).secret)
         return OffloadManager(cfg, tiers, io, layout_fingerprint=layout.fingerprint(),
-                              rank=self.rank, tp_size=self.tp_size)
+                              rank=self.rank, tp_size=self.tp_size,
+                              events=kv_events_enabled(self._vllm_config))
 
     @staticmethod
     def _cuda_fence() -> Fence | None:

@@ -169,9 +169,11 @@ class OffloadBook:
     # -- stores ----------------------------------------------------------------------------------
 
     def finished(self, req_id: str, ok: bool, prompt: Sequence[int] | None,
-                 block_ids: Sequence[int], salt: str | None = None) -> bool:
+                 block_ids: Sequence[int], salt: str | None = None,
+                 hashes: Sequence[bytes] = ()) -> bool:
         """``request_finished``: True if the blocks must be held for a store (under the keys
-        of ``salt``, the request's ``cache_salt``)."""
+        of ``salt``, the request's ``cache_salt``; ``hashes``: vLLM's block hashes of its
+        blocks, which the tiers' KV events name)."""
         req = self._reqs.pop(req_id, None)
         if req is not None and req.lookup_id and not req.settled:
             self._plan.releases.append(req.lookup_id)
@@ -183,7 +185,8 @@ class OffloadBook:
         if n < self.config.min_blocks:
             return False
         self._plan.stores.append(StoreOrder(req_id, tuple(req.keys[:n]),
-                                            tuple(int(b) for b in block_ids[:n])))
+                                            tuple(int(b) for b in block_ids[:n]),
+                                            tuple(hashes[:n]) if len(hashes) >= n else ()))
         self.stats["offload_store_requests"] += 1
         return True
 

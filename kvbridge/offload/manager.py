@@ -47,16 +47,18 @@ from typing import Any
 
 from kvbridge import registry
 from kvbridge.errors import PipeClosed
-from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss, Overflow
+from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.config import OffloadConfig
+from kvbridge.offload.events import TierEvent, TierEvents
+from kvbridge.offload.index import KNOWN_KEYS, TierIndex, hold, tier_index
 from kvbridge.offload.keys import tier_key
 from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.tier import Tier, TierContext
 from kvbridge.transports.pipe import MemoryRecvHalf, MemorySendHalf, memory_pipe
 
-__all__ = ["OffloadManager", "build_tiers", "hold", "staging_buffer", "tier_index"]
+__all__ = ["OffloadManager", "build_tiers", "staging_buffer"]
 
 log = logging.getLogger("kvbridge.offload")
 
@@ -67,12 +69,11 @@ class _Job:
 
     run: Callable[[], None]
 
+
 #: staged chunks the scheduler never claimed are dropped after this long
 STAGE_TTL_S = 120.0
 #: lookups one rank holds at once; beyond, a lookup is answered "no hit" at once
 MAX_LOOKUPS = 1 << 16
-#: how many keys per unmanaged tier the manager remembers as stored (skips re-storing)
-KNOWN_KEYS = 1 << 16
 
 
 def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
@@ -93,30 +94,11 @@ def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
     return tiers
 
 
-def tier_index(name: str, chunks: int, *,
-               clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, None]:
-    """The scheduler's view of one tier: the content keys it holds, at most ``chunks`` of
-    them, no leases, the least recently used evicted to make room (a
-    :class:`~kvbridge.lookup.LookupBuffer` home; owned under the manager's lock)."""
-    return LookupBuffer(f"offload tier {name}", chunks, overflow=Overflow.EVICT_LRU,
-                        clock=clock)
-
-
 def staging_buffer(capacity: int = MAX_LOOKUPS, *,
                    clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, _Lookup]:
     """One rank's lookups: lookup id → the chunks staged for it, under a lease of
     :data:`STAGE_TTL_S` (given at insert); full is full (a lookup is answered "no hit")."""
     return LookupBuffer("offload lookups", capacity, clock=clock)
-
-
-def hold(index: LookupBuffer[str, None], keys: Sequence[str]) -> list[str]:
-    """Insert or touch ``keys`` in ``index``, last to first (so a chain's head is used most
-    recently and evicted last); return the keys evicted to make room."""
-    evicted: list[str] = []
-    for key in reversed(keys):
-        if not index.touch((key,)):
-            evicted.extend(old for old, _ in index.insert(key, None))
-    return evicted
 
 
 class _Lookup:
@@ -132,7 +114,8 @@ class OffloadManager:
     """See the module docstring."""
 
     def __init__(self, config: OffloadConfig, tiers: Sequence[Tier], io: BlockIO, *,
-                 layout_fingerprint: str, rank: int = 0, tp_size: int = 1) -> None:
+                 layout_fingerprint: str, rank: int = 0, tp_size: int = 1,
+                 events: bool = False) -> None:
         self.config = config
         self.tiers = list(tiers)
         self.io = io
@@ -141,11 +124,14 @@ class OffloadManager:
         self._fp = layout_fingerprint
         self._lock = threading.Lock()
         self._tier_locks = {t.name: threading.Lock() for t in self.tiers}
-        self._index: dict[str, LookupBuffer[str, None]] = {
+        #: the tiers' KV-events stream (rank 0 only; kvbridge.offload.events)
+        self.events = TierEvents(events and rank == 0, on_drop=functools.partial(
+            self._count, "offload_kv_events_dropped"))
+        self._index: dict[str, TierIndex] = {
             t.name: tier_index(t.name, t.capacity_bytes // io.chunk_bytes)
             for t in self.tiers if t.managed}
         #: keys stored into each unmanaged tier, remembered (boundedly) to skip re-storing
-        self._known: dict[str, LookupBuffer[str, None]] = {
+        self._known: dict[str, TierIndex] = {
             t.name: tier_index(f"{t.name} (stored)", KNOWN_KEYS)
             for t in self.tiers if not t.managed}
         #: lookup id → its staged chunks, for STAGE_TTL_S (a LookupBuffer home)
@@ -209,7 +195,7 @@ class OffloadManager:
         index = self._index[tier.name]
         evicted: list[str] = []
         for key, _ in entries:  # oldest first: the newest end up most recently used
-            evicted.extend(hold(index, [key]))
+            evicted.extend(k for k, _ in hold(index, [key]))
         if evicted:
             self._call(tier, "evict", evicted)
         log.info("offload tier %s: %d chunk(s) from a previous run (%d evicted to fit)",
@@ -318,11 +304,13 @@ class OffloadManager:
                     self._lost(tier, want[len(got):], lk)
                 if got:
                     self._count(f"offload_hit_blocks_{tier.name}", len(got))
+                    hashes: list[bytes | None] = [None] * len(got)
                     if index is not None:
                         with self._lock:
+                            hashes = [index.get(k) for k in want[:len(got)]]
                             hold(index, want[:len(got)])
                     if i > 0:
-                        self._promote(i, want[:len(got)], got)
+                        self._promote(i, want[:len(got)], got, hashes)
                     break
             if not got:
                 break
@@ -344,17 +332,18 @@ class OffloadManager:
         index = self._index[tier.name]
         with self._lock:
             first = keys[0] if keys else None
-            for k in keys:
-                index.discard(k)
+            gone = [index.discard(k) for k in keys]
+        self.events.removed(tier.name, tier.medium, gone)
         self._count("offload_load_failed", 1)
         log.warning("offload lookup %s: tier %s could not return a chunk it held (%s); the "
                     "prompt is recomputed from block %d on", lk.order.lookup_id, tier.name,
                     first, len(lk.chunks))
 
-    def _promote(self, upto: int, keys: Sequence[str], chunks: Sequence[bytes]) -> None:
+    def _promote(self, upto: int, keys: Sequence[str], chunks: Sequence[bytes],
+                 hashes: Sequence[bytes | None]) -> None:
         for tier in self.tiers[:upto]:
             if not tier.blocking:
-                self._put(tier, list(zip(keys, chunks, strict=True)))
+                self._put(tier, list(zip(keys, chunks, strict=True)), hashes)
                 self._count("offload_promoted_blocks", len(keys))
 
     def _claim(self, order: LoadOrder) -> list[bytes] | None:
@@ -429,9 +418,10 @@ class OffloadManager:
         if not chunks:
             return
         items = list(zip(tkeys, chunks, strict=True))
+        hashes = list(order.hashes) if len(order.hashes) == len(items) else None
         for tier in self.tiers:
             if not tier.blocking:
-                self._put(tier, items)
+                self._put(tier, items, hashes)
                 continue
             size = len(items) * self.io.chunk_bytes
             with self._lock:
@@ -439,17 +429,22 @@ class OffloadManager:
                     self._count(f"offload_backlog_full_{tier.name}", 1)
                     continue
                 self._backlog_bytes += size
-            self._submit(self._slow, functools.partial(self._write_behind, tier, items, size))
+            self._submit(self._slow, functools.partial(self._write_behind, tier, items, size,
+                                                       hashes))
 
-    def _write_behind(self, tier: Tier, items: list[tuple[str, bytes]], size: int) -> None:
+    def _write_behind(self, tier: Tier, items: list[tuple[str, bytes]], size: int,
+                      hashes: Sequence[bytes | None] | None) -> None:
         try:
-            self._put(tier, items)
+            self._put(tier, items, hashes)
         finally:
             with self._lock:
                 self._backlog_bytes -= size
 
-    def _put(self, tier: Tier, items: list[tuple[str, bytes]]) -> None:
-        """Store into one tier: skip what it holds, evict past capacity, remember the rest."""
+    def _put(self, tier: Tier, items: list[tuple[str, bytes]],
+             hashes: Sequence[bytes | None] | None = None) -> None:
+        """Store into one tier: skip what it holds, evict past capacity, remember the rest
+        (under its block ``hashes``, which its KV events name)."""
+        by_key = dict(zip((k for k, _ in items), hashes or (), strict=False))
         index = self._index.get(tier.name)
         known = self._known.get(tier.name)
         with self._lock:
@@ -465,16 +460,19 @@ class OffloadManager:
         if len(stored) < len(todo):
             self._count(f"offload_store_failed_{tier.name}", len(todo) - len(stored))
         self._count(f"offload_stored_blocks_{tier.name}", len(stored))
-        evicted: list[str] = []
+        evicted: list[tuple[str, bytes | None]] = []
+        kept = [by_key.get(k) for k in stored]
         with self._lock:
             if index is not None:
-                evicted = hold(index, list(stored))
+                evicted = hold(index, list(stored), kept)
             else:
                 assert known is not None
                 hold(known, list(stored))  # the oldest forgotten past KNOWN_KEYS
+        self.events.stored(tier.name, tier.medium, kept)
         if evicted:
             self._count(f"offload_evicted_blocks_{tier.name}", len(evicted))
-            self._call(tier, "evict", evicted)
+            self._call(tier, "evict", [k for k, _ in evicted])
+            self.events.removed(tier.name, tier.medium, [h for _, h in evicted])
 
     def _call(self, tier: Tier, method: str, arg: Any) -> Any:
         lock = self._tier_locks[tier.name] if tier.blocking else None
@@ -503,6 +501,10 @@ class OffloadManager:
         with self._lock:
             out, self._stored = self._stored, set()
         return out
+
+    def take_events(self) -> list[TierEvent]:
+        """The tiers' KV events since the last call, in order (rank 0; empty when off)."""
+        return self.events.take()
 
     def take_counters(self) -> dict[str, int]:
         with self._counter_lock:
@@ -572,6 +574,7 @@ class OffloadManager:
             pipe.close()  # end of stream: each thread ends after the jobs queued before it
         for th in self._threads:
             th.join(timeout=1.0)
+        self.events.close()
         for tier in self.tiers:
             try:
                 tier.close()

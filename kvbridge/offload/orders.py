@@ -37,6 +37,9 @@ class StoreOrder:
     req_id: str
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
+    #: vLLM's block hashes of the same blocks, which the tiers' KV events name (empty when
+    #: KV events are off)
+    hashes: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -80,6 +80,9 @@ class Tier(ABC):
     blocking: ClassVar[bool] = True
     #: default capacity when the configuration names none (bytes)
     default_capacity: ClassVar[int] = 1 << 30
+    #: the storage medium its KV events name (vLLM's ``BlockStored.medium``: ``"CPU"`` for
+    #: host memory, ``"STORAGE"`` for disks and remote stores)
+    medium: ClassVar[str] = "STORAGE"
 
     def __init__(self, ctx: TierContext) -> None:
         self.ctx = ctx

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from kvbridge.config import TransferMode
 from kvbridge.errors import LayoutMismatch
+from kvbridge.offload.events import TierEvent
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.params import PeerRef
 from kvbridge.scheduling import mapping
@@ -244,6 +245,10 @@ class RankSide:
     def take_offload_answers(self) -> dict[str, int]:
         """Tier lookups this rank answered since the last call (lookup id → blocks staged)."""
         return {} if self.offload is None else self.offload.take_answers()
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """The offload tiers' KV events since the last call (rank 0; empty otherwise)."""
+        return [] if self.offload is None else self.offload.take_events()
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

@@ -10,11 +10,14 @@ the engine's own counters say where the KV came from.
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +47,7 @@ class Engine:
     ctl_port: int = field(default_factory=free_port)
     server: VllmServer | None = None
     refs: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    events_port: int = 0  # vLLM's KV-events publisher connects here (the test's subscriber)
 
     @property
     def ctl(self) -> str:
@@ -62,7 +66,11 @@ class Engine:
                                  env={"VLLM_SERVER_DEV_MODE": "1",
                                       "KVBRIDGE_ENGINE_SPIN_MS": "2",
                                       "KVBRIDGE_OFFLOAD_LAYERWISE_LOAD": str(int(layerwise))},
-                                 extra_args=["--block-size", str(BLOCK)],
+                                 extra_args=["--block-size", str(BLOCK)] + (
+                                     ["--kv-events-config", json.dumps({
+                                         "enable_kv_cache_events": True, "publisher": "zmq",
+                                         "endpoint": f"tcp://127.0.0.1:{self.events_port}"})]
+                                     if self.events_port else []),
                                  log_path=self.logs / f"engine-{time.monotonic_ns()}.log")
         self.server.start().wait_ready(600)
 
@@ -99,10 +107,61 @@ class Engine:
         return wait_stats(self.ctl, key, at_least, timeout)
 
 
+class Subscriber:
+    """vLLM's KV events as a router receives them: a ZeroMQ SUB bound on 127.0.0.1 (vLLM's
+    publisher connects to a non-wildcard endpoint), each message decoded with vLLM's own
+    ``KVEventBatch``."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.events: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            _topic, _seq, payload = self._sock.recv_multipart()
+            batch = decoder.decode(payload)
+            with self._lock:
+                self.events.extend(batch.events)
+
+    def taken(self) -> list[Any]:
+        with self._lock:
+            return list(self.events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def subscriber() -> Iterator[Subscriber]:
+    sub = Subscriber()
+    try:
+        yield sub
+    finally:
+        sub.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, subscriber: Subscriber) -> Iterator[Engine]:
     e = Engine(str(build_tiny_model()), tmp_path_factory.mktemp("disk"),
-               tmp_path_factory.mktemp("logs"))
+               tmp_path_factory.mktemp("logs"), events_port=subscriber.port)
     try:
         e.start()
         yield e
@@ -171,6 +230,41 @@ def test_full_tiers_evict_without_errors(engine: Engine) -> None:
         assert engine.run(PROMPTS[i]) == refs[i]
     files = list(engine.disk.glob("*/*/*.kvb"))
     assert 0 < len(files) <= 48
+
+
+def test_kv_events_name_every_tier_store_and_eviction_with_vllms_hashes(
+        engine: Engine, subscriber: Subscriber) -> None:
+    """A router reading vLLM's KV events sees the tiers' stores and evictions as vLLM's own
+    ``BlockStored`` / ``BlockRemoved``, with medium and tier, under the block hashes vLLM
+    gives the same blocks in its own cache."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    def ours(kind: type, tier: str) -> list[Any]:
+        return [h for e in subscriber.taken() if isinstance(e, kind) and e.ownership == tier
+                for h in e.block_hashes]
+
+    def behind(st: dict[str, int]) -> list[str]:
+        return [f"{tier} {what}: {len(ours(kind, tier))} events, {st.get(key, 0)} counted"
+                for tier in ("dram", "disk")
+                for what, kind, key in (("stored", BlockStored, f"offload_stored_blocks_{tier}"),
+                                        ("evicted", BlockRemoved,
+                                         f"offload_evicted_blocks_{tier}"))
+                if len(ours(kind, tier)) != st.get(key, 0)]
+
+    # events reach vLLM with the next engine step after the store (write-behind included)
+    deadline = time.monotonic() + 30
+    while behind(stats := engine.stats()):
+        assert time.monotonic() < deadline, behind(stats)
+        engine.run(PROMPTS[0])  # a step that stores nothing new (every tier holds it)
+        time.sleep(0.5)
+    for tier, medium in (("dram", "CPU"), ("disk", "STORAGE")):
+        assert {e.medium for e in subscriber.taken()
+                if getattr(e, "ownership", None) == tier} == {medium}
+    # the hashes are vLLM's: its own events for the same blocks name them alike
+    vllm_own = {h for e in subscriber.taken() if isinstance(e, BlockStored) and e.ownership is None
+                for h in e.block_hashes}
+    assert ours(BlockStored, "disk") and set(ours(BlockStored, "disk")) <= vllm_own
+    assert stats.get("kv_events_unknown", 0) == 0
 
 
 def test_restart_keeps_the_disk_tier_and_corruption_is_recomputed(engine: Engine) -> None:

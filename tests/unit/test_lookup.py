@@ -52,7 +52,7 @@ class TestOffloadTierIndex(LookupBufferConformance):
     """The scheduler's view of a managed offload tier (kvbridge.offload.manager.tier_index)."""
 
     def make(self, capacity: int, clock: FakeClock) -> LookupBuffer[Any, Any]:
-        from kvbridge.offload.manager import tier_index
+        from kvbridge.offload.index import tier_index
         return tier_index("dram", capacity, clock=clock)
 
     def key(self, i: int) -> Any:
@@ -64,12 +64,15 @@ class TestOffloadTierIndex(LookupBufferConformance):
 
 
 def test_offload_hold_evicts_a_chain_from_its_tail() -> None:
-    from kvbridge.offload.manager import hold, tier_index
+    from kvbridge.offload.index import hold, tier_index
     index = tier_index("dram", 4)
-    assert hold(index, ["a", "b", "c"]) == []
-    assert hold(index, ["x", "y"]) == ["c"]  # 5 keys into 4: the chain's tail goes
+    assert hold(index, ["a", "b", "c"], [b"ha", b"hb", b"hc"]) == []
+    assert hold(index, ["x", "y"]) == [("c", b"hc")]  # 5 keys into 4: the chain's tail goes
     assert index.keys() == ["b", "a", "y", "x"]
     assert hold(index, ["a"]) == [] and index.keys()[-1] == "a"
+    assert index["a"] == b"ha"  # touched without a hash: it keeps the one it has
+    hold(index, ["y"], [b"hy"])  # a hash learnt later is kept
+    assert index["y"] == b"hy" and index.keys()[-1] == "y"
 
 
 class TestStagedPulls(LookupBufferConformance):

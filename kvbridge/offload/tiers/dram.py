@@ -21,6 +21,7 @@ class DramTier(Tier):
     """See the module docstring. Options: ``capacity_bytes`` (default 1 GiB)."""
 
     blocking: ClassVar[bool] = False
+    medium: ClassVar[str] = "CPU"
 
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)

@@ -115,6 +115,9 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """Every tensor-parallel rank's control address and generation, rank order."""
     kvbridge_block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
     """Prefill's block size, the unit of ``remote_block_ids`` (absent: the decode engine's)."""
+    kvbridge_identity: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}\Z")] | None = None
+    """Prefill's model identity digest, weight reloads included (a decode engine of another
+    identity refuses the hand-off and computes the prompt itself)."""
     kvbridge_error: Text | None = None
     """P → router: why this prefill could not be handed off (nothing is pinned)."""
 
@@ -295,6 +298,7 @@ def push_decode_request(prefill: TransferParams, transfer_id: str,
         kvbridge_generation=prefill.kvbridge_generation,
         kvbridge_peers=prefill.kvbridge_peers,
         kvbridge_block_size=prefill.kvbridge_block_size,
+        kvbridge_identity=prefill.kvbridge_identity,
     )
     return to_wire(params)
 

@@ -200,6 +200,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.worker_output(connector_output)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector reset (after a weight update): a new model-identity epoch
+        (:meth:`~kvbridge.integrations.vllm_scheduler.SchedulerSide.reset_cache`)."""
+        return self._sched.reset_cache() if self._sched is not None else None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The offload tiers' KV events, in vLLM's format (vLLM publishes them with its own;
         :mod:`kvbridge.integrations.vllm_events`)."""

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Waiter", "BeforeStep", "install", "installable", "active", "nudge", "uninstall",
-           "status", "deliverable", "deliver_received"]
+           "status", "deliverable", "deliver_received", "weight_version"]
 
 log = logging.getLogger("kvbridge.connector")
 
@@ -83,6 +83,13 @@ def active() -> bool:
     """True once the hook has run inside vLLM's engine loop in this process (so the waiter
     really replaces the idle sleep there)."""
     return _installed and _engine is not None
+
+
+def weight_version() -> str | None:
+    """The weight version vLLM's engine reports (``finish_weight_update(weight_version=…)``,
+    ``set_weight_version``), or None: no engine seen yet, or vLLM's ``"default"``."""
+    version = getattr(_engine, "_weight_version", None)
+    return version if isinstance(version, str) and version and version != "default" else None
 
 
 def nudge() -> bool:

@@ -27,6 +27,7 @@ from kvbridge.integrations.vllm_groups import NULL_BLOCK, shorten_prompt
 from kvbridge.integrations.vllm_meta import (
     KVBridgeMetadata,
     KVBridgeWorkerMeta,
+    identity_digest,
     kv_events_enabled,
     model_identity,
 )
@@ -78,10 +79,16 @@ class SchedulerSide:
         self.events = (TierEventBook(block_size)
                        if kv_events_enabled(vllm_config) and config.offload_config().enabled
                        else None)
-        self.offload = OffloadBook(config.offload_config(),
-                                   seed_key(model_identity(vllm_config,
-                                                           config.model_identity)),
+        #: the model identity at start-up; each connector reset (a weight update) starts a new
+        #: epoch of it (see reset_cache)
+        self._identity = model_identity(vllm_config, config.model_identity)
+        self.reloads = 0
+        self.offload = OffloadBook(config.offload_config(), seed_key(self._identity),
                                    block_size=block_size, tp_size=tp_size)
+        self.book.identity = identity_digest(self._identity)
+        self._version: str | None = None  # the weight version the identity names
+        self._reset_once = False
+        self._scheduled_since_reset = False
         self.config = config
         self.kv_cache_manager: Any = None
         self._first_step_due: dict[str, str] = {}
@@ -144,6 +151,11 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
+        if scheduled:
+            self._scheduled_since_reset = True
+        version = vllm_idle.weight_version()
+        if version is not None and version != self._version:
+            self._new_weights()  # a weight update with a version, reset or not
         for req_id in self.book.producers():
             request = self._live.get(req_id)
             if req_id not in scheduled or request is None:
@@ -245,6 +257,37 @@ class SchedulerSide:
                 self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():
             self.book.transfer_done(req_id)
+
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, which vLLM
+        asks for after a weight update; ``POST /reset_prefix_cache?reset_external=true``): the
+        weights may have changed, so the model identity moves on (:meth:`_new_weights`).
+        Resets with no request scheduled between them are one (callers retry a reset vLLM
+        refused, and each retry reaches the connector). Always succeeds."""
+        if self._scheduled_since_reset or not self._reset_once:
+            self._reset_once = True
+            self._scheduled_since_reset = False
+            self.reloads += 1
+            self._new_weights()
+        return True
+
+    def _new_weights(self) -> None:
+        """Re-derive the identity: the weight version vLLM reports when it has one (engines
+        updated to one version agree), else the count of resets since start-up. The tiers'
+        entries stored under the old identity become misses (their keys are seeded by it), and
+        a prefill engine of another identity is refused at the next hand-off (its answers name
+        its identity) until both agree."""
+        version = vllm_idle.weight_version()
+        extra = {"weight_version": version} if version else {"reloads": str(self.reloads)}
+        identity = {**self._identity, **extra}
+        self._version = version
+        self.offload.seed = seed_key(identity)
+        self.book.identity = identity_digest(identity)
+        self.book.stats["identity_changes"] += 1
+        log.info("kvbridge: the weights may have changed (%s): model identity is now %s; tier "
+                 "entries stored before are misses, and hand-offs with engines of another "
+                 "identity are refused", f"weight version {version}" if version
+                 else f"connector reset {self.reloads}", self.book.identity)
 
     def take_events(self) -> list[Any]:
         """The tiers' KV events made since the last call, as vLLM's ``KVCacheEvent``s."""

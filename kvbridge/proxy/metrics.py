@@ -14,7 +14,8 @@ proxies in one process (tests, one per mode) never collide. Used from the proxy'
 - ``retries_total{mode,reason}`` — dispatches made again after an engine failed one before any
   byte reached the client; ``mode`` is the failed dispatch's, ``reason`` one of
   :data:`RETRY_REASONS` (docs/proxy.md, "Fleets").
-- ``probes_dropped_total{reason}`` — cached probe answers forgotten (``generation_changed``: P
+- ``probes_dropped_total{reason}`` — cached probe answers forgotten (``identity_changed``: P's
+  weights were reloaded; ``generation_changed``: P
   answered with a new generation; ``prefill_failed`` / ``decode_failed``: a push leg failed).
 - ``reason_queries_total{outcome}`` — control-channel ``TransferQuery`` calls made to explain a
   failed leg (``answered``: the rank knew the transfer; ``unknown``; ``error``: no answer).

@@ -177,7 +177,15 @@ class Fleet:
             self.metrics.probe_dropped(reason)
 
     def note_generation(self, e: Engine, answer: TransferParams) -> None:
-        """Drop ``e``'s cached probe when ``answer`` shows that the engine restarted."""
+        """Drop ``e``'s cached probe when ``answer`` shows that the engine restarted, or that
+        its model identity changed (a weight reload: push D legs must name the new one)."""
+        if (e.probe is not None and answer.kvbridge_identity is not None
+                and answer.kvbridge_identity != e.probe.params.kvbridge_identity):
+            log.info("%s engine %s has a new model identity (%s -> %s); its probe is dropped",
+                     e.role.value, e.url, e.probe.params.kvbridge_identity,
+                     answer.kvbridge_identity)
+            self.drop_probe(e, "identity_changed")
+            return
         new = answer.kvbridge_generation
         old = e.probe.generation if e.probe is not None else None
         if new is not None and old is not None and new != old:

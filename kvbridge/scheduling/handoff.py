@@ -166,6 +166,9 @@ class HandoffBook:
         self.groups = tuple(groups)
         self.null_block = null_block
         #: see the module docstring: 1 with a sliding-window group, else 0
+        #: this engine's model identity digest (weight reloads included), named in its
+        #: answers and compared with a prefill engine's before a receive (None: not compared)
+        self.identity: str | None = None
         self.backoff = int(any(g.kind is GroupKind.SLIDING for g in self.groups))
         self.ranks: list[RankAddress] = []
         self.stats: Counter[str] = Counter()
@@ -193,7 +196,8 @@ class HandoffBook:
             remote_engine_id=self.engine_id, remote_host=host.strip("[]"), remote_port=int(port),
             tp_size=self.tp_size, kvbridge_generation=self.ranks[0].generation,
             kvbridge_peers=[PeerRef(r.address, r.generation) for r in self.ranks],
-            kvbridge_block_size=self.block_size, kvbridge_version=__version__)
+            kvbridge_block_size=self.block_size, kvbridge_version=__version__,
+            kvbridge_identity=self.identity)
         return to_wire(params)
 
     # -- requests ------------------------------------------------------------------------------
@@ -250,6 +254,17 @@ class HandoffBook:
                 params.check_decode_leg(req.mode, handed, self.block_size)
         except ParamsError as err:
             self._reqs[req_id] = self._refuse(req_id, raw, err)
+            return
+        theirs = params.kvbridge_identity
+        if params.do_remote_prefill and theirs and self.identity and theirs != self.identity:
+            other = ParamsError("kv_transfer_params.kvbridge_identity",
+                                f"the prefill engine's model identity {theirs} is not this "
+                                f"engine's {self.identity} (other weights, or weights "
+                                "reloaded on one side only)")
+            self.stats["identity_refused"] += 1
+            self._reqs[req_id] = self._refuse(req_id, raw, other)
+            # P released at once (a Cancel), not after its lease
+            self._plan.releases.append((req.transfer_id, self._peers(params), str(other)))
             return
         assert prompt is not None
         req.digest = prompt_digest(prompt[:handed], salt)

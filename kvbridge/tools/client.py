@@ -226,15 +226,19 @@ def probe(url: str, timeout: float = 30.0) -> Any:
     return params.parse(answer.get("kv_transfer_params"))
 
 
-def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
+def reset_prefix_cache(url: str, timeout: float = 30.0, *, external: bool = False) -> None:
     """``POST /reset_prefix_cache`` (vLLM serves it when ``VLLM_SERVER_DEV_MODE=1``): the next
     request finds nothing in vLLM's own prefix cache, so any reuse comes from a connector.
 
     vLLM refuses the reset (``{"success": false}``) while blocks are still held — a finished
     request whose blocks a connector is still copying out, for instance — so this retries until
     it succeeds, and raises :class:`EngineError` if it has not within ``timeout``: a reset that
-    silently failed would let vLLM's own cache serve what a test means to load from a tier."""
-    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"",
+    silently failed would let vLLM's own cache serve what a test means to load from a tier.
+
+    ``external``: reset the connector's cache too (``?reset_external=true``), as vLLM's
+    clients do after a weight update; kvbridge then moves its model identity on."""
+    query = "?reset_external=true" if external else ""
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache" + query, data=b"",
                                  method="POST")
     deadline = time.monotonic() + timeout
     pause = 0.05

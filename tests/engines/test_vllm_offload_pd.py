@@ -110,3 +110,40 @@ def test_tier_ids_in_client_params_cannot_reach_the_tiers(pd: PD) -> None:
         assert "400" in str(exc)
         return
     assert out == ref
+
+
+def test_zz_a_weight_reload_fences_old_kv(pd: PD) -> None:
+    """A connector reset (what vLLM asks for after a weight update) moves the engine's model
+    identity on: its tier entries from before are misses, and a prefill engine that was not
+    reset is refused at the hand-off (the prompt is computed on D, the output stays right),
+    until it is reset too. Last in the module: it leaves both engines one reset on."""
+    assert pd.proxies is not None
+    prompt = random_prompts(1, 200, seed=304)[0]
+    ref = _run(pd.p.url, prompt)
+    stored = engine_stats(pd.d_ctl).get("offload_stored_blocks_dram", 0)
+    assert _run(pd.proxies.urls["pull"], prompt) == ref
+    wait_stats(pd.d_ctl, "offload_stored_blocks_dram", stored + 6)
+    reset_prefix_cache(pd.d.url, external=True)  # D's weights "updated"
+    reset_prefix_cache(pd.d.url, external=True)  # a retried reset is the same reset
+    d0 = engine_stats(pd.d_ctl)
+    for mode in ("pull", "push"):
+        assert _run(pd.proxies.urls[mode], prompt) == ref
+    d1 = engine_stats(pd.d_ctl)
+    assert _d(d1, d0, "identity_refused") == 2  # P still has the old identity
+    assert _d(d1, d0, "recv_ok") == 0
+    assert _d(d1, d0, "offload_hit_blocks_dram") == 0  # D's old tier entries: misses
+    assert d1.get("identity_changes", 0) == 1
+    reset_prefix_cache(pd.p.url, external=True)  # P updated as well: they agree again
+    reset_prefix_cache(pd.d.url)  # (vLLM's own cache only)
+    fresh, again = random_prompts(2, 150, seed=305)
+    ref_fresh, ref_again = _run(pd.p.url, fresh), _run(pd.p.url, again)
+    reset_prefix_cache(pd.p.url)
+    for mode in ("pull", "push"):
+        assert _run(pd.proxies.urls[mode], fresh) == ref_fresh
+    # the pull proxy read P's new identity in P's answer; the push proxy had P's old probe,
+    # so D computed that push itself, and P's answer made that proxy probe again
+    d2 = engine_stats(pd.d_ctl)
+    assert _d(d2, d1, "recv_ok") >= 1
+    assert _run(pd.proxies.urls["push"], again) == ref_again
+    d3 = engine_stats(pd.d_ctl)
+    assert _d(d3, d2, "recv_ok") == 1 and _d(d3, d2, "identity_refused") == 0

@@ -83,6 +83,7 @@ class StandIn:
     health_status: int = 200
     engine_id: str = "P-standin"
     generation: str | None = None  # kvbridge_generation in probe and prefill answers
+    identity: str | None = None  # kvbridge_identity in probe and prefill answers
     control_port: int = 5601  # the control address it reports (a FakeControl's port)
     answers_probe: bool | None = None  # default: prefill yes, decode no (like old stand-ins)
     error_answer: str | None = None  # prefill: answer kvbridge_error (nothing handed off)
@@ -139,6 +140,8 @@ class StandIn:
         }
         if self.generation is not None:
             out["kvbridge_generation"] = self.generation
+        if self.identity is not None:
+            out["kvbridge_identity"] = self.identity
         return out
 
     def _failing(self) -> bool:
@@ -801,6 +804,29 @@ async def test_new_generation_in_a_prefill_answer_drops_the_probe(
     assert d.requests()[2].body["kv_transfer_params"]["kvbridge_generation"] == "gen-2"
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
     assert prom.value(text, P + "probes_dropped_total", reason="generation_changed") == 1
+
+
+async def test_new_model_identity_in_a_prefill_answer_drops_the_probe(
+    engines: Any, proxies: Any, client: Any
+) -> None:
+    """P's weights were reloaded (its identity moved on): push D legs must name the new one,
+    or D refuses them."""
+    p = await engines("prefill", identity="1111111111111111")
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH)
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert d.requests()[0].body["kv_transfer_params"]["kvbridge_identity"] == "1111111111111111"
+    p.identity = "2222222222222222"  # reloaded between two requests
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    for _ in range(100):  # the P leg may finish just after D answered
+        if proxy.prefills.engines[0].probe is None:
+            break
+        await asyncio.sleep(0.02)
+    assert proxy.prefills.engines[0].probe is None
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert d.requests()[2].body["kv_transfer_params"]["kvbridge_identity"] == "2222222222222222"
+    text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
+    assert prom.value(text, P + "probes_dropped_total", reason="identity_changed") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -382,6 +382,8 @@ MALFORMED: list[tuple[str, Any]] = [
     ("kvbridge_peers", [{"address": "tcp://h:1", "generation": "g", "extra": 1}]),
     ("kvbridge_probe", "true"), ("kvbridge_layerwise", "true"), ("remote_num_tokens", -1),
     ("kvbridge_error", "e" * 5000), ("transfer_mode", "x" * (1 << 20)),
+    ("kvbridge_identity", "NOT-HEX-0123456"), ("kvbridge_identity", "a" * 17),
+    ("kvbridge_identity", 7),
 ]
 IDS = [f"{k}-{i}" for i, (k, _) in enumerate(MALFORMED)]
 
@@ -571,6 +573,33 @@ def test_decode_leg_that_does_not_fit_is_served_locally(raw: dict[str, Any]) -> 
     book.after_alloc("d1", D_BLOCKS, 0, 40)
     assert book.finished("d1", True, D_BLOCKS, 40)[0] is False
     _nothing_handed_off(book.take_plan(), 1)
+
+
+@pytest.mark.parametrize("leg", [_pull_leg, _push_leg])
+def test_a_prefill_of_another_model_identity_is_refused_and_released(leg: Any) -> None:
+    """A prefill engine whose answer names another model identity (other weights, or weights
+    reloaded on one side only) is refused before anything is claimed or registered: the prompt
+    is computed here, the refusal names both identities, and P is told to release at once."""
+    book = _book("decode-0")
+    book.identity = "aaaaaaaaaaaaaaaa"
+    book.on_new_request("d1", leg(kvbridge_identity="bbbbbbbbbbbbbbbb"), PROMPT)
+    assert book.matched_tokens("d1", 40, 0) == (0, False)
+    plan = book.take_plan()
+    [(tid, peers, why)] = plan.releases
+    assert tid in ("t-pull", "t-push") and peers == (P_REF,)
+    assert "bbbbbbbbbbbbbbbb" in why and "aaaaaaaaaaaaaaaa" in why
+    assert plan.counters["identity_refused"] == 1 and plan.counters["params_rejected"] == 1
+    # the same identity, or a prefill engine that names none: handed off as always
+    for n, named in enumerate(({"kvbridge_identity": "aaaaaaaaaaaaaaaa"}, {})):
+        book.on_new_request(f"ok{n}", leg(tid=f"t-ok{n}", **named), PROMPT)
+        assert book.matched_tokens(f"ok{n}", 40, 0) == (40, True)
+
+
+def test_answers_name_this_engines_identity() -> None:
+    book = _book("prefill-0")
+    assert parse(book.address_params()).kvbridge_identity is None  # not set: not named
+    book.identity = "0123456789abcdef"
+    assert parse(book.address_params()).kvbridge_identity == "0123456789abcdef"
 
 
 def test_decode_leg_whose_peers_do_not_match_the_engine_tp_is_served_locally() -> None:

@@ -15,10 +15,8 @@ import sys
 import time
 
 from kvbridge.config import TransferMode
-from kvbridge.control import ControlClient
-from kvbridge.messages import Codec, StatsQuery, StatsReply
 from kvbridge.params import prefill_request, push_decode_request
-from kvbridge.tools.client import complete, probe, stream_complete
+from kvbridge.tools.client import complete, probe, stats_reply, stream_complete
 from kvbridge.tools.engines import VllmServer, start_servers
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
@@ -54,11 +52,9 @@ def main(backend: str) -> None:
                 fp.result(timeout=120)
             if i < 2:
                 continue  # warm-up, one of each
-            replies = {k: ControlClient(Codec(), 30).request(a, StatsQuery())
-                       for k, a in address.items()}
-            assert all(isinstance(r, StatsReply) for r in replies.values())
-            pt = replies["P"].timings[tid]  # type: ignore[union-attr]
-            dt = replies["D"].timings[tid]  # type: ignore[union-attr]
+            replies = {k: stats_reply(a) for k, a in address.items()}
+            pt = replies["P"].timings[tid]
+            dt = replies["D"].timings[tid]
             handoff[layerwise].append((dt["recv_done"] - pt["kv_ready"]) * 1000)
             ttft[layerwise].append((result.ttft or float("nan")) * 1000)
         for layerwise in (False, True):

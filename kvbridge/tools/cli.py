@@ -198,6 +198,8 @@ def _json_value(cfg: Any, key: str) -> Any:
 def run_config(args: argparse.Namespace) -> int:
     preset = names.preset_for(args.connector)
     cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
+    for warning in cfg.warnings:  # what an engine would log at start-up
+        print(f"kvbridge: warning: {warning}", file=sys.stderr)
     rows = cfg.describe()
     tiers = [t.name for t in cfg.offload_config().tiers]
     if args.json:

@@ -112,6 +112,22 @@ def test_config_json() -> None:
     assert data["mode"] == {"value": "pull", "source": "default"}
 
 
+def test_config_prints_the_configurations_warnings() -> None:
+    res = kvbridge("config", env={"KVBRIDGE_MODEE": "push", "KVBRIDGE_CACHE_DIR": "/tmp/x"})
+    assert res.returncode == 0, res.stderr
+    assert "kvbridge: warning: unknown environment variable KVBRIDGE_MODEE 'modee'" in res.stderr
+    assert "did you mean 'mode'?" in res.stderr and "CACHE_DIR" not in res.stderr
+    res = kvbridge("config", "--json", env={"KVBRIDGE_MODEE": "push"})
+    assert "KVBRIDGE_MODEE" in res.stderr and json.loads(res.stdout)["mode"]["value"] == "pull"
+
+
+def test_config_says_engine_spin_ms_from_extra_config_is_not_applied() -> None:
+    res = kvbridge("config", "--extra-config", '{"engine_spin_ms": 2}')
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("engine_spin_ms "))
+    assert line.split()[1] == "-1.0" and "not applied" in line
+    assert "KVBRIDGE_ENGINE_SPIN_MS" in res.stderr
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
@@ -123,9 +139,11 @@ def test_config_json() -> None:
         (["--connector", "KVBridgeNixlConnector"], {"KVBRIDGE_BACKEND": "shm"},
          "selects backend 'nixl'"),
         (["--connector", "KVBridgeComposeConnector"], {}, "backend_options.members"),
+        (["--extra-config", '{"mode": "pushh"}'], {}, "mode: 'pushh' from "
+         "kv_connector_extra_config: expected one of pull, push, auto (did you mean 'push'?)"),
     ],
     ids=["unknown-key", "bad-json", "not-object", "bad-env", "unknown-connector",
-         "connector-conflict", "compose-without-members"],
+         "connector-conflict", "compose-without-members", "bad-enum"],
 )
 def test_config_errors_are_one_line(args: list[str], env: dict[str, str], message: str) -> None:
     res = kvbridge("config", *args, env=env)

@@ -35,6 +35,7 @@ from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
 from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
+from kvbridge.tools.connector_args import add_connector_arguments, connector_args
 from kvbridge.tools.report import print_json, print_table
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
@@ -166,22 +167,10 @@ def add_config_parser(subparsers: Any) -> None:
         "config",
         help="show the effective configuration and where each value came from",
         description="Show the effective kvbridge configuration: defaults, overridden by "
-        "--extra-config (vLLM's kv_connector_extra_config), overridden by KVBRIDGE_* "
-        "environment variables.",
+        "--extra-config (vLLM's kv_connector_extra_config, or the one inside "
+        "--kv-transfer-config), overridden by KVBRIDGE_* environment variables.",
     )
-    p.add_argument(
-        "--extra-config",
-        metavar="JSON",
-        default=None,
-        help="a kv_connector_extra_config JSON object, e.g. '{\"backend\": \"nixl\"}'",
-    )
-    p.add_argument(
-        "--connector",
-        metavar="NAME",
-        default=None,
-        help="the vLLM kv_connector name, e.g. KVBridgeNixlConnector (it may preselect the "
-        "backend or add a tier; default KVBridgeConnector)",
-    )
+    add_connector_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_config)
 
@@ -196,8 +185,8 @@ def _json_value(cfg: Any, key: str) -> Any:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    preset = names.preset_for(args.connector)
-    cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
+    named = connector_args(args)
+    cfg = Config.load(named.extra, preset=named.preset)
     for warning in cfg.warnings:  # what an engine would log at start-up
         print(f"kvbridge: warning: {warning}", file=sys.stderr)
     rows = cfg.describe()

@@ -112,6 +112,46 @@ def test_config_json() -> None:
     assert data["mode"] == {"value": "pull", "source": "default"}
 
 
+def test_config_takes_vllms_kv_transfer_config() -> None:
+    ktc = {"kv_connector": "KVBridgeNixlConnector", "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"mode": "push"}, "kv_buffer_device": "cpu"}
+    res = kvbridge("config", "--json", "--kv-transfer-config", json.dumps(ktc))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["backend"] == {"value": "nixl", "source": "kv_connector KVBridgeNixlConnector"}
+    assert data["mode"] == {"value": "push", "source": "kv_connector_extra_config"}
+
+
+@pytest.mark.parametrize(("ktc", "extra", "message"), [
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', [],
+     "--kv-transfer-config: kv_connector 'NixlConnector' is not a kvbridge connector"),
+    ('{"kv_role": "kv_both"}', [], "--kv-transfer-config: kv_connector is missing"),
+    ('{"kv_connector": "KVBridgeConnector", "kv_role": "producer"}', [],
+     "kv_role must be one of kv_producer, kv_consumer, kv_both"),
+    ('{"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": [1]}', [],
+     "kv_connector_extra_config must be a JSON object"),
+    ('{"kv_connector": "KVBridgeConnector"}', ["--connector", "KVBridgeShmConnector"],
+     "drop --connector and --extra-config"),
+], ids=["not-kvbridge", "no-connector", "bad-role", "extra-not-object", "both"])
+def test_kv_transfer_config_errors_name_the_key(ktc: str, extra: list[str], message: str) -> None:
+    for command in ("config", "doctor"):
+        res = kvbridge(command, "--kv-transfer-config", ktc, *extra)
+        assert res.returncode == 1 and message in res.stderr, (command, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert "KVBridgeConnector, KVBridge" in kvbridge(
+        "config", "--kv-transfer-config", '{"kv_connector": "NixlConnector"}').stderr
+
+
+def test_doctor_reads_the_connector_and_extra_config_of_kv_transfer_config() -> None:
+    from kvbridge.tools.connector_args import connector_args
+
+    ktc = '{"kv_connector": "KVBridgeLMCacheConnector", "kv_connector_extra_config": {"x": 1}}'
+    args = cli.build_parser(["doctor"]).parse_args(["doctor", "--kv-transfer-config", ktc])
+    named = connector_args(args)
+    assert named.connector == "KVBridgeLMCacheConnector" and named.extra == {"x": 1}
+    assert named.preset is not None and named.preset.tier == "lmcache"
+
+
 def test_config_prints_the_configurations_warnings() -> None:
     res = kvbridge("config", env={"KVBRIDGE_MODEE": "push", "KVBRIDGE_CACHE_DIR": "/tmp/x"})
     assert res.returncode == 0, res.stderr

@@ -29,7 +29,7 @@ from kvbridge import __version__, registry
 from kvbridge.config import Config
 from kvbridge.errors import KVBridgeError, MessageError
 from kvbridge.integrations import names
-from kvbridge.tools.args import parse_json_object, parse_names
+from kvbridge.tools.args import parse_control_address, parse_json_object, parse_names
 from kvbridge.tools.bench import e2e as bench_e2e
 from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
@@ -121,7 +121,7 @@ def run_stats(args: argparse.Namespace) -> int:
     from kvbridge.control import ControlClient
     from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 
-    address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
+    address = parse_control_address(args.address, "kvbridge stats")
     client = ControlClient(Codec(trust.for_tools(args.secret).secret), args.timeout)
     outcomes: dict[str, str] = {}
     try:

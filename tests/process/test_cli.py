@@ -423,3 +423,11 @@ def test_stats_reads_a_live_agent_and_fails_cleanly_when_nobody_answers() -> Non
                           "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "no answer from" in out.stderr
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "http://127.0.0.1:8100"])
+def test_stats_refuses_an_http_url_or_bare_host_with_a_clear_message(address: str) -> None:
+    res = kvbridge("stats", address, "--timeout", "0.5")
+    assert res.returncode == 1, res.stdout
+    assert res.stderr.startswith("kvbridge: error: kvbridge stats: ")
+    assert "tcp://HOST:PORT" in res.stderr and "Traceback" not in res.stderr

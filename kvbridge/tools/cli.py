@@ -37,6 +37,7 @@ from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
 from kvbridge.tools.connector_args import add_connector_arguments, connector_args
 from kvbridge.tools.report import print_json, print_table
+from kvbridge.values import LOG_LEVELS
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
 
@@ -479,8 +480,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--log-level",
         default="WARNING",
         type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="level of the kvbridge loggers (default WARNING)",
+        choices=LOG_LEVELS,
+        help="level of the kvbridge loggers, any case (default WARNING)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in BUILTIN_COMMANDS:

@@ -368,6 +368,25 @@ def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "--log-level" in capsys.readouterr().err
 
 
+def test_log_level_is_taken_in_any_case_after_the_proxy_command_too() -> None:
+    pytest.importorskip("aiohttp")
+    from kvbridge.proxy import cli as proxy_cli
+
+    engines = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    args = cli.build_parser(["proxy"]).parse_args(["proxy", *engines, "--log-level", "info"])
+    assert args.log_level == "INFO"  # docs/proxy.md lists --log-level among the proxy's flags
+    args = cli.build_parser(["proxy"]).parse_args(["--log-level", "debug", "proxy", *engines])
+    assert args.log_level == "DEBUG"  # the proxy's own default does not override kvbridge's
+    assert cli.build_parser(["proxy"]).parse_args(["proxy", *engines]).log_level == "WARNING"
+    assert proxy_cli.build_parser().parse_args([*engines, "--log-level", "Error"]).log_level == (
+        "ERROR")
+    assert proxy_cli.build_parser().parse_args(engines).log_level == "INFO"
+    for parser, argv in ((cli.build_parser(["proxy"]), ["proxy", *engines]),
+                         (proxy_cli.build_parser(), engines)):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([*argv, "--log-level", "loud"])
+        assert info.value.code == 2
+
 def test_lazy_command_missing_module_gives_clear_message(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

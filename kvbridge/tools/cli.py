@@ -36,7 +36,7 @@ from kvbridge.tools.bench import handshake as bench_handshake
 from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
 from kvbridge.tools.connector_args import add_connector_arguments, connector_args
-from kvbridge.tools.report import print_json, print_table
+from kvbridge.tools.report import print_json, print_table, terminal_width
 from kvbridge.values import LOG_LEVELS
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
@@ -82,6 +82,7 @@ def run_backends(args: argparse.Namespace) -> int:
         print_table(
             [kind, "loadable", "target", "detail"],
             [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in found],
+            width=terminal_width(),
         )
     print_table(
         ["vLLM kv_connector", "preselects", "loadable"],

@@ -33,7 +33,7 @@ from kvbridge.tools.doctor.checks import (
     check_wake,
 )
 from kvbridge.tools.doctor.target import Check, Status, Target
-from kvbridge.tools.report import print_json, print_table
+from kvbridge.tools.report import print_json, print_table, terminal_width
 
 __all__ = ["CHECKS", "CheckFn", "add_arguments", "cli_main", "diagnose", "failed", "run_checks"]
 
@@ -114,6 +114,9 @@ def add_arguments(p: Any) -> None:
     add_connector_arguments(p)
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size (the ports of ranks 0..tp-1 are checked)")
+    p.add_argument("--width", type=int, default=None, metavar="COLUMNS",
+                   help="wrap the detail column so lines fit COLUMNS characters (default: the "
+                   "terminal's width, 100 when not a terminal; 0: no wrapping)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -124,5 +127,6 @@ def cli_main(args: Any) -> int:
         print_json([c.to_json() for c in checks])
     else:
         print_table(["check", "status", "detail"],
-                    [(c.name, c.status.word, c.detail) for c in checks])
+                    [(c.name, c.status.word, c.detail) for c in checks],
+                    width=terminal_width() if args.width is None else args.width)
     return 1 if failed(checks) else 0

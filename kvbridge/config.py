@@ -21,9 +21,28 @@ from kvbridge.offload.config import ENV_OFFLOAD, OffloadConfig, apply_env
 from kvbridge.transports.compose_spec import MemberSpec, parse_members
 from kvbridge.values import BOOL_WORDS, parse_bool
 
-__all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX", "parse_bool"]
+__all__ = ["Config", "Preset", "TransferMode", "ENV_PREFIX", "ENV_ONLY", "OTHER_ENV",
+           "parse_bool"]
 
 ENV_PREFIX = "KVBRIDGE_"
+
+#: ``KVBRIDGE_*`` variables that are no configuration key but that kvbridge reads elsewhere
+#: (docs/usage.md, "Other variables"): :meth:`Config.load` does not warn about them.
+OTHER_ENV: Mapping[str, str] = {
+    "KVBRIDGE_CACHE_DIR": "where the shm range copy and the demo's tiny model are built "
+                          "(default ~/.cache/kvbridge)",
+    "KVBRIDGE_MOONCAKE_MASTER": "the mooncake_master binary kvbridge's tools start",
+    "KVBRIDGE_SALT_FROM_HEADER": "default of kvbridge proxy --salt-from-header",
+    "KVBRIDGE_REGISTER_ON_IMPORT": "register the connector names with vLLM when "
+                                   "kvbridge.integrations.vllm is imported",
+    "KVBRIDGE_TEST_PEER_LOG": "log level of the conformance suites' peer process",
+}
+
+#: keys only their ``KVBRIDGE_<KEY>`` variable sets, with why: a value in
+#: ``kv_connector_extra_config`` is checked but not applied (a warning and the source say so)
+ENV_ONLY: Mapping[str, str] = {
+    "engine_spin_ms": "vLLM's workers read it before the connector exists",
+}
 
 
 class TransferMode(enum.StrEnum):
@@ -186,10 +205,15 @@ class Config:
         values: dict[str, Any] = {}
         sources = {k: "default" for k in known}
         warnings: list[str] = []
+        not_applied: dict[str, Any] = {}
         for key, raw in (extra or {}).items():
             if key not in known:
                 raise ConfigError(_unknown(key, known, "kv_connector_extra_config key"))
-            values[key] = _coerce(key, raw)
+            value = _coerce(key, raw, "kv_connector_extra_config")
+            if key in ENV_ONLY:
+                not_applied[key] = value
+                continue
+            values[key] = value
             sources[key] = "kv_connector_extra_config"
 
         tier = preset.tier if preset else None
@@ -204,11 +228,19 @@ class Config:
             if not name.startswith(ENV_PREFIX) or name.startswith(ENV_OFFLOAD):
                 continue
             key = name[len(ENV_PREFIX) :].lower()
+            if name in OTHER_ENV:
+                continue
             if key not in known:
                 warnings.append(_unknown(key, known, f"environment variable {name}") + "; ignored")
                 continue
-            values[key] = _coerce(key, raw)
+            values[key] = _coerce(key, raw, f"env {name}")
             sources[key] = f"env {name}"
+        for key, value in not_applied.items():
+            if key not in values:  # the environment did not set it either
+                sources[key] = f"default (kv_connector_extra_config's {value} not applied)"
+                warnings.append(f"{key} in kv_connector_extra_config is not applied: "
+                                f"{ENV_ONLY[key]}; set {ENV_PREFIX}{key.upper()} in every "
+                                "engine's environment instead")
         if preset and preset.backend:
             if "backend" in values and values["backend"] != preset.backend:
                 raise ConfigError(
@@ -226,7 +258,7 @@ class Config:
         """A copy with ``kw`` applied (marked as source ``override``)."""
         src = dict(self.sources)
         src.update({k: "override" for k in kw})
-        cfg = replace(self, **{k: _coerce(k, v) for k, v in kw.items()}, sources=src)
+        cfg = replace(self, **{k: _coerce(k, v, "override") for k, v in kw.items()}, sources=src)
         cfg._validate()
         return cfg
 
@@ -315,13 +347,20 @@ def _unknown(key: str, known: list[str], what: str) -> str:
     return f"unknown {what} {key!r}{hint} (known: {', '.join(known)})"
 
 
-def _coerce(key: str, raw: Any) -> Any:
-    """Convert ``raw`` (a string from the environment, or a JSON value) to ``key``'s type."""
-    default = Config.__dataclass_fields__[key]
-    kind = default.type
+def _coerce(key: str, raw: Any, source: str = "") -> Any:
+    """Convert ``raw`` (a string from the environment, or a JSON value) to ``key``'s type;
+    :class:`ConfigError` naming the key, the value, where it came from and what it must be."""
+    field_ = Config.__dataclass_fields__[key]
+    kind, default = field_.type, field_.default
+    if isinstance(default, enum.Enum):  # every enum setting: its values, not the class's name
+        choices = [str(m.value) for m in type(default)]
+        word = str(raw).strip().lower()
+        if word not in choices:
+            near = difflib.get_close_matches(word, choices, n=1)
+            raise ConfigError(_bad(key, raw, source, f"expected one of {', '.join(choices)}"
+                                   + (f" (did you mean {near[0]!r}?)" if near else "")))
+        return type(default)(word)
     try:
-        if key == "mode":
-            return TransferMode(str(raw).lower())
         if key in ("backend_options", "offload"):
             value = json.loads(raw) if isinstance(raw, str) else raw
             if not isinstance(value, dict):
@@ -340,5 +379,16 @@ def _coerce(key: str, raw: Any) -> Any:
         if key == "log_level":
             return str(raw).upper()
         return str(raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"bad value for {key}: {raw!r} ({exc})") from exc
+    except KeyError:
+        raise ConfigError(_bad(key, raw, source, "expected true or false (1/0, yes/no, on/off)")
+                          ) from None
+    except (TypeError, ValueError) as exc:
+        why = f"expected {_KINDS[kind]} ({exc})" if kind in _KINDS else str(exc)
+        raise ConfigError(_bad(key, raw, source, why)) from exc
+
+
+_KINDS = {"int": "an integer", "float": "a number"}
+
+
+def _bad(key: str, raw: Any, source: str, why: str) -> str:
+    return f"bad value for {key}: {raw!r}" + (f" from {source}" if source else "") + f": {why}"

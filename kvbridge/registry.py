@@ -133,7 +133,8 @@ def bench_hook(name: str) -> BenchHook | None:
 def _unavailable(name: str, exc: BaseException, cls: type[Any] | None = None,
                  group: str = GROUP) -> str:
     hint = (_class_hint(cls) if cls is not None else "") or install_hint(name, group)
-    return f"backend {name!r} cannot load: {exc}" + (f" — install: {hint}" if hint else "")
+    what = "offload tier" if group == TIER_GROUP else "backend"
+    return f"{what} {name!r} cannot load: {exc}" + (f" — install: {hint}" if hint else "")
 
 
 @functools.cache
@@ -201,18 +202,36 @@ class BackendStatus:
     detail: str
 
 
-def status() -> list[BackendStatus]:
-    """Each installed backend, whether its module imports, and why not."""
+def _probe(cls: type[Any], name: str, group: str) -> str:
+    """The plugin class's ``probe()`` line ("ok" without one): a probe imports the plugin's
+    native library, so a class that imports while its library does not is not loadable. A probe
+    that raises :class:`ImportError` is :class:`BackendUnavailable` with the install hint."""
+    probe = getattr(cls, "probe", None)
+    if not callable(probe):
+        return "ok"
+    try:
+        return str(probe())
+    except KVBridgeError:
+        raise
+    except ImportError as exc:
+        raise BackendUnavailable(_unavailable(name, exc, cls, group)) from exc
+
+
+def _statuses(group: str, load: Any) -> list[BackendStatus]:
     rows = []
-    for name, ep in sorted(_entry_points().items()):
+    for name, ep in sorted(_entry_points(group).items()):
         try:
-            cls = load_class(name)
-            probe = getattr(cls, "probe", None)
-            detail = probe() if callable(probe) else "ok"
-            rows.append(BackendStatus(name, ep.value, True, str(detail)))
+            detail = _probe(load(name), name, group)
+            rows.append(BackendStatus(name, ep.value, True, detail))
         except KVBridgeError as exc:
             rows.append(BackendStatus(name, ep.value, False, str(exc)))
     return rows
+
+
+def status() -> list[BackendStatus]:
+    """Each installed backend, whether it loads (its module imports and its ``probe()``, which
+    imports the native library, passes), and why not."""
+    return _statuses(GROUP, load_class)
 
 
 def available_tiers() -> list[str]:
@@ -227,12 +246,6 @@ def load_tier_class(name: str) -> type[Any]:
 
 
 def tier_status() -> list[BackendStatus]:
-    """Each installed offload tier, whether its module imports, and why not."""
-    rows = []
-    for name, ep in sorted(_entry_points(TIER_GROUP).items()):
-        try:
-            load_tier_class(name)
-            rows.append(BackendStatus(name, ep.value, True, "ok"))
-        except KVBridgeError as exc:
-            rows.append(BackendStatus(name, ep.value, False, str(exc)))
-    return rows
+    """Each installed offload tier, whether it loads (as :func:`status`: a tier whose class
+    imports but whose library does not is not loadable), and why not."""
+    return _statuses(TIER_GROUP, load_tier_class)

@@ -12,11 +12,14 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["BOOL_WORDS", "parse_bool"]
+__all__ = ["BOOL_WORDS", "LOG_LEVELS", "parse_bool"]
 
 #: the spellings of a boolean setting (case and surrounding blanks ignored)
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
               "0": False, "false": False, "no": False, "off": False}
+
+#: the levels every ``--log-level`` option takes (any case: the options upper-case them first)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def parse_bool(raw: Any, what: str) -> bool:

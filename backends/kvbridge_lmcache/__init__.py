@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
 from kvbridge.errors import BackendUnavailable
@@ -107,6 +108,16 @@ class LMCacheTier(Tier):
     #: what to install when LMCache is missing (kvbridge.registry.install_hint)
     install_hint: ClassVar[str] = ("pip install --no-deps lmcache==0.5.6 sortedcontainers "
                                    "aiofile, after the CPU torch (docs/backends/lmcache.md)")
+
+    @classmethod
+    def probe(cls) -> str:
+        """One line for ``kvbridge backends`` and the doctor: LMCache (and torch) import here;
+        raises :class:`BackendUnavailable` with the install hint when they do not."""
+        _import()
+        try:
+            return f"ok (lmcache {version('lmcache')})"
+        except PackageNotFoundError:
+            return "ok"
 
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)

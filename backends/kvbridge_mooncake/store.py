@@ -120,6 +120,13 @@ class MooncakeStoreTier(Tier):
     blocking: ClassVar[bool] = True
     default_capacity: ClassVar[int] = 1 << 30
 
+    @classmethod
+    def probe(cls) -> str:
+        """One line for ``kvbridge backends`` and the doctor: ``mooncake.store`` imports here;
+        raises :class:`BackendUnavailable` with the install hint when it does not."""
+        _import_store_class()
+        return "ok (mooncake.store imports; the master is checked at start-up)"
+
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)
         self._client: Any = None

@@ -135,12 +135,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("%s %s (kvbridge %s, role %s, tp %d): %s", type(self).__name__,
                      self.engine_id, kvbridge.__version__, ktc.kv_role, self.tp_size,
                      self.config.summary())
-            for warning in self.config.warnings:
+            for warning in self.config.warnings:  # engine_spin_ms in extra_config among them
                 log.warning("%s", warning)
-            if self.config.sources.get("engine_spin_ms") == "kv_connector_extra_config":
-                log.warning("engine_spin_ms in kv_connector_extra_config is ignored: vLLM's "
-                            "workers read it before the connector exists; set "
-                            "KVBRIDGE_ENGINE_SPIN_MS in every engine's environment instead")
             self._sched = SchedulerSide(self.config, self.engine_id, connector=self, **sizes)
         else:
             self._worker = WorkerSide(self.config, self.engine_id,

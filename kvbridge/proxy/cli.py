@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from kvbridge.proxy.app import serve
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
+from kvbridge.values import LOG_LEVELS
 
-__all__ = ["add_arguments", "settings_from_args", "main", "cli_main", "run"]
+__all__ = ["add_arguments", "build_parser", "settings_from_args", "main", "cli_main", "run"]
 
 log = logging.getLogger("kvbridge.proxy")
 
@@ -119,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "control secret) and ignore a cache_salt in the client's body; requests without the "
         "header get none (default: $KVBRIDGE_SALT_FROM_HEADER, else off)",
     )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,  # kvbridge's own --log-level (before the command) otherwise
+        help="level of the kvbridge loggers, any case (default: kvbridge --log-level, or INFO "
+        "for python -m kvbridge.proxy)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -166,12 +175,17 @@ def main(args: argparse.Namespace) -> int:
 
 def run(argv: Sequence[str] | None = None) -> int:
     """``python -m kvbridge.proxy``: parse ``argv`` (default: ``sys.argv``), then :func:`main`."""
+    return main(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m kvbridge.proxy`` (:func:`add_arguments`, log level INFO)."""
     parser = argparse.ArgumentParser(
         prog="kvbridge proxy", description="kvbridge disaggregation proxy"
     )
     add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO", help="kvbridge log level (default INFO)")
-    return main(parser.parse_args(argv))
+    parser.set_defaults(log_level="INFO")
+    return parser
 
 
 cli_main = main  # the name kvbridge.tools.cli's lazy subcommands look for

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["parse_json_object", "parse_names"]
+__all__ = ["parse_control_address", "parse_json_object", "parse_names"]
 
 
 def parse_json_object(text: str | None, what: str) -> dict[str, Any]:
@@ -46,3 +46,29 @@ def parse_names(text: str, known: Sequence[str], option: str, what: str) -> tupl
     if not names:
         raise ConfigError(f"{option} names no {what}")
     return tuple(dict.fromkeys(names))
+
+
+_CONTROL_HINT = ("takes an engine's control address, tcp://HOST:PORT or HOST:PORT: the "
+                 "side-channel port (side_channel_port, rank r at port + r; remote_host and "
+                 "remote_port in P's kv_transfer_params), not the engine's HTTP URL")
+
+
+def parse_control_address(text: str, what: str) -> str:
+    """``tcp://HOST:PORT`` or ``HOST:PORT`` (``[v6]:PORT`` too) → ``tcp://HOST:PORT``.
+    :class:`ConfigError` naming ``what`` for an http(s) URL, a bare host or a bad port."""
+    address = text.strip()
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme.lower() != "tcp":
+        kind = "an HTTP URL" if scheme.lower() in ("http", "https") else f"a {scheme} URL"
+        raise ConfigError(f"{what}: {text!r} is {kind}; {what} {_CONTROL_HINT}")
+    rest = rest if sep else address
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ConfigError(f"{what}: {text!r} has no port; {what} {_CONTROL_HINT}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: port {port!r} of {text!r} is not 1..65535; {what} "
+                          f"{_CONTROL_HINT}")
+    if "/" in host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ConfigError(f"{what}: {text!r} is not HOST:PORT (an IPv6 host goes in "
+                          f"brackets, [::1]:5600); {what} {_CONTROL_HINT}")
+    return f"tcp://{host}:{port}"

@@ -29,13 +29,15 @@ from kvbridge import __version__, registry
 from kvbridge.config import Config
 from kvbridge.errors import KVBridgeError, MessageError
 from kvbridge.integrations import names
-from kvbridge.tools.args import parse_json_object, parse_names
+from kvbridge.tools.args import parse_control_address, parse_json_object, parse_names
 from kvbridge.tools.bench import e2e as bench_e2e
 from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
 from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
-from kvbridge.tools.report import print_json, print_table
+from kvbridge.tools.connector_args import add_connector_arguments, connector_args
+from kvbridge.tools.report import print_json, print_table, terminal_width
+from kvbridge.values import LOG_LEVELS
 
 __all__ = ["main", "build_parser", "LazyCommand", "LAZY_COMMANDS", "BUILTIN_COMMANDS"]
 
@@ -80,6 +82,7 @@ def run_backends(args: argparse.Namespace) -> int:
         print_table(
             [kind, "loadable", "target", "detail"],
             [(r.name, "yes" if r.loadable else "no", r.target, r.detail) for r in found],
+            width=terminal_width(),
         )
     print_table(
         ["vLLM kv_connector", "preselects", "loadable"],
@@ -120,7 +123,7 @@ def run_stats(args: argparse.Namespace) -> int:
     from kvbridge.control import ControlClient
     from kvbridge.messages import Codec, StatsQuery, StatsReply, TransferQuery, TransferReply
 
-    address = args.address if args.address.startswith("tcp://") else f"tcp://{args.address}"
+    address = parse_control_address(args.address, "kvbridge stats")
     client = ControlClient(Codec(trust.for_tools(args.secret).secret), args.timeout)
     outcomes: dict[str, str] = {}
     try:
@@ -166,22 +169,10 @@ def add_config_parser(subparsers: Any) -> None:
         "config",
         help="show the effective configuration and where each value came from",
         description="Show the effective kvbridge configuration: defaults, overridden by "
-        "--extra-config (vLLM's kv_connector_extra_config), overridden by KVBRIDGE_* "
-        "environment variables.",
+        "--extra-config (vLLM's kv_connector_extra_config, or the one inside "
+        "--kv-transfer-config), overridden by KVBRIDGE_* environment variables.",
     )
-    p.add_argument(
-        "--extra-config",
-        metavar="JSON",
-        default=None,
-        help="a kv_connector_extra_config JSON object, e.g. '{\"backend\": \"nixl\"}'",
-    )
-    p.add_argument(
-        "--connector",
-        metavar="NAME",
-        default=None,
-        help="the vLLM kv_connector name, e.g. KVBridgeNixlConnector (it may preselect the "
-        "backend or add a tier; default KVBridgeConnector)",
-    )
+    add_connector_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_config)
 
@@ -196,8 +187,10 @@ def _json_value(cfg: Any, key: str) -> Any:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    preset = names.preset_for(args.connector)
-    cfg = Config.load(parse_json_object(args.extra_config, "--extra-config"), preset=preset)
+    named = connector_args(args)
+    cfg = Config.load(named.extra, preset=named.preset)
+    for warning in cfg.warnings:  # what an engine would log at start-up
+        print(f"kvbridge: warning: {warning}", file=sys.stderr)
     rows = cfg.describe()
     tiers = [t.name for t in cfg.offload_config().tiers]
     if args.json:
@@ -488,8 +481,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--log-level",
         default="WARNING",
         type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="level of the kvbridge loggers (default WARNING)",
+        choices=LOG_LEVELS,
+        help="level of the kvbridge loggers, any case (default WARNING)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in BUILTIN_COMMANDS:

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MedianCI", "median_ci", "paired_ratios", "percentile", "print_json", "print_table",
-           "size_label", "table"]
+           "size_label", "table", "terminal_width"]
 
 
 @dataclass(frozen=True)
@@ -100,24 +102,41 @@ def size_label(nbytes: int) -> str:
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[object]],
-          align: str | Sequence[str] = "l") -> list[str]:
+          align: str | Sequence[str] = "l", width: int | None = None) -> list[str]:
     """Aligned columns with a dashed rule under the header, as lines. ``align`` is ``"l"`` or
-    ``"r"`` for every column, or one letter per column."""
+    ``"r"`` for every column, or one letter per column. ``width``: wrap the last column's cells
+    (at blanks; a longer word is cut) onto continuation lines so that lines stay within
+    ``width`` characters, or within the other columns plus 20 when they leave less; None or
+    0: no wrapping."""
     cells = [[str(h) for h in head]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
     sides = [align] * len(head) if isinstance(align, str) else list(align)
     if len(sides) != len(head) or any(a not in ("l", "r") for a in sides):
         raise ValueError(f"align needs 'l' or 'r' for each of {len(head)} columns: {align!r}")
+    if width:
+        cells = [cells[0], *(line for r in cells[1:] for line in _wrapped(r, cells, width))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) if a == "r" else c.ljust(w)
                      for c, w, a in zip(r, widths, sides, strict=True)).rstrip() for r in cells]
     out.insert(1, "  ".join("-" * w for w in widths))
     return out
 
 
+def _wrapped(row: list[str], cells: list[list[str]], width: int) -> list[list[str]]:
+    """``row`` with its last cell wrapped (see :func:`table`)."""
+    fixed = sum(max(len(r[i]) for r in cells) + 2 for i in range(len(row) - 1))
+    parts = textwrap.wrap(row[-1], max(20, width - fixed), break_on_hyphens=False) or [""]
+    return [[*row[:-1], parts[0]], *([*([""] * (len(row) - 1)), p] for p in parts[1:])]
+
+
+def terminal_width(default: int = 100) -> int:
+    """The terminal's width (``$COLUMNS`` first), else ``default`` (output to a pipe or file)."""
+    return shutil.get_terminal_size((default, 24)).columns
+
+
 def print_table(head: Sequence[str], rows: Sequence[Sequence[object]],
-                align: str | Sequence[str] = "l") -> None:
+                align: str | Sequence[str] = "l", width: int | None = None) -> None:
     """Print :func:`table` to standard output."""
-    print("\n".join(table(head, rows, align)))
+    print("\n".join(table(head, rows, align, width)))
 
 
 def print_json(value: Any) -> None:

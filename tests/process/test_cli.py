@@ -112,6 +112,62 @@ def test_config_json() -> None:
     assert data["mode"] == {"value": "pull", "source": "default"}
 
 
+def test_config_takes_vllms_kv_transfer_config() -> None:
+    ktc = {"kv_connector": "KVBridgeNixlConnector", "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"mode": "push"}, "kv_buffer_device": "cpu"}
+    res = kvbridge("config", "--json", "--kv-transfer-config", json.dumps(ktc))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["backend"] == {"value": "nixl", "source": "kv_connector KVBridgeNixlConnector"}
+    assert data["mode"] == {"value": "push", "source": "kv_connector_extra_config"}
+
+
+@pytest.mark.parametrize(("ktc", "extra", "message"), [
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', [],
+     "--kv-transfer-config: kv_connector 'NixlConnector' is not a kvbridge connector"),
+    ('{"kv_role": "kv_both"}', [], "--kv-transfer-config: kv_connector is missing"),
+    ('{"kv_connector": "KVBridgeConnector", "kv_role": "producer"}', [],
+     "kv_role must be one of kv_producer, kv_consumer, kv_both"),
+    ('{"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": [1]}', [],
+     "kv_connector_extra_config must be a JSON object"),
+    ('{"kv_connector": "KVBridgeConnector"}', ["--connector", "KVBridgeShmConnector"],
+     "drop --connector and --extra-config"),
+], ids=["not-kvbridge", "no-connector", "bad-role", "extra-not-object", "both"])
+def test_kv_transfer_config_errors_name_the_key(ktc: str, extra: list[str], message: str) -> None:
+    for command in ("config", "doctor"):
+        res = kvbridge(command, "--kv-transfer-config", ktc, *extra)
+        assert res.returncode == 1 and message in res.stderr, (command, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert "KVBridgeConnector, KVBridge" in kvbridge(
+        "config", "--kv-transfer-config", '{"kv_connector": "NixlConnector"}').stderr
+
+
+def test_doctor_reads_the_connector_and_extra_config_of_kv_transfer_config() -> None:
+    from kvbridge.tools.connector_args import connector_args
+
+    ktc = '{"kv_connector": "KVBridgeLMCacheConnector", "kv_connector_extra_config": {"x": 1}}'
+    args = cli.build_parser(["doctor"]).parse_args(["doctor", "--kv-transfer-config", ktc])
+    named = connector_args(args)
+    assert named.connector == "KVBridgeLMCacheConnector" and named.extra == {"x": 1}
+    assert named.preset is not None and named.preset.tier == "lmcache"
+
+
+def test_config_prints_the_configurations_warnings() -> None:
+    res = kvbridge("config", env={"KVBRIDGE_MODEE": "push", "KVBRIDGE_CACHE_DIR": "/tmp/x"})
+    assert res.returncode == 0, res.stderr
+    assert "kvbridge: warning: unknown environment variable KVBRIDGE_MODEE 'modee'" in res.stderr
+    assert "did you mean 'mode'?" in res.stderr and "CACHE_DIR" not in res.stderr
+    res = kvbridge("config", "--json", env={"KVBRIDGE_MODEE": "push"})
+    assert "KVBRIDGE_MODEE" in res.stderr and json.loads(res.stdout)["mode"]["value"] == "pull"
+
+
+def test_config_says_engine_spin_ms_from_extra_config_is_not_applied() -> None:
+    res = kvbridge("config", "--extra-config", '{"engine_spin_ms": 2}')
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("engine_spin_ms "))
+    assert line.split()[1] == "-1.0" and "not applied" in line
+    assert "KVBRIDGE_ENGINE_SPIN_MS" in res.stderr
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
@@ -123,9 +179,11 @@ def test_config_json() -> None:
         (["--connector", "KVBridgeNixlConnector"], {"KVBRIDGE_BACKEND": "shm"},
          "selects backend 'nixl'"),
         (["--connector", "KVBridgeComposeConnector"], {}, "backend_options.members"),
+        (["--extra-config", '{"mode": "pushh"}'], {}, "mode: 'pushh' from "
+         "kv_connector_extra_config: expected one of pull, push, auto (did you mean 'push'?)"),
     ],
     ids=["unknown-key", "bad-json", "not-object", "bad-env", "unknown-connector",
-         "connector-conflict", "compose-without-members"],
+         "connector-conflict", "compose-without-members", "bad-enum"],
 )
 def test_config_errors_are_one_line(args: list[str], env: dict[str, str], message: str) -> None:
     res = kvbridge("config", *args, env=env)
@@ -310,6 +368,25 @@ def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "--log-level" in capsys.readouterr().err
 
 
+def test_log_level_is_taken_in_any_case_after_the_proxy_command_too() -> None:
+    pytest.importorskip("aiohttp")
+    from kvbridge.proxy import cli as proxy_cli
+
+    engines = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    args = cli.build_parser(["proxy"]).parse_args(["proxy", *engines, "--log-level", "info"])
+    assert args.log_level == "INFO"  # docs/proxy.md lists --log-level among the proxy's flags
+    args = cli.build_parser(["proxy"]).parse_args(["--log-level", "debug", "proxy", *engines])
+    assert args.log_level == "DEBUG"  # the proxy's own default does not override kvbridge's
+    assert cli.build_parser(["proxy"]).parse_args(["proxy", *engines]).log_level == "WARNING"
+    assert proxy_cli.build_parser().parse_args([*engines, "--log-level", "Error"]).log_level == (
+        "ERROR")
+    assert proxy_cli.build_parser().parse_args(engines).log_level == "INFO"
+    for parser, argv in ((cli.build_parser(["proxy"]), ["proxy", *engines]),
+                         (proxy_cli.build_parser(), engines)):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([*argv, "--log-level", "loud"])
+        assert info.value.code == 2
+
 def test_lazy_command_missing_module_gives_clear_message(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -365,3 +442,11 @@ def test_stats_reads_a_live_agent_and_fails_cleanly_when_nobody_answers() -> Non
                           "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "no answer from" in out.stderr
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "http://127.0.0.1:8100"])
+def test_stats_refuses_an_http_url_or_bare_host_with_a_clear_message(address: str) -> None:
+    res = kvbridge("stats", address, "--timeout", "0.5")
+    assert res.returncode == 1, res.stdout
+    assert res.stderr.startswith("kvbridge: error: kvbridge stats: ")
+    assert "tcp://HOST:PORT" in res.stderr and "Traceback" not in res.stderr

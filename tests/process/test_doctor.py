@@ -58,7 +58,7 @@ def test_this_host_passes_and_json_is_one_object_per_check() -> None:
 
 
 def test_routable_address_without_secret_fails_the_run() -> None:
-    res = _cli("--extra-config", '{"side_channel_host": "10.1.2.3"}')
+    res = _cli("--extra-config", '{"side_channel_host": "10.1.2.3"}', "--width", "0")
     assert res.returncode == 1
     line = next(x for x in res.stdout.splitlines() if x.startswith("security"))
     assert "FAIL" in line and "KVBRIDGE_SECRET" in line
@@ -223,3 +223,17 @@ def test_a_bad_configuration_is_the_first_line() -> None:
 def test_unknown_connector_is_a_usage_error() -> None:
     res = _cli("--connector", "KVBridgeNopeConnector")
     assert res.returncode == 1 and "no kvbridge connector is called" in res.stderr
+
+
+def test_the_table_wraps_its_detail_column_to_the_width() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    code = ("import sys; from kvbridge.tools.doctor import run; "
+            "from kvbridge.tools.doctor.target import Check, Status; "
+            "run.diagnose = lambda *a, **k: [Check('tier lmcache', Status.WARN, 'x ' * 200)]; "
+            "from kvbridge.tools import cli; sys.exit(cli.main(['doctor', *sys.argv[1:]]))")
+    for args, width in (([], 100), (["--width", "72"], 72)):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                             timeout=120, env={**env, "COLUMNS": ""})
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert max(len(line) for line in lines) <= width and len(lines) > 4, res.stdout

@@ -140,6 +140,14 @@ def test_missing_mooncake_is_backend_unavailable_with_the_install_hint(monkeypat
         _tier({"master": "127.0.0.1:1", "metadata_url": "P2PHANDSHAKE"})
 
 
+
+def test_status_says_not_loadable_when_mooncake_store_does_not_import(monkeypatch: Any) -> None:
+    """``kvbridge backends`` / the doctor: loadable only where ``mooncake.store`` imports."""
+    assert {r.name: r for r in registry.tier_status()}["mooncake_store"].loadable
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as if not installed
+    row = {r.name: r for r in registry.tier_status()}["mooncake_store"]
+    assert not row.loadable and "pip install mooncake-transfer-engine" in row.detail
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["killed", "never_started"])
 def test_dead_master_is_a_clear_tier_error_within_seconds(how: str) -> None:

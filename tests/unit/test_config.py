@@ -139,3 +139,62 @@ def test_config_is_frozen() -> None:
     cfg = Config.load({}, env={})
     with pytest.raises(AttributeError):
         cfg.backend = "nixl"  # type: ignore[misc]
+
+
+# -- issue 31: variables read elsewhere, enum errors, settings read from the environment only -----
+
+
+def test_variables_kvbridge_reads_elsewhere_are_no_warning() -> None:
+    from kvbridge.config import OTHER_ENV
+
+    cfg = Config.load({}, env=dict.fromkeys(OTHER_ENV, "x"))
+    assert cfg.warnings == ()
+    assert {"KVBRIDGE_CACHE_DIR", "KVBRIDGE_MOONCAKE_MASTER"} <= set(OTHER_ENV)
+
+
+def test_every_kvbridge_variable_in_code_and_docs_is_a_key_or_declared() -> None:
+    """A KVBRIDGE_* name the code reads or the docs name is a Config key's variable, an offload
+    variable, or one of OTHER_ENV (so Config.load warns about none of them)."""
+    import re
+    from pathlib import Path
+
+    from kvbridge.config import OTHER_ENV
+
+    root = Path(__file__).resolve().parents[2]
+    files = [*root.glob("kvbridge/**/*.py"), *root.glob("backends/*/*.py"),
+             *root.glob("docs/**/*.md"), root / "README.md"]
+    keys = {ENV_PREFIX + k.upper() for k in Config.keys()}
+    python_names = {"KVBRIDGE_GROUP"}  # a constant of kvbridge.tools.bench, not a variable
+    unknown = {}
+    for path in files:
+        for name in re.findall(r"\bKVBRIDGE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
+            if not (name in keys or name in OTHER_ENV or name in python_names
+                    or name.startswith("KVBRIDGE_OFFLOAD")):
+                unknown[name] = str(path.relative_to(root))
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize(("extra", "env", "where"), [
+    ({"mode": "pushh"}, {}, "kv_connector_extra_config"),
+    ({}, {"KVBRIDGE_MODE": "pushh"}, "env KVBRIDGE_MODE"),
+])
+def test_a_bad_enum_value_names_the_key_and_the_choices(
+        extra: dict[str, Any], env: dict[str, str], where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.load(extra, env=env)
+    text = str(info.value)
+    assert text.startswith("bad value for mode: 'pushh'")
+    assert where in text and "expected one of pull, push, auto" in text
+    assert "did you mean 'push'?" in text and "TransferMode" not in text
+
+
+def test_engine_spin_ms_from_extra_config_is_not_applied_and_says_so() -> None:
+    cfg = Config.load({"engine_spin_ms": 2}, env={})
+    assert cfg.engine_spin_ms == -1.0  # what the engine will do: vLLM's default
+    assert "not applied" in cfg.sources["engine_spin_ms"]
+    assert len(cfg.warnings) == 1 and "KVBRIDGE_ENGINE_SPIN_MS" in cfg.warnings[0]
+    with pytest.raises(ConfigError, match="bad value for engine_spin_ms"):
+        Config.load({"engine_spin_ms": "soon"}, env={})  # accepted means checked, still
+    env = Config.load({"engine_spin_ms": 2}, env={"KVBRIDGE_ENGINE_SPIN_MS": "5"})
+    assert env.engine_spin_ms == 5.0 and env.sources["engine_spin_ms"] == (
+        "env KVBRIDGE_ENGINE_SPIN_MS") and env.warnings == ()

@@ -212,3 +212,48 @@ def test_plugin_class_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     assert registry.plugin_class("ghost") is None
     assert registry.plugin_class("zzzz") is None
     assert registry.plugin_class("shm") is registry.load_class("shm")
+
+
+# -- tiers: loadable means the tier's library loads, not only its class ---------------------------
+
+_NEEDS_LIB = '''
+from kvbridge.offload.tier import Tier
+
+
+class NeedsLib(Tier):
+    install_hint = "pip install kvbridge-no-such-lib"
+
+    @classmethod
+    def probe(cls):
+        import kvbridge_no_such_lib_xyz  # the tier's own library, missing here
+
+        return "ok"
+
+    contains = load = store = evict = None
+
+
+class NoProbe(NeedsLib):
+    probe = None
+'''
+
+
+def test_a_tier_whose_library_does_not_import_is_not_loadable(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "kvbridge_fake_tier_mod.py").write_text(_NEEDS_LIB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = registry._entry_points
+    fake = {n: EntryPoint(name=n, value=f"kvbridge_fake_tier_mod:{c}", group=registry.TIER_GROUP)
+            for n, c in (("needs_lib", "NeedsLib"), ("no_probe", "NoProbe"))}
+
+    def entry_points(group: str = registry.GROUP) -> dict[str, Any]:
+        return {**real(group), **fake} if group == registry.TIER_GROUP else real(group)
+
+    monkeypatch.setattr(registry, "_entry_points", entry_points)
+    rows = {row.name: row for row in registry.tier_status()}
+    assert registry.load_tier_class("needs_lib")  # the class itself imports
+    assert not rows["needs_lib"].loadable
+    assert "offload tier 'needs_lib' cannot load" in rows["needs_lib"].detail
+    assert "kvbridge_no_such_lib_xyz" in rows["needs_lib"].detail
+    assert "install: pip install kvbridge-no-such-lib" in rows["needs_lib"].detail
+    assert rows["no_probe"].loadable and rows["no_probe"].detail == "ok"
+    assert rows["dram"].loadable

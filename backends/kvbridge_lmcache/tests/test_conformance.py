@@ -99,3 +99,17 @@ def test_close_leaves_a_stuck_engine_open_instead_of_crashing(
     while tier._pending_disk_writes():
         time.sleep(0.01)
     tier._builder.destroy(tier._id)
+
+
+def test_status_says_not_loadable_when_lmcache_does_not_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvbridge backends`` / the doctor: the tier is loadable only where LMCache imports."""
+    import sys
+
+    from kvbridge import registry
+
+    assert {r.name: r for r in registry.tier_status()}["lmcache"].loadable
+    monkeypatch.setitem(sys.modules, "lmcache.v1.cache_engine", None)  # as if not installed
+    row = {r.name: r for r in registry.tier_status()}["lmcache"]
+    assert not row.loadable
+    assert "lmcache.v1.cache_engine" in row.detail and "pip install" in row.detail

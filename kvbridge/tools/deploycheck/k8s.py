@@ -308,8 +308,7 @@ class _Checker(Objects):
             self.problem(w, "--control-secret puts the secret on the command line (visible in "
                             f"ps); use {SECRET_ENV} from a Secret")
         parser = argparse.ArgumentParser(prog="kvbridge proxy")
-        add_arguments(parser)
-        parser.add_argument("--log-level")
+        add_arguments(parser)  # --log-level included
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):

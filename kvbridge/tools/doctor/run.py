@@ -14,8 +14,7 @@ from typing import Any
 
 from kvbridge.config import Config, Preset
 from kvbridge.errors import ConfigError
-from kvbridge.integrations.names import preset_for
-from kvbridge.tools.args import parse_json_object
+from kvbridge.tools.connector_args import add_connector_arguments, connector_args
 from kvbridge.tools.doctor.checks import (
     check_backends,
     check_cma,
@@ -34,7 +33,7 @@ from kvbridge.tools.doctor.checks import (
     check_wake,
 )
 from kvbridge.tools.doctor.target import Check, Status, Target
-from kvbridge.tools.report import print_json, print_table
+from kvbridge.tools.report import print_json, print_table, terminal_width
 
 __all__ = ["CHECKS", "CheckFn", "add_arguments", "cli_main", "diagnose", "failed", "run_checks"]
 
@@ -112,22 +111,22 @@ def add_arguments(p: Any) -> None:
                      "vLLM and the connector names, every backend and tier, ptrace/CMA for shm, "
                      "NIXL plugins, UCX and EFA devices, libibverbs for Mooncake, the control "
                      "ports, the secret on a routable address. Exit status 1 when a check fails.")
-    p.add_argument("--extra-config", metavar="JSON", default=None,
-                   help="the engine's kv_connector_extra_config (JSON object)")
-    p.add_argument("--connector", metavar="NAME", default=None,
-                   help="the engine's kv_connector name (default KVBridgeConnector)")
+    add_connector_arguments(p)
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size (the ports of ranks 0..tp-1 are checked)")
+    p.add_argument("--width", type=int, default=None, metavar="COLUMNS",
+                   help="wrap the detail column so lines fit COLUMNS characters (default: the "
+                   "terminal's width, 100 when not a terminal; 0: no wrapping)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def cli_main(args: Any) -> int:
-    extra = parse_json_object(args.extra_config, "--extra-config")
-    checks = diagnose(extra, preset=preset_for(args.connector), connector=args.connector,
-                      tp=args.tp)
+    named = connector_args(args)
+    checks = diagnose(named.extra, preset=named.preset, connector=named.connector, tp=args.tp)
     if args.json:
         print_json([c.to_json() for c in checks])
     else:
         print_table(["check", "status", "detail"],
-                    [(c.name, c.status.word, c.detail) for c in checks])
+                    [(c.name, c.status.word, c.detail) for c in checks],
+                    width=terminal_width() if args.width is None else args.width)
     return 1 if failed(checks) else 0

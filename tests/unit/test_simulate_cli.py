@@ -183,3 +183,18 @@ def test_published_compares_every_row(capsys: pytest.CaptureFixture[str]) -> Non
 def test_published_refuses_bad_seeds(capsys: pytest.CaptureFixture[str], seeds: str) -> None:
     code, _, err = run(capsys, "published", "--seeds", seeds)
     assert code == 1 and "--seeds" in err
+
+
+def test_published_names_the_pr_by_its_url(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source line is printed as is: the PR's own address, no mangled mirror (issue 31)."""
+    from kvbridge.tools.simulate import cli as sim_cli
+
+    keys = ("mean_ttft", "median_ttft", "p99_ttft", "mean_tpot", "req_s")
+    monkeypatch.setattr(sim_cli, "simulate_row", lambda *_a: dict.fromkeys(keys, 1.0))
+    code, out, _ = run(capsys, "published")
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "vLLM PR #35264 (snadampal, 2026-02-25), 'Benchmarking results': vllm bench serve, "
+        "sonnet dataset, AWS P5en, P/D TP 4; https://github.com/vllm-project/vllm/pull/35264; "
+        "the rows after 512/128/8 are cut off")

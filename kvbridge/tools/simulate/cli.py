@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.args import parse_names
+from kvbridge.tools.args import DefaultsFormatter, parse_names
 from kvbridge.tools.bench.serve_settings import parse_rates
 from kvbridge.tools.report import print_table
 from kvbridge.tools.simulate import calibrate
@@ -140,23 +140,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pb = sub.add_parser("published", help="vLLM PR #35264's published rows against the model "
                         "(fitted vs held-out rows), optionally refitting the in-flight limits")
     pb.add_argument("--profile", default="pr35264", help="profile (default pr35264)")
-    pb.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    pb.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one profile parameter (repeatable)")
     pb.add_argument("--fit", action="store_true",
                     help="refit proxy.pull/push_max_in_flight on the 8 QPS rows first")
     pb.add_argument("--seeds", default="0",
                     help="vllm bench serve seeds to replay, comma-separated (median; default 0)")
-    pb.add_argument("--json", action="store_true")
+    pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.set_defaults(func=_published)
 
     pr = sub.add_parser("profiles", help="list the shipped profiles, or show one with sources")
-    pr.add_argument("name", nargs="?", default=None)
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("name", nargs="?", default=None,
+                    help="a shipped profile to show, with each parameter's source (default: "
+                         "list them all)")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.set_defaults(func=_profiles)
 
     c = sub.add_parser("calibrate", help="measure this host's step costs on real engines and "
                        "write a profile (starts vLLM engines; takes minutes)")
     calibrate.add_arguments(c)
     c.set_defaults(func=calibrate.cli_main)
+    for command in sub.choices.values():  # every subcommand's --help shows the defaults
+        command.formatter_class = DefaultsFormatter
 
 
 def cli_main(args: argparse.Namespace) -> int:

@@ -8,13 +8,14 @@ benches, the doctor and the simulator all import them from here, so no bench imp
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["parse_control_address", "parse_json_object", "parse_names"]
+__all__ = ["DefaultsFormatter", "parse_control_address", "parse_json_object", "parse_names"]
 
 
 def parse_json_object(text: str | None, what: str) -> dict[str, Any]:
@@ -72,3 +73,16 @@ def parse_control_address(text: str, what: str) -> str:
         raise ConfigError(f"{what}: {text!r} is not HOST:PORT (an IPv6 host goes in "
                           f"brackets, [::1]:5600); {what} {_CONTROL_HINT}")
     return f"tcp://{host}:{port}"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` that shows each option's default: ``(default: X)`` is appended to the help of
+    an option with a default to show (not None, False or empty) whose help does not already
+    say its default. Set as a parser's ``formatter_class``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower()
+                or action.default in (None, False, [], "", argparse.SUPPRESS)):
+            return action.help
+        return f"{text} (default: %(default)s)"

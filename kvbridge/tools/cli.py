@@ -29,7 +29,12 @@ from kvbridge import __version__, registry
 from kvbridge.config import Config
 from kvbridge.errors import KVBridgeError, MessageError
 from kvbridge.integrations import names
-from kvbridge.tools.args import parse_control_address, parse_json_object, parse_names
+from kvbridge.tools.args import (
+    DefaultsFormatter,
+    parse_control_address,
+    parse_json_object,
+    parse_names,
+)
 from kvbridge.tools.bench import e2e as bench_e2e
 from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
@@ -235,7 +240,8 @@ def add_bench_parser(subparsers: Any) -> None:
         "--block-kib", type=float, nargs="+", default=[16.0, 64.0, 256.0, 1024.0],
         help="block sizes in KiB (one row each)",
     )
-    t.add_argument("--op", choices=["read", "write", "both"], default="both")
+    t.add_argument("--op", choices=["read", "write", "both"], default="both",
+                   help="transfer direction(s) timed")
     t.add_argument("--mode", choices=["paired", "sequential"], default="paired",
                    help="paired: columns interleaved per repetition, medians and ratio CIs "
                    "(default); sequential: each column's repetitions back to back, best of")
@@ -254,7 +260,7 @@ def add_bench_parser(subparsers: Any) -> None:
                    "where THP is 'madvise'), kvbridge (small, then refaulted as huge pages as "
                    "the connector does at registration)")
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the block permutation")
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.set_defaults(func=run_bench_transfer)
 
@@ -267,15 +273,15 @@ def add_bench_parser(subparsers: Any) -> None:
         "block path (boundary validation; shm's iovecs; nixl's index arrays with real agents, "
         "and NIXL's own request creation as 'native'), scattered and contiguous block ids.",
     )
-    d.add_argument("--tokens", type=int, default=16384)
-    d.add_argument("--layers", type=int, default=64)
-    d.add_argument("--kv-heads", type=int, default=8)
-    d.add_argument("--head-dim", type=int, default=128)
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--dtype-bytes", type=int, default=2)
+    d.add_argument("--tokens", type=int, default=16384, help="tokens of the request")
+    d.add_argument("--layers", type=int, default=64, help="attention layers")
+    d.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
+    d.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    d.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    d.add_argument("--dtype-bytes", type=int, default=2, help="bytes per KV element")
     d.add_argument("--num-blocks", type=int, default=0, help="blocks per engine (0: 8x request)")
-    d.add_argument("--reps", type=int, default=50)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--reps", type=int, default=50, help="timed repetitions per row")
+    d.add_argument("--seed", type=int, default=0, help="seed of the scattered block ids")
     d.add_argument("--backends", default="shm,nixl",
                    help="comma-separated block-path rows to add: shm, nixl (default both; nixl "
                    "is skipped with a note where it cannot load)")
@@ -341,6 +347,8 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_serve.add_arguments(v)
     v.set_defaults(func=bench_serve.cli_main)
+    for bench in sub.choices.values():  # every bench's --help shows the defaults
+        bench.formatter_class = DefaultsFormatter
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

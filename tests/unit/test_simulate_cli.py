@@ -4,6 +4,7 @@ they write, and validation against the committed bench serve results. No engines
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -70,6 +71,50 @@ def test_sweep_writes_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 0 and plot.read_bytes().startswith(PNG)
     assert f"plot: {plot}" in out
     assert sum(1 for line in out.splitlines() if line.split()[:1] in (["pull"], ["push"])) == 6
+
+
+def test_sweep_prints_the_table_and_plots_only_when_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "sweep", *SMALL, "--rates", "5,10", "--mode", "push")
+    assert code == 0 and not err
+    assert [line.split()[0] for line in out.splitlines()[3:]] == ["push", "push"]
+    assert "plot" not in out and list(tmp_path.iterdir()) == []  # no PNG by default
+
+
+def test_sweep_without_matplotlib_prints_the_table_then_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As on a host without matplotlib: its import fails (issue 31 item 1)."""
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)
+    plot = tmp_path / "sweep.png"
+    code, out, err = run(capsys, "sweep", *SMALL, "--rates", "5,10", "--mode", "push",
+                         "--plot", str(plot))
+    assert code == 1 and not plot.exists()
+    assert [line.split()[0] for line in out.splitlines()[3:]] == ["push", "push"]
+    assert err == (f"kvbridge: error: --plot {plot}: not drawn, matplotlib is not installed "
+                   "(pip install matplotlib)\n")
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--rate", "20", "--ttft-slo", "0.001"], "the lowest TTFT p90 of a fleet that keeps up is"),
+    (["--rate", "20", "--ttft-slo", "100000", "--tpot-slo", "0.0001"],
+     "the lowest TPOT p90 of a fleet within the TTFT SLO is"),
+    (["--rate", "100000", "--ttft-slo", "100000"], "no fleet keeps up: the best, 1P1D, completes"),
+])
+def test_size_with_an_impossible_slo_fails_and_says_why(
+        capsys: pytest.CaptureFixture[str], args: list[str], why: str) -> None:
+    code, out, err = run(capsys, "size", *SMALL, "--mode", "push", "--max-engines", "2", *args)
+    assert code == 1
+    assert out.splitlines()[-1].split()[:2] == ["push", "none"]
+    assert err.startswith("kvbridge: error: push: no fleet of up to 2 engines meets the SLO: "
+                          + why), err
+    assert len(err.splitlines()) == 1
+    code, out, err = run(capsys, "size", *SMALL, "--mode", "push", "--max-engines", "2",
+                         *args, "--json")
+    assert code == 1 and json.loads(out)[0]["chosen"] is None and why in err
 
 
 def test_size_answers_a_fleet(capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,3 +228,18 @@ def test_published_compares_every_row(capsys: pytest.CaptureFixture[str]) -> Non
 def test_published_refuses_bad_seeds(capsys: pytest.CaptureFixture[str], seeds: str) -> None:
     code, _, err = run(capsys, "published", "--seeds", seeds)
     assert code == 1 and "--seeds" in err
+
+
+def test_published_names_the_pr_by_its_url(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source line is printed as is: the PR's own address, no mangled mirror (issue 31)."""
+    from kvbridge.tools.simulate import cli as sim_cli
+
+    keys = ("mean_ttft", "median_ttft", "p99_ttft", "mean_tpot", "req_s")
+    monkeypatch.setattr(sim_cli, "simulate_row", lambda *_a: dict.fromkeys(keys, 1.0))
+    code, out, _ = run(capsys, "published")
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "vLLM PR #35264 (snadampal, 2026-02-25), 'Benchmarking results': vllm bench serve, "
+        "sonnet dataset, AWS P5en, P/D TP 4; https://github.com/vllm-project/vllm/pull/35264; "
+        "the rows after 512/128/8 are cut off")

@@ -404,17 +404,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrent", type=int, default=d.concurrent,
                    help="requests of the concurrent phase")
     p.add_argument("--wave", type=int, default=d.wave, help="requests in flight per wave")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="output tokens per request")
     p.add_argument("--proxy-requests", type=int, default=d.proxy_requests,
                    help="kvbridge: sequential requests through the kvbridge proxy per mode")
     p.add_argument("--check", type=int, default=d.check,
                    help="requests per phase compared with single-engine greedy on P")
     p.add_argument("--push-headroom", type=int, default=d.push_headroom,
                    help="auto: push while fewer than N requests are in flight at D")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout)
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds one request may take")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout,
+                   help="seconds an engine pair may take to answer /health")
     p.add_argument("--idle-s", type=float, default=d.idle_s,
                    help="seconds of the idle phase (CPU burnt by engines doing nothing)")
     p.add_argument("--max-failures", type=int, default=d.max_failures,

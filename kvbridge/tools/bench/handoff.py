@@ -379,11 +379,13 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = HandoffSettings()
-    p.add_argument("--backend", choices=("shm", "nixl"), default=d.backend)
+    p.add_argument("--backend", choices=("shm", "nixl"), default=d.backend,
+                   help="kvbridge transport of both pairs")
     p.add_argument("--requests", type=int, default=d.requests, help="rounds per mode")
     p.add_argument("--modes", default=",".join(d.modes), help="comma-separated: push, pull")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="output tokens per request")
     p.add_argument("--idle-s", type=float, default=d.idle_s,
                    help="seconds of the idle measurement (both pairs up, nothing to do)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
@@ -399,7 +401,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("tiny", "bench"), default=d.model,
                    help="tiny (the tests' model) or bench (~100 M parameters, 24 KiB of KV per "
                         "token: a request's KV is tens of MiB; use --prompt-len up to ~1000)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts")
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON report here")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -192,8 +192,9 @@ def format_handshake_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("shm", "nixl", "mooncake"), default="shm")
-    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--backend", choices=("shm", "nixl", "mooncake"), default="shm",
+                   help="transport whose handshake is timed")
+    p.add_argument("--rounds", type=int, default=40, help="handshakes per code version")
     p.add_argument("--baseline-code", type=Path, default=None,
                    help="a checkout of another commit (git worktree add DIR COMMIT): its "
                         "handshakes alternate with this code's")

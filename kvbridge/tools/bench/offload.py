@@ -213,7 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hit-fraction", type=float, default=d.hit_fraction,
                    help="share of the prompt the tier holds (default 1: all; 0.5: the first "
                    "half, and every repetition computes a tail of its own)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="output tokens per request")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"vLLM --block-size = offload chunk (default {d.block_size}, vLLM's CPU "
                    "default)")
@@ -225,14 +226,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="VLLM_CPU_OMP_THREADS_BIND of the engines ('' : unset)")
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS (negative: vLLM default)")
-    p.add_argument("--request-timeout", type=float, default=None)
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout)
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help=f"seconds one request may take (default {d.request_timeout:g}; "
+                   f"--quick: {q.request_timeout:g})")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout,
+                   help="seconds an engine may take to answer /health")
     p.add_argument("--settle-timeout", type=float, default=d.settle_timeout,
                    help="seconds to wait for the tier to store the prompt after the cold run")
     p.add_argument("--quiet-wait", type=float, default=d.quiet_wait_s,
                    help="before each engine, wait at most this long for other people's "
                    "vllm_serve processes to end (0: do not wait)")
-    p.add_argument("--quiet-poll", type=float, default=d.quiet_poll_s)
+    p.add_argument("--quiet-poll", type=float, default=d.quiet_poll_s,
+                   help="seconds between two looks while --quiet-wait waits")
     p.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a temp dir)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="parent of the disk tier's temporary directory (default: $TMPDIR)")

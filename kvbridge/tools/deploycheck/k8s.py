@@ -23,8 +23,11 @@ objects of :func:`kvbridge.tools.deploycheck.kustomize.render`: first what any d
   literal value, a ConfigMap, ``--control-secret`` or ``kv_connector_extra_config``.
 
 Problems are strings naming the object, never raised, each reported once (not once per pod).
-Pure functions; vLLM's parser is passed in (``python -m kvbridge.tools.deploycheck.k8s`` passes
-:func:`kvbridge.integrations.vllm_serve.parse_serve_args`).
+Pure functions; the ``vllm serve`` parser is passed in. ``python -m kvbridge.tools.deploycheck.k8s``
+passes :func:`kvbridge.tools.deploycheck.serve_args.parse_serve_args` (the flags the checks read,
+without vLLM), or with ``--vllm`` vLLM's own (:func:`kvbridge.integrations.vllm_serve.
+parse_serve_args`); it checks an overlay whose ``secret.env`` is not written yet with a
+placeholder secret, and says so.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from kvbridge import params
 from kvbridge.config import ENV_PREFIX, Config, TransferMode
 from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.integrations.names import preset_for
-from kvbridge.integrations.vllm_serve import parse_serve_args
 from kvbridge.tools.deploycheck import objects as ko
 from kvbridge.tools.deploycheck.objects import Obj, Objects
 from kvbridge.tools.engines import GUARD_MIDDLEWARE
@@ -56,6 +58,8 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 COMPONENT = "app.kubernetes.io/component"
 GPU, EFA = "nvidia.com/gpu", "vpc.amazonaws.com/efa"
 SECRET_ENV = ENV_PREFIX + "SECRET"
+#: the file each overlay's secretGenerator reads (never committed; docs/deploy.md)
+SECRET_FILE = "secret.env"
 ENGINE, PROXY = ["vllm", "serve"], ["kvbridge", "proxy"]
 
 ServeParser = Callable[[Sequence[str]], argparse.Namespace]
@@ -354,31 +358,60 @@ class _Checker(Objects):
             self.problem(w, f"--{role} lists {name} more than once")
 
 
+def _placeholder(missing: list[Path]) -> Callable[[Path], str | None]:
+    """A stand-in for an overlay's unwritten ``secret.env`` (a fixed, well-formed secret);
+    every file it stands in for is added to ``missing``."""
+    def stand_in(path: Path) -> str | None:
+        if path.name != SECRET_FILE:
+            return None
+        missing.append(path)
+        return f"{SECRET_ENV}={'0' * 64}\n"
+    return stand_in
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvbridge.tools.deploycheck.k8s OVERLAY_DIR...``: render each kustomization,
-    print every problem; exit status 1 if there is one. Needs kubernetes-validate, PyYAML and
-    vLLM."""
+    print every problem; exit status 1 if there is one. An overlay whose secret.env is not
+    written yet is checked with a placeholder secret (a note says so). Needs
+    kubernetes-validate and PyYAML; vLLM only with --vllm."""
     # PyYAML (kustomize) is optional: only the command line renders overlays
     from kvbridge.tools.deploycheck.kustomize import KustomizeError, render
+    from kvbridge.tools.deploycheck.serve_args import parse_serve_args
 
     parser = argparse.ArgumentParser(prog="python -m kvbridge.tools.deploycheck.k8s",
                                      description=main.__doc__)
     parser.add_argument("overlays", nargs="+", type=Path, help="kustomization directories")
-    parser.add_argument("--kube-version", default=KUBE_VERSION)
+    parser.add_argument("--kube-version", default=KUBE_VERSION,
+                        help="Kubernetes version of the schemas (default %(default)s)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="parse the engines' command lines with vLLM's own serve parser "
+                        "(imports vLLM: seconds; every flag checked), not only the flags the "
+                        "checks read")
     args = parser.parse_args(argv)
+    serve_parser: ServeParser = parse_serve_args
+    if args.vllm:
+        from kvbridge.integrations import vllm_serve
+
+        serve_parser = vllm_serve.parse_serve_args
     bad = 0
     for overlay in args.overlays:
+        missing: list[Path] = []
         try:
-            objs = render(overlay)
+            objs = render(overlay, _placeholder(missing))
         except KustomizeError as exc:
             found = [str(exc)]
         else:
             found = (schema_problems(objs, args.kube_version)
-                     + check_fleet(objs, parse_serve_args).problems)
+                     + check_fleet(objs, serve_parser).problems)
         for line in found:
             print(f"{overlay}: {line}")
+        for path in missing:
+            print(f"{overlay}: note: {path} does not exist, checked with a placeholder "
+                  f"{SECRET_ENV}; write it before kubectl apply -k (docs/deploy.md, the secret)")
         if not found:
-            print(f"{overlay}: ok ({len(objs)} objects, Kubernetes {args.kube_version})")
+            print(f"{overlay}: ok ({len(objs)} objects, Kubernetes {args.kube_version}, "
+                  + ("vLLM's serve parser)" if args.vllm else "the flags the checks read; "
+                     "--vllm: every flag, with vLLM's parser)"))
         bad += bool(found)
     return 1 if bad else 0
 

@@ -14,7 +14,9 @@ without kubectl. It supports only what ``deploy/k8s`` uses, and refuses everythi
 * ``patches``: strategic-merge patches from ``path`` or inline ``patch``, matched by kind and
   name (a patch that matches nothing is an error, as in kustomize);
 * ``secretGenerator``: ``envs`` files and ``literals``, with
-  ``generatorOptions.disableNameSuffixHash: true`` (name hashing is not implemented).
+  ``generatorOptions.disableNameSuffixHash: true`` (name hashing is not implemented). A
+  missing ``envs`` file is an error, as in kustomize, unless ``render``'s ``stand_in`` gives
+  text in its place (the command-line check's placeholder for an unwritten ``secret.env``).
 
 Strategic merge follows Kubernetes' merge keys for the lists the examples patch (containers,
 env, ports, volumes, volume mounts by name or port; new elements first, as kustomize orders
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ import yaml
 __all__ = ["KustomizeError", "render", "load_yaml", "strategic_merge", "MERGE_KEYS"]
 
 Obj = dict[str, Any]
+#: a missing ``envs`` file -> the text to use in its place, or None (then it is an error)
+StandIn = Callable[[Path], "str | None"]
 
 #: Lists merged element by element, by this key (Kubernetes' ``patchMergeKey``).
 MERGE_KEYS: dict[str, str] = {
@@ -64,12 +68,13 @@ def load_yaml(path: Path) -> list[Obj]:
     return docs
 
 
-def render(directory: Path) -> list[Obj]:
+def render(directory: Path, stand_in: StandIn | None = None) -> list[Obj]:
     """The objects ``kubectl kustomize directory`` prints (see the module docstring)."""
-    return _build(Path(directory), [], "Kustomization")
+    return _build(Path(directory), [], "Kustomization", stand_in)
 
 
-def _build(directory: Path, objs: list[Obj], kind: str) -> list[Obj]:
+def _build(directory: Path, objs: list[Obj], kind: str,
+           stand_in: StandIn | None = None) -> list[Obj]:
     """Apply the kustomization (or component) in ``directory`` to ``objs``."""
     path = directory / "kustomization.yaml"
     docs = load_yaml(path)
@@ -83,10 +88,10 @@ def _build(directory: Path, objs: list[Obj], kind: str) -> list[Obj]:
         raise KustomizeError(f"{path}: unsupported field(s) {', '.join(unsupported)}")
     for entry in _list(k, "resources", path):
         target = directory / str(entry)
-        objs += render(target) if target.is_dir() else load_yaml(target)
+        objs += render(target, stand_in) if target.is_dir() else load_yaml(target)
     for entry in _list(k, "components", path):
-        objs = _build(directory / str(entry), objs, "Component")
-    objs += _secrets(k, directory, path)
+        objs = _build(directory / str(entry), objs, "Component", stand_in)
+    objs += _secrets(k, directory, path, stand_in)
     for patch in _patches(k, directory, path):
         _apply_patch(objs, patch, path)
     for rep in _list(k, "replicas", path):
@@ -106,7 +111,7 @@ def _list(k: Obj, key: str, path: Path) -> list[Any]:
     return value
 
 
-def _secrets(k: Obj, directory: Path, path: Path) -> list[Obj]:
+def _secrets(k: Obj, directory: Path, path: Path, stand_in: StandIn | None) -> list[Obj]:
     gens = _list(k, "secretGenerator", path)
     if gens and not (k.get("generatorOptions") or {}).get("disableNameSuffixHash"):
         raise KustomizeError(f"{path}: secretGenerator needs generatorOptions."
@@ -122,7 +127,11 @@ def _secrets(k: Obj, directory: Path, path: Path) -> list[Obj]:
             try:
                 lines = (directory / env).read_text().splitlines()
             except OSError as exc:
-                raise KustomizeError(f"{path}: secretGenerator {gen['name']}: {exc}") from exc
+                text = stand_in(directory / env) if stand_in is not None else None
+                if text is None:
+                    raise KustomizeError(f"{path}: secretGenerator {gen['name']}: {exc}") \
+                        from exc
+                lines = text.splitlines()
             pairs += [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
         data = {}
         for pair in pairs:

@@ -260,7 +260,8 @@ def _cpu_step_costs(m: Measurements, doc: dict[str, Any], tag: str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
-    p.add_argument("--backend", choices=("nixl", "shm"), default="nixl")
+    p.add_argument("--backend", choices=("nixl", "shm"), default="nixl",
+                   help="kvbridge transport of the measured engines")
     p.add_argument("--reps", type=int, default=8, help="requests per measured point (2..100)")
     p.add_argument("--base", default="host",
                    help="profile whose unmeasured parameters (model shape, headroom) are kept")

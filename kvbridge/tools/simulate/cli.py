@@ -4,7 +4,7 @@ Subcommands (every one takes ``--profile NAME|FILE``, default ``seeds``; workloa
 to the profile's ``scenario``)::
 
     kvbridge simulate run       [--mode all] [--rate R] [--prefills P --decodes D] ...
-    kvbridge simulate sweep     --rates 1,2,4,8 [--plot FILE] ...
+    kvbridge simulate sweep     --rates 1,2,4,8 [--plot FILE] ...   (a PNG only with --plot)
     kvbridge simulate size      --rate R --ttft-slo MS [--tpot-slo MS] [--percentile 90] ...
     kvbridge simulate validate  --results RESULTS.json [--profile host] [--plot FILE]
     kvbridge simulate profiles  [NAME]
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.args import parse_names
+from kvbridge.tools.args import DefaultsFormatter, parse_names
 from kvbridge.tools.bench.serve_settings import parse_rates
 from kvbridge.tools.report import print_table
 from kvbridge.tools.simulate import calibrate
@@ -45,7 +45,15 @@ from kvbridge.tools.simulate.published import (
     num_prompts_from,
     simulate_row,
 )
-from kvbridge.tools.simulate.sizing import Fleetspec, Slo, run_one, size_fleet, sweep
+from kvbridge.tools.simulate.sizing import (
+    Fleetspec,
+    Sizing,
+    Slo,
+    run_one,
+    size_fleet,
+    sweep,
+    why_none,
+)
 from kvbridge.tools.simulate.validate import load_results, table, validate, within
 from kvbridge.tools.simulate.workload import Lengths, Workload, load_trace
 
@@ -99,12 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--rate", type=float, default=None, help="requests per second (Poisson)")
     r.set_defaults(func=_run)
 
-    s = sub.add_parser("sweep", help="TTFT/TPOT against request rate per mode, with a plot")
+    s = sub.add_parser("sweep", help="TTFT/TPOT against request rate per mode (a table; a plot "
+                       "with --plot)")
     _common(s)
     s.add_argument("--rates", required=True, help="comma-separated rates, e.g. 1,2,4,8")
-    s.add_argument("--plot", type=Path, default=Path("simulate-sweep.png"),
-                   help="PNG written (default simulate-sweep.png)")
-    s.add_argument("--no-plot", action="store_true")
+    s.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="also draw a PNG here (needs matplotlib); none by default")
     s.set_defaults(func=_sweep)
 
     z = sub.add_parser("size", help="how many P and D for a rate at a TTFT (and TPOT) SLO")
@@ -132,23 +140,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pb = sub.add_parser("published", help="vLLM PR #35264's published rows against the model "
                         "(fitted vs held-out rows), optionally refitting the in-flight limits")
     pb.add_argument("--profile", default="pr35264", help="profile (default pr35264)")
-    pb.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    pb.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one profile parameter (repeatable)")
     pb.add_argument("--fit", action="store_true",
                     help="refit proxy.pull/push_max_in_flight on the 8 QPS rows first")
     pb.add_argument("--seeds", default="0",
                     help="vllm bench serve seeds to replay, comma-separated (median; default 0)")
-    pb.add_argument("--json", action="store_true")
+    pb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pb.set_defaults(func=_published)
 
     pr = sub.add_parser("profiles", help="list the shipped profiles, or show one with sources")
-    pr.add_argument("name", nargs="?", default=None)
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("name", nargs="?", default=None,
+                    help="a shipped profile to show, with each parameter's source (default: "
+                         "list them all)")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.set_defaults(func=_profiles)
 
     c = sub.add_parser("calibrate", help="measure this host's step costs on real engines and "
                        "write a profile (starts vLLM engines; takes minutes)")
     calibrate.add_arguments(c)
     c.set_defaults(func=calibrate.cli_main)
+    for command in sub.choices.values():  # every subcommand's --help shows the defaults
+        command.formatter_class = DefaultsFormatter
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -281,16 +294,19 @@ def _sweep(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     workload, spec = _scenario(args, profile, rates[0])
     rows = sweep(profile, workload, spec, rates, _modes(args.mode))
-    if not args.no_plot:
-        plot_sweep(rows, args.plot, f"kvbridge simulate: {profile.name}, "
-                   f"{spec.prefills}P{spec.decodes}D, prompt {workload.prompt.low}, "
-                   f"output {workload.output.low}")
     if args.json:
         print(json.dumps([s.to_dict() for s in rows], indent=2))
+    else:
+        print(_describe(profile, workload, spec).replace(f" at {workload.rate:g} req/s",
+                                                         " per rate"))
+        _table(*_summary_rows(rows))
+    if args.plot is None:
         return 0
-    print(_describe(profile, workload, spec).replace(f" at {workload.rate:g} req/s", " per rate"))
-    _table(*_summary_rows(rows))
-    if not args.no_plot:
+    sys.stdout.flush()  # the table is out before any plotting error
+    plot_sweep(rows, args.plot, f"kvbridge simulate: {profile.name}, "
+               f"{spec.prefills}P{spec.decodes}D, prompt {workload.prompt.low}, "
+               f"output {workload.output.low}")
+    if not args.json:
         print(f"plot: {args.plot}")
     return 0
 
@@ -307,7 +323,7 @@ def _size(args: argparse.Namespace) -> int:
         print(json.dumps([{"mode": a.mode, "rate": a.rate,
                            "chosen": None if a.chosen is None else a.chosen.to_dict(),
                            "tried": [s.to_dict() for s in a.tried]} for a in answers], indent=2))
-        return 0
+        return _no_fleet(answers, args.max_engines)
     key = f"p{slo.percentile}"
     print(_describe(profile, workload, spec) + f"; SLO: TTFT {key} <= {slo.ttft_ms:g} ms"
           + ("" if slo.tpot_ms is None else f", TPOT {key} <= {slo.tpot_ms:g} ms"))
@@ -319,10 +335,16 @@ def _size(args: argparse.Namespace) -> int:
                      "-" if c is None else _fmt(c.tpot, key, 2),
                      "-" if c is None else f"{c.throughput:.2f}", str(len(a.tried))])
     _table(["mode", "fleet", f"TTFT {key}", f"TPOT {key}", "req/s", "fleets tried"], rows)
-    if any(a.chosen is None for a in answers):
-        print(f"none: no fleet of up to {args.max_engines} engines meets the SLO "
-              "(raise --max-engines)")
-    return 0
+    return _no_fleet(answers, args.max_engines)
+
+
+def _no_fleet(answers: Sequence[Sizing], max_engines: int) -> int:
+    """Exit status 1, with one line per mode on stderr, where no fleet meets the SLO."""
+    missed = [a for a in answers if a.chosen is None]
+    for a in missed:
+        print(f"kvbridge: error: {a.mode}: no fleet of up to {max_engines} engines meets the "
+              f"SLO: {why_none(a)}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 - :func:`plot_sweep`: TTFT p50, TTFT p99 and TPOT p50 against the request rate, one line per mode.
 - :func:`plot_validation`: the same panels, measured (solid) against simulated (dashed) per mode.
 
-matplotlib is imported only here, and only when a plot is drawn.
+matplotlib is imported only here, and only when a plot is drawn; where it is missing, drawing
+raises :class:`~kvbridge.errors.KVBridgeError` naming the file (the CLI's one-line error).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbridge.errors import KVBridgeError
 from kvbridge.tools.simulate.metrics import Summary
 
 __all__ = ["PANELS", "plot_sweep", "plot_validation"]
@@ -21,9 +23,12 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("ttft", "p50", "TTFT p50"), ("ttft", "p99", "TTFT p99"), ("tpot", "p50", "TPOT p50"))
 
 
-def _axes(n: int) -> tuple[Any, Any]:
-    import matplotlib
-
+def _axes(n: int, path: Path) -> tuple[Any, Any]:
+    try:
+        import matplotlib
+    except ImportError:
+        raise KVBridgeError(f"--plot {path}: not drawn, matplotlib is not installed "
+                            "(pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -59,7 +64,7 @@ def _value(s: Summary, metric: str, key: str) -> float | None:
 
 def plot_sweep(rows: Sequence[Summary], path: Path, title: str) -> Path:
     """TTFT/TPOT against rate per mode, from :func:`~kvbridge.tools.simulate.sizing.sweep` rows."""
-    fig, axes = _axes(len(PANELS))
+    fig, axes = _axes(len(PANELS), path)
     modes = list(dict.fromkeys(s.mode for s in rows))
     rates = sorted({s.rate for s in rows})
     for ax, (metric, key, _) in zip(axes, PANELS, strict=True):
@@ -73,7 +78,7 @@ def plot_sweep(rows: Sequence[Summary], path: Path, title: str) -> Path:
 def plot_validation(pairs: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
     """Measured vs simulated: ``pairs`` rows with ``mode``, ``rate`` and, per panel,
     ``measured_<metric>_<key>`` / ``simulated_<metric>_<key>`` in ms."""
-    fig, axes = _axes(len(PANELS))
+    fig, axes = _axes(len(PANELS), path)
     modes = list(dict.fromkeys(str(p["mode"]) for p in pairs))
     rates = sorted({float(p["rate"]) for p in pairs})
     colours = {m: f"C{i}" for i, m in enumerate(modes)}

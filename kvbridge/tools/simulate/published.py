@@ -36,8 +36,8 @@ __all__ = ["PublishedRow", "PR35264_ROWS", "PR35264_SOURCE", "num_prompts_from",
 
 PR35264_SOURCE = ("vLLM PR #35264 (snadampal, 2026-02-25), 'Benchmarking results': vllm bench "
                   "serve, sonnet dataset, AWS P5en, P/D TP 4; "
-                  "github.com/vllm-project/vllm/pull/35264 (stored mirror: "
-                  "github.meowingcats01.workers.dev); the rows after 512/128/8 are cut off")
+                  "https://github.com/vllm-project/vllm/pull/35264; the rows after 512/128/8 "
+                  "are cut off")
 MAX_LIMIT = 256
 
 

@@ -4,7 +4,8 @@
   Summary` (invariants checked).
 - :func:`sweep`: the same fleet at several rates, every mode (one row per (mode, rate)).
 - :func:`size_fleet`: the smallest fleet (fewest engines; among those, the lowest TTFT) whose
-  TTFT and TPOT percentiles meet the SLOs at a rate, searched in order of total engines.
+  TTFT and TPOT percentiles meet the SLOs at a rate, searched in order of total engines;
+  :func:`why_none` says what stood in the way when there is none.
 
 *Meeting* an SLO: the chosen percentile of TTFT (and of TPOT, when given) is within the SLO, and
 the fleet keeps up (its completion rate is at least ``keep_up`` of the arrival rate the run
@@ -23,7 +24,7 @@ from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
 from kvbridge.tools.simulate.profile import Profile
 from kvbridge.tools.simulate.workload import Workload, generate
 
-__all__ = ["Fleetspec", "Slo", "Sizing", "run_one", "sweep", "meets", "size_fleet"]
+__all__ = ["Fleetspec", "Slo", "Sizing", "run_one", "sweep", "meets", "size_fleet", "why_none"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,33 @@ def size_fleet(profile: Profile, workload: Workload, spec: Fleetspec, slo: Slo,
             best = min(ok, key=lambda s: (s.ttft[key], s.prefills))
             return Sizing(workload.rate, spec.mode, slo, best, tried)
     return Sizing(workload.rate, spec.mode, slo, None, tried)
+
+
+def _fleet(s: Summary) -> str:
+    return f"{s.prefills}P{s.decodes}D"
+
+
+def why_none(sizing: Sizing) -> str:
+    """Why no fleet tried meets the SLO: the first test (keeping up, TTFT, TPOT) that the best
+    of the fleets tried still fails, with its figure."""
+    slo, tried = sizing.slo, sizing.tried
+    if not tried:
+        return "no fleet was tried"
+    key = f"p{slo.percentile}"
+    keeping = [s for s in tried if s.throughput >= slo.keep_up * s.offered]
+    if not keeping:
+        best = max(tried, key=lambda s: s.throughput / s.offered if s.offered else 0.0)
+        return (f"no fleet keeps up: the best, {_fleet(best)}, completes "
+                f"{best.throughput:.2f} req/s of {best.offered:.2f} offered (at least "
+                f"{slo.keep_up:.0%} needed)")
+    inf = float("inf")
+    fast = min(keeping, key=lambda s: s.ttft.get(key, inf))
+    if fast.ttft.get(key, inf) > slo.ttft_ms:
+        return (f"the lowest TTFT {key} of a fleet that keeps up is "
+                f"{fast.ttft.get(key, inf):.1f} ms ({_fleet(fast)}), over the SLO's "
+                f"{slo.ttft_ms:g} ms")
+    within = [s for s in keeping if s.ttft.get(key, inf) <= slo.ttft_ms]
+    best = min(within, key=lambda s: s.tpot.get(key, inf))
+    return (f"the lowest TPOT {key} of a fleet within the TTFT SLO is "
+            f"{best.tpot.get(key, inf):.2f} ms ({_fleet(best)}), over the SLO's "
+            f"{slo.tpot_ms:g} ms")

@@ -55,6 +55,7 @@ from kvbridge.offload.index import KNOWN_KEYS, TierIndex, hold, tier_index
 from kvbridge.offload.keys import tier_key
 from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
+from kvbridge.offload.seal import open_prefix, seal, sealed_size
 from kvbridge.offload.tier import Tier, TierContext
 from kvbridge.transports.pipe import MemoryRecvHalf, MemorySendHalf, memory_pipe
 
@@ -79,14 +80,16 @@ MAX_LOOKUPS = 1 << 16
 def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
                 secret: bytes | None = None) -> list[Tier]:
     """Construct the configured tiers in order (raises ConfigError/BackendUnavailable).
-    ``secret`` is the engine's (:func:`kvbridge.trust.resolve`): tiers that authenticate their
-    chunks (``disk``) key their MAC with it."""
+    ``chunk_bytes`` is the payload of one chunk (one block of one rank); the tiers store it
+    sealed (:mod:`kvbridge.offload.seal`: its digest follows it). ``secret`` is the engine's
+    (:func:`kvbridge.trust.resolve`): tiers that authenticate their chunks (``disk``) key their
+    MAC with it."""
     tiers: list[Tier] = []
     try:
         for spec in config.tiers:
             cls = registry.load_tier_class(spec.name)
-            tiers.append(cls(TierContext(spec.name, chunk_bytes, namespace, spec.options,
-                                         secret=secret)))
+            tiers.append(cls(TierContext(spec.name, sealed_size(chunk_bytes), namespace,
+                                         spec.options, secret=secret)))
     except BaseException:
         for t in tiers:
             t.close()
@@ -128,7 +131,7 @@ class OffloadManager:
         self.events = TierEvents(events and rank == 0, on_drop=functools.partial(
             self._count, "offload_kv_events_dropped"))
         self._index: dict[str, TierIndex] = {
-            t.name: tier_index(t.name, t.capacity_bytes // io.chunk_bytes)
+            t.name: tier_index(t.name, t.capacity_bytes // sealed_size(io.chunk_bytes))
             for t in self.tiers if t.managed}
         #: keys stored into each unmanaged tier, remembered (boundedly) to skip re-storing
         self._known: dict[str, TierIndex] = {
@@ -298,8 +301,7 @@ class OffloadManager:
                 if tier.blocking and not blocking_ok:
                     return False
                 want = lk.tkeys[p:p + min(listed, room)]
-                got = self._call(tier, "load", want) or []
-                got = [g for g in got[:len(want)]]
+                sealed, got = self._opened(tier, want, self._call(tier, "load", want) or [])
                 if index is not None and len(got) < len(want):
                     self._lost(tier, want[len(got):], lk)
                 if got:
@@ -310,7 +312,7 @@ class OffloadManager:
                             hashes = [index.get(k) for k in want[:len(got)]]
                             hold(index, want[:len(got)])
                     if i > 0:
-                        self._promote(i, want[:len(got)], got, hashes)
+                        self._promote(i, want[:len(got)], sealed, hashes)
                     break
             if not got:
                 break
@@ -326,6 +328,19 @@ class OffloadManager:
             else:
                 self._drop(lk)
         return True
+
+    def _opened(self, tier: Tier, keys: Sequence[str], chunks: list[bytes]
+                ) -> tuple[list[bytes], list[bytes]]:
+        """The sealed chunks a tier returned for ``keys`` and their payloads, up to the first
+        whose digest does not match (evicted, counted, logged: recomputed from there)."""
+        sealed, payloads, bad = open_prefix(chunks[:len(keys)], self.io.chunk_bytes)
+        if bad:
+            key = keys[len(payloads)]
+            self._count(f"offload_digest_mismatch_{tier.name}", 1)
+            log.warning("offload tier %s: chunk %s does not match its digest; it is dropped and "
+                        "the prompt recomputed from there", tier.name, key)
+            self._call(tier, "evict", [key])
+        return sealed, payloads
 
     def _lost(self, tier: Tier, keys: Sequence[str], lk: _Lookup) -> None:
         """A managed tier could not return chunks its index lists: forget them, count, log."""
@@ -417,13 +432,13 @@ class OffloadManager:
             self._progress()
         if not chunks:
             return
-        items = list(zip(tkeys, chunks, strict=True))
+        items = list(zip(tkeys, (seal(c) for c in chunks), strict=True))
         hashes = list(order.hashes) if len(order.hashes) == len(items) else None
         for tier in self.tiers:
             if not tier.blocking:
                 self._put(tier, items, hashes)
                 continue
-            size = len(items) * self.io.chunk_bytes
+            size = len(items) * sealed_size(self.io.chunk_bytes)
             with self._lock:
                 if self._backlog_bytes + size > self.config.max_backlog_bytes:
                     self._count(f"offload_backlog_full_{tier.name}", 1)
@@ -522,9 +537,10 @@ class OffloadManager:
 
     def snapshot(self) -> dict[str, Any]:
         """Occupancy per tier (for stats)."""
+        sealed = sealed_size(self.io.chunk_bytes)
         with self._lock:
             return {"tiers": [{"name": t.name, "managed": t.managed,
-                               "used_bytes": (len(self._index[t.name]) * self.io.chunk_bytes
+                               "used_bytes": (len(self._index[t.name]) * sealed
                                               if t.name in self._index else None),
                                "capacity_bytes": t.capacity_bytes} for t in self.tiers],
                     "staged_bytes": self._staged_bytes, "backlog_bytes": self._backlog_bytes,

@@ -22,6 +22,7 @@ from kvbridge.offload.config import OffloadConfig, parse_size
 from kvbridge.offload.keys import block_keys, salted, seed_key
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
+from kvbridge.offload.seal import sealed_size
 
 BS = 4
 NB = 64
@@ -197,6 +198,36 @@ def test_disk_survives_restart_and_corruption_shortens_the_hit(tmp_path: Path) -
         again.close()
 
 
+@pytest.mark.parametrize("where", ["payload", "digest"])
+def test_a_byte_flipped_in_a_tier_is_caught_by_the_chunk_digest(where: str) -> None:
+    """Every tier stores chunks sealed with their digest (kvbridge.offload.seal): a byte changed
+    behind the tier's back (here in DRAM, which checks nothing itself) ends the hit at that
+    block, is counted, and the chunk is dropped; the KV loaded is only what matched."""
+    r = Rank(["dram"])
+    try:
+        keys = _keys(4)
+        for b in range(4):
+            r.fill(b, 10.0 * b)
+        want = [r.block(b) for b in range(2)]
+        r.store("req", keys, [0, 1, 2, 3])
+        dram = r.manager.tiers[0]
+        victim = r.manager.tkeys(keys)[2]
+        blob = bytearray(dram._chunks[victim])  # type: ignore[attr-defined]
+        blob[5 if where == "payload" else -3] ^= 0x40
+        dram._chunks[victim] = bytes(blob)  # type: ignore[attr-defined]
+        assert r.lookup("L", keys) == 2  # blocks 0 and 1; block 2 does not match its digest
+        counters = r.manager.take_counters()
+        assert counters["offload_digest_mismatch_dram"] == 1
+        assert victim not in dram._chunks  # type: ignore[attr-defined]
+        assert r.manager.apply(OffloadPlan(loads=[LoadOrder("L", 0, (20, 21))])) == set()
+        for b, expect in zip((20, 21), want, strict=True):
+            for got, w in zip(r.block(b), expect, strict=True):
+                np.testing.assert_array_equal(got, w)
+        assert r.lookup("L2", keys) == 2  # dropped, not found again
+    finally:
+        r.close()
+
+
 def test_close_ends_the_write_behind_pipe_after_every_queued_store(tmp_path: Path) -> None:
     """The blocking tier is written behind through a FIFO pipe; closing the manager ends the
     stream after what was queued (nothing dropped), and a store that comes later still
@@ -218,7 +249,7 @@ def test_close_ends_the_write_behind_pipe_after_every_queued_store(tmp_path: Pat
 
 def test_capacity_evicts_lru_tail_first(tmp_path: Path) -> None:
     probe = Rank(["dram"])
-    chunk = probe.io.chunk_bytes
+    chunk = sealed_size(probe.io.chunk_bytes)  # tiers hold sealed chunks
     probe.close()
     r = Rank([{"name": "dram", "capacity_bytes": chunk * 4}])
     try:
@@ -235,7 +266,7 @@ def test_capacity_evicts_lru_tail_first(tmp_path: Path) -> None:
 
 def test_lower_tier_hit_is_promoted(tmp_path: Path) -> None:
     probe = Rank(["dram"])
-    chunk = probe.io.chunk_bytes
+    chunk = sealed_size(probe.io.chunk_bytes)  # tiers hold sealed chunks
     probe.close()
     r = Rank([{"name": "dram", "capacity_bytes": chunk * 2},
               {"name": "disk", "path": str(tmp_path)}])
@@ -255,7 +286,7 @@ def test_lower_tier_hit_is_promoted(tmp_path: Path) -> None:
 
 def test_staging_budget_and_release(tmp_path: Path) -> None:
     probe = Rank(["dram"])
-    chunk = probe.io.chunk_bytes
+    chunk = sealed_size(probe.io.chunk_bytes)  # tiers hold sealed chunks
     probe.close()
     r = Rank(["dram"], max_staged_bytes=chunk * 2)
     try:

@@ -17,6 +17,7 @@ from kvbridge.offload.events import TierEvent, TierEvents
 from kvbridge.offload.keys import block_keys, seed_key
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import LookupOrder, OffloadPlan, StoreOrder
+from kvbridge.offload.seal import sealed_size
 
 BS = 4
 NB = 32
@@ -41,7 +42,7 @@ def _store(m: OffloadManager, req: str, salt: int, blocks: list[int]) -> list[by
 
 
 def test_stores_and_evictions_stream_per_tier_with_their_medium(tmp_path: Path) -> None:
-    chunk = _manager(["dram"], events=False).io.chunk_bytes
+    chunk = sealed_size(_manager(["dram"], events=False).io.chunk_bytes)
     m = _manager([{"name": "dram", "capacity_bytes": 4 * chunk},
                   {"name": "disk", "path": str(tmp_path)}])
     try:

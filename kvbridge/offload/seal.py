@@ -1,0 +1,65 @@
+"""One digest per chunk, stored with it in every tier and checked wherever it is loaded.
+
+A tier returns what it was given or reports a miss — unless something broke between: a bit
+flipped in host memory, a remote store (Mooncake Store, LMCache) that returned another object's
+bytes, a file changed behind the disk tier's back. Each tier checks what it can (the disk
+tier's MAC, Mooncake Store's frame CRC); this check is the same for every tier, built in by the
+manager: a chunk is stored *sealed* — the payload followed by :data:`DIGEST_BYTES` of BLAKE3 of
+it, computed once, by the engine that stored it (from its own KV cache) — and opened on every
+load, in any engine. A chunk whose digest does not match is a miss from that block on (the
+prompt is recomputed), counted and logged, never KV in use.
+
+Tiers see sealed chunks only: :func:`sealed_size` is the chunk size they are configured with.
+BLAKE3 (vLLM's own dependency) runs at several GB/s per core; docs/benchmarks.md has the
+measured cost. Pure functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import blake3
+
+__all__ = ["DIGEST_BYTES", "seal", "unseal", "sealed_size", "open_prefix"]
+
+#: bytes of the digest that follows each payload
+DIGEST_BYTES = 16
+
+
+def sealed_size(payload_bytes: int) -> int:
+    """The size of a sealed chunk of ``payload_bytes``."""
+    return payload_bytes + DIGEST_BYTES
+
+
+def _digest(payload: bytes | memoryview) -> bytes:
+    return blake3.blake3(payload).digest(length=DIGEST_BYTES)
+
+
+def seal(payload: bytes) -> bytes:
+    """``payload`` followed by its digest."""
+    return payload + _digest(payload)
+
+
+def unseal(chunk: bytes, payload_bytes: int) -> bytes | None:
+    """The payload of a sealed ``chunk`` of a ``payload_bytes`` payload, or None when its length
+    or digest is not right."""
+    if len(chunk) != payload_bytes + DIGEST_BYTES:
+        return None
+    view = memoryview(chunk)
+    if not hmac.compare_digest(_digest(view[:payload_bytes]), view[payload_bytes:]):
+        return None
+    return bytes(view[:payload_bytes])
+
+
+def open_prefix(chunks: list[bytes], payload_bytes: int
+                ) -> tuple[list[bytes], list[bytes], bool]:
+    """The sealed chunks of ``chunks`` up to the first that does not open, their payloads, and
+    whether one did not (a load ends at the first bad chunk: a prefix is only useful up to its
+    first hole)."""
+    payloads: list[bytes] = []
+    for chunk in chunks:
+        payload = unseal(chunk, payload_bytes)
+        if payload is None:
+            return chunks[:len(payloads)], payloads, True
+        payloads.append(payload)
+    return chunks, payloads, False

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +49,7 @@ MODES = ("pull", "push", "auto")
 
 
 def _retries(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for (name, labels), v in prom.samples(text).items():
-        if name == "kvbridge_proxy_retries_total":
-            reason = dict(labels)["reason"]
-            out[reason] = out.get(reason, 0) + v
-    return out
+    return prom.by_label(prom.fetch(url, 30), "kvbridge_proxy_retries_total", "reason")
 
 
 def _restart(old: VllmServer, log_dir: Path) -> VllmServer:

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,9 +199,7 @@ def measure_idle(procs: ProcSet, window_s: float = IDLE_WINDOW_S) -> dict[str, f
 
 def _steps(url: str) -> int:
     """An engine's steps so far (the count of vLLM's ``iteration_tokens_total`` histogram)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode("utf-8", "replace")
-    return int(prom.total(text, "vllm:iteration_tokens_total_count"))
+    return int(prom.histogram(prom.fetch(url), "vllm:iteration_tokens_total")[1])
 
 
 def measure_cpu(procs: ProcSet, idle: Mapping[str, float], urls: Mapping[str, str],

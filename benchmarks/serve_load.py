@@ -42,7 +42,7 @@ from kvbridge.params import push_decode_request
 from kvbridge.tools.bench.serve_process import bench_serve_command, run_bench_process
 from kvbridge.tools.bench.serve_results import result_metrics
 from kvbridge.tools.client import complete, probe
-from kvbridge.tools.cpumeter import cpu_seconds, group_cpu_ticks
+from kvbridge.tools.cpumeter import cpu_seconds, group_cpu
 from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.report import print_table
@@ -94,9 +94,9 @@ def engines(backend: str, model: Path, log_dir: Path, spin_ms: str,
 def _group_cpu(server: VllmServer, seconds: float) -> float:
     """CPU seconds per second used by *server*'s whole process group over *seconds*."""
     assert server.pid is not None
-    before, t0 = group_cpu_ticks(server.pid), time.monotonic()
+    before, t0 = group_cpu(server.pid), time.monotonic()
     time.sleep(seconds)
-    return cpu_seconds(before, group_cpu_ticks(server.pid)) / (time.monotonic() - t0)
+    return cpu_seconds(before, group_cpu(server.pid)) / (time.monotonic() - t0)
 
 
 def idle_cpu(p: VllmServer, d: VllmServer, seconds: float) -> dict[str, float]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:  # imported where used: ``kvbridge --help`` imports this module, lightly
+    import psutil
 
 __all__ = ["CpuMeter", "cpu_seconds", "group_cpu", "host_busy_seconds", "loadavg",
            "process_seconds", "self_seconds"]
@@ -28,6 +30,8 @@ def process_seconds(proc: psutil.Process) -> float:
 
 def group_cpu(pgid: int) -> dict[int, float]:
     """CPU seconds used so far by every live process in process group *pgid*, by pid."""
+    import psutil
+
     out: dict[int, float] = {}
     for proc in psutil.process_iter():
         try:
@@ -45,12 +49,16 @@ def cpu_seconds(before: Mapping[int, float], after: Mapping[int, float]) -> floa
 
 def host_busy_seconds() -> float:
     """Busy CPU seconds of the whole host so far (``/proc/stat``: all but idle and iowait)."""
+    import psutil
+
     t = psutil.cpu_times()
     return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
 
 
 def self_seconds() -> float:
     """CPU seconds used so far by this process (the benchmark's client and proxies)."""
+    import psutil
+
     return process_seconds(psutil.Process())
 
 

@@ -13,12 +13,12 @@ arrivals) through that mode's proxy, SIGKILLs the process group of P0 (role pref
 that engine (or 10 s later if none comes), lets the run finish, restarts the engine at the same
 URL and waits until the proxy has it back in rotation.
 
-Per run it prints: requests completed / failed as bench serve counts them, requests
-**truncated** (bench serve counts a stream that ended with an in-band error event as a success:
-fewer output tokens than asked for is how it shows), the proxy's retries by reason during the
-run, TTFT p50 / p99 and E2E p99 / max. A request the proxy could re-route (everything a dead P
-held; what a dead D held before its first token went out) should be neither failed nor
-truncated; the streams a dead D was in the middle of are truncated.
+It prints a table, one row per run (each also on standard error as it ends): requests completed /
+failed as bench serve counts them, requests **truncated** (bench serve counts a stream that ended
+with an in-band error event as a success: fewer output tokens than asked for is how it shows), the
+proxy's retries by reason during the run, TTFT p50 / p99 and E2E p99 / max. A request the proxy
+could re-route (everything a dead P held; what a dead D held before its first token went out)
+should be neither failed nor truncated; the streams a dead D was in the middle of are truncated.
 
 A benchmark, not a test: nothing is asserted; the exit status is 0 unless the setup failed.
 Engines, proxies and bench serve are stopped on any exit (also Ctrl-C).
@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,20 +43,14 @@ from kvbridge.tools.bench.serve_process import bench_serve_command
 from kvbridge.tools.bench.serve_results import result_metrics
 from kvbridge.tools.engines import VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.report import print_table
 from kvbridge.tools.tiny_model import build_tiny_model
 
 MODES = ("pull", "push", "auto")
 
 
 def _retries(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for (name, labels), v in prom.samples(text).items():
-        if name == "kvbridge_proxy_retries_total":
-            reason = dict(labels)["reason"]
-            out[reason] = out.get(reason, 0) + v
-    return out
+    return prom.by_label(prom.fetch(url, 30), "kvbridge_proxy_retries_total", "reason")
 
 
 def _restart(old: VllmServer, log_dir: Path) -> VllmServer:
@@ -150,7 +143,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["retries"] = {k: int(v - before.get(k, 0)) for k, v in after.items()
                               if v - before.get(k, 0)}
             rows.append(row)
-            print(_line(row), flush=True)
+            print(f"{name}: " + ", ".join(f"{h} {c}" for h, c in zip(HEAD, table_row(row),
+                                                                      strict=True)),
+                  file=sys.stderr, flush=True)
             fleet[role][0] = _restart(victim, out / "logs")
             _wait_in_rotation(proxies, fleet[role][0].url)
     finally:
@@ -160,18 +155,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             e.stop()
         (out / "summary.json").write_text(json.dumps({"argv": sys.argv, "rows": rows},
                                                      indent=1) + "\n")
+        print_table(HEAD, [table_row(r) for r in rows], ["l", "l"] + ["r"] * 6 + ["l"])
     return rows
 
 
-def _line(r: dict[str, Any]) -> str:
+HEAD = ["mode", "killed", "holding", "ok/fail", "truncated", "TTFT p50/p99 ms",
+        "E2E p99/max ms", "load", "retries"]
+
+
+def table_row(r: dict[str, Any]) -> list[str]:
+    """One run's row under :data:`HEAD`."""
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.0f}" if isinstance(v, float) else str(v)
 
-    return (f"{r['mode']:5} killed {r['killed']:28} holding {r['held_at_kill']} ok/fail "
-            f"{f(r.get('completed'))}/{f(r.get('failed'))} truncated {f(r.get('truncated'))} "
-            f"retries {r['retries']} "
-            f"TTFT p50/p99 {f(r.get('ttft_p50'))}/{f(r.get('ttft_p99'))} ms, E2E p99/max "
-            f"{f(r.get('e2e_p99'))}/{f(r.get('e2e_max'))} ms, load {r['loadavg']:.1f}")
+    return [str(r["mode"]), str(r["killed"]), str(r["held_at_kill"]),
+            f"{f(r.get('completed'))}/{f(r.get('failed'))}", f(r.get("truncated")),
+            f"{f(r.get('ttft_p50'))}/{f(r.get('ttft_p99'))}",
+            f"{f(r.get('e2e_p99'))}/{f(r.get('e2e_max'))}", f"{r['loadavg']:.1f}",
+            str(r["retries"])]
 
 
 def main() -> int:

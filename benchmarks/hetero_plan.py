@@ -24,6 +24,7 @@ import numpy as np
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout, KVPlane
 from kvbridge.scheduling import mapping
+from kvbridge.tools.report import print_table
 
 LAYERS, HEADS, HEAD_DIM, ITEM = 64, 8, 128, 2
 
@@ -55,15 +56,33 @@ def case(p_tp: int, d_tp: int, pb: int, db: int, tokens: int
     return took, int(local.shape[0]), int(local[:, 1].sum()), share
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+HEAD = ["P tp/block -> D tp/block", "heads", "descriptors", "MiB", "ms (median)", "x baseline"]
+
+Shape4 = tuple[int, int, int, int]
+
+
+def table_rows(shapes: list[Shape4], times: dict[Shape4, list[float]],
+               info: dict[Shape4, tuple[int, int, mapping.Share]]) -> list[list[str]]:
+    """One row per shape under :data:`HEAD`; the first shape is the baseline."""
+    base = statistics.median(times[shapes[0]])
+    rows = []
+    for s in shapes:
+        count, nbytes, share = info[s]
+        med = statistics.median(times[s])
+        rows.append([f"{s[0]}/{s[2]} -> {s[1]}/{s[3]}", str(share.heads), str(count),
+                     f"{nbytes / 2**20:.1f}", f"{med * 1000:.1f}", f"{med / base:.2f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    shapes = [(1, 1, 32, 32), (1, 2, 32, 32), (2, 1, 32, 32), (1, 8, 32, 32), (8, 1, 32, 32),
-              (1, 1, 32, 64), (1, 1, 64, 32), (2, 1, 32, 64)]
-    times: dict[tuple[int, int, int, int], list[float]] = {s: [] for s in shapes}
-    info: dict[tuple[int, int, int, int], tuple[int, int, mapping.Share]] = {}
+    args = ap.parse_args(argv)
+    shapes: list[Shape4] = [(1, 1, 32, 32), (1, 2, 32, 32), (2, 1, 32, 32), (1, 8, 32, 32),
+                            (8, 1, 32, 32), (1, 1, 32, 64), (1, 1, 64, 32), (2, 1, 32, 64)]
+    times: dict[Shape4, list[float]] = {s: [] for s in shapes}
+    info: dict[Shape4, tuple[int, int, mapping.Share]] = {}
     for s in shapes:  # warm the view cache, as a live engine's first transfer does
         case(*s, args.tokens)
     for _ in range(args.reps):
@@ -71,16 +90,9 @@ def main() -> None:
             took, count, nbytes, share = case(*s, args.tokens)
             times[s].append(took)
             info[s] = (count, nbytes, share)
-    base = statistics.median(times[shapes[0]])
     print(f"{args.tokens} tokens, {LAYERS} layers x {HEADS} KV heads x head dim {HEAD_DIM}, bf16, "
           f"CPU block format; one decode rank's part from one prefill rank")
-    print(f"{'P tp/block -> D tp/block':>26} {'heads':>6} {'descriptors':>12} {'MiB':>8} "
-          f"{'ms (median)':>12} {'x baseline':>10}")
-    for s in shapes:
-        count, nbytes, share = info[s]
-        med = statistics.median(times[s])
-        print(f"{s[0]:>9}/{s[2]:<4} -> {s[1]:>4}/{s[3]:<4}   {share.heads:>6} {count:>12} "
-              f"{nbytes / 2**20:>8.1f} {med * 1000:>12.1f} {med / base:>10.2f}")
+    print_table(HEAD, table_rows(shapes, times, info), ["l"] + ["r"] * (len(HEAD) - 1))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,13 @@
         [--input-len 200] [--output-len 16] [--out DIR]
 
 Starts one P and one D ``vllm serve`` engine on the tiny random-weight model
-(:func:`kvbridge.tools.tiny_model.build_tiny_model`; P on core 0, D on core 1, ``--block-size
-32``, the KVBridgeConnector config of ``kvbridge bench e2e``), one kvbridge proxy per mode
+(:func:`kvbridge.tools.tiny_model.build_tiny_model`; P on core 0, D on core 1, ``--block-size 32``,
+the KVBridgeConnector config of ``kvbridge bench e2e``), one kvbridge proxy per mode
 (:class:`kvbridge.tools.proxies.ProxyThread`), then runs vLLM's own ``bench serve`` (random
 dataset, streamed ``/v1/completions``, ``--ignore-eos``) against each proxy ``--runs`` times and
-prints one row per run: TTFT p50 / p99 / max, TPOT p50 / p99, E2E p99, ``TTFT p99/p50`` and a
-verdict, ``freeze`` when TTFT p99 > ``--freeze-ratio`` x p50 or any request took longer than
-``--freeze-s`` seconds end to end.
+prints a table at the end (each run's verdict on standard error as it ends), one row per run: TTFT
+p50 / p99 / max, TPOT p50 / p99, E2E p99, ``TTFT p99/p50`` and a verdict, ``freeze`` when TTFT p99
+> ``--freeze-ratio`` x p50 or any request took longer than ``--freeze-s`` seconds end to end.
 
 ``--spin-ms`` sets ``KVBRIDGE_ENGINE_SPIN_MS`` for both engines (``off``: unset, vLLM's 1 s
 spin). ``--engine-env KEY=VALUE`` adds engine environment variables (e.g.
@@ -42,9 +42,10 @@ from kvbridge.params import push_decode_request
 from kvbridge.tools.bench.serve_process import bench_serve_command, run_bench_process
 from kvbridge.tools.bench.serve_results import result_metrics
 from kvbridge.tools.client import complete, probe
-from kvbridge.tools.cpumeter import cpu_seconds, group_cpu_ticks
+from kvbridge.tools.cpumeter import cpu_seconds, group_cpu
 from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
+from kvbridge.tools.report import print_table
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 MODES = ("pull", "push", "auto")
@@ -93,9 +94,9 @@ def engines(backend: str, model: Path, log_dir: Path, spin_ms: str,
 def _group_cpu(server: VllmServer, seconds: float) -> float:
     """CPU seconds per second used by *server*'s whole process group over *seconds*."""
     assert server.pid is not None
-    before, t0 = group_cpu_ticks(server.pid), time.monotonic()
+    before, t0 = group_cpu(server.pid), time.monotonic()
     time.sleep(seconds)
-    return cpu_seconds(before, group_cpu_ticks(server.pid)) / (time.monotonic() - t0)
+    return cpu_seconds(before, group_cpu(server.pid)) / (time.monotonic() - t0)
 
 
 def idle_cpu(p: VllmServer, d: VllmServer, seconds: float) -> dict[str, float]:
@@ -158,16 +159,27 @@ def _f(v: Any, nd: int = 1) -> str:
     return str(v)
 
 
-HEADER = ("| backend | spin | mode | run | ok/fail | TTFT p50 ms | TTFT p99 ms | TTFT max ms "
-          "| TPOT p50 ms | TPOT p99 ms | E2E p99 ms | p99/p50 | >{s}s | verdict |")
+def table_head(freeze_s: float) -> list[str]:
+    """The columns of the runs' table (``>Ns``: requests slower than ``--freeze-s``)."""
+    return ["backend", "spin", "mode", "run", "ok/fail", "TTFT p50 ms", "TTFT p99 ms",
+            "TTFT max ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p99 ms", "p99/p50",
+            f">{_f(freeze_s, 0)}s", "verdict"]
 
 
-def format_row(r: dict[str, Any]) -> str:
-    return (f"| {r['backend']} | {r['spin']} | {r['mode']} | {r['run']} | "
-            f"{_f(r.get('completed'))}/{_f(r.get('failed'))} | {_f(r.get('ttft_p50'))} | "
-            f"{_f(r.get('ttft_p99'))} | {_f(r.get('ttft_max'))} | {_f(r.get('tpot_p50'))} | "
-            f"{_f(r.get('tpot_p99'))} | {_f(r.get('e2e_p99'))} | {_f(r.get('ratio'), 2)} | "
-            f"{_f(r.get('slow_requests'))} | {r['verdict']} |")
+def table_row(r: dict[str, Any]) -> list[str]:
+    """One run's row under :func:`table_head`."""
+    return [str(r["backend"]), str(r["spin"]), str(r["mode"]), str(r["run"]),
+            f"{_f(r.get('completed'))}/{_f(r.get('failed'))}", _f(r.get("ttft_p50")),
+            _f(r.get("ttft_p99")), _f(r.get("ttft_max")), _f(r.get("tpot_p50")),
+            _f(r.get("tpot_p99")), _f(r.get("e2e_p99")), _f(r.get("ratio"), 2),
+            _f(r.get("slow_requests")), str(r["verdict"])]
+
+
+def print_runs(rows: list[dict[str, Any]], freeze_s: float) -> None:
+    """The table of every run in ``rows`` (the idle CPU entry is not a run)."""
+    head = table_head(freeze_s)
+    print_table(head, [table_row(r) for r in rows if "verdict" in r],
+                ["l"] * 4 + ["r"] * (len(head) - 5) + ["l"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -252,8 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                               push_headroom=args.push_headroom).start()
         # perf_counter (bench serve's start_times) is CLOCK_MONOTONIC, shared by processes
         offset = time.time() - time.perf_counter()
-        print(HEADER.format(s=_f(args.freeze_s, 0)))
-        print("|" + "---|" * 14)
         for mode in args.modes:
             for i in range(1, args.runs + 1):
                 name = f"{args.backend}-spin{spin}-{mode}-run{i}"
@@ -270,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     row["verdict"] = f"bench failed (rc {rc}, log {name}.bench.log)"
                 rows.append(row)
-                print(format_row(row), flush=True)
+                say(f"{name}: {row['verdict']}")
     finally:
         if proxies is not None:
             proxies.close()
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             {"argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()},
              "rows": rows}, indent=1) + "\n")
         say(f"engines and proxies stopped; results in {out}")
+        print_runs(rows, args.freeze_s)
     return 0
 
 

@@ -1,62 +1,65 @@
-"""CPU seconds from ``/proc``: per process group, this process, the whole host; the load average.
+"""CPU seconds: per process group, this process, the whole host (through ``psutil``, which reads
+``/proc/<pid>/stat`` and ``/proc/stat`` as the hand parsers it replaces did); the load average.
 
-Contract: Linux only; every reader is a plain file read with no subprocess and no monitor
-thread, cheap enough to call around each bench phase. :class:`CpuMeter` snapshots at
-construction and :meth:`CpuMeter.read` returns seconds since then; a process that exits between
-two snapshots is simply missing from the second (its last ticks are lost), a new one counts
-fully. Used by ``kvbridge bench e2e``/``handoff``, the simulator's calibration and
-``benchmarks/``.
+Contract: Linux only; every reader is a plain read with no subprocess and no monitor thread,
+cheap enough to call around each bench phase. :class:`CpuMeter` snapshots at construction and
+:meth:`CpuMeter.read` returns seconds since then; a process that exits between two snapshots is
+simply missing from the second (its last seconds are lost), a new one counts fully. Used by
+``kvbridge bench e2e``/``handoff``, the simulator's calibration and ``benchmarks/``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-__all__ = ["CpuMeter", "cpu_seconds", "group_cpu_ticks", "host_busy_ticks", "loadavg",
-           "parse_stat_line", "self_ticks"]
+if TYPE_CHECKING:  # imported where used: ``kvbridge --help`` imports this module, lightly
+    import psutil
 
-
-def parse_stat_line(line: str) -> tuple[int, int]:
-    """``/proc/<pid>/stat`` → (process group, utime + stime in clock ticks)."""
-    rest = line[line.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
-    return int(rest[2]), int(rest[11]) + int(rest[12])
+__all__ = ["CpuMeter", "cpu_seconds", "group_cpu", "host_busy_seconds", "loadavg",
+           "process_seconds", "self_seconds"]
 
 
-def group_cpu_ticks(pgid: int) -> dict[int, int]:
-    """CPU ticks used so far by every live process in process group *pgid*, by pid."""
-    out: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def process_seconds(proc: psutil.Process) -> float:
+    """utime + stime of ``proc`` (a process or, by its thread id, a thread) so far, in seconds;
+    raises :class:`psutil.Error` when it is gone."""
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+def group_cpu(pgid: int) -> dict[int, float]:
+    """CPU seconds used so far by every live process in process group *pgid*, by pid."""
+    import psutil
+
+    out: dict[int, float] = {}
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                group, ticks = parse_stat_line(f.read())
-        except (OSError, ValueError, IndexError):
+            if os.getpgid(proc.pid) == pgid:
+                out[proc.pid] = process_seconds(proc)
+        except (OSError, psutil.Error):
             continue  # exited meanwhile
-        if group == pgid:
-            out[int(entry)] = ticks
     return out
 
 
-def cpu_seconds(before: Mapping[int, int], after: Mapping[int, int]) -> float:
-    """CPU seconds used between two :func:`group_cpu_ticks` snapshots (new pids count fully)."""
-    ticks = sum(max(0, t - before.get(pid, 0)) for pid, t in after.items())
-    return ticks / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(before: Mapping[int, float], after: Mapping[int, float]) -> float:
+    """CPU seconds used between two :func:`group_cpu` snapshots (new pids count fully)."""
+    return sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
 
 
-def host_busy_ticks() -> int:
-    """Busy CPU ticks of the whole host so far (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return user + nice + system + irq + softirq + steal
+def host_busy_seconds() -> float:
+    """Busy CPU seconds of the whole host so far (``/proc/stat``: all but idle and iowait)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
 
 
-def self_ticks() -> int:
-    """CPU ticks used so far by this process (the benchmark's client and proxies)."""
-    with open("/proc/self/stat") as f:
-        return parse_stat_line(f.read())[1]
+def self_seconds() -> float:
+    """CPU seconds used so far by this process (the benchmark's client and proxies)."""
+    import psutil
+
+    return process_seconds(psutil.Process())
 
 
 class CpuMeter:
@@ -64,18 +67,16 @@ class CpuMeter:
 
     def __init__(self, p_pgid: int, d_pgid: int) -> None:
         self.p_pgid, self.d_pgid = p_pgid, d_pgid
-        self.p0, self.d0 = group_cpu_ticks(p_pgid), group_cpu_ticks(d_pgid)
-        self.host0, self.self0 = host_busy_ticks(), self_ticks()
+        self.p0, self.d0 = group_cpu(p_pgid), group_cpu(d_pgid)
+        self.host0, self.self0 = host_busy_seconds(), self_seconds()
 
     def read(self) -> tuple[float, float, float, float]:
         """(P, D, this process, others) CPU seconds since construction."""
-        p = cpu_seconds(self.p0, group_cpu_ticks(self.p_pgid))
-        d = cpu_seconds(self.d0, group_cpu_ticks(self.d_pgid))
-        tck = os.sysconf("SC_CLK_TCK")
-        me = (self_ticks() - self.self0) / tck
-        host = (host_busy_ticks() - self.host0) / tck
+        p = cpu_seconds(self.p0, group_cpu(self.p_pgid))
+        d = cpu_seconds(self.d0, group_cpu(self.d_pgid))
+        me = self_seconds() - self.self0
+        host = host_busy_seconds() - self.host0
         return p, d, me, max(0.0, host - p - d - me)
-
 
 
 def loadavg() -> str:

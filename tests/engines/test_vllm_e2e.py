@@ -29,6 +29,7 @@ from kvbridge.host.hugepages import thp_mode
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools.client import complete, output_token_ids, probe
+from kvbridge.tools.cpumeter import group_cpu
 from kvbridge.tools.engines import EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
@@ -406,19 +407,8 @@ def test_idle_engines_stay_idle(cluster: Cluster) -> None:
 
 
 def _group_cpu_seconds(pgid: int) -> float:
-    """utime + stime of every process in a process group (read from /proc, no forking)."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # field 5 (pgrp), counted after the comm field
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    """utime + stime of every process in a process group (psutil, no forking)."""
+    return sum(group_cpu(pgid).values())
 
 
 def test_decode_waiting_for_a_push_sleeps_and_abort_releases(cluster: Cluster) -> None:

@@ -128,8 +128,7 @@ class Fleet:
     def metrics(self) -> dict[str, str]:
         out = {}
         for mode, url in self.px.urls.items():
-            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-                out[mode] = r.read().decode()
+            out[mode] = prom.fetch(url, 30)
         return out
 
     def served(self, name: str) -> int:

@@ -17,7 +17,6 @@ load.
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,10 +101,8 @@ def test_first_hand_off_of_every_pair_succeeds_at_once(fleet: NixlFleet) -> None
             assert got == want, f"{mode} via {pair}"
     for pair, px in fleet.proxies.items():
         for mode, url in px.urls.items():
-            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-                text = r.read().decode()
-            retried = sum(v for (name, _), v in prom.samples(text).items()
-                          if name == "kvbridge_proxy_retries_total")
+            text = prom.fetch(url, 30)
+            retried = prom.total(text, "kvbridge_proxy_retries_total")
             assert retried == 0, f"the {mode} proxy of {pair} had to retry: {text}"
     for d in DECODES:  # each D received 2 pulls and 2 pushes over NIXL, none prefilled locally
         after = engine_stats(fleet.control(d))

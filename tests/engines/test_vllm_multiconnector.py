@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,15 +82,12 @@ def _run(url: str, prompt: list[int]) -> list[int]:
 
 
 def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        return str(resp.read().decode())
+    return prom.fetch(url, 30)
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
     """The sum of series ``name`` over every label set that includes ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, lab), v in prom.samples(_scrape(url)).items()
-               if n == name and want <= set(lab))
+    return prom.total(_scrape(url), name, **labels)
 
 
 def _wait_metric(url: str, name: str, above: float, timeout: float = 60.0,

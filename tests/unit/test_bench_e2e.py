@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvbridge.errors import ConfigError
@@ -33,7 +37,7 @@ from kvbridge.tools.bench.timings import (
     handoff_times,
     request_steps,
 )
-from kvbridge.tools.cpumeter import CpuMeter, cpu_seconds, group_cpu_ticks, parse_stat_line
+from kvbridge.tools.cpumeter import CpuMeter, cpu_seconds, group_cpu, self_seconds
 from kvbridge.tools.report import percentile
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,24 +191,46 @@ def test_prom_sum_adds_every_label_set_and_ignores_lookalikes() -> None:
 # -- CPU accounting ------------------------------------------------------------------------------
 
 
-def test_parse_stat_line_survives_odd_process_names() -> None:
-    fields = ["S", "1", "4242", "4242"] + ["0"] * 7 + ["150", "25"] + ["0"] * 30
-    line = "1234 (VLLM::Engine Core) (x)) " + " ".join(fields)
-    assert parse_stat_line(line) == (4242, 175)
+_SPIN = ("import sys, time\n"
+         "while time.process_time() < 0.3: pass\n"
+         "print(time.process_time(), flush=True)\n"
+         "sys.stdin.read()\n")
+
+
+def test_group_cpu_reads_a_process_group_with_an_odd_name(tmp_path: Path) -> None:
+    """A process named like vLLM's ``VLLM::EngineCore`` with blanks and parentheses (which broke
+    a split of ``/proc/<pid>/stat``) in a group of its own: its CPU seconds are what it measured
+    itself, and nothing of this process's group is counted."""
+    odd = tmp_path / "VLLM Eng (x))"
+    odd.symlink_to(sys.executable)
+    child = subprocess.Popen([str(odd), "-c", _SPIN], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        own = float(child.stdout.readline())
+        assert psutil.Process(child.pid).name().startswith("VLLM Eng")
+        got = group_cpu(child.pid)
+        assert list(got) == [child.pid]
+        assert got[child.pid] == pytest.approx(own, abs=0.05)  # clock ticks of 10 ms
+        assert os.getpid() not in got
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_cpu_seconds_of_own_process_group_grows_with_work() -> None:
     pgid = os.getpgrp()
-    before = group_cpu_ticks(pgid)
+    before = group_cpu(pgid)
     assert os.getpid() in before
+    assert self_seconds() == pytest.approx(time.process_time(), abs=0.05)
     x = 0
     for i in range(3_000_000):
         x += i * i
-    after = group_cpu_ticks(pgid)
+    after = group_cpu(pgid)
     assert cpu_seconds(before, after) > 0.0
     # Pids that appeared later count from zero; pids that vanished do not subtract.
-    assert cpu_seconds({}, {1: 100}) == 100 / os.sysconf("SC_CLK_TCK")
-    assert cpu_seconds({1: 100, 2: 50}, {1: 90}) == 0.0
+    assert cpu_seconds({}, {1: 1.5}) == 1.5
+    assert cpu_seconds({1: 1.0, 2: 0.5}, {1: 0.9}) == 0.0
 
 
 def test_cpu_meter_splits_engines_self_and_others() -> None:

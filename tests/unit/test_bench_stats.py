@@ -94,3 +94,58 @@ def test_scattered_permutation_never_coalesces() -> None:
         perm = scattered(rng, n)
         assert sorted(perm.tolist()) == list(range(n))
         assert not (np.diff(perm) == 1).any()
+
+
+# -- the one percentile's convention: linear between the sorted values (numpy's "linear") -------
+
+
+def _linear(values: list[float], q: float) -> float:
+    """The hand-written interpolation every result so far was computed with."""
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def test_percentile_of_one_value_is_that_value() -> None:
+    assert [percentile([3.0], q) for q in (0, 50, 90, 99, 100)] == [3.0] * 5
+
+
+def test_percentile_of_two_values_interpolates() -> None:
+    """Not the nearest rank (2.0 at p90), nor numpy's other methods."""
+    assert percentile([2.0, 1.0], 50) == 1.5
+    assert percentile([2.0, 1.0], 90) == pytest.approx(1.9)
+    assert percentile([1.0, 2.0], 0) == 1.0 and percentile([1.0, 2.0], 100) == 2.0
+
+
+def test_percentile_of_ten_values() -> None:
+    values = [float(v) for v in (7, 3, 10, 1, 5, 2, 9, 4, 8, 6)]
+    assert percentile(values, 50) == 5.5
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile(values, 10) == pytest.approx(1.9)
+
+
+def test_percentile_skips_nan_and_none_and_checks_q() -> None:
+    assert percentile([math.nan, 1.0, None, 3.0], 50) == 2.0  # type: ignore[list-item]
+    assert percentile([], 50) is None and percentile([math.nan], 50) is None
+    for q in (-1, 100.5):
+        with pytest.raises(ValueError, match="0..100"):
+            percentile([1.0], q)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 57])
+def test_percentile_gives_what_the_results_so_far_were_computed_with(n: int) -> None:
+    rng = random.Random(n)
+    values = [rng.expovariate(1.0) for _ in range(n)]
+    for q in (0, 1, 25, 50, 90, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(_linear(values, q), rel=1e-12, abs=1e-15)
+
+
+def test_the_simulator_reports_the_same_percentiles() -> None:
+    from kvbridge.tools.simulate.metrics import _stats
+
+    got = _stats([v / 1000.0 for v in range(1, 11)])  # seconds in, milliseconds out
+    assert got["p50"] == pytest.approx(5.5) and got["p90"] == pytest.approx(9.1)
+    assert got["p99"] == pytest.approx(9.91) and got["mean"] == pytest.approx(5.5)

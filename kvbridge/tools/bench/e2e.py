@@ -58,7 +58,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,7 @@ _XFER_METRIC = "vllm:nixl_xfer_time_seconds"
 
 def _scrape(url: str, name: str, timeout: float = 5.0) -> tuple[float, float]:
     """(sum, count) of histogram *name* on one engine's ``/metrics``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-        text = r.read().decode("utf-8", "replace")
-    return prom.total(text, name + "_sum"), prom.total(text, name + "_count")
+    return prom.histogram(prom.fetch(url, timeout), name)
 
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +140,8 @@ def wait_quiet(settings: BenchSettings, say: Progress,
 
 
 def _metrics(url: str) -> dict[str, tuple[float, float]]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
-        text = r.read().decode("utf-8", "replace")
-    return {k: (prom.total(text, n + "_sum"), prom.total(text, n + "_count"))
-            for k, n in _METRICS.items()}
+    text = prom.fetch(url)
+    return {k: prom.histogram(text, n) for k, n in _METRICS.items()}
 
 
 def _metric_delta(before: Mapping[str, tuple[float, float]],

@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,7 @@ Say = Callable[[str], None]
 
 def _scrape_idle(url: str, timeout: float = 5.0) -> float:
     """Requests running or waiting on one engine (its ``/metrics``)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-        text = r.read().decode("utf-8", "replace")
+    text = prom.fetch(url, timeout)
     return sum(prom.total(text, name) for name in _IDLE_METRICS)
 
 

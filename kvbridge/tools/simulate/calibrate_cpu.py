@@ -32,15 +32,16 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kvbridge.tools import prom
 from kvbridge.tools.bench.serve_process import bench_serve_command
-from kvbridge.tools.cpumeter import group_cpu_ticks, parse_stat_line
+from kvbridge.tools.cpumeter import group_cpu, process_seconds
 from kvbridge.tools.simulate.fit import nonneg_lstsq
 
 __all__ = ["PROCESSES", "LOAD_RUNS", "CpuRun", "CpuMeasurements", "ProcSet", "Sampler", "sample",
@@ -75,40 +76,37 @@ class CpuMeasurements:
     runs: list[CpuRun] = field(default_factory=list)
 
 
-def _ticks(path: str) -> int:
-    with open(path) as f:
-        return parse_stat_line(f.read())[1]
-
-
 class ProcSet:
     """The processes of one engine pair and this process's proxy threads, resolved once, read
-    cheaply (a few ``/proc`` files) as CPU seconds by role (see the module docstring)."""
+    cheaply (``psutil``: a few ``/proc`` files) as CPU seconds by role (see the module
+    docstring)."""
 
     def __init__(self, p_pid: int, d_pid: int) -> None:
-        self.paths: dict[str, list[str]] = {"p_api": [f"/proc/{p_pid}/stat"],
-                                            "d_api": [f"/proc/{d_pid}/stat"]}
+        self.procs: dict[str, list[int]] = {"p_api": [p_pid], "d_api": [d_pid]}
         for role, leader in (("p_engine", p_pid), ("d_engine", d_pid)):
-            self.paths[role] = [f"/proc/{pid}/stat" for pid in group_cpu_ticks(leader)
-                                if pid != leader]
-        me = os.getpid()
-        self.paths["proxy"] = [f"/proc/{me}/task/{tid}/stat"
-                               for tid in os.listdir(f"/proc/{me}/task") if int(tid) != me]
-        self.tck = float(os.sysconf("SC_CLK_TCK"))
+            self.procs[role] = [pid for pid in group_cpu(leader) if pid != leader]
+        self.me = psutil.Process()
+        # threads by their own times (/proc/<pid>/task/<tid>/stat): psutil.Process(tid) would
+        # read /proc/<tid>/stat, which holds the whole process's
+        self.proxy_threads = {t.id for t in self.me.threads() if t.id != self.me.pid}
+        self._handles: dict[int, psutil.Process] = {}
+
+    def _seconds(self, pid: int) -> float:
+        """utime + stime of process ``pid``; 0.0 once it ended."""
+        try:
+            if pid not in self._handles:
+                self._handles[pid] = psutil.Process(pid)
+            return process_seconds(self._handles[pid])
+        except psutil.Error:
+            return 0.0  # a helper that ended meanwhile
 
     def read(self, client: int | None = None) -> dict[str, float]:
         """CPU seconds so far by role (``client``: that pid too, if it still runs)."""
-        out: dict[str, float] = {}
-        roles = dict(self.paths)
+        out = {role: sum(self._seconds(pid) for pid in pids) for role, pids in self.procs.items()}
+        out["proxy"] = float(sum(t.user_time + t.system_time for t in self.me.threads()
+                                 if t.id in self.proxy_threads))  # an ended thread: left out
         if client is not None:
-            roles["client"] = [f"/proc/{client}/stat"]
-        for role, paths in roles.items():
-            total = 0
-            for path in paths:
-                try:
-                    total += _ticks(path)
-                except (OSError, ValueError, IndexError):
-                    continue  # a thread or helper that ended meanwhile
-            out[role] = total / self.tck
+            out["client"] = self._seconds(client)
         return out
 
 
@@ -200,9 +198,7 @@ def measure_idle(procs: ProcSet, window_s: float = IDLE_WINDOW_S) -> dict[str, f
 
 def _steps(url: str) -> int:
     """An engine's steps so far (the count of vLLM's ``iteration_tokens_total`` histogram)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode("utf-8", "replace")
-    return int(prom.total(text, "vllm:iteration_tokens_total_count"))
+    return int(prom.histogram(prom.fetch(url), "vllm:iteration_tokens_total")[1])
 
 
 def measure_cpu(procs: ProcSet, idle: Mapping[str, float], urls: Mapping[str, str],

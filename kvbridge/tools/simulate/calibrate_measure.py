@@ -31,7 +31,6 @@ import contextlib
 import re
 import statistics
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -96,9 +95,7 @@ class Measurements:
 
 
 def _metric(url: str, name: str) -> tuple[float, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode("utf-8", "replace")
-    return prom.total(text, name + "_sum"), prom.total(text, name + "_count")
+    return prom.histogram(prom.fetch(url), name)
 
 
 def _engine_cpu(procs: ProcSet | None, role: str) -> tuple[float, float]:

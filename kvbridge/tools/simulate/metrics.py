@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.tools.report import percentile
 from kvbridge.tools.simulate.engines import DecodeEngine, PrefillEngine, SimRequest
 from kvbridge.tools.simulate.events import SimulationError
 from kvbridge.tools.simulate.fleet import Fleet
@@ -62,9 +63,9 @@ class Summary:
 def _stats(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {}
-    arr = np.asarray(values, dtype=float) * 1000.0
-    out = {f"p{q}": float(np.percentile(arr, q)) for q in PERCENTILES}
-    out["mean"] = float(arr.mean())
+    ms = [v * 1000.0 for v in values]
+    out = {f"p{q}": percentile(ms, q) or 0.0 for q in PERCENTILES}  # ms is not empty
+    out["mean"] = float(np.mean(ms))
     return out
 
 

@@ -584,14 +584,26 @@ def test_kv_from_other_weights_is_refused_and_the_check_has_teeth(cluster: Clust
         prompt = random_prompts(1, 150, seed=20)[0]
         ref = cluster.reference(prompt)
 
+        # P's answer names its identity: D refuses before it claims anything, computes the
+        # prompt itself and tells P to release
         answer = complete(other.url, prompt, 1, {"do_remote_decode": True,
                                                  "transfer_id": "other-weights"})
         before = cluster.stats(cluster.d_ctl).stats
         status, out = _post(cluster.d.url, prompt, answer["kv_transfer_params"])
-        assert status != 200 or out == ref  # refused: never a wrong token
+        assert status == 200 and out == ref  # computed on D: the reference tokens
         after = cluster.stats(cluster.d_ctl).stats
         assert after.get("recv_ok", 0) == before.get("recv_ok", 0)
-        why = cluster.outcome(cluster.d_ctl, "other-weights") or ""
+        assert after.get("identity_refused", 0) == before.get("identity_refused", 0) + 1
+        # params that do not name it (an older engine, a hand-made router): the handshake
+        # compares the identities and refuses, naming both
+        answer = complete(other.url, prompt, 1, {"do_remote_decode": True,
+                                                 "transfer_id": "other-weights-2"})
+        unnamed = {k: v for k, v in answer["kv_transfer_params"].items()
+                   if k != "kvbridge_identity"}
+        status, out = _post(cluster.d.url, prompt, unnamed)
+        assert status != 200 or out == ref  # refused: never a wrong token
+        assert cluster.stats(cluster.d_ctl).stats.get("recv_ok", 0) == before.get("recv_ok", 0)
+        why = cluster.outcome(cluster.d_ctl, "other-weights-2") or ""
         assert "model_identity differs" in why, why
 
         answer = complete(other.url, prompt, 1, {"do_remote_decode": True,

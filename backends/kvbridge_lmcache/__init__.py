@@ -5,13 +5,18 @@ LMCache's vLLM connectors need CUDA (``torch.cuda.Stream``); its cache engine an
 through kvbridge's own CPU implementation of LMCache's ``GPUConnectorInterface``
 (:class:`_ChunkConnector`), which copies between kvbridge chunks and LMCache memory objects.
 
+Configuration. LMCache's own: ``LMCACHE_CONFIG_FILE``, else ``LMCACHE_*`` variables, with the
+tier's options where kvbridge owns them (:mod:`kvbridge_lmcache.config`).
+
 Mapping. One kvbridge chunk (one block of one rank, all layers: ``chunk_bytes`` bytes) is one
-LMCache chunk of ``CHUNK_TOKENS`` tokens whose "KV" is a ``uint8`` tensor of shape
-``(1, 1, CHUNK_TOKENS, 1, ceil(chunk_bytes / CHUNK_TOKENS))`` — the chunk padded with zeros.
+LMCache chunk of ``T`` tokens (LMCache's ``chunk_size``; ``CHUNK_TOKENS`` = 16 unless the
+LMCache configuration sets it) whose "KV" is a ``uint8`` tensor of shape
+``(1, 1, T, 1, ceil(chunk_bytes / T))`` — the chunk padded with zeros.
 The token ids LMCache hashes are derived from the kvbridge key and the namespace
-(blake2b → ``CHUNK_TOKENS`` 16-bit ids), so each chunk is its own one-chunk "prompt" and two
-namespaces never meet. kvbridge already chains its keys over the real prompt, so nothing is
-lost by LMCache not seeing the tokens. LMCache evicts on its own (``managed = False``).
+(blake2b → 16 16-bit ids, cut or padded with zeros to ``T``), so each chunk is its own
+one-chunk "prompt" and two namespaces never meet. kvbridge already chains its keys over the
+real prompt, so nothing is lost by LMCache not seeing the tokens. LMCache evicts on its own
+(``managed = False``).
 
 Blocking: calls run LMCache's engine synchronously (memory copies, disk writes through its
 backends); the manager calls them from its I/O thread. Partial failure: ``load`` stops at the
@@ -36,14 +41,16 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
 from kvbridge.errors import BackendUnavailable
-from kvbridge.offload.config import parse_size
 from kvbridge.offload.tier import Tier, TierContext, TierError, check_chunk
+
+from .config import DEFAULT_CHUNK_TOKENS, build_config
 
 __all__ = ["LMCacheTier", "CHUNK_TOKENS"]
 
 log = logging.getLogger("kvbridge.offload")
 
-CHUNK_TOKENS = 16
+#: tokens per LMCache chunk unless the LMCache configuration sets ``chunk_size``
+CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS
 _ids = itertools.count()
 _build_lock = threading.Lock()
 _DRAIN_S = 30.0  # the longest close() waits for LMCache's disk writes
@@ -100,7 +107,8 @@ def _connector_class(base: Any, torch: Any) -> Any:
 
 class LMCacheTier(Tier):
     """See the module docstring. Options: ``capacity_bytes`` (LMCache local CPU, default
-    1 GiB), ``disk_path`` (enables LocalDisk), ``disk_capacity_bytes`` (default 10 GiB)."""
+    1 GiB), ``disk_path`` (enables LocalDisk), ``disk_capacity_bytes`` (default 10 GiB); each
+    may be set in LMCache's own configuration instead (:mod:`kvbridge_lmcache.config`)."""
 
     managed: ClassVar[bool] = False
     #: ``KVBridgeLMCacheConnector`` (kvbridge.integrations.names)
@@ -128,26 +136,22 @@ class LMCacheTier(Tier):
             log.warning("offload tier %s: PYTHONHASHSEED is not set; LMCache's own hashing then "
                         "differs between processes (its disk backend is not reused after a "
                         "restart). Set PYTHONHASHSEED=0 in the engine's environment", ctx.name)
-        width = -(-ctx.chunk_bytes // CHUNK_TOKENS)
-        self._shape = (1, 1, CHUNK_TOKENS, 1, width)
-        gib = 1 << 30
-        disk = ctx.options.get("disk_path")
-        disk_bytes = parse_size(ctx.options.get("disk_capacity_bytes", 10 * gib),
-                                f"offload tier {ctx.name!r}: disk_capacity_bytes")
-        kwargs: dict[str, Any] = {"chunk_size": CHUNK_TOKENS, "local_cpu": True,
-                                  "max_local_cpu_size": self.capacity_bytes / gib}
-        if disk:
-            os.makedirs(str(disk), mode=0o700, exist_ok=True)
-            kwargs.update(local_disk=f"file://{disk}", max_local_disk_size=disk_bytes / gib)
+        setup = build_config(ctx, config_cls, self.capacity_bytes)
+        self.capacity_bytes = setup.capacity_bytes
+        self.chunk_tokens: int = setup.chunk_tokens
+        #: the ``LMCacheEngineConfig`` the engine runs with, and where it came from
+        self.lmcache_config: Any = setup.config
+        self.config_source = setup.source
+        width = -(-ctx.chunk_bytes // self.chunk_tokens)
+        self._shape = (1, 1, self.chunk_tokens, 1, width)
         self._id = f"kvbridge-{ctx.name}-{ctx.namespace[:12]}-{os.getpid()}-{next(_ids)}"
         try:
-            config = config_cls.from_defaults(**kwargs)
             meta = metadata_cls(model_name=f"kvbridge/{ctx.namespace}", world_size=1,
                                 local_world_size=1, worker_id=0, local_worker_id=0,
                                 kv_dtype=torch.uint8, kv_shape=self._shape)
             with _build_lock:
                 self._engine = builder.get_or_create(
-                    self._id, config, meta, _connector_class(base, torch)(self._shape),
+                    self._id, setup.config, meta, _connector_class(base, torch)(self._shape),
                     None, None)
                 self._engine.post_init()
         except Exception as exc:  # noqa: BLE001 - LMCache raises many kinds
@@ -159,6 +163,8 @@ class LMCacheTier(Tier):
         digest = hashlib.blake2b(f"{self.ctx.namespace}/{key}".encode(),
                                  digest_size=2 * CHUNK_TOKENS).digest()
         ids = [int.from_bytes(digest[2 * i:2 * i + 2], "little") for i in range(CHUNK_TOKENS)]
+        # another chunk_size: the same ids, cut or padded with zeros (LMCache hashes the tuple)
+        ids = (ids + [0] * self.chunk_tokens)[:self.chunk_tokens]
         return self._torch.tensor(ids, dtype=self._torch.long)
 
     def _live(self) -> Any:
@@ -170,7 +176,7 @@ class LMCacheTier(Tier):
         engine = self._live()
         n = 0
         for key in keys:
-            if engine.lookup(self._tokens(key)) < CHUNK_TOKENS:
+            if engine.lookup(self._tokens(key)) < self.chunk_tokens:
                 break
             n += 1
         return n
@@ -182,7 +188,7 @@ class LMCacheTier(Tier):
         for key in keys:
             buf = torch.zeros(self._shape, dtype=torch.uint8)
             got = engine.retrieve(self._tokens(key), kvcaches=buf)
-            if int(got.sum().item()) < CHUNK_TOKENS:
+            if int(got.sum().item()) < self.chunk_tokens:
                 break
             out.append(buf.numpy().tobytes()[:self.ctx.chunk_bytes])
         return out
@@ -191,7 +197,7 @@ class LMCacheTier(Tier):
         engine = self._live()
         torch = self._torch
         stored = []
-        pad = self._shape[4] * CHUNK_TOKENS - self.ctx.chunk_bytes
+        pad = self._shape[4] * self.chunk_tokens - self.ctx.chunk_bytes
         for key, data in items:
             check_chunk(self.ctx, key, data)
             raw = bytearray(data) + bytes(pad)
@@ -202,7 +208,7 @@ class LMCacheTier(Tier):
             self._drain_disk_writes(_CLEAR_DRAIN_S)
             engine.clear(tokens)
             engine.store(tokens, kvcaches=buf)
-            if engine.lookup(tokens) >= CHUNK_TOKENS:
+            if engine.lookup(tokens) >= self.chunk_tokens:
                 stored.append(key)
         return stored
 
@@ -214,7 +220,8 @@ class LMCacheTier(Tier):
             engine.clear(self._tokens(key))
 
     def describe(self) -> str:
-        return f"{self.name} (LMCache engine {self._id}, CPU {self.capacity_bytes} bytes)"
+        return (f"{self.name} (LMCache engine {self._id}, CPU {self.capacity_bytes} bytes, "
+                f"config from {self.config_source})")
 
     def _pending_disk_writes(self) -> int:
         """Chunks LMCache's disk backend accepted but has not written yet (0 without disk)."""

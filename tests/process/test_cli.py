@@ -450,3 +450,15 @@ def test_stats_refuses_an_http_url_or_bare_host_with_a_clear_message(address: st
     assert res.returncode == 1, res.stdout
     assert res.stderr.startswith("kvbridge: error: kvbridge stats: ")
     assert "tcp://HOST:PORT" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_help_imports_no_engine_or_cpu_meter_library() -> None:
+    """``kvbridge --help`` imports the CLI's modules (the CPU meter among them) but not what
+    their work needs: psutil, torch, vLLM."""
+    code = ("import sys\nsys.argv = ['kvbridge', '--help']\nfrom kvbridge.tools.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(','.join(m for m in ('psutil', 'torch', 'vllm') if m in sys.modules), "
+            "file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stderr.strip() == "", out.stderr

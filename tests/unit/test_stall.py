@@ -128,8 +128,14 @@ def test_a_claim_nobody_answers_is_not_called_refused_and_prefill_is_told(
     assert d.drain({"d0"}, timeout=5)["results"]["failed_recving"] == set()
     p.stage(send("p1", "t1", [3, 4], prompt=tokens(2, seed=1)))
     assert _pending_within(p, 0) == 1
-    frozen = threading.Event()
-    p.loop.submit(frozen.wait, 30.0)  # P's loop answers nothing (a starved engine)
+    frozen, stuck = threading.Event(), threading.Event()
+
+    def freeze() -> None:
+        stuck.set()
+        frozen.wait(30.0)
+
+    p.loop.submit(freeze)  # P's loop answers nothing (a starved engine)...
+    assert stuck.wait(5)  # ...from now on, before D claims (not after it answered the claim)
     try:
         t0 = time.monotonic()
         d.pull(pull("d1", "t1", p, [7, 8], [3, 4], prompt=tokens(2, seed=1)))

@@ -87,7 +87,6 @@ class SchedulerSide:
                                    block_size=block_size, tp_size=tp_size)
         self.book.identity = identity_digest(self._identity)
         self._version: str | None = None  # the weight version the identity names
-        self._reset_once = False
         self._scheduled_since_reset = False
         self.config = config
         self.kv_cache_manager: Any = None
@@ -264,8 +263,7 @@ class SchedulerSide:
         weights may have changed, so the model identity moves on (:meth:`_new_weights`).
         Resets with no request scheduled between them are one (callers retry a reset vLLM
         refused, and each retry reaches the connector). Always succeeds."""
-        if self._scheduled_since_reset or not self._reset_once:
-            self._reset_once = True
+        if self._scheduled_since_reset or self.reloads == 0:
             self._scheduled_since_reset = False
             self.reloads += 1
             self._new_weights()

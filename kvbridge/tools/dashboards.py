@@ -1,4 +1,4 @@
-"""The kvbridge Grafana dashboard, generated with ``grafana-foundation-sdk`` (``kvbridge dashboards``).
+"""The kvbridge Grafana dashboard, generated with grafana-foundation-sdk (`kvbridge dashboards`).
 
 Contract:
 
@@ -189,8 +189,8 @@ def build() -> Any:
     for row_title, panels in ROWS:
         board = board.with_row(dashboard.Row(row_title).id(next(ids)))
         for spec in panels:
-            panel = (timeseries.Panel().id(next(ids)).title(spec.title).description(spec.description)
-                     .unit(spec.unit).datasource(ds).height(8).span(12)
+            panel = (timeseries.Panel().id(next(ids)).title(spec.title)
+                     .description(spec.description).unit(spec.unit).datasource(ds).height(8).span(12)
                      .legend(common.VizLegendOptions().show_legend(True)
                              .display_mode(common_models.LegendDisplayMode.LIST)
                              .placement(common_models.LegendPlacement.BOTTOM)))

@@ -123,14 +123,13 @@ def target_problems(objs: Sequence[Obj]) -> list[str]:
 
 def prometheus_rule(rules_text: str) -> str:
     """The PrometheusRule whose spec is the rules file ``rules_text``, as committed."""
-    class _Dumper(yaml.SafeDumper):
-        pass
+    dumper: Any = type("_Dumper", (yaml.SafeDumper,), {})
 
-    def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    def text(d: Any, value: str) -> Any:
         style = "|" if "\n" in value else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+        return d.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
-    _Dumper.add_representer(str, text)
+    dumper.add_representer(str, text)
     obj = {"apiVersion": API, "kind": "PrometheusRule",
            "metadata": {"name": "kvbridge", "labels": {"app.kubernetes.io/name": "kvbridge"}},
            "spec": yaml.safe_load(rules_text)}
@@ -139,7 +138,7 @@ def prometheus_rule(rules_text: str) -> str:
             "# kvbridge.tools.deploycheck.monitoring --write-rule (tests/unit/test_dashboards.py\n"
             "# checks it). Add the labels your Prometheus' ruleSelector wants (kube-prometheus-\n"
             "# stack: release: <its release name>) in an overlay patch.\n")
-    return head + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100)
+    return head + str(yaml.dump(obj, Dumper=dumper, sort_keys=False, width=100))
 
 
 def _keys(where: str, obj: Any, required: set[str], allowed: set[str]) -> list[str]:
@@ -153,7 +152,7 @@ def _groups(where: str, groups: Any) -> list[str]:
     if not isinstance(groups, list) or not groups:
         return [f"{where}: spec.groups must be a non-empty list"]
     out: list[str] = []
-    names = [g.get("name") for g in groups if isinstance(g, dict)]
+    names = [str(g.get("name")) for g in groups if isinstance(g, dict)]
     out += [f"{where}: group {n!r} twice" for n in sorted({n for n in names
                                                            if names.count(n) > 1})]
     for i, g in enumerate(groups):

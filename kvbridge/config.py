@@ -29,8 +29,7 @@ ENV_PREFIX = "KVBRIDGE_"
 #: ``KVBRIDGE_*`` variables that are no configuration key but that kvbridge reads elsewhere
 #: (docs/usage.md, "Other variables"): :meth:`Config.load` does not warn about them.
 OTHER_ENV: Mapping[str, str] = {
-    "KVBRIDGE_CACHE_DIR": "where the shm range copy and the demo's tiny model are built "
-                          "(default ~/.cache/kvbridge)",
+    "KVBRIDGE_CACHE_DIR": "where the demo's tiny model is built (default ~/.cache/kvbridge)",
     "KVBRIDGE_MOONCAKE_MASTER": "the mooncake_master binary kvbridge's tools start",
     "KVBRIDGE_SALT_FROM_HEADER": "default of kvbridge proxy --salt-from-header",
     "KVBRIDGE_REGISTER_ON_IMPORT": "register the connector names with vLLM when "
@@ -164,8 +163,8 @@ class Config:
     """With the shm backend, move a CPU engine's KV cache onto a sealed memfd at registration
     (same addresses, same bytes) and hand it to same-host peers over the handshake socket, so
     they copy it with memcpy instead of cross-memory attach (kvbridge.transports.shm.memfd;
-    docs/backends/shm.md). Needs a C compiler once per host for the copy loop; without one,
-    transfers keep using cross-memory attach. GPU KV caches are never touched."""
+    docs/backends/shm.md). Needs the native copy loop built when kvbridge was installed;
+    without it, transfers keep using cross-memory attach. GPU KV caches are never touched."""
     engine_spin_ms: float = -1.0
     """vLLM workers busy-spin this long after each step before sleeping (vLLM: 1000 ms).
     Negative keeps vLLM's default. A few ms stops idle engines from burning a core each on

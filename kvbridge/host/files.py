@@ -2,10 +2,9 @@
 
 kvbridge keeps a few things on local disk that decide what an engine trusts or runs: the
 per-user secret (:mod:`kvbridge.trust`), the disk offload tier's chunks
-(:mod:`kvbridge.offload.tiers.disk`) and the native range copy
-(:mod:`kvbridge.transports.shm.rangecopy`).
-Any of them, swapped by someone else, would make an engine authenticate strangers, serve foreign
-KV or run foreign code. So every such path goes through here:
+(:mod:`kvbridge.offload.tiers.disk`).
+Either, swapped by someone else, would make an engine authenticate strangers or serve foreign
+KV. So every such path goes through here:
 
 * :func:`check_path` walks every component of a directory path with ``lstat``: each must be
   owned by root or by this user, and a directory that others may write must carry the sticky

@@ -1,4 +1,8 @@
-"""pytest plugin (entry point ``pytest11``): the markers of kvbridge's suites.
+"""pytest plugin: the markers of kvbridge's suites.
+
+Loaded by the repository's root ``conftest.py`` (``pytest_plugins``), not by a ``pytest11`` entry
+point: installing kvbridge leaves other projects' pytest runs untouched. A backend distributed
+on its own whose tests use these markers loads it the same way from its own ``conftest.py``.
 
 ``vllm`` marks end-to-end tests with real vLLM engines. Every other marker is derived, not
 listed: one per distribution that offers a backend or tier in ``kvbridge.backends`` /

@@ -4,14 +4,13 @@ benches, the simulator's calibration).
 Every reader parses with ``prometheus_client.parser.text_string_to_metric_families``, so a
 sample line carrying a timestamp (``name{l="v"} 3 1700000000000``), labels in any order, escaped
 label values and lookalike names (``x_sum_other`` for ``x_sum``) read as Prometheus reads them.
-:func:`fetch` is the one place that asks a server's ``/metrics``.
+:func:`fetch` is the one place that asks a server's ``/metrics``. prometheus_client (the
+``proxy`` extra) is imported when a text is parsed, so the CLI starts without it.
 """
 
 from __future__ import annotations
 
 import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["by_label", "fetch", "histogram", "samples", "total", "value"]
 
@@ -27,6 +26,8 @@ def fetch(url: str, timeout: float = 10.0) -> str:
 def samples(text: str) -> Samples:
     """Every sample of ``text`` keyed by (name, sorted label pairs); a sample's timestamp is
     not part of its value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
             for family in text_string_to_metric_families(text) for s in family.samples}
 

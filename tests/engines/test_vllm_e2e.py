@@ -383,7 +383,7 @@ def test_shm_engines_share_their_kv_cache_and_map_each_others(cluster: Cluster) 
     if cluster.backend != "shm":
         pytest.skip("mapped copies are the shm transport's")
     if _rangecopy.load() is None:
-        pytest.skip("no C compiler here: shm keeps cross-memory attach")
+        pytest.skip("range copy not built here: shm keeps cross-memory attach")
     for server in (cluster.p, cluster.d):
         log = server.log_path.read_text() if server.log_path else ""
         shared = re.findall(r"(\d+) of (\d+) registered bytes shared through a memfd", log)

@@ -1,5 +1,5 @@
-"""Local files another process may have touched (issue 25, part 4): the disk offload tier and the
-runtime-built native range copy trust nothing on disk they did not check.
+"""Local files another process may have touched (issue 25, part 4): the disk offload tier trusts
+nothing on disk it did not check.
 
 Disk tier: its directory and every parent are checked for owner and mode (refused naming the
 path); chunk files are opened relative to directory fds with ``O_NOFOLLOW``, regular files only,
@@ -16,7 +16,6 @@ are skipped.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pwd
@@ -42,7 +41,6 @@ from kvbridge.offload.orders import OffloadPlan, StoreOrder
 from kvbridge.offload.tier import TierContext
 from kvbridge.offload.tiers.disk import SUFFIX, DiskTier
 from kvbridge.testing.conformance import CHUNK, chunk_of
-from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -371,138 +369,3 @@ def test_store_that_cannot_make_its_directory_is_counted_by_the_manager(tmp_path
         assert counters.get("offload_tier_errors_disk", 0) == 0  # no exception out of store
     finally:
         manager.close()
-
-
-# -- the native range copy -----------------------------------------------------------------------
-
-_EVIL = r"""
-#include <stdint.h>
-uint64_t kvbridge_copy_ranges(const uint64_t *rows, uint64_t n, const volatile int32_t *stop) {
-    return 4242;
-}
-"""
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
-    return cc
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh cache directory and no range copy loaded yet in this process."""
-    _compiler()
-    root = tmp_path / "cache"
-    monkeypatch.setenv("KVBRIDGE_CACHE_DIR", str(root))
-    monkeypatch.setattr(_rangecopy, "_loaded", [])
-    return root
-
-
-def _so(cache: Path) -> Path:
-    (built,) = (cache / "native").glob("rangecopy-*.so")
-    return built
-
-
-def _copies(copy: _rangecopy.RangeCopy | None) -> bool:
-    assert copy is not None
-    src = np.arange(64, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    rows = np.array([[dst.ctypes.data, src.ctypes.data, 64]], dtype=np.uint64)
-    done = copy(rows, ctypes.c_int32(0))
-    return done == 1 and bool((dst == src).all())
-
-
-def _reload(monkeypatch: pytest.MonkeyPatch) -> _rangecopy.RangeCopy | None:
-    monkeypatch.setattr(_rangecopy, "_loaded", [])
-    return _rangecopy.load()
-
-
-def test_range_copy_happy_path_builds_privately_and_loads(cache: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _copies(_rangecopy.load())
-    built = _so(cache)
-    assert built.stat().st_mode & 0o777 == 0o700
-    assert (cache / "native").stat().st_mode & 0o777 == 0o700
-    assert [p.name for p in (cache / "native").iterdir()] == [built.name]  # no leftovers
-    assert _copies(_reload(monkeypatch))  # loads the cached build
-
-
-@pytest.mark.parametrize("which,mode", [("cache", 0o777), ("cache", 0o770), ("native", 0o777),
-                                        ("native", 0o750)])
-def test_range_copy_cache_directory_others_may_write_gives_none(
-    cache: Path, which: str, mode: int, caplog: Any
-) -> None:
-    (cache / "native").mkdir(parents=True, mode=0o700)
-    target = cache if which == "cache" else cache / "native"
-    os.chmod(target, mode)
-    with caplog.at_level(logging.WARNING, logger="kvbridge.transport.shm"):
-        assert _rangecopy.load() is None
-    assert str(target) in caplog.text
-    assert not list((cache / "native").glob("*.so"))  # nothing was built there
-
-
-def test_range_copy_parent_of_another_user_gives_none(cache: Path) -> None:
-    uid = _other_uid()
-    (cache / "native").mkdir(parents=True, mode=0o700)
-    os.chown(cache, uid, uid)
-    assert _rangecopy.load() is None
-
-
-def test_range_copy_so_replaced_by_a_link_gives_none(cache: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: Any) -> None:
-    assert _rangecopy.load() is not None
-    built = _so(cache)
-    elsewhere = tmp_path / "elsewhere.so"
-    shutil.copyfile(built, elsewhere)
-    os.chmod(elsewhere, 0o700)  # private and ours: only the link itself is wrong
-    built.unlink()
-    built.symlink_to(elsewhere)
-    with caplog.at_level(logging.WARNING, logger="kvbridge.transport.shm"):
-        assert _reload(monkeypatch) is None
-    assert "symbolic link" in caplog.text
-
-
-def test_range_copy_so_of_another_user_or_writable_gives_none(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert _rangecopy.load() is not None
-    built = _so(cache)
-    os.chmod(built, 0o720)
-    assert _reload(monkeypatch) is None
-    os.chmod(built, 0o700)
-    assert _reload(monkeypatch) is not None
-    uid = _other_uid()
-    os.chown(built, uid, uid)
-    assert _reload(monkeypatch) is None
-
-
-def test_range_copy_loads_the_checked_file_not_what_the_path_names_later(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A hostile writer swaps the ``.so`` between the check and the load: the library that
-    runs is still the one that was checked (loaded through its fd)."""
-    # built by another process: this one has never loaded that path (the dynamic loader would
-    # hand back a library it already loaded under the same name)
-    proc = subprocess.run([sys.executable, "-c", "from kvbridge.transports.shm import rangecopy; "
-                           "assert rangecopy.load() is not None"], cwd=ROOT, timeout=120,
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    built = _so(cache)
-    evil = tmp_path / "evil.so"
-    proc = subprocess.run([_compiler(), "-shared", "-fPIC", "-x", "c", "-o", str(evil), "-"],
-                          input=_EVIL, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    real_cdll = ctypes.CDLL
-
-    def swapping_cdll(name: str, *args: Any, **kwargs: Any) -> Any:
-        os.replace(evil, built)  # the attacker wins the race
-        return real_cdll(name, *args, **kwargs)
-
-    monkeypatch.setattr(ctypes, "CDLL", swapping_cdll)
-    copy = _reload(monkeypatch)
-    monkeypatch.setattr(ctypes, "CDLL", real_cdll)
-    assert not evil.exists()  # the swap happened
-    assert _copies(copy)  # and yet the checked library runs (the evil one returns 4242)

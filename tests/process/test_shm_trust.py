@@ -32,7 +32,8 @@ from kvbridge.transports.shm import rangecopy as _rangecopy
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(_rangecopy.load() is None, reason="no C compiler: no mapped copies"),
+    pytest.mark.skipif(_rangecopy.load() is None,
+                       reason="range copy not built (no C compiler at install)"),
 ]
 
 MAPPED = {**FAST, "backend": "shm", "backend_options": {"map_memory": True}}

@@ -28,9 +28,21 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+#: ``python -m kvbridge``: the console script's twin, the one door from the package into the
+#: workshop; nothing imports it (checked below), so an engine never loads the tools through it.
+MAIN = ROOT / "kvbridge" / "__main__.py"
+
+
 def _library() -> list[Path]:
-    files = [p for p in (ROOT / "kvbridge").rglob("*.py") if TOOLS not in p.parents]
+    files = [p for p in (ROOT / "kvbridge").rglob("*.py") if TOOLS not in p.parents and p != MAIN]
     return files + list((ROOT / "backends").rglob("*.py"))
+
+
+def test_nothing_imports_the_main_module() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}"
+           for p in [*(ROOT / "kvbridge").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]
+           for line, mod in _imports(p) if mod == "kvbridge.__main__"]
+    assert not bad, "\n".join(bad)
 
 
 def test_nothing_outside_tools_imports_tools() -> None:

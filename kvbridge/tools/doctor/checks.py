@@ -243,7 +243,7 @@ def check_huge_pages(t: Target) -> Check:
 
 def check_mapped_copies(t: Target) -> Check:
     """shm's mapped copies (``map_kv_cache``) need the native range copy, built once per host
-    with the system C compiler (kvbridge.transports.shm.rangecopy)."""
+    when kvbridge is installed (kvbridge.transports.shm.rangecopy)."""
     used = "shm" in t.transports
     if not t.config.map_kv_cache:
         return Check("shm mapped copies", Status.OK if not used else Status.WARN,
@@ -251,11 +251,12 @@ def check_mapped_copies(t: Target) -> Check:
                      + ("" if not used else "; set KVBRIDGE_MAP_KV_CACHE=1 for memcpy speed"))
     if rangecopy.load() is None:
         return Check("shm mapped copies", Status.WARN if used else Status.SKIP,
-                     "no C compiler to build the range copy (cc, gcc or $CC; see the log): "
+                     "range copy not built (kvbridge was installed without a C compiler; "
+                     "reinstall with gcc, or `pip install --no-deps -e .` in a checkout): "
                      "shm moves KV by cross-memory attach, 0.8-0.95x a memcpy at 256 KiB "
-                     "blocks; apt-get install gcc")
+                     "blocks")
     return Check("shm mapped copies", Status.OK,
-                 "range copy built: shm peers map a CPU KV cache and copy it with memcpy")
+                 "range copy installed: shm peers map a CPU KV cache and copy it with memcpy")
 
 
 def check_cma(t: Target) -> Check:

@@ -1724,3 +1724,39 @@ async def test_the_last_engine_of_a_role_cannot_be_removed(
     await admin(client, proxy, "POST", f"/admin/drain?engine={d.url}")
     status, answer = await admin(client, proxy, "DELETE", f"/admin/engines?engine={d.url}")
     assert status == 409 and "last decode engine" in answer["error"]["message"]
+
+
+async def test_kvbridge_engines_and_drain_commands(
+        engines: Any, proxies: Any, client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.tools import cli
+
+    ps, ds = await fleet(engines, 1, 2)
+    ds[0].first_delay = ds[1].first_delay = 0.5
+    proxy = await proxies([ps[0].url], [d.url for d in ds], mode=ProxyMode.PULL,
+                          control_secret=SECRET)
+
+    async def run(*argv: str, secret: str = SECRET) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = await asyncio.to_thread(cli.main, [*argv[:1], "--proxy", proxy.url,
+                                                  "--control-secret", secret, *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = await run("engines", "--json")
+    assert code == 0 and [r["state"] for r in json.loads(out)] == ["active"] * 3
+    req = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    while not (ds[0].requests() or ds[1].requests()):
+        await asyncio.sleep(0.01)
+    busy = ds[0] if ds[0].requests() else ds[1]
+    # `kvbridge drain` returns once what the engine serves has ended
+    code, out, _ = await run("drain", busy.url, "--json", "--wait", "20")
+    assert req.done() and (await req)[0] == 200
+    assert code == 0 and json.loads(out)[0]["state"] == "drained"
+    code, out, _ = await run("engines", "remove", busy.url)
+    assert code == 0 and "removed" in out
+    code, _, err = await run("engines", "resume", busy.url)
+    assert code == 1 and "HTTP 404" in err
+    code, _, err = await run("engines", "list", secret="not the fleet's secret")
+    assert code == 1 and "HTTP 401" in err
+    code, out, _ = await run("engines", "add", "decode", busy.url)
+    assert code == 0 and "joining" in out

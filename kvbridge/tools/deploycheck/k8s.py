@@ -19,6 +19,8 @@ objects of :func:`kvbridge.tools.deploycheck.kustomize.render`: first what any d
 * the proxy: its args parse with the proxy's own argparse; it binds all addresses on its
   container port; its ``--prefill``/``--decode`` pools are exactly the engines' stable DNS
   names on their vLLM port, one per pod; no GPU, no EFA;
+* monitors (``components/monitoring``): a PodMonitor or ServiceMonitor selects pods (Services)
+  and names one of their ports (:func:`kvbridge.tools.deploycheck.monitoring.target_problems`);
 * the secret: every ``KVBRIDGE_SECRET`` comes from one Secret key (``secretKeyRef``), never a
   literal value, a ConfigMap, ``--control-secret`` or ``kv_connector_extra_config``.
 
@@ -45,6 +47,7 @@ from kvbridge import params
 from kvbridge.config import ENV_PREFIX, Config, TransferMode
 from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.integrations.names import preset_for
+from kvbridge.tools.deploycheck import monitoring
 from kvbridge.tools.deploycheck import objects as ko
 from kvbridge.tools.deploycheck.objects import Obj, Objects
 from kvbridge.tools.engines import GUARD_MIDDLEWARE
@@ -103,8 +106,13 @@ class Fleet:
 
 
 def schema_problems(objs: Sequence[Obj], version: str = KUBE_VERSION) -> list[str]:
-    """Every object validated against Kubernetes ``version``'s strict schema."""
-    return ko.schema_problems(objs, version)
+    """Every object validated against Kubernetes ``version``'s strict schema; the Prometheus
+    Operator's objects, which no Kubernetes schema covers, structurally
+    (:mod:`kvbridge.tools.deploycheck.monitoring`)."""
+    ours = [o for o in objs if not monitoring.is_monitoring(o)]
+    theirs = [p for o in objs if monitoring.is_monitoring(o)
+              for p in monitoring.structure_problems(o)]
+    return ko.schema_problems(ours, version) + theirs
 
 
 def check_fleet(objs: Sequence[Obj], serve_parser: ServeParser,
@@ -130,6 +138,7 @@ def check_fleet(objs: Sequence[Obj], serve_parser: ServeParser,
         with c.guard(w):
             c.proxy(w)
     c.secret_sources()
+    c.problems += monitoring.target_problems(objs)
     c.fleet.problems = list(dict.fromkeys(c.problems))  # once, not once per pod
     return c.fleet
 

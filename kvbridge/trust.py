@@ -27,6 +27,8 @@ Nothing here logs or returns the secret's value except :attr:`Trust.secret`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from kvbridge.control import is_loopback
 from kvbridge.errors import ConfigError
 from kvbridge.host import files
 
-__all__ = ["Trust", "resolve", "default_secret_file", "user_secret", "for_tools"]
+__all__ = ["Trust", "resolve", "default_secret_file", "user_secret", "for_tools", "admin_token"]
 
 _NAME_BYTES = 32
 _MAX_FILE_BYTES = 4096
@@ -159,3 +161,10 @@ def for_tools(secret: str | None = None, env: Mapping[str, str] | None = None) -
                               if k in ("KVBRIDGE_SECRET", "KVBRIDGE_SECRET_FILE",
                                        "KVBRIDGE_ALLOW_INSECURE_CONTROL")})
     return resolve(config, env)
+
+
+def admin_token(secret: bytes) -> str:
+    """The bearer token of a proxy's ``/admin`` endpoints, derived from the fleet secret (or the
+    per-user one) so that whoever may talk to the engines may run the fleet, and the secret
+    itself never travels: HMAC-SHA256 of a fixed label, hex."""
+    return hmac.new(secret, b"kvbridge proxy admin v1", hashlib.sha256).hexdigest()

@@ -8,6 +8,7 @@ between engines is ``kv_transfer_params`` inside the OpenAI request bodies (docs
 - :mod:`~kvbridge.proxy.dispatch` — push or pull per request, retries, explained failures;
 - :mod:`~kvbridge.proxy.relay` — the legs: P's prefill, D's answer and stream to the client;
 - :mod:`~kvbridge.proxy.tenants` — ``cache_salt`` from the operator's tenant header;
+- :mod:`~kvbridge.proxy.admin` — ``/admin``: list, add, drain, resume and remove engines;
 - :mod:`~kvbridge.proxy.metrics`, :mod:`~kvbridge.proxy.reasons`.
 
 Contract:
@@ -46,12 +47,14 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from kvbridge.proxy.admin import AdminApi
 from kvbridge.proxy.dispatch import Dispatcher
 from kvbridge.proxy.failures import LegFailed
+from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.relay import Call, Relay
-from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, validate_request
+from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, Role, validate_request
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.proxy.tenants import SaltError, TenantSalt
 
@@ -87,6 +90,7 @@ class ProxyServer:
         self.decodes = self.fleet.decodes
         self.dispatcher = Dispatcher(settings, self.metrics, self.fleet,
                                      Relay(settings, self.metrics, self.fleet))
+        self.admin = AdminApi(self.fleet, settings.control_secret)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)
         self.port = 0
@@ -106,6 +110,7 @@ class ProxyServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        self.admin.add_routes(app)
         return app
 
     async def start(self) -> None:
@@ -215,7 +220,10 @@ class ProxyServer:
             )
             if exc.response is not None:  # D's own answer, unless an engine says why
                 return exc.response
-            return _error(exc.status, exc.message, exc.kind, exc.param)
+            resp = _error(exc.status, exc.message, exc.kind, exc.param)
+            if exc.kind == "no_engine":  # every engine of a role is draining or joining
+                resp.headers["Retry-After"] = "1"
+            return resp
         except asyncio.CancelledError:
             call.outcome = "cancelled"
             log.info("%s client went away; upstream requests closed", call.rid)
@@ -227,6 +235,7 @@ class ProxyServer:
                     task.cancel()  # abort the P leg with the request (no-op when it is done)
                 elif not task.done():
                     self._spawn(task)  # P still draining after D answered: let it finish
+            call.release_held()
             self.metrics.request_done(call.mode, call.outcome)
             self.metrics.observe_duration(call.mode, time.monotonic() - t0)
 
@@ -234,12 +243,12 @@ class ProxyServer:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         last = "no decode engine"
-        tried: set[str] = set()
-        for _ in self.decodes.engines:
-            d = self.decodes.pick()
-            if d.url in tried:
-                d = next(e for e in self.decodes.engines if e.url not in tried)
-            tried.add(d.url)
+        try:
+            first = [self.decodes.pick()]
+        except NoEngine:  # every D is leaving or joining: any that answers will do
+            first = []
+        # the least-loaded D first, then the others (a snapshot: membership may change)
+        for d in first + [e for e in self.decodes.engines if e not in first]:
             try:
                 async with self.fleet.session.get(d.url + "/v1/models") as r:
                     raw = await r.read()
@@ -252,10 +261,11 @@ class ProxyServer:
         return _error(502, f"no decode engine answered /v1/models ({last})", "decode_unreachable")
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        engines = self.fleet.engines  # a snapshot: membership may change while they answer
         checks = [info for info, _ in await asyncio.gather(
-            *(self.fleet.check(e) for e in self.fleet.engines)
+            *(self.fleet.check(e) for e in engines)
         )]
-        n = len(self.prefills.engines)
+        n = sum(1 for e in engines if e.role is Role.PREFILL)
         prefill, decode = checks[:n], checks[n:]
         ok = any(c["ok"] for c in prefill) and any(c["ok"] for c in decode)
         body = {

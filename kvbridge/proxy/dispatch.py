@@ -41,6 +41,7 @@ from aiohttp import web
 
 from kvbridge.params import TransferParams
 from kvbridge.proxy.failures import LegFailed
+from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.reasons import QueryOutcome, ReasonFinder, pick_reason
@@ -106,6 +107,9 @@ class Dispatcher:
         while True:
             call.attempt = Attempt()
             try:
+                if reuse is None:  # nothing sent yet: no engine to take it is a 503 now
+                    self.fleet.prefills.require()
+                self.fleet.decodes.require()
                 if reuse is not None:
                     resp = await self._pull(request, path, body, call, reuse)
                 else:
@@ -117,6 +121,10 @@ class Dispatcher:
                     else:
                         self._record(decision, call)
                         resp = await self._pull(request, path, body, call)
+            except NoEngine as exc:
+                self.metrics.error("no_engine")
+                call.abandon()
+                raise LegFailed(503, str(exc), "no_engine", cause=Cause.REFUSED) from None
             except LegFailed as exc:
                 self.metrics.error(exc.kind)
                 call.abandon()
@@ -190,6 +198,7 @@ class Dispatcher:
         call.mode = ProxyMode.PULL.value
         if reuse is not None and reuse.p is not None and reuse.answer is not None:
             p, answer, tid = reuse.p, reuse.answer, reuse.tid
+            att.wire = reuse.wire
         else:
             p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
             tid = new_transfer_id()
@@ -201,10 +210,11 @@ class Dispatcher:
             except LegFailed as exc:
                 raise exc.within(tid, [(p, None)]) from None
         att.p, att.tid, att.answer = p, tid, answer
+        call.hold(p)  # P serves the pull until D's answer ends (drain waits for it)
         # late placement: the least-loaded D now that prefill is done
         d = att.d = self.fleet.decodes.pick(avoid=call.tried[Role.DECODE])
         d.acquire()
-        d_body = decode_body(body, pull_decode_params(answer))
+        d_body = decode_body(body, pull_decode_params(answer, att.wire))
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         legs: list[tuple[Engine, TransferParams | None]] = [(d, None), (p, answer)]
         try:
@@ -228,8 +238,8 @@ class Dispatcher:
         call.mode = ProxyMode.PUSH.value
         # early placement: D is committed before prefill starts
         d = att.d = self.fleet.decodes.pick(avoid=call.tried[Role.DECODE])
-        d.acquire()
         p = att.p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
+        d.acquire()
         try:
             info = await self.fleet.probe(p)
         except LegFailed as exc:

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbridge.proxy.members import EngineState
 from kvbridge.proxy.routing import Engine
 
 __all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS", "RETRY_MODES"]
@@ -70,11 +71,22 @@ class _Engines(Collector):
                                  labels=["engine", "role"]), lambda e: e.errors),
             (GaugeMetricFamily(_P + "engine_up", "1 while the engine is in rotation, else 0.",
                                labels=["engine", "role"]), lambda e: int(e.is_up())),
+            (GaugeMetricFamily(_P + "engine_handoffs", "Hand-offs an engine serves beyond its "
+                               "open requests (a pull's P until D's answer ended).",
+                               labels=["engine", "role"]), lambda e: e.handoffs),
         ]
         for family, get in series:
             for e in engines:
                 family.add_metric([e.url, e.role.value], get(e))
             yield family
+        state = GaugeMetricFamily(_P + "engine_state", "1 for the engine's state (joining, "
+                                  "active, draining, drained, dead), 0 for the others.",
+                                  labels=["engine", "role", "state"])
+        for e in engines:
+            now = e.state
+            for s in EngineState:
+                state.add_metric([e.url, e.role.value, s.value], int(s is now))
+        yield state
 
 
 class ProxyMetrics:

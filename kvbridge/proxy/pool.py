@@ -12,6 +12,11 @@ request uses, each P's *probe* (its control addresses, learnt by
 - :meth:`Fleet.take_out` removes an engine after a connection-level failure: until a health check
   passes, or for ``cooldown_s`` when health checks are off. A probe is dropped whenever the engine
   may have restarted (it left the rotation, came back, or answered with a new generation).
+- :meth:`Fleet.add`, :meth:`Fleet.drain`, :meth:`Fleet.resume` and :meth:`Fleet.remove` change
+  membership while requests run (:mod:`kvbridge.proxy.members` says what each admission means;
+  :mod:`kvbridge.proxy.admin` serves them). An added engine joins in the background: it becomes
+  ``active`` once its ``/health`` answers 200 and, for a P of a proxy that pushes, its probe
+  answered (an engine whose answer shows it is no kvbridge engine joins for pull only).
 - :meth:`Fleet.health_loop` checks every engine's ``/health`` every ``health_interval_s``; an
   engine leaves after ``health_failures`` failed checks in a row (a refused connection: at once)
   and comes back when a check begun after it was taken out passes. One failing engine never
@@ -31,10 +36,21 @@ from typing import Any
 
 import aiohttp
 
+from kvbridge.errors import ConfigError
 from kvbridge.params import TransferParams
 from kvbridge.proxy.failures import LegFailed, cause_of
+from kvbridge.proxy.members import Admission
 from kvbridge.proxy.metrics import ProxyMetrics
-from kvbridge.proxy.routing import Cause, Engine, Pool, ProbeInfo, Role, parse_probe, probe_body
+from kvbridge.proxy.routing import (
+    Cause,
+    Engine,
+    Pool,
+    ProbeInfo,
+    ProxyMode,
+    Role,
+    parse_probe,
+    probe_body,
+)
 from kvbridge.proxy.settings import ProxySettings
 
 __all__ = ["Fleet"]
@@ -53,6 +69,7 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._probe_locks: dict[str, asyncio.Lock] = {}
         self._probe_backoff: dict[str, tuple[float, str, Cause]] = {}
+        self._joins: dict[str, asyncio.Task[None]] = {}
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -70,7 +87,12 @@ class Fleet:
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def close(self) -> None:
-        """Close every upstream connection; idempotent."""
+        """Close every upstream connection and stop every join; idempotent."""
+        for task in self._joins.values():
+            task.cancel()
+        if self._joins:
+            await asyncio.gather(*self._joins.values(), return_exceptions=True)
+        self._joins.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -85,11 +107,10 @@ class Fleet:
 
     async def discover(self) -> dict[str, ProbeInfo | str]:
         """Probe every P engine; returns url → ProbeInfo, or the error text."""
-        results = await asyncio.gather(
-            *(self.probe(p) for p in self.prefills.engines), return_exceptions=True
-        )
+        prefills = list(self.prefills.engines)  # membership may change while they answer
+        results = await asyncio.gather(*(self.probe(p) for p in prefills), return_exceptions=True)
         out: dict[str, ProbeInfo | str] = {}
-        for p, r in zip(self.prefills.engines, results, strict=True):
+        for p, r in zip(prefills, results, strict=True):
             out[p.url] = r if isinstance(r, ProbeInfo) else str(r)
             if not isinstance(r, ProbeInfo):
                 log.warning("%s (push will be retried on first use)", r)
@@ -198,6 +219,102 @@ class Fleet:
             )
             self.drop_probe(e, "generation_changed")
 
+    def pool(self, role: Role) -> Pool:
+        return self.prefills if role is Role.PREFILL else self.decodes
+
+    def find(self, url: str) -> Engine:
+        """The engine at ``url`` (any role); :class:`~kvbridge.errors.ConfigError` if none."""
+        e = self.prefills.by_url(url) or self.decodes.by_url(url)
+        if e is None:
+            raise ConfigError(f"{url} is not an engine of this proxy")
+        return e
+
+    def add(self, role: Role, url: str) -> Engine:
+        """Add an engine to a running proxy; it joins in the background (:meth:`_join`) and
+        gets requests once it is ``active``. ConfigError if the URL is already an engine."""
+        e = self.pool(role).add(url)
+        for other in self.pool(Role.DECODE if role is Role.PREFILL else Role.PREFILL).engines:
+            if other.url == e.url:
+                self.pool(role).remove(e.url)
+                raise ConfigError(f"{e.url} is already a {other.role.value} engine of this proxy")
+        log.info("%s engine %s added; joining", role.value, e.url)
+        self._joins[e.url] = asyncio.ensure_future(self._join(e))
+        return e
+
+    async def _join(self, e: Engine) -> None:
+        """Make ``e`` active once ``/health`` passes (and, for a P of a proxy that pushes, the
+        probe answered); retries every second until then. Never raises."""
+        try:
+            while e.admission is Admission.JOINING:
+                info, _ = await self.check(e)
+                if info["ok"] and await self._handshake(e):
+                    e.mark_up()
+                    e.admit(Admission.ACTIVE)
+                    log.warning("%s engine %s joined", e.role.value, e.url)
+                    return
+                await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a join must never kill the proxy
+            log.exception("joining %s engine %s failed", e.role.value, e.url)
+        finally:
+            self._joins.pop(e.url, None)
+
+    async def _handshake(self, e: Engine) -> bool:
+        """Whether ``e`` may take requests: always for a D and for a pull-only proxy; a P of a
+        proxy that pushes needs its probe (a P that answers without kvbridge's parameters is no
+        kvbridge engine: it joins, and auto mode pulls from it)."""
+        if e.role is Role.DECODE or self.settings.mode is ProxyMode.PULL:
+            return True
+        self._probe_backoff.pop(e.url, None)
+        try:
+            await self.probe(e)
+        except LegFailed as exc:
+            if exc.cause in (Cause.MALFORMED, Cause.REFUSED):
+                log.warning("%s joins without a probe (pull only): %s", e.url, exc.message)
+                return True
+            e.last_error = exc.message
+            return False
+        return True
+
+    def drain(self, url: str) -> Engine:
+        """Stop sending new requests to the engine at ``url``; what it serves runs to its end.
+        Idempotent; draining a joining engine cancels its join."""
+        e = self.find(url)
+        if e.admission is not Admission.DRAINING:
+            join = self._joins.pop(e.url, None)
+            if join is not None:
+                join.cancel()
+            e.admit(Admission.DRAINING)
+            log.warning("%s engine %s draining (%d open requests, %d hand-offs)",
+                        e.role.value, e.url, e.in_flight, e.handoffs)
+        return e
+
+    def resume(self, url: str) -> Engine:
+        """Undo :meth:`drain`: the engine takes new requests again (a joining one: once it has
+        joined). Idempotent."""
+        e = self.find(url)
+        if e.admission is Admission.DRAINING:
+            e.admit(Admission.ACTIVE)
+            log.warning("%s engine %s active again", e.role.value, e.url)
+        return e
+
+    def remove(self, url: str, force: bool = False) -> Engine:
+        """Forget the engine at ``url``. Refused (ConfigError) while it still serves something
+        unless ``force``, or when it is its role's last engine."""
+        e = self.find(url)
+        if not force and (e.in_flight or e.handoffs):
+            raise ConfigError(f"{e.url} still serves {e.in_flight} requests and {e.handoffs} "
+                              "hand-offs: drain it and wait until it is drained, or force")
+        self.pool(e.role).remove(e.url)
+        join = self._joins.pop(e.url, None)
+        if join is not None:
+            join.cancel()
+        self._probe_locks.pop(e.url, None)
+        self._probe_backoff.pop(e.url, None)
+        log.warning("%s engine %s removed", e.role.value, e.url)
+        return e
+
     # ---------------------------------------------------------------- health
 
     async def check(self, e: Engine) -> tuple[dict[str, Any], bool]:
@@ -207,7 +324,7 @@ class Fleet:
             total=max(2.0, self.settings.connect_timeout_s),
             sock_connect=self.settings.connect_timeout_s,
         )
-        info: dict[str, Any] = {"url": e.url, "in_flight": e.in_flight}
+        info: dict[str, Any] = {"url": e.url, "in_flight": e.in_flight, "state": e.state.value}
         refused = False
         try:
             async with self.session.get(e.url + "/health", timeout=timeout) as r:
@@ -231,8 +348,8 @@ class Fleet:
         """Every ``health_interval_s``, check every engine at once and move it in or out of
         rotation (:meth:`Engine.check_passed`, :meth:`Engine.check_failed`). Runs until
         cancelled."""
-        engines = self.engines
         while True:
+            engines = self.engines  # membership may have changed since the last round
             started = time.monotonic()
             results = await asyncio.gather(*(self.check(e) for e in engines))
             for e, (info, refused) in zip(engines, results, strict=True):

@@ -73,6 +73,8 @@ class Attempt:
     probe: ProbeInfo | None = None
     answer: TransferParams | None = None
     """pull: P's checked answer, once P's leg finished."""
+    wire: dict[str, Any] | None = None
+    """P's answer ``kv_transfer_params`` as it came (what a pull's D gets)."""
     p_leg: asyncio.Future[TransferParams] | None = None
     """push: P's leg."""
 
@@ -92,6 +94,21 @@ class Call:
     tried: dict[Role, set[str]] = field(
         default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()})
     retries: int = 0
+    held: list[Engine] = field(default_factory=list)
+    """Engines that serve a hand-off of this request beyond their open legs (a pull's P until
+    D's answer ended): :meth:`Engine.hold` until :meth:`release_held`."""
+
+    def hold(self, e: Engine) -> None:
+        """Count a hand-off on ``e`` until the request ends (once per engine)."""
+        if not any(h is e for h in self.held):
+            e.hold()
+            self.held.append(e)
+
+    def release_held(self) -> None:
+        """The request ended: nothing it handed off is served any more."""
+        for e in self.held:
+            e.unhold()
+        self.held.clear()
 
     def abandon(self) -> None:
         """Cancel the P legs of a failed dispatch (vLLM aborts them and frees their blocks)."""
@@ -235,6 +252,8 @@ class Relay:
                     502, f"prefill engine {p.url}: {exc}", "prefill_error", cause=Cause.MALFORMED
                 ) from None
             self.fleet.note_generation(p, answer)
+            if isinstance(kvp, dict):
+                call.attempt.wire = kvp
             self.metrics.observe_prefill_leg(mode.value, time.monotonic() - t0)
             return answer
         finally:

@@ -11,7 +11,7 @@ receives (a probe answer, a P answer) is parsed by :func:`kvbridge.params.parse`
 answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.md).
 
 - pull: P gets a one-token copy with ``do_remote_decode``; the least-loaded D is picked *after*
-  prefill and gets P's returned params (parsed, re-serialised).
+  prefill and gets P's returned params as P gave them, once parsed and checked.
 - push: D is picked *first*; P and D are dispatched concurrently with one ``transfer_id``; D's
   params name P's control address, learnt beforehand by a probe (:func:`probe_body`).
 - auto: push when some D has headroom (in-flight below ``push_headroom``), else pull.
@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 import re
-import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +38,16 @@ import msgspec
 
 from kvbridge import params
 from kvbridge.config import TransferMode
-from kvbridge.errors import ConfigError, ParamsError
+from kvbridge.errors import ParamsError
 from kvbridge.params import TransferParams
+from kvbridge.proxy.members import (
+    Engine,
+    Pool,
+    ProbeInfo,
+    Role,
+    control_addresses,
+    normalize_url,
+)
 
 __all__ = [
     "Role",
@@ -67,192 +73,16 @@ __all__ = [
     "read_prefill_answer",
     "validate_request",
     "PROBE_KEYS",
+    "control_addresses",
+    "normalize_url",
 ]
 
 PROBE_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 """Keys a probe answer must carry; they are what D needs to reach P in push mode."""
 
 
-class Role(enum.StrEnum):
-    """What an engine does for the proxy."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
 #: How the proxy hands a request from P to D: the same pull | push | auto as the connector's.
 ProxyMode = TransferMode
-
-
-@dataclass(frozen=True)
-class ProbeInfo:
-    """An engine's control addresses, as its connector answered a probe (parsed params)."""
-
-    params: TransferParams
-
-    @property
-    def engine_id(self) -> str:
-        return self.params.remote_engine_id or "?"
-
-    @property
-    def host(self) -> str:
-        return self.params.remote_host or "?"
-
-    @property
-    def port(self) -> int:
-        return self.params.remote_port or 0
-
-    @property
-    def tp_size(self) -> int:
-        return self.params.tp_size
-
-    @property
-    def version(self) -> str:
-        return self.params.kvbridge_version or "?"
-
-    @property
-    def generation(self) -> str | None:
-        """Rank 0's generation; a restarted engine answers a new one (None: not reported)."""
-        return self.params.kvbridge_generation
-
-    def addresses(self) -> list[str]:
-        """Every rank's control address (rank order)."""
-        return control_addresses(self.params)
-
-
-def control_addresses(answer: TransferParams) -> list[str]:
-    """The control addresses named by ``answer`` (``kvbridge_peers``, else rank 0's host:port)."""
-    out = []
-    for rank in range(max(1, len(answer.kvbridge_peers or ()))):
-        peer = answer.peer(rank)
-        if peer is not None:
-            out.append(peer.address)
-    return out
-
-
-@dataclass
-class Engine:
-    """One upstream vLLM engine and its live load as the proxy sees it.
-
-    ``in_flight`` counts the proxy's open requests to it (the routing signal). An engine is *in
-    rotation* unless it was taken out: by a connection-level failure (:meth:`mark_down`, for
-    ``cooldown_s``, or until a health check passes when ``cooldown_s`` is infinite) or by failed
-    health checks (:meth:`check_failed`). An engine out of rotation is only used when every
-    engine of its role is out, so one dead backend does not slow every request down.
-    """
-
-    url: str
-    role: Role
-    in_flight: int = 0
-    total: int = 0
-    errors: int = 0
-    down_until: float = 0.0
-    down_since: float = 0.0
-    last_error: str = ""
-    failed_checks: int = 0
-    probe: ProbeInfo | None = None
-
-    def acquire(self) -> None:
-        """Count one more open request to this engine."""
-        self.in_flight += 1
-        self.total += 1
-
-    def release(self) -> None:
-        """Count one request to this engine as finished (call exactly once per acquire)."""
-        self.in_flight = max(0, self.in_flight - 1)
-
-    def mark_down(self, reason: str, cooldown_s: float, now: float | None = None) -> None:
-        """Record a connection-level failure; routing avoids the engine for ``cooldown_s``
-        (``math.inf``: until :meth:`check_passed` puts it back)."""
-        now = time.monotonic() if now is None else now
-        self.errors += 1
-        self.last_error = reason
-        if self.is_up(now):
-            self.down_since = now
-        self.down_until = now + cooldown_s
-
-    def mark_up(self) -> None:
-        self.down_until = 0.0
-
-    def is_up(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) >= self.down_until
-
-    def check_passed(self, started: float, now: float | None = None) -> bool:
-        """A health check begun at ``started`` answered 200. Puts the engine back in rotation
-        unless it was taken out after the check began (a death the check did not see); True
-        when it came back."""
-        self.failed_checks = 0
-        if self.is_up(now) or self.down_since > started:
-            return False
-        self.mark_up()
-        return True
-
-    def check_failed(self, reason: str, refused: bool, threshold: int,
-                     now: float | None = None) -> bool:
-        """A health check failed. A refused connection (nothing listens: the process is gone)
-        takes the engine out at once, other failures (timeouts, non-200) after ``threshold`` in
-        a row; it stays out until a check passes. True when this check took it out."""
-        self.failed_checks += 1
-        if not (refused or self.failed_checks >= threshold):
-            return False
-        was_up = self.is_up(now)
-        now = time.monotonic() if now is None else now
-        self.last_error = reason
-        if was_up:
-            self.down_since = now
-        self.down_until = math.inf
-        return was_up
-
-
-class Pool:
-    """The engines of one role, with least-loaded picking and round-robin tie-breaks."""
-
-    def __init__(self, role: Role, urls: Sequence[str]) -> None:
-        if not urls:
-            raise ConfigError(f"at least one {role.value} engine URL is required")
-        self.role = role
-        self.engines = [Engine(normalize_url(u), role) for u in urls]
-        if len({e.url for e in self.engines}) != len(self.engines):
-            raise ConfigError(f"a {role.value} engine URL is listed twice")
-        self._next = 0
-
-    def pick(self, now: float | None = None, avoid: Collection[str] = ()) -> Engine:
-        """The in-rotation engine with the fewest in-flight requests; ties go round-robin.
-
-        Engines whose URL is in ``avoid`` (those a retried request already tried) are passed
-        over while another in-rotation engine is left. When every engine is out of rotation
-        the least-loaded one is returned anyway: the caller then fails fast with a clear error
-        instead of refusing without trying.
-        """
-        up = [e for e in self.engines if e.is_up(now)]
-        fresh = [e for e in up if e.url not in avoid]
-        candidates = fresh or up or self.engines
-        n = len(self.engines)
-        order = {id(e): (i - self._next) % n for i, e in enumerate(self.engines)}
-        best = min(candidates, key=lambda e: (e.in_flight, order[id(e)]))
-        self._next = (self.engines.index(best) + 1) % n
-        return best
-
-    def has_untried(self, tried: Collection[str], now: float | None = None) -> bool:
-        """Whether an in-rotation engine whose URL is not in ``tried`` is left."""
-        return any(e.is_up(now) and e.url not in tried for e in self.engines)
-
-    def least_in_flight(self, now: float | None = None) -> int:
-        """The smallest in-flight count among up engines (all engines when none is up)."""
-        up = [e for e in self.engines if e.is_up(now)] or self.engines
-        return min(e.in_flight for e in up)
-
-    def by_url(self, url: str) -> Engine | None:
-        url = normalize_url(url)
-        return next((e for e in self.engines if e.url == url), None)
-
-
-def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` → ``http://host:port``."""
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    return url
 
 
 @dataclass(frozen=True)
@@ -431,9 +261,21 @@ def push_decode_params(probe: ProbeInfo, transfer_id: str) -> dict[str, Any]:
     return params.push_decode_request(probe.params, transfer_id)
 
 
-def pull_decode_params(answer: TransferParams) -> dict[str, Any]:
-    """D's ``kv_transfer_params`` in pull mode: P's (checked) answer, re-serialised."""
-    return params.to_wire(answer)
+def pull_decode_params(answer: TransferParams,
+                       raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """D's ``kv_transfer_params`` in pull mode: P's answer ``raw`` as P gave it, once
+    :func:`read_prefill_answer` checked it as ``answer``, with the proxy's ``transfer_id``.
+
+    Passed through, not re-serialised, so a D of another connector gets what its P meant: vLLM's
+    per-group ``remote_block_ids`` (``[[...]]``) stays nested and keys kvbridge does not read (a
+    stock NixlConnector's ``dcp_size`` …) stay; a fleet that mixes kvbridge and vLLM's own
+    connectors during a migration routes through one proxy. Without ``raw``: ``answer``
+    re-serialised."""
+    if raw is None:
+        return params.to_wire(answer)
+    out = dict(raw)
+    out["transfer_id"] = answer.transfer_id
+    return out
 
 
 def decode_body(body: Mapping[str, Any], kv_params: Mapping[str, Any]) -> dict[str, Any]:

@@ -415,6 +415,9 @@ class LazyCommand:
     module: str
     help: str
     install_hint: str = ""
+    functions: tuple[str, str] = ("add_arguments", "cli_main")
+    """The module's argument adder and runner (another pair lets one module serve two
+    commands)."""
 
     def add_parser(self, subparsers: Any, load: bool) -> None:
         p = subparsers.add_parser(self.name, help=self.help, description=self.help)
@@ -422,8 +425,8 @@ class LazyCommand:
             return
         try:
             mod = importlib.import_module(self.module)
-            add_arguments = mod.add_arguments
-            cli_main = mod.cli_main
+            add_arguments = getattr(mod, self.functions[0])
+            cli_main = getattr(mod, self.functions[1])
         except (ImportError, AttributeError) as exc:
             p.set_defaults(func=lambda _args, exc=exc: self._unavailable(exc), accepts_extra=True)
             return
@@ -461,6 +464,19 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
         "kvbridge.tools.doctor.run",
         "check what makes deployments fail: backends, vLLM, ptrace/CMA, NIXL, ports, secret",
         "pip install kvbridge",
+    ),
+    LazyCommand(
+        "engines",
+        "kvbridge.tools.fleetctl",
+        "list, add, drain, resume or remove a running proxy's engines (its /admin endpoints)",
+        "pip install kvbridge",
+    ),
+    LazyCommand(
+        "drain",
+        "kvbridge.tools.fleetctl",
+        "drain an engine behind a proxy: no new requests, and return once what it serves ended",
+        "pip install kvbridge",
+        ("add_drain_arguments", "drain_main"),
     ),
     LazyCommand(
         "demo",

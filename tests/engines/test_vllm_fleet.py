@@ -7,6 +7,8 @@ all on this host, oversubscribed) behind one kvbridge proxy per mode.
   proxy retries them on the other P, with a fresh transfer_id, takes the dead P out of rotation,
   and puts it back once it is restarted. A D waiting for a push from the dead P fails through
   its heartbeats (the reason says the P is gone), not after ``prefill_wait_s``.
+- A D drained under load, removed, stopped, replaced by a new process and added back; a P
+  drained: no request fails or is retried, and nothing stays pinned (the operator's week).
 - A D killed under load: the requests it held before its first byte reached a client are
   retried on the other D; a stream it was in the middle of ends with an in-band error event,
   never a hang. Nothing stays pinned on the surviving engines one lease later.
@@ -39,6 +41,7 @@ from kvbridge.testing.clients import engine_client
 from kvbridge.tools import prom
 from kvbridge.tools.client import complete, engine_stats, output_token_ids, probe, stream_complete
 from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
+from kvbridge.tools.fleetctl import AdminClient
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
@@ -261,6 +264,65 @@ def test_every_mode_spreads_over_both_prefills_and_both_decodes(fleet: Fleet, mo
                    f"{n} counted no hand-off")
     assert sum(fleet.served(n) - before[n][0] for n in ("D0", "D1")) == 8
     assert not any(fleet.retries().values())  # nothing failed: nothing dispatched twice
+
+
+def admins(f: Fleet) -> list[AdminClient]:
+    """One admin client per proxy (mode); the token comes from this user's per-host secret,
+    as the proxies compute it."""
+    return [AdminClient(url) for url in f.px.urls.values()]
+
+
+def test_a_decode_drained_under_load_is_replaced_without_a_failed_request(fleet: Fleet) -> None:
+    """The operator's week: drain D0 while requests run, stop it once drained, start its
+    successor, add it, and it serves; drain P0 the same way. Every request through every mode
+    answers 200 with the single-engine reference, nothing is retried, and nothing stays
+    pinned on any engine."""
+    f = fleet
+    retries = sum(f.retries().values())
+    with cf.ThreadPoolExecutor(12) as ex:
+        prompts, futures = burst(ex, f, 4)
+        wait_until(lambda: f.in_flight("D0") > 0, 30, "no load reached D0")
+        rows = [a.drain(f.url("D0")) for a in admins(f)]
+        assert {r["state"] for r in rows} <= {"draining", "drained"}
+        served = f.served("D0")
+        more, later = burst(ex, f, 4)  # sent while D0 drains: all go to D1
+        check_outputs(f, prompts, futures)
+        check_outputs(f, more, later)
+    assert f.served("D0") == served
+    for a in admins(f):
+        assert a.wait_drained(f.url("D0"), 60)["state"] == "drained"
+    assert f.wait_idle("D0") == 0, "a drained D still holds transfers"
+    # replace it: forget it, stop it (SIGTERM), start its successor, add it back
+    for a in admins(f):
+        assert a.remove(f.url("D0"))["state"] == "removed"
+    f.engines["D0"].stop()
+    f.engines["D0"] = f.engine("D0")
+    start_servers([f.engines["D0"]], timeout=600)
+    for a in admins(f):
+        assert a.add("decode", f.url("D0"))["state"] == "joining"
+    wait_until(lambda: all(next(r for r in a.engines() if r["url"] == f.url("D0"))["state"]
+                           == "active" for a in admins(f)), 30, "D0's successor never joined")
+    fresh = f.served("D0")  # the successor is a new engine of the proxies: its count starts anew
+    # a prefill drained the same way: its pulls end before it is drained
+    with cf.ThreadPoolExecutor(12) as ex:
+        prompts, futures = burst(ex, f, 4)
+        for a in admins(f):
+            a.drain(f.url("P0"))
+        check_outputs(f, prompts, futures)
+        served_p0 = f.served("P0")
+        check_outputs(f, *burst(ex, f, 2))
+    assert f.served("P0") == served_p0
+    for a in admins(f):
+        assert a.wait_drained(f.url("P0"), 60)["state"] == "drained"
+    assert f.wait_idle("P0") == 0, "a drained P still holds leases"
+    for a in admins(f):
+        a.resume(f.url("P0"))
+    with cf.ThreadPoolExecutor(12) as ex:
+        check_outputs(f, *burst(ex, f, 4))
+    assert f.served("D0") > fresh  # the successor serves
+    assert sum(f.retries().values()) == retries  # nothing failed, nothing dispatched twice
+    for name in NAMES:
+        assert f.wait_idle(name) == 0, f"{name} still holds transfers"
 
 
 def orphan_push(f: Fleet, prefill: str, decode: str, tid: str) -> cf.Future[tuple[int, Any]]:

@@ -33,6 +33,7 @@ import pytest
 import zmq
 from aiohttp import web
 
+from kvbridge import trust
 from kvbridge.control import ControlServer
 from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, TransferQuery, TransferReply
@@ -1505,3 +1506,258 @@ def test_salt_from_header_needs_a_secret_and_a_header_name() -> None:
         ProxySettings(["http://p"], ["http://d"], salt_header="X-Tenant").check()
     with pytest.raises(ConfigError, match="must name a header"):
         ProxySettings(["http://p"], ["http://d"], salt_header=" ", control_secret="s").check()
+
+
+# ------------------------------------------------------------------------------ mixed fleets
+
+
+async def test_pull_passes_a_stock_prefill_answer_through_as_it_came(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """vLLM's NixlConnector answers per-group ``remote_block_ids`` (``[[...]]``) and keys
+    kvbridge does not read; re-serialised, the nesting was flattened and vLLM's D died with
+    ``'int' object is not iterable``. D gets P's answer as P gave it, plus the transfer id."""
+    stock = {"remote_block_ids": [[3, 4, 5]], "dcp_size": 1, "remote_request_id": "cmpl-7-0",
+             "remote_blocks_expiry_time": None}
+    p = await engines("prefill", bad_params=stock)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    [seen] = d.requests()
+    got = seen.body["kv_transfer_params"]
+    for key, value in stock.items():
+        assert got[key] == value, key
+    assert got["transfer_id"] == tid_of(p.requests()[0])
+
+
+# ------------------------------------------------------------------------------ /admin
+
+SECRET = "admin-test-secret"
+TOKEN = trust.admin_token(SECRET.encode())
+
+
+async def admin(client: aiohttp.ClientSession, proxy: ProxyServer, method: str, path: str,
+                token: str | None = TOKEN, **kw: Any) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    async with client.request(method, proxy.url + path, headers=headers, **kw) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def rows(listing: Any) -> dict[str, dict[str, Any]]:
+    return {row["url"]: row for row in listing["engines"]}
+
+
+async def test_admin_needs_the_token_and_changes_nothing_without_it(
+        engines: Any, proxies: Any, client: Any) -> None:
+    ps, ds = await fleet(engines, 1, 2)
+    proxy = await proxies([p.url for p in ps], [d.url for d in ds], control_secret=SECRET)
+    for token in (None, "", "0" * 64, trust.admin_token(b"another fleet's secret")):
+        status, answer = await admin(client, proxy, "POST", f"/admin/drain?engine={ds[0].url}",
+                                     token=token)
+        assert status == 401 and answer["error"]["param"] == "Authorization"
+        assert (await admin(client, proxy, "GET", "/admin/engines", token=token))[0] == 401
+    status, listing = await admin(client, proxy, "GET", "/admin/engines")
+    assert status == 200
+    assert {r["state"] for r in listing["engines"]} == {"active"}
+    assert [r["role"] for r in listing["engines"]] == ["prefill", "decode", "decode"]
+
+
+async def test_admin_is_off_without_any_secret(
+        engines: Any, proxies: Any, client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trust, "for_tools", lambda secret=None: trust.Trust(None, "insecure"))
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url])
+    status, answer = await admin(client, proxy, "GET", "/admin/engines")
+    assert status == 403 and answer["error"]["type"] == "admin_disabled"
+
+
+async def test_draining_a_decode_finishes_its_request_and_sends_it_no_new_one(
+        engines: Any, proxies: Any, client: Any) -> None:
+    ps, ds = await fleet(engines, 1, 2)
+    for d in ds:
+        d.first_delay = 0.6
+    proxy = await proxies([ps[0].url], [d.url for d in ds], mode=ProxyMode.PUSH,
+                          control_secret=SECRET)
+    slow = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    while not (ds[0].requests() or ds[1].requests()):
+        await asyncio.sleep(0.01)
+    busy = ds[0] if ds[0].requests() else ds[1]
+    other = ds[1] if busy is ds[0] else ds[0]
+    status, row = await admin(client, proxy, "POST", f"/admin/drain?engine={busy.url}")
+    assert status == 200 and row["state"] == "draining" and row["in_flight"] == 1
+    results = await asyncio.gather(
+        *(post(client, proxy.url + "/v1/completions", COMPLETION) for _ in range(4)))
+    assert [s for s, _ in results] == [200] * 4
+    assert (await slow)[0] == 200  # what it served ran to its end
+    assert len(busy.requests()) == 1 and len(other.requests()) == 4
+    listing = rows((await admin(client, proxy, "GET", "/admin/engines"))[1])
+    assert listing[busy.url]["state"] == "drained" and listing[other.url]["state"] == "active"
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "engine_state", engine=busy.url, role="decode",
+                      state="drained") == 1
+    assert prom.value(text, P + "engine_state", engine=busy.url, role="decode",
+                      state="active") == 0
+    # resume: it takes requests again
+    assert (await admin(client, proxy, "POST", f"/admin/resume?engine={busy.url}"))[1][
+        "state"] == "active"
+    await asyncio.gather(*(post(client, proxy.url + "/v1/completions", COMPLETION)
+                           for _ in range(2)))
+    assert len(busy.requests()) == 2
+
+
+async def test_a_draining_prefill_is_drained_only_once_its_pulls_decode_leg_ended(
+        engines: Any, proxies: Any, client: Any) -> None:
+    ps, ds = await fleet(engines, 2, 1)
+    ds[0].first_delay = 0.8
+    proxy = await proxies([p.url for p in ps], [ds[0].url], mode=ProxyMode.PULL,
+                          control_secret=SECRET)
+    req = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    while not ds[0].requests():  # P answered; D claims the hand-off
+        await asyncio.sleep(0.01)
+    p = ps[0] if ps[0].requests() else ps[1]
+    status, row = await admin(client, proxy, "POST", f"/admin/drain?engine={p.url}")
+    assert row["in_flight"] == 0 and row["handoffs"] == 1 and row["state"] == "draining"
+    # removing it now would lose the lease D is pulling: refused
+    status, answer = await admin(client, proxy, "DELETE", f"/admin/engines?engine={p.url}")
+    assert status == 409 and "drain" in answer["error"]["message"]
+    assert (await req)[0] == 200
+    assert rows((await admin(client, proxy, "GET", "/admin/engines"))[1])[p.url][
+        "state"] == "drained"
+    status, row = await admin(client, proxy, "DELETE", f"/admin/engines?engine={p.url}")
+    assert status == 200 and row["state"] == "removed"
+    assert [e.url for e in proxy.prefills.engines] == [q.url for q in ps if q is not p]
+
+
+async def test_every_decode_draining_is_503_with_retry_after_and_touches_no_engine(
+        engines: Any, proxies: Any, client: Any) -> None:
+    ps, ds = await fleet(engines, 1, 2)
+    proxy = await proxies([ps[0].url], [d.url for d in ds], mode=ProxyMode.AUTO,
+                          control_secret=SECRET)
+    for d in ds:
+        assert (await admin(client, proxy, "POST", f"/admin/drain?engine={d.url}"))[0] == 200
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        answer = await r.json()
+    assert answer["error"]["type"] == "no_engine"
+    assert "no decode engine takes new requests (2 draining)" in answer["error"]["message"]
+    assert ps[0].requests() == [] and all(d.requests() == [] for d in ds)
+
+
+async def test_an_added_engine_joins_once_healthy_and_then_serves(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    late = await engines("decode", health_status=503)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL, control_secret=SECRET)
+    status, row = await admin(client, proxy, "POST", "/admin/engines",
+                              json={"role": "decode", "url": late.url + "/"})
+    assert status == 202 and row["state"] == "joining" and row["url"] == late.url
+    await asyncio.sleep(1.5)  # its /health still fails: it gets nothing
+    await asyncio.gather(*(post(client, proxy.url + "/v1/completions", COMPLETION)
+                           for _ in range(3)))
+    assert late.requests() == []
+    assert rows((await admin(client, proxy, "GET", "/admin/engines"))[1])[late.url][
+        "state"] == "joining"
+    late.health_status = 200
+    deadline = time.monotonic() + 10
+    while proxy.decodes.by_url(late.url).state.value != "active":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the added engine never joined"
+        await asyncio.sleep(0.1)
+    d.first_delay = 0.3  # the old one is busy: the new one takes the next request
+    await asyncio.gather(*(post(client, proxy.url + "/v1/completions", COMPLETION)
+                           for _ in range(2)))
+    assert late.requests()
+    # the same URL again, or as the other role, is a conflict
+    for role in ("decode", "prefill"):
+        status, answer = await admin(client, proxy, "POST", "/admin/engines",
+                                     json={"role": role, "url": late.url})
+        assert status == 409 and answer["error"]["param"] == "url"
+
+
+async def test_a_prefill_added_to_a_pushing_proxy_joins_after_its_probe(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    new = await engines("prefill", engine_id="P-new")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PUSH, control_secret=SECRET)
+    assert (await admin(client, proxy, "POST", "/admin/engines",
+                        json={"role": "prefill", "url": new.url}))[0] == 202
+    deadline = time.monotonic() + 10
+    while proxy.prefills.by_url(new.url).state.value != "active":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert new.requests(probe=True)  # the handshake happened before it joined
+    assert proxy.prefills.by_url(new.url).probe is not None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("method", "path", "kw", "status", "param"), [
+    ("POST", "/admin/drain", {}, 400, "engine"),
+    ("POST", "/admin/drain?engine=http://127.0.0.1:1", {}, 404, "engine"),
+    ("POST", "/admin/drain?engine=ftp://h:1", {}, 400, "engine"),
+    ("POST", "/admin/drain?engine=http://h:1/v1", {}, 400, "engine"),
+    ("POST", "/admin/drain?engine=http://u:p@h:1", {}, 400, "engine"),
+    ("POST", "/admin/resume?engine=http://h", {}, 400, "engine"),
+    ("DELETE", "/admin/engines", {}, 400, "engine"),
+    ("POST", "/admin/engines", {"data": b"{not json"}, 400, None),
+    ("POST", "/admin/engines", {"json": ["decode"]}, 400, None),
+    ("POST", "/admin/engines", {"json": {"role": "decode"}}, 400, "url"),
+    ("POST", "/admin/engines", {"json": {"role": "both", "url": "http://h:1"}}, 400, "role"),
+    ("POST", "/admin/engines", {"json": {"role": "decode", "url": "h:1", "x": 1}}, 400, "x"),
+    ("POST", "/admin/engines", {"json": {"role": "decode", "url": 7}}, 400, "url"),
+    ("POST", "/admin/engines", {"json": {"role": "decode", "url": "http://" + "h" * 400}},
+     400, "url"),
+    ("POST", "/admin/engines", {"data": b"{" + b" " * (70 << 10) + b"}"}, 413, None),
+])
+async def test_admin_refuses_bad_input_naming_the_field(
+        engines: Any, proxies: Any, client: Any, method: str, path: str, kw: dict[str, Any],
+        status: int, param: str | None) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url], control_secret=SECRET)
+    got, answer = await admin(client, proxy, method, path, **kw)
+    assert got == status, answer
+    assert answer["error"]["param"] == param
+    assert len(proxy.fleet.engines) == 2 and all(e.accepting for e in proxy.fleet.engines)
+    # the proxy keeps serving
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+
+
+async def test_the_last_engine_of_a_role_cannot_be_removed(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url], control_secret=SECRET)
+    await admin(client, proxy, "POST", f"/admin/drain?engine={d.url}")
+    status, answer = await admin(client, proxy, "DELETE", f"/admin/engines?engine={d.url}")
+    assert status == 409 and "last decode engine" in answer["error"]["message"]
+
+
+async def test_kvbridge_engines_and_drain_commands(
+        engines: Any, proxies: Any, client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.tools import cli
+
+    ps, ds = await fleet(engines, 1, 2)
+    ds[0].first_delay = ds[1].first_delay = 0.5
+    proxy = await proxies([ps[0].url], [d.url for d in ds], mode=ProxyMode.PULL,
+                          control_secret=SECRET)
+
+    async def run(*argv: str, secret: str = SECRET) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = await asyncio.to_thread(cli.main, [*argv[:1], "--proxy", proxy.url,
+                                                  "--control-secret", secret, *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = await run("engines", "--json")
+    assert code == 0 and [r["state"] for r in json.loads(out)] == ["active"] * 3
+    req = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    while not (ds[0].requests() or ds[1].requests()):
+        await asyncio.sleep(0.01)
+    busy = ds[0] if ds[0].requests() else ds[1]
+    # `kvbridge drain` returns once what the engine serves has ended
+    code, out, _ = await run("drain", busy.url, "--json", "--wait", "20")
+    assert req.done() and (await req)[0] == 200
+    assert code == 0 and json.loads(out)[0]["state"] == "drained"
+    code, out, _ = await run("engines", "remove", busy.url)
+    assert code == 0 and "removed" in out
+    code, _, err = await run("engines", "resume", busy.url)
+    assert code == 1 and "HTTP 404" in err
+    code, _, err = await run("engines", "list", secret="not the fleet's secret")
+    assert code == 1 and "HTTP 401" in err
+    code, out, _ = await run("engines", "add", "decode", busy.url)
+    assert code == 0 and "joining" in out

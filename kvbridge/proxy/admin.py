@@ -1,0 +1,214 @@
+"""The proxy's ``/admin`` endpoints: see and change the engines it routes to, while it serves.
+
+========  =====================================  ===============================================
+method    path                                   does
+========  =====================================  ===============================================
+GET       ``/admin/engines``                     every engine: state, load, hand-offs (200)
+POST      ``/admin/engines``                     add ``{"role": "prefill"|"decode", "url": …}``;
+                                                 it joins in the background (202)
+POST      ``/admin/drain?engine=URL``            no new requests to it; what it serves runs on
+POST      ``/admin/resume?engine=URL``           undo a drain
+DELETE    ``/admin/engines?engine=URL[&force=1]``  forget it (409 while it serves something)
+========  =====================================  ===============================================
+
+States and admissions are :mod:`kvbridge.proxy.members`'; the changes are
+:class:`~kvbridge.proxy.pool.Fleet`'s. Every answer is JSON: the engine's row (or ``engines``, a
+list of rows), or ``{"error": {"message", "type", "param"}}`` naming the bad field.
+
+Trust: every request needs ``Authorization: Bearer <token>``, the token being
+:func:`kvbridge.trust.admin_token` of the fleet secret (``--control-secret`` /
+``KVBRIDGE_SECRET``), else of the per-user secret of this host — whoever may talk to the
+engines may run the fleet, and nobody else: a wrong or missing token is a 401 and changes
+nothing; a proxy that runs without any secret (``allow_insecure_control``) answers 403.
+``kvbridge engines`` and ``kvbridge drain`` compute the same token. Bodies over 64 KiB are
+refused (413) before they are parsed.
+
+Contract: handlers run on the proxy's event loop and never block; a change is made at once and
+is visible to the next pick.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvbridge import trust
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.proxy.members import Engine, Role
+from kvbridge.proxy.pool import Fleet
+
+__all__ = ["AdminApi", "engine_row", "MAX_BODY"]
+
+log = logging.getLogger("kvbridge.proxy.admin")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = 64 << 10
+_HOST = re.compile(r"^[A-Za-z0-9.\-]{1,253}$|^\[[0-9A-Fa-f:.]{2,45}\]$")
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class _Bad(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def engine_row(e: Engine, now: float | None = None) -> dict[str, Any]:
+    """What ``GET /admin/engines`` shows of one engine."""
+    now = time.monotonic() if now is None else now
+    row: dict[str, Any] = {
+        "url": e.url,
+        "role": e.role.value,
+        "state": e.state.value,
+        "admission": e.admission.value,
+        "in_rotation": e.is_up(now),
+        "in_flight": e.in_flight,
+        "handoffs": e.handoffs,
+        "requests": e.total,
+        "errors": e.errors,
+    }
+    if e.since:
+        row["state_for_s"] = round(now - e.since, 3)
+    if e.last_error:
+        row["last_error"] = e.last_error
+    if e.probe is not None:
+        row["engine_id"] = e.probe.engine_id
+        if e.probe.generation is not None:
+            row["generation"] = e.probe.generation
+    return row
+
+
+def check_engine_url(value: Any, param: str = "url") -> str:
+    """An engine base URL (``http[s]://host:port``), or :class:`_Bad` naming ``param``."""
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad(400, f"'{param}' must be an engine URL such as http://10.0.0.7:8100", param)
+    if len(value) > 300:
+        raise _Bad(400, f"'{param}' is {len(value)} characters long; at most 300", param)
+    text = value.strip().rstrip("/")
+    parsed = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    host = parsed.netloc.rsplit(":", 1)[0] if port is not None else parsed.netloc
+    if (parsed.scheme not in ("http", "https") or port is None or not _HOST.match(host)
+            or parsed.path or parsed.query or parsed.fragment or "@" in parsed.netloc):
+        raise _Bad(400, f"'{param}' must be http[s]://host:port with nothing after the port, "
+                        f"got {value[:100]!r}", param)
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+class AdminApi:
+    """The ``/admin`` routes of one proxy (see the module docstring)."""
+
+    def __init__(self, fleet: Fleet, secret: str | None) -> None:
+        self.fleet = fleet
+        self._token: str | None = None
+        self._disabled = ""
+        try:
+            key = trust.for_tools(secret).secret
+        except KVBridgeError as exc:
+            key = None
+            self._disabled = f"the proxy cannot read its secret: {exc}"
+        if key is None:
+            self._disabled = self._disabled or (
+                "the proxy runs without a secret (allow_insecure_control): its admin endpoints "
+                "are off; give it --control-secret or KVBRIDGE_SECRET")
+        else:
+            self._token = trust.admin_token(key)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/engines", self._guard(self._list))
+        app.router.add_post("/admin/engines", self._guard(self._add))
+        app.router.add_delete("/admin/engines", self._guard(self._remove))
+        app.router.add_post("/admin/drain", self._guard(self._drain))
+        app.router.add_post("/admin/resume", self._guard(self._resume))
+
+    def _guard(self, handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if self._token is None:
+                return _error(403, self._disabled, "admin_disabled")
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), self._token.encode()):
+                log.warning("admin %s %s refused: %s bearer token", request.method,
+                            request.path, "wrong" if given else "no")
+                return _error(401, "the admin endpoints need 'Authorization: Bearer <token>' "
+                                   "(kvbridge engines / kvbridge drain compute it from the "
+                                   "fleet secret)", "unauthorized", "Authorization")
+            try:
+                return await handler(request)
+            except _Bad as exc:
+                return _error(exc.status, str(exc), "invalid_request_error", exc.param)
+        return guarded
+
+    def _engine(self, request: web.Request) -> Engine:
+        raw = request.query.get("engine")
+        if raw is None:
+            raise _Bad(400, "name the engine: ?engine=http://host:port", "engine")
+        url = check_engine_url(raw, "engine")
+        try:
+            return self.fleet.find(url)
+        except ConfigError as exc:
+            raise _Bad(404, str(exc), "engine") from None
+
+    async def _list(self, request: web.Request) -> web.StreamResponse:
+        now = time.monotonic()
+        return web.json_response({"engines": [engine_row(e, now) for e in self.fleet.engines]})
+
+    async def _add(self, request: web.Request) -> web.StreamResponse:
+        if (request.content_length or 0) > MAX_BODY:
+            raise _Bad(413, f"the body is over {MAX_BODY} bytes")
+        raw = await request.content.read(MAX_BODY + 1)
+        if len(raw) > MAX_BODY:
+            raise _Bad(413, f"the body is over {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise _Bad(400, "the body must be a JSON object such as "
+                            '{"role": "decode", "url": "http://10.0.0.7:8100"}') from None
+        if not isinstance(body, dict):
+            raise _Bad(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - {"role", "url"})
+        if unknown:
+            raise _Bad(400, f"unknown field {unknown[0]!r}; the fields are role and url",
+                       unknown[0][:64])
+        role_text = body.get("role")
+        if role_text not in ("prefill", "decode"):
+            raise _Bad(400, "'role' must be 'prefill' or 'decode'", "role")
+        url = check_engine_url(body.get("url"))
+        try:
+            e = self.fleet.add(Role(role_text), url)
+        except ConfigError as exc:
+            raise _Bad(409, str(exc), "url") from None
+        return web.json_response(engine_row(e), status=202)
+
+    async def _drain(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(engine_row(self.fleet.drain(self._engine(request).url)))
+
+    async def _resume(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(engine_row(self.fleet.resume(self._engine(request).url)))
+
+    async def _remove(self, request: web.Request) -> web.StreamResponse:
+        e = self._engine(request)
+        force = request.query.get("force", "0") not in ("0", "false", "")
+        try:
+            removed = self.fleet.remove(e.url, force=force)
+        except ConfigError as exc:
+            raise _Bad(409, str(exc), "engine") from None
+        row = engine_row(removed)
+        row["state"] = "removed"
+        return web.json_response(row)

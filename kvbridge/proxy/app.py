@@ -48,6 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.proxy.admin import AdminApi
+from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.dispatch import Dispatcher
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.members import NoEngine
@@ -134,6 +135,8 @@ class ProxyServer:
             self._spawn(self.discover())
         if s.health_interval_s > 0:
             self._spawn(self.fleet.health_loop())
+        if s.kv_admission is not KvAdmission.OFF:
+            await self.fleet.learn_capacities()  # before the first request is admitted
 
     async def stop(self) -> None:
         """Stop serving, cancel background work and close every upstream connection."""
@@ -221,7 +224,7 @@ class ProxyServer:
             if exc.response is not None:  # D's own answer, unless an engine says why
                 return exc.response
             resp = _error(exc.status, exc.message, exc.kind, exc.param)
-            if exc.kind == "no_engine":  # every engine of a role is draining or joining
+            if exc.kind in ("no_engine", "no_kv_credit"):  # a moment later it may fit
                 resp.headers["Retry-After"] = "1"
             return resp
         except asyncio.CancelledError:

@@ -20,6 +20,7 @@ import signal
 from collections.abc import Sequence
 
 from kvbridge.proxy.app import serve
+from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.values import LOG_LEVELS
@@ -121,6 +122,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "header get none (default: $KVBRIDGE_SALT_FROM_HEADER, else off)",
     )
     parser.add_argument(
+        "--kv-admission",
+        choices=[m.value for m in KvAdmission],
+        default=os.environ.get("KVBRIDGE_KV_ADMISSION") or "off",
+        help="admission by KV credit: send a request on only when a decode engine has KV for "
+        "its prompt and max_tokens; when none has: reject (503 with Retry-After) or queue "
+        "(then 503 after --kv-queue-s); off admits all (default: $KVBRIDGE_KV_ADMISSION, "
+        "else off)",
+    )
+    parser.add_argument(
+        "--kv-credit-fraction",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="share of each decode engine's KV cache this proxy commits: 1/N with N proxies "
+        "in front of the same engines, above 1 overcommits (default 1)",
+    )
+    parser.add_argument(
+        "--kv-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="--kv-admission queue: most requests waiting for credit at once (default 64)",
+    )
+    parser.add_argument(
+        "--kv-queue-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--kv-admission queue: longest wait for credit before a 503 (default 30)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -146,6 +178,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         health_interval_s=args.health_interval,
         health_failures=args.health_failures,
         salt_header=args.salt_from_header,
+        kv_admission=KvAdmission(args.kv_admission),
+        kv_credit_fraction=args.kv_credit_fraction,
+        kv_queue=args.kv_queue,
+        kv_queue_s=args.kv_queue_s,
     )
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 
 from kvbridge.params import TransferParams
+from kvbridge.proxy.credit import NoCredit
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
@@ -104,6 +105,7 @@ class Dispatcher:
         the engines' reason for the last attempt's failure (``response``: D's own answer)."""
         forced: Decision | None = None
         reuse: Attempt | None = None
+        await self._admit(body, call)
         while True:
             call.attempt = Attempt()
             try:
@@ -147,6 +149,30 @@ class Dispatcher:
                 )
                 continue
             return resp
+
+    async def _admit(self, body: dict[str, Any], call: Call) -> None:
+        """Claim KV credit on a D for the whole request before any leg starts (waits or
+        raises a 503 ``no_kv_credit`` per ``--kv-admission``)."""
+        try:
+            self.fleet.prefills.require()  # no engine at all: say that, at once
+            self.fleet.decodes.require()
+            call.reservation = await self.fleet.admission.admit(body)
+        except NoEngine as exc:
+            self.metrics.error("no_engine")
+            raise LegFailed(503, str(exc), "no_engine", cause=Cause.REFUSED) from None
+        except NoCredit as exc:
+            self.metrics.error("no_kv_credit")
+            raise LegFailed(503, str(exc), "no_kv_credit", cause=Cause.REFUSED) from None
+
+    def _pick_decode(self, call: Call) -> Engine:
+        """The least-loaded D with KV credit for the request; its claim follows it."""
+        r = call.reservation
+        d = self.fleet.decodes.pick(
+            avoid=call.tried[Role.DECODE],
+            only=None if r is None or r.engine is None
+            else (lambda e: self.fleet.admission.fits(e, r)))
+        call.place(d)
+        return d
 
     async def _plan_retry(self, exc: LegFailed, call: Call) -> Retry | None:
         """How to retry the failed attempt (see :func:`routing.plan_retry`), or None."""
@@ -212,7 +238,7 @@ class Dispatcher:
         att.p, att.tid, att.answer = p, tid, answer
         call.hold(p)  # P serves the pull until D's answer ends (drain waits for it)
         # late placement: the least-loaded D now that prefill is done
-        d = att.d = self.fleet.decodes.pick(avoid=call.tried[Role.DECODE])
+        d = att.d = self._pick_decode(call)
         d.acquire()
         d_body = decode_body(body, pull_decode_params(answer, att.wire))
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
@@ -237,7 +263,7 @@ class Dispatcher:
         att.mode = ProxyMode.PUSH
         call.mode = ProxyMode.PUSH.value
         # early placement: D is committed before prefill starts
-        d = att.d = self.fleet.decodes.pick(avoid=call.tried[Role.DECODE])
+        d = att.d = self._pick_decode(call)
         p = att.p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
         d.acquire()
         try:

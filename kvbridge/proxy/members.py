@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
@@ -254,18 +254,22 @@ class Pool:
         if not self._accepting():
             raise NoEngine(self.role, self.engines)
 
-    def pick(self, now: float | None = None, avoid: Collection[str] = ()) -> Engine:
+    def pick(self, now: float | None = None, avoid: Collection[str] = (),
+             only: Callable[[Engine], bool] | None = None) -> Engine:
         """The in-rotation engine with the fewest in-flight requests; ties go round-robin.
 
-        Only ``active`` engines are candidates; with none, :class:`NoEngine`. Engines whose URL
-        is in ``avoid`` (those a retried request already tried) are passed over while another
-        in-rotation engine is left. When every candidate is out of rotation the least-loaded
-        one is returned anyway: the caller then fails fast with a clear error instead of
-        refusing without trying.
+        Only ``active`` engines are candidates; with none, :class:`NoEngine`. Of those, the ones
+        ``only`` accepts (a D with KV credit for the request) are preferred while there is one.
+        Engines whose URL is in ``avoid`` (those a retried request already tried) are passed
+        over while another in-rotation engine is left. When every candidate is out of rotation
+        the least-loaded one is returned anyway: the caller then fails fast with a clear error
+        instead of refusing without trying.
         """
         accepting = self._accepting()
         if not accepting:
             raise NoEngine(self.role, self.engines)
+        if only is not None:
+            accepting = [e for e in accepting if only(e)] or accepting
         up = [e for e in accepting if e.is_up(now)]
         fresh = [e for e in up if e.url not in avoid]
         candidates = fresh or up or accepting

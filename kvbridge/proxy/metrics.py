@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbridge.proxy.credit import KvAdmission, KvCredit
 from kvbridge.proxy.members import EngineState
 from kvbridge.proxy.routing import Engine
 
@@ -59,6 +60,7 @@ class _Engines(Collector):
 
     def __init__(self) -> None:
         self.engines: Callable[[], Iterable[Engine]] = lambda: ()
+        self.credit: KvCredit | None = None
 
     def collect(self) -> Iterator[Any]:
         engines = list(self.engines())
@@ -87,6 +89,23 @@ class _Engines(Collector):
             for s in EngineState:
                 state.add_metric([e.url, e.role.value, s.value], int(s is now))
         yield state
+        if self.credit is None or self.credit.mode is KvAdmission.OFF:
+            return
+        credit = GaugeMetricFamily(_P + "kv_credit_blocks", "KV blocks a decode engine may "
+                                   "still be given (capacity minus admitted requests' needs).",
+                                   labels=["engine"])
+        capacity = GaugeMetricFamily(_P + "kv_capacity_blocks", "A decode engine's KV cache "
+                                     "as this proxy may commit it, in blocks.", labels=["engine"])
+        for e in engines:
+            cap = self.credit.capacity.get(e.url)
+            left = self.credit.credit(e)
+            if cap is not None and left is not None:
+                credit.add_metric([e.url], left)
+                capacity.add_metric([e.url], cap.blocks)
+        yield credit
+        yield capacity
+        yield GaugeMetricFamily(_P + "kv_queued", "Requests waiting for KV credit.",
+                                value=self.credit.queued())
 
 
 class ProxyMetrics:
@@ -128,6 +147,10 @@ class ProxyMetrics:
                                       "read.", ("mode",))
         self._engines = _Engines()
         r.register(self._engines)
+
+    def watch_credit(self, credit: KvCredit) -> None:
+        """Publish ``credit``'s per-engine KV credit (only while admission is on)."""
+        self._engines.credit = credit
 
     def request_done(self, mode: str, outcome: str) -> None:
         self._requests.labels(mode, outcome).inc()

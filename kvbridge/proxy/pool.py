@@ -38,6 +38,7 @@ import aiohttp
 
 from kvbridge.errors import ConfigError
 from kvbridge.params import TransferParams
+from kvbridge.proxy.credit import Capacity, KvAdmission, KvCredit, read_capacity
 from kvbridge.proxy.failures import LegFailed, cause_of
 from kvbridge.proxy.members import Admission
 from kvbridge.proxy.metrics import ProxyMetrics
@@ -57,6 +58,9 @@ __all__ = ["Fleet"]
 
 log = logging.getLogger("kvbridge.proxy")
 
+_MAX_METRICS = 8 << 20
+"""Most bytes of an engine's /metrics read to learn its KV capacity."""
+
 
 class Fleet:
     """P and D engines of one proxy, with their upstream session, probes and health."""
@@ -70,6 +74,11 @@ class Fleet:
         self._probe_locks: dict[str, asyncio.Lock] = {}
         self._probe_backoff: dict[str, tuple[float, str, Cause]] = {}
         self._joins: dict[str, asyncio.Task[None]] = {}
+        self._learning: set[asyncio.Task[Capacity | None]] = set()
+        self.admission = KvCredit(self.decodes, settings.kv_admission,
+                                   settings.kv_credit_fraction, settings.kv_queue,
+                                   settings.kv_queue_s)
+        metrics.watch_credit(self.admission)
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -88,10 +97,11 @@ class Fleet:
 
     async def close(self) -> None:
         """Close every upstream connection and stop every join; idempotent."""
-        for task in self._joins.values():
+        tasks = [*self._joins.values(), *self._learning]
+        for task in tasks:
             task.cancel()
-        if self._joins:
-            await asyncio.gather(*self._joins.values(), return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         self._joins.clear()
         if self._session is not None:
             await self._session.close()
@@ -178,6 +188,40 @@ class Fleet:
             )
             return info
 
+    # ---------------------------------------------------------------- KV capacity
+
+    async def learn_capacity(self, e: Engine) -> Capacity | None:
+        """Read D ``e``'s KV capacity (vLLM's ``cache_config_info`` and ``max_model_len``) into
+        the admission book (:mod:`kvbridge.proxy.credit`); None, and no limit on ``e``, when it
+        has none or does not answer. Only with admission on; never raises."""
+        if self.admission.mode is KvAdmission.OFF or e.role is not Role.DECODE:
+            return None
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.settings.connect_timeout_s))
+        cap: Capacity | None = None
+        try:
+            async with self.session.get(e.url + "/metrics", timeout=timeout) as r:
+                r.raise_for_status()
+                text = (await r.content.read(_MAX_METRICS)).decode("utf-8", "replace")
+            async with self.session.get(e.url + "/v1/models", timeout=timeout) as r:
+                r.raise_for_status()
+                models = await r.json(content_type=None)
+            cap = read_capacity(text, models)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("cannot read the KV capacity of %s (%s); it is not limited",
+                        e.url, exc or type(exc).__name__)
+        if cap is None:
+            log.warning("decode engine %s reports no KV capacity (no vllm:cache_config_info); "
+                        "it is not limited", e.url)
+        else:
+            log.info("decode engine %s: %d KV blocks of %d tokens, max_model_len %d", e.url,
+                     cap.blocks, cap.block_size, cap.max_model_len)
+        self.admission.set_capacity(e.url, cap)
+        return cap
+
+    async def learn_capacities(self) -> None:
+        """:meth:`learn_capacity` of every D, at once."""
+        await asyncio.gather(*(self.learn_capacity(e) for e in list(self.decodes.engines)))
+
     # ---------------------------------------------------------------- membership
 
     def take_out(self, e: Engine, reason: str) -> None:
@@ -219,6 +263,12 @@ class Fleet:
             )
             self.drop_probe(e, "generation_changed")
 
+    def _spawn_learn(self, e: Engine) -> None:
+        if self.admission.mode is not KvAdmission.OFF and e.role is Role.DECODE:
+            task = asyncio.ensure_future(self.learn_capacity(e))
+            self._learning.add(task)
+            task.add_done_callback(self._learning.discard)
+
     def pool(self, role: Role) -> Pool:
         return self.prefills if role is Role.PREFILL else self.decodes
 
@@ -248,6 +298,7 @@ class Fleet:
             while e.admission is Admission.JOINING:
                 info, _ = await self.check(e)
                 if info["ok"] and await self._handshake(e):
+                    await self.learn_capacity(e)
                     e.mark_up()
                     e.admit(Admission.ACTIVE)
                     log.warning("%s engine %s joined", e.role.value, e.url)
@@ -312,6 +363,7 @@ class Fleet:
             join.cancel()
         self._probe_locks.pop(e.url, None)
         self._probe_backoff.pop(e.url, None)
+        self.admission.set_capacity(e.url, None)
         log.warning("%s engine %s removed", e.role.value, e.url)
         return e
 
@@ -357,6 +409,7 @@ class Fleet:
                     if e.check_passed(started):
                         log.warning("%s engine %s is back in rotation", e.role.value, e.url)
                         self.drop_probe(e, "engine_down")  # it may be a restarted process
+                        self._spawn_learn(e)  # … with another KV cache, maybe
                     continue
                 why = info.get("error") or f"/health answered {info.get('status')}"
                 if e.check_failed(f"health check: {why}", refused, self.settings.health_failures):

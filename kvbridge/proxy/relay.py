@@ -40,6 +40,7 @@ from aiohttp import web
 
 from kvbridge.errors import ParamsError
 from kvbridge.params import TransferParams
+from kvbridge.proxy.credit import Reservation
 from kvbridge.proxy.failures import LegFailed, cause_of
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.pool import Fleet
@@ -94,6 +95,9 @@ class Call:
     tried: dict[Role, set[str]] = field(
         default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()})
     retries: int = 0
+    reservation: Reservation | None = None
+    """Its claim on a D's KV credit (:mod:`kvbridge.proxy.credit`), released with
+    :meth:`release_held`."""
     held: list[Engine] = field(default_factory=list)
     """Engines that serve a hand-off of this request beyond their open legs (a pull's P until
     D's answer ended): :meth:`Engine.hold` until :meth:`release_held`."""
@@ -105,10 +109,18 @@ class Call:
             self.held.append(e)
 
     def release_held(self) -> None:
-        """The request ended: nothing it handed off is served any more."""
+        """The request ended: nothing it handed off is served any more, and its KV credit is
+        free again."""
         for e in self.held:
             e.unhold()
         self.held.clear()
+        if self.reservation is not None:
+            self.reservation.release()
+
+    def place(self, d: Engine) -> None:
+        """The request's D is ``d``: its KV credit claim follows it."""
+        if self.reservation is not None:
+            self.reservation.move(d)
 
     def abandon(self) -> None:
         """Cancel the P legs of a failed dispatch (vLLM aborts them and frees their blocks)."""

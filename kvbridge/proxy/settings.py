@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
+from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.routing import ProxyMode
 
 __all__ = ["ProxySettings"]
@@ -53,6 +54,17 @@ class ProxySettings:
     request's ``cache_salt`` from it (HMAC with ``control_secret``) and ignores a salt in the
     client's body (:mod:`kvbridge.proxy.tenants`). None: bodies pass as they are."""
 
+    kv_admission: KvAdmission = KvAdmission.OFF
+    """``--kv-admission``: what happens to a request no decode engine has KV credit for
+    (:mod:`kvbridge.proxy.credit`): ``off`` (admit all), ``reject`` (503), ``queue``."""
+    kv_credit_fraction: float = 1.0
+    """``--kv-credit-fraction``: the share of each D's KV cache this proxy commits (1/N with N
+    proxies in front of the same engines; above 1 overcommits)."""
+    kv_queue: int = 64
+    """``--kv-queue``: most requests waiting for credit at once (``queue``)."""
+    kv_queue_s: float = 30.0
+    """``--kv-queue-s``: longest a request waits for credit before its 503 (``queue``)."""
+
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""
         if self.push_headroom < 0:
@@ -72,6 +84,13 @@ class ProxySettings:
                 raise ConfigError("--salt-from-header needs the fleet secret "
                                   "(--control-secret or KVBRIDGE_SECRET) to key the salts: "
                                   "without it any client could compute another tenant's salt")
+        if not 0 < self.kv_credit_fraction <= 16:
+            raise ConfigError("--kv-credit-fraction must be in (0, 16], got "
+                              f"{self.kv_credit_fraction}")
+        if self.kv_queue < 0:
+            raise ConfigError(f"--kv-queue must be >= 0, got {self.kv_queue}")
+        if not 0 <= self.kv_queue_s < math.inf:
+            raise ConfigError(f"--kv-queue-s must be >= 0 and finite, got {self.kv_queue_s}")
         for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

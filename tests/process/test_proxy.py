@@ -38,6 +38,7 @@ from kvbridge.control import ControlServer
 from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer
+from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.relay import stream_error
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
@@ -90,6 +91,7 @@ class StandIn:
     error_answer: str | None = None  # prefill: answer kvbridge_error (nothing handed off)
     bad_params: dict[str, Any] | None = None  # prefill: merged into its answer's params
     fail_first: int = 0  # with fail_status: fail only the first N generation requests
+    kv_blocks: int | None = None  # /metrics: vLLM's cache_config_info with this many blocks
     error_event: bool = False  # decode stream: 200, then an in-band error event (vLLM's way
     # of failing a streamed request after its headers, e.g. a KV load); fail_first applies
     seen: list[Seen] = field(default_factory=list)
@@ -115,6 +117,7 @@ class StandIn:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # 0: a free port
@@ -127,7 +130,15 @@ class StandIn:
             await self._runner.cleanup()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": f"standin-{self.role}"}]})
+        return web.json_response({"object": "list", "data": [
+            {"id": f"standin-{self.role}", "max_model_len": 1024}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+        if self.kv_blocks is not None:
+            text += ("# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="
+                     f'"32",engine="0",num_gpu_blocks="{self.kv_blocks}"}} 1.0\n')
+        return web.Response(text=text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
@@ -1761,3 +1772,78 @@ async def test_kvbridge_engines_and_drain_commands(
     assert code == 1 and "HTTP 401" in err
     code, out, _ = await run("engines", "add", "decode", busy.url)
     assert code == 0 and "joining" in out
+
+
+# ------------------------------------------------------------------------------ KV credit
+
+def tokens(n: int, max_tokens: int = 16) -> dict[str, Any]:
+    """A completion whose KV may reach ``n + max_tokens`` tokens."""
+    return {"model": "m", "prompt": list(range(1, n + 1)), "max_tokens": max_tokens}
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH])
+async def test_kv_credit_reject_answers_503_before_touching_prefill(
+        engines: Any, proxies: Any, client: Any, mode: ProxyMode) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", kv_blocks=10, first_delay=0.5)  # 320 tokens of KV
+    proxy = await proxies([p.url], [d.url], mode=mode, kv_admission=KvAdmission.REJECT)
+    first = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", tokens(200)))
+    while not d.requests():
+        await asyncio.sleep(0.01)
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "kv_capacity_blocks", engine=d.url) == 10
+    assert prom.value(text, P + "kv_credit_blocks", engine=d.url) == 3  # 7 blocks claimed
+    async with client.post(proxy.url + "/v1/completions", json=tokens(200)) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        answer = await r.json()
+    assert answer["error"]["type"] == "no_kv_credit"
+    assert "it may hold 216 tokens; the most any engine has free is 3 blocks" in answer[
+        "error"]["message"]
+    assert len(p.requests()) == 1  # the refused request never reached P
+    assert (await first)[0] == 200
+    # the first one's end freed its credit: the same request is admitted now
+    assert (await post(client, proxy.url + "/v1/completions", tokens(200)))[0] == 200
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "kv_credit_blocks", engine=d.url) == 10
+    assert prom.value(text, P + "errors_total", kind="no_kv_credit") == 1
+
+
+async def test_kv_credit_queue_waits_for_room_then_serves(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", kv_blocks=10, first_delay=0.4)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL,
+                          kv_admission=KvAdmission.QUEUE, kv_queue_s=10.0)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(post(client, proxy.url + "/v1/completions", tokens(200))
+                                     for _ in range(3)))
+    assert [s for s, _ in results] == [200] * 3
+    assert time.monotonic() - t0 >= 1.2  # one at a time: each waited for the one before
+    starts = sorted(s.t_start for s in d.requests())
+    ends = sorted(s.t_end for s in d.requests())
+    assert all(start >= end - 0.01 for start, end in zip(starts[1:], ends, strict=False))
+
+
+async def test_kv_credit_spreads_over_decodes_with_room_and_follows_late_placement(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    small = await engines("decode", kv_blocks=8, first_delay=0.3)
+    big = await engines("decode", kv_blocks=16, first_delay=0.3)
+    proxy = await proxies([p.url], [small.url, big.url], mode=ProxyMode.PULL,
+                          kv_admission=KvAdmission.REJECT)
+    # 7 blocks each: big takes two, small one; a fourth finds no room anywhere
+    results = await asyncio.gather(*(post(client, proxy.url + "/v1/completions", tokens(200))
+                                     for _ in range(4)))
+    assert sorted(s for s, _ in results) == [200, 200, 200, 503]
+    assert len(big.requests()) == 2 and len(small.requests()) == 1
+    assert proxy.fleet.admission.reserved == {}  # every claim released
+
+
+async def test_kv_credit_with_engines_that_report_none_limits_nothing(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d = await engines("decode", first_delay=0.2)  # no cache_config_info: not vLLM
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL, kv_admission=KvAdmission.REJECT)
+    results = await asyncio.gather(*(post(client, proxy.url + "/v1/completions", tokens(900))
+                                     for _ in range(3)))
+    assert [s for s, _ in results] == [200] * 3

@@ -32,9 +32,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import re
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,7 +40,7 @@ from aiohttp import web
 
 from kvbridge import trust
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.proxy.members import Engine, Role
+from kvbridge.proxy.members import Engine, Role, parse_engine_url
 from kvbridge.proxy.pool import Fleet
 
 __all__ = ["AdminApi", "engine_row", "MAX_BODY"]
@@ -51,7 +49,6 @@ log = logging.getLogger("kvbridge.proxy.admin")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = 64 << 10
-_HOST = re.compile(r"^[A-Za-z0-9.\-]{1,253}$|^\[[0-9A-Fa-f:.]{2,45}\]$")
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
@@ -92,23 +89,12 @@ def engine_row(e: Engine, now: float | None = None) -> dict[str, Any]:
 
 
 def check_engine_url(value: Any, param: str = "url") -> str:
-    """An engine base URL (``http[s]://host:port``), or :class:`_Bad` naming ``param``."""
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad(400, f"'{param}' must be an engine URL such as http://10.0.0.7:8100", param)
-    if len(value) > 300:
-        raise _Bad(400, f"'{param}' is {len(value)} characters long; at most 300", param)
-    text = value.strip().rstrip("/")
-    parsed = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
+    """An engine base URL (:func:`~kvbridge.proxy.members.parse_engine_url`), or a 400 naming
+    ``param``."""
     try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    host = parsed.netloc.rsplit(":", 1)[0] if port is not None else parsed.netloc
-    if (parsed.scheme not in ("http", "https") or port is None or not _HOST.match(host)
-            or parsed.path or parsed.query or parsed.fragment or "@" in parsed.netloc):
-        raise _Bad(400, f"'{param}' must be http[s]://host:port with nothing after the port, "
-                        f"got {value[:100]!r}", param)
-    return f"{parsed.scheme}://{parsed.netloc}"
+        return parse_engine_url(value, param)
+    except ConfigError as exc:
+        raise _Bad(400, str(exc), param) from None
 
 
 class AdminApi:

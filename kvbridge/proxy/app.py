@@ -9,6 +9,9 @@ between engines is ``kv_transfer_params`` inside the OpenAI request bodies (docs
 - :mod:`~kvbridge.proxy.relay` — the legs: P's prefill, D's answer and stream to the client;
 - :mod:`~kvbridge.proxy.tenants` — ``cache_salt`` from the operator's tenant header;
 - :mod:`~kvbridge.proxy.admin` — ``/admin``: list, add, drain, resume and remove engines;
+- :mod:`~kvbridge.proxy.discovery` — engines found by DNS or in a watched file (a pool found
+  only by discovery starts empty: requests get 503 ``no_engine`` with ``Retry-After`` and
+  ``/health`` 503 until an engine joined);
 - :mod:`~kvbridge.proxy.metrics`, :mod:`~kvbridge.proxy.reasons`.
 
 Contract:
@@ -49,6 +52,7 @@ from aiohttp import web
 
 from kvbridge.proxy.admin import AdminApi
 from kvbridge.proxy.credit import KvAdmission
+from kvbridge.proxy.discovery import Resolver, from_settings
 from kvbridge.proxy.dispatch import Dispatcher
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.members import NoEngine
@@ -82,7 +86,9 @@ def _error(
 class ProxyServer:
     """The proxy as an object: ``await start()`` binds (port 0 → see :attr:`port`), ``stop()``."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, resolver: Resolver | None = None) -> None:
+        """``resolver``: what ``--prefill-dns``/``--decode-dns`` resolve with (default: the
+        system's, :func:`kvbridge.proxy.discovery.system_resolver`)."""
         settings.check()
         self.settings = settings
         self.metrics = ProxyMetrics()
@@ -92,6 +98,7 @@ class ProxyServer:
         self.dispatcher = Dispatcher(settings, self.metrics, self.fleet,
                                      Relay(settings, self.metrics, self.fleet))
         self.admin = AdminApi(self.fleet, settings.control_secret)
+        self.discovery = from_settings(settings, self.fleet, self.metrics, resolver)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)
         self.port = 0
@@ -137,6 +144,8 @@ class ProxyServer:
             self._spawn(self.fleet.health_loop())
         if s.kv_admission is not KvAdmission.OFF:
             await self.fleet.learn_capacities()  # before the first request is admitted
+        if self.discovery is not None:
+            self._spawn(self.discovery.run())
 
     async def stop(self) -> None:
         """Stop serving, cancel background work and close every upstream connection."""

@@ -35,16 +35,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill",
         nargs="+",
-        required=True,
+        default=[],
         metavar="URL",
-        help="prefill engine URLs (http://host:port)",
+        help="prefill engine URLs (http://host:port); never removed by discovery. Each role "
+        "needs these, --ROLE-dns or --engines-file",
     )
     parser.add_argument(
         "--decode",
         nargs="+",
-        required=True,
+        default=[],
         metavar="URL",
-        help="decode engine URLs (http://host:port)",
+        help="decode engine URLs (http://host:port); never removed by discovery",
+    )
+    parser.add_argument(
+        "--prefill-dns",
+        metavar="NAME[:PORT]",
+        help="discovery: prefill engines are every A/AAAA address NAME resolves to (a headless "
+        "Service), on PORT (default 8000), re-resolved every --discovery-interval",
+    )
+    parser.add_argument(
+        "--decode-dns",
+        metavar="NAME[:PORT]",
+        help="discovery: decode engines are every address NAME resolves to, on PORT "
+        "(default 8000)",
+    )
+    parser.add_argument(
+        "--engines-file",
+        metavar="PATH",
+        help='discovery: a JSON file {"prefill": [URL...], "decode": [URL...]}, re-read when '
+        "it changes (at most 1 MiB)",
+    )
+    parser.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between two discovery rounds (default 5)",
     )
     parser.add_argument(
         "--mode",
@@ -182,6 +208,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         kv_credit_fraction=args.kv_credit_fraction,
         kv_queue=args.kv_queue,
         kv_queue_s=args.kv_queue_s,
+        prefill_dns=args.prefill_dns,
+        decode_dns=args.decode_dns,
+        engines_file=args.engines_file,
+        discovery_interval_s=args.discovery_interval,
     )
 
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import time
+import urllib.parse
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.params import TransferParams
 
 __all__ = ["Admission", "Engine", "EngineState", "NoEngine", "Pool", "ProbeInfo", "Role",
-           "control_addresses", "normalize_url"]
+           "control_addresses", "normalize_url", "parse_engine_url"]
 
 
 class Role(enum.StrEnum):
@@ -233,12 +235,14 @@ class Engine:
 class Pool:
     """The engines of one role, with least-loaded picking and round-robin tie-breaks.
 
-    Membership may change while the proxy runs (:meth:`add`, :meth:`remove`); a role never
-    has no engine at all.
+    Membership may change while the proxy runs (:meth:`add`, :meth:`remove`); :meth:`remove`
+    never takes a role's last engine. A pool starts empty only when ``empty_ok`` (discovery
+    will fill it, :mod:`kvbridge.proxy.discovery`): until then every pick raises
+    :class:`NoEngine`.
     """
 
-    def __init__(self, role: Role, urls: Sequence[str]) -> None:
-        if not urls:
+    def __init__(self, role: Role, urls: Sequence[str], empty_ok: bool = False) -> None:
+        if not urls and not empty_ok:
             raise ConfigError(f"at least one {role.value} engine URL is required")
         self.role = role
         self.engines = [Engine(normalize_url(u), role) for u in urls]
@@ -323,3 +327,28 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     return url
+
+
+_HOST = re.compile(r"^[A-Za-z0-9.\-]{1,253}$|^\[[0-9A-Fa-f:.]{2,45}\]$")
+
+
+def parse_engine_url(value: object, param: str = "url") -> str:
+    """An engine base URL (``http[s]://host:port``, ``host:port`` means http) from untrusted
+    input, as ``scheme://host:port``; :class:`ConfigError` naming ``param`` otherwise (not a
+    string, over 300 characters, no port, a path, query, fragment or user part, odd host)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"'{param}' must be an engine URL such as http://10.0.0.7:8100")
+    if len(value) > 300:
+        raise ConfigError(f"'{param}' is {len(value)} characters long; at most 300")
+    text = value.strip().rstrip("/")
+    parsed = urllib.parse.urlsplit(text if "://" in text else "http://" + text)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    host = parsed.netloc.rsplit(":", 1)[0] if port is not None else parsed.netloc
+    if (parsed.scheme not in ("http", "https") or port is None or not _HOST.match(host)
+            or parsed.path or parsed.query or parsed.fragment or "@" in parsed.netloc):
+        raise ConfigError(f"'{param}' must be http[s]://host:port with nothing after the port, "
+                          f"got {value[:100]!r}")
+    return f"{parsed.scheme}://{parsed.netloc}"

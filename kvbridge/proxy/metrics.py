@@ -19,6 +19,9 @@ proxies in one process (tests, one per mode) never collide. Used from the proxy'
   answered with a new generation; ``prefill_failed`` / ``decode_failed``: a push leg failed).
 - ``reason_queries_total{outcome}`` — control-channel ``TransferQuery`` calls made to explain a
   failed leg (``answered``: the rank knew the transfer; ``unknown``; ``error``: no answer).
+- ``discovery_changes_total{role,change}`` — engines discovery added, drained, removed or
+  resumed (:mod:`kvbridge.proxy.discovery`); ``discovery_errors_total{source}`` — rounds in
+  which a source (``dns``, ``file``) failed. Both published at zero.
 - ``ttft_seconds{mode}`` — histogram: request received → first byte of D's stream sent
   (streaming requests only: that is the first token the client sees).
 - ``request_duration_seconds{mode}`` — histogram: request received → response complete.
@@ -43,7 +46,8 @@ from kvbridge.proxy.credit import KvAdmission, KvCredit
 from kvbridge.proxy.members import EngineState
 from kvbridge.proxy.routing import Engine
 
-__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS", "RETRY_MODES"]
+__all__ = ["ProxyMetrics", "OUTCOMES", "BUCKETS", "RETRY_REASONS", "RETRY_MODES",
+           "DISCOVERY_CHANGES", "DISCOVERY_SOURCES"]
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
 #: ``retries_total`` reasons: another P after a P leg failed; another D with P's answer (pull, D
@@ -51,6 +55,9 @@ OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled")
 RETRY_REASONS = ("prefill_failed", "decode_unreachable", "decode_failed", "prefill_restarted")
 #: the modes a dispatch that can be retried runs in (``retries_total``'s ``mode``)
 RETRY_MODES = ("pull", "push")
+#: ``discovery_changes_total``'s ``change`` and ``discovery_errors_total``'s ``source``
+DISCOVERY_CHANGES = ("added", "drained", "removed", "resumed")
+DISCOVERY_SOURCES = ("dns", "file")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _P = "kvbridge_proxy_"
 
@@ -137,6 +144,15 @@ class ProxyMetrics:
                                        "reason.", ("reason",))
         self._reason_queries = counter("reason_queries", "Control-channel queries explaining a "
                                        "failed leg.", ("outcome",))
+        self._discovery = counter("discovery_changes", "Engines discovery added, drained, "
+                                  "removed or resumed.", ("role", "change"))
+        self._discovery_errors = counter("discovery_errors", "Discovery rounds in which a "
+                                         "source failed.", ("source",))
+        for role in ("prefill", "decode"):
+            for change in DISCOVERY_CHANGES:
+                self._discovery.labels(role, change)
+        for source in DISCOVERY_SOURCES:
+            self._discovery_errors.labels(source)
         self._ttft = histogram("ttft_seconds", "Time to first streamed byte as seen at the "
                                "proxy.", ("mode",))
         self._duration = histogram("request_duration_seconds", "Request received to response "
@@ -169,6 +185,12 @@ class ProxyMetrics:
 
     def reason_query(self, outcome: str) -> None:
         self._reason_queries.labels(outcome).inc()
+
+    def discovery_change(self, role: str, change: str) -> None:
+        self._discovery.labels(role, change).inc()
+
+    def discovery_error(self, source: str) -> None:
+        self._discovery_errors.labels(source).inc()
 
     def observe_ttft(self, mode: str, seconds: float) -> None:
         self._ttft.labels(mode).observe(seconds)

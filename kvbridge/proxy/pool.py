@@ -68,8 +68,10 @@ class Fleet:
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.prefills = Pool(Role.PREFILL, settings.prefill)
-        self.decodes = Pool(Role.DECODE, settings.decode)
+        self.prefills = Pool(Role.PREFILL, settings.prefill,
+                             empty_ok=settings.discovers(Role.PREFILL.value))
+        self.decodes = Pool(Role.DECODE, settings.decode,
+                            empty_ok=settings.discovers(Role.DECODE.value))
         self._session: aiohttp.ClientSession | None = None
         self._probe_locks: dict[str, asyncio.Lock] = {}
         self._probe_backoff: dict[str, tuple[float, str, Cause]] = {}

@@ -10,6 +10,7 @@ before it builds anything, so a bad flag never leaves a half-built proxy behind.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,26 @@ from kvbridge.errors import ConfigError
 from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.routing import ProxyMode
 
-__all__ = ["ProxySettings"]
+__all__ = ["ProxySettings", "parse_dns_target", "DEFAULT_ENGINE_PORT"]
+
+#: the port ``--prefill-dns NAME`` / ``--decode-dns NAME`` mean without ``:PORT`` (vLLM's)
+DEFAULT_ENGINE_PORT = 8000
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?"
+                       r"(\.[A-Za-z0-9_]([A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?)*\.?$")
+
+
+def parse_dns_target(value: str, flag: str) -> tuple[str, int]:
+    """``NAME[:PORT]`` → (name, port); :class:`ConfigError` naming ``flag`` for anything else (a
+    URL, an IP literal in brackets, a bad label, a port outside 1-65535)."""
+    name, sep, port_text = value.strip().rpartition(":")
+    if not sep:
+        name, port_text = value.strip(), str(DEFAULT_ENGINE_PORT)
+    if not _DNS_NAME.match(name):
+        raise ConfigError(f"{flag} must be a DNS name with an optional :PORT, such as "
+                          f"kvbridge-decode.kvbridge.svc.cluster.local:8000, got {value[:100]!r}")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"{flag} {value[:100]!r}: the port must be 1-65535")
+    return name, int(port_text)
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,22 @@ class ProxySettings:
     """``--salt-from-header``: the request header naming the tenant; the proxy then sets each
     request's ``cache_salt`` from it (HMAC with ``control_secret``) and ignores a salt in the
     client's body (:mod:`kvbridge.proxy.tenants`). None: bodies pass as they are."""
+    prefill_dns: str | None = None
+    """``--prefill-dns NAME[:PORT]``: prefill engines are the addresses NAME resolves to
+    (:mod:`kvbridge.proxy.discovery`); None: none found by DNS."""
+    decode_dns: str | None = None
+    """``--decode-dns NAME[:PORT]``: as ``prefill_dns``, for decode engines."""
+    engines_file: str | None = None
+    """``--engines-file PATH``: a JSON file ``{"prefill": [URL…], "decode": [URL…]}`` the proxy
+    re-reads when it changes (:mod:`kvbridge.proxy.discovery`)."""
+    discovery_interval_s: float = 5.0
+    """``--discovery-interval``: seconds between two discovery rounds (DNS re-resolved, the
+    file's size and mtime checked)."""
+
+    def discovers(self, role: str) -> bool:
+        """Whether discovery may find engines of ``role`` ("prefill" or "decode")."""
+        dns = self.prefill_dns if role == "prefill" else self.decode_dns
+        return dns is not None or self.engines_file is not None
 
     kv_admission: KvAdmission = KvAdmission.OFF
     """``--kv-admission``: what happens to a request no decode engine has KV credit for
@@ -67,6 +103,19 @@ class ProxySettings:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            if not urls and not self.discovers(role):
+                raise ConfigError(f"no {role} engine: give --{role} URL..., --{role}-dns "
+                                  "NAME[:PORT] or --engines-file PATH")
+        for flag, dns in (("--prefill-dns", self.prefill_dns), ("--decode-dns", self.decode_dns)):
+            if dns is not None:
+                parse_dns_target(dns, flag)
+        if self.engines_file is not None and not self.engines_file.strip():
+            raise ConfigError("--engines-file must name a file")
+        if not 0 < self.discovery_interval_s <= 3600 or not math.isfinite(
+                self.discovery_interval_s):
+            raise ConfigError("--discovery-interval must be > 0 and at most 3600 seconds, got "
+                              f"{self.discovery_interval_s}")
         if self.push_headroom < 0:
             raise ConfigError(f"--push-headroom must be >= 0, got {self.push_headroom}")
         if self.max_retries < 0:

@@ -75,7 +75,9 @@ def test_overlay_is_valid_and_consistent(tree: Path, serve_parser: k8s.ServePars
     n_p, n_d = {"1p1d": (1, 1), "8p2d": (8, 2)}[overlay]
     assert [e.pod for e in fleet.role("prefill")] == [f"kvbridge-prefill-{i}" for i in range(n_p)]
     assert [e.pod for e in fleet.role("decode")] == [f"kvbridge-decode-{i}" for i in range(n_d)]
-    assert len(fleet.prefill_urls) == n_p and len(fleet.decode_urls) == n_d
+    # the proxy finds the engines by their headless Services' DNS names: scaling needs no edit
+    assert fleet.discovery == {"prefill": "kvbridge-prefill:8000", "decode": "kvbridge-decode:8000"}
+    assert fleet.prefill_urls == fleet.decode_urls == []
     for engine in fleet.engines:
         assert engine.engine_id == engine.pod
         assert engine.config.secret == SECRET
@@ -160,6 +162,21 @@ def replace_arg(name: str, old: str, new: str) -> Mutation:
         args = container(objs, name)["args"]
         args[args.index(old)] = new
     return mutate
+
+
+def static_pools(prefill: list[str], decode: list[str]) -> Mutation:
+    """The proxy lists its engines (``--prefill``/``--decode``) instead of discovering them."""
+    def mutate(objs: Objs) -> None:
+        args = container(objs, PROXY)["args"]
+        for flag in ("--prefill-dns", "--decode-dns"):
+            i = args.index(flag)
+            del args[i:i + 2]
+        args.extend(["--prefill", *prefill, "--decode", *decode])
+    return mutate
+
+
+def pod_urls(name: str, n: int) -> list[str]:
+    return [f"http://{name}-{i}.{name}:8000" for i in range(n)]
 
 
 def set_path(kind: str, name: str, path: str, value: Any) -> Mutation:
@@ -267,20 +284,31 @@ BROKEN: dict[str, tuple[str, Mutation, str]] = {
         "1p1d", set_path("Deployment", PROXY, f"{C0}/env", []),
         "Deployment/kvbridge-proxy: KVBRIDGE_SECRET does not come from a Secret"),
     # ports, pools, probes
-    "scaled without the proxy": (
-        "8p2d", set_path("StatefulSet", P, "spec/replicas", 9),
+    "DNS name of no engine Service": (
+        "1p1d", replace_arg(PROXY, "kvbridge-decode:8000", "kvbridge-decoder:8000"),
+        "--decode-dns kvbridge-decoder:8000: names no decode headless Service"),
+    "DNS name in another namespace": (
+        "1p1d", replace_arg(PROXY, "kvbridge-prefill:8000", "kvbridge-prefill.other.svc:8000"),
+        "--prefill-dns kvbridge-prefill.other.svc:8000: names no prefill headless Service"),
+    "DNS on the wrong port": (
+        "8p2d", replace_arg(PROXY, "kvbridge-prefill:8000",
+                            "kvbridge-prefill.kvbridge.svc.cluster.local:8100"),
+        "port 8100, the engines serve on 8000"),
+    "DNS name that is a URL": (
+        "1p1d", replace_arg(PROXY, "kvbridge-decode:8000", "http://kvbridge-decode:8000"),
+        "--decode-dns must be a DNS name"),
+    "static pools, scaled without the proxy": (
+        "8p2d", both(static_pools(pod_urls(P, 8), pod_urls(D, 2)),
+                     set_path("StatefulSet", P, "spec/replicas", 9)),
         "--prefill lacks kvbridge-prefill-8"),
-    "pool names a pod that does not exist": (
-        "1p1d", replace_arg(PROXY, "http://kvbridge-decode-0.kvbridge-decode:8000",
-                            "http://kvbridge-decode-1.kvbridge-decode:8000"),
+    "static pool names a pod that does not exist": (
+        "1p1d", static_pools(pod_urls(P, 1), ["http://kvbridge-decode-1.kvbridge-decode:8000"]),
         "--decode http://kvbridge-decode-1.kvbridge-decode:8000: no decode engine pod"),
-    "pool on the wrong port": (
-        "1p1d", replace_arg(PROXY, "http://kvbridge-prefill-0.kvbridge-prefill:8000",
-                            "http://kvbridge-prefill-0.kvbridge-prefill:8100"),
+    "static pool on the wrong port": (
+        "1p1d", static_pools(["http://kvbridge-prefill-0.kvbridge-prefill:8100"], pod_urls(D, 1)),
         "port 8100, the engine serves on 8000"),
-    "pool lists a pod twice": (
-        "8p2d", replace_arg(PROXY, "http://kvbridge-prefill-7.kvbridge-prefill:8000",
-                            "http://kvbridge-prefill-6.kvbridge-prefill:8000"),
+    "static pool lists a pod twice": (
+        "8p2d", static_pools(pod_urls(P, 7) + pod_urls(P, 7)[-1:], pod_urls(D, 2)),
         "--prefill lists kvbridge-prefill-6 more than once"),
     "unknown proxy flag": (
         "1p1d", replace_arg(PROXY, "--mode", "--modes"),
@@ -366,6 +394,17 @@ def _rendered(tree: Path, overlay: str) -> Objs:
     return _CACHE[overlay]
 
 
+def test_scaling_a_statefulset_needs_no_proxy_edit(tree: Path,
+                                                    serve_parser: k8s.ServeParser) -> None:
+    objs = copy.deepcopy(_rendered(tree, "8p2d"))
+    set_path("StatefulSet", P, "spec/replicas", 12)(objs)
+    set_path("StatefulSet", D, "spec/replicas", 3)(objs)
+    fleet = k8s.check_fleet(objs, serve_parser)
+    assert fleet.problems == [] and len(fleet.role("prefill")) == 12
+    static_pools(pod_urls(P, 12), pod_urls(D, 3))(objs)  # listing every pod still passes
+    assert k8s.check_fleet(objs, serve_parser).problems == []
+
+
 def test_a_tensor_parallel_fleet_is_valid(tree: Path, serve_parser: k8s.ServeParser) -> None:
     objs = copy.deepcopy(_rendered(tree, "8p2d"))
     TP4(objs)
@@ -397,8 +436,11 @@ def test_typo_in_a_base_file_fails_every_overlay(tree: Path, tmp_path: Path,
 
 def test_patch_naming_no_resource_is_refused(tree: Path, tmp_path: Path) -> None:
     root = broken_tree(tree, tmp_path)
-    patch = root / "overlays" / "8p2d" / "proxy-pools.yaml"
-    patch.write_text(patch.read_text().replace("name: kvbridge-proxy", "name: kvbridge-prox"))
+    (root / "overlays" / "8p2d" / "proxy-args.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: kvbridge-prox\n"
+        "spec:\n  replicas: 2\n")
+    k = root / "overlays" / "8p2d" / "kustomization.yaml"
+    k.write_text(k.read_text() + "patches:\n  - path: proxy-args.yaml\n")
     with pytest.raises(KustomizeError, match="Deployment 'kvbridge-prox', which no resource"):
         render(root / "overlays" / "8p2d")
 

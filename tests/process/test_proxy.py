@@ -39,6 +39,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.messages import Ack, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.credit import KvAdmission
+from kvbridge.proxy.discovery import DnsSource
 from kvbridge.proxy.relay import stream_error
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
@@ -1847,3 +1848,166 @@ async def test_kv_credit_with_engines_that_report_none_limits_nothing(
     results = await asyncio.gather(*(post(client, proxy.url + "/v1/completions", tokens(900))
                                      for _ in range(3)))
     assert [s for s, _ in results] == [200] * 3
+
+
+# ------------------------------------------------------------------------------ discovery
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def write_engines(path: Path, doc: Any) -> None:
+    """Replace the file at once, as a ConfigMap update does (a new inode every time)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    os.replace(tmp, path)
+
+
+def admission(proxy: ProxyServer, url: str) -> str | None:
+    e = proxy.decodes.by_url(url) or proxy.prefills.by_url(url)
+    return None if e is None else e.admission.value
+
+
+@pytest.fixture
+async def discovering() -> AsyncIterator[Callable[..., Any]]:
+    """Factory of started proxies with discovery (and an optional injected resolver)."""
+    started: list[ProxyServer] = []
+
+    async def make(prefill: list[str], decode: list[str], resolver: Any = None,
+                   **kw: Any) -> ProxyServer:
+        kw.setdefault("mode", ProxyMode.PULL)
+        kw.setdefault("connect_timeout_s", 1.0)
+        kw.setdefault("health_interval_s", 0.2)
+        kw.setdefault("discovery_interval_s", 0.1)
+        server = ProxyServer(ProxySettings(prefill, decode, port=0, **kw), resolver=resolver)
+        await server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for s in started:
+        await s.stop()
+
+
+async def test_discovery_file_adds_engines_that_serve_and_drains_one_that_left(
+        engines: Any, discovering: Any, client: Any, tmp_path: Path) -> None:
+    p, d1, d2 = await engines("prefill"), await engines("decode"), await engines("decode")
+    path = tmp_path / "engines.json"  # not written yet: the decode pool starts empty
+    proxy = await discovering([p.url], [], engines_file=str(path))
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert (await r.json())["error"]["type"] == "no_engine"
+    async with client.get(proxy.url + "/health") as r:
+        assert r.status == 503
+    write_engines(path, {"decode": [d1.url]})
+    await until(lambda: admission(proxy, d1.url) == "active")
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    write_engines(path, {"decode": [d1.url, d2.url]})
+    await until(lambda: admission(proxy, d2.url) == "active")
+    for d in (d1, d2):
+        d.first_delay = 0.8
+    slow = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
+    await until(lambda: len(d1.requests()) + len(d2.requests()) == 2)
+    busy = d1 if len(d1.requests()) == 2 else d2
+    other = d2 if busy is d1 else d1
+    write_engines(path, {"decode": [other.url]})
+    await until(lambda: admission(proxy, busy.url) == "draining")
+    assert proxy.decodes.by_url(busy.url) is not None  # never removed while it serves
+    assert (await slow)[0] == 200  # its in-flight request ran to its end
+    await until(lambda: admission(proxy, busy.url) is None)  # then removed
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    text = await metrics_text(client, proxy)
+    for change, n in (("added", 2), ("drained", 1), ("removed", 1), ("resumed", 0)):
+        assert prom.value(text, P + "discovery_changes_total", role="decode",
+                          change=change) == n, change
+    assert (prom.value(text, P + "discovery_errors_total", source="file") or 0) >= 1  # absent
+
+
+@pytest.mark.parametrize("content", [
+    b"{not json",
+    {"decode": ["http://127.0.0.1:1/v1"]},
+    {"decode": "http://127.0.0.1:1"},
+    {"decode": [1, 2]},
+    {"decode": []},
+    {"decodes": ["http://127.0.0.1:1"]},
+    {"prefill": ["http://127.0.0.1:1"], "decode": ["http://127.0.0.1:1"]},
+    b" " * ((1 << 20) + 1),
+])
+async def test_discovery_a_malformed_oversized_or_forged_file_changes_nothing(
+        engines: Any, discovering: Any, client: Any, tmp_path: Path, content: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    path = tmp_path / "engines.json"
+    write_engines(path, {"prefill": [p.url], "decode": [d.url]})
+    proxy = await discovering([], [], engines_file=str(path))
+    await until(lambda: admission(proxy, d.url) == "active" == admission(proxy, p.url))
+    write_engines(path, content)
+    before = prom.value(await metrics_text(client, proxy), P + "discovery_errors_total",
+                        source="file") or 0
+    await asyncio.sleep(0.5)  # five rounds
+    assert [(e.url, e.admission.value) for e in proxy.fleet.engines] == [
+        (p.url, "active"), (d.url, "active")]
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    after = prom.value(await metrics_text(client, proxy), P + "discovery_errors_total",
+                       source="file") or 0.0
+    assert after > before or content == {"decode": []}  # an empty list is no error
+
+
+async def test_discovery_dns_finds_an_engine_by_the_system_resolver(
+        engines: Any, discovering: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await discovering([p.url], [], decode_dns=f"localhost:{d.port}")
+    await until(lambda: admission(proxy, d.url) == "active")  # ::1, if answered, never joins
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    assert len(d.requests()) == 1
+
+
+async def test_discovery_dns_answers_that_change_between_rounds(
+        engines: Any, discovering: Any, client: Any) -> None:
+    p, d0, d1 = await engines("prefill"), await engines("decode"), await engines("decode")
+    box: list[Any] = [["127.0.0.1"]]  # what the resolver answers next
+
+    async def resolver(name: str, port: int) -> list[str]:
+        assert (name, port) == ("engines.test", d1.port)
+        answer = box[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer == "hang":
+            await asyncio.sleep(3600)
+        return list(answer)
+
+    # one round at start, then the test steps the rounds itself
+    proxy = await discovering([p.url], [d0.url], resolver=resolver,
+                              decode_dns=f"engines.test:{d1.port}", discovery_interval_s=3600)
+    assert proxy.discovery is not None
+    step = proxy.discovery.round
+    await until(lambda: admission(proxy, d1.url) == "active")
+    gone = f"http://[::1]:{d1.port}"  # nothing listens there: it stays joining
+    box[0] = ["::1"]
+    await step()
+    assert admission(proxy, d1.url) == "draining" and admission(proxy, gone) == "joining"
+    box[0] = ["127.0.0.1"]  # back before it was removed: resumed; ::1 left
+    await step()
+    assert admission(proxy, d1.url) == "active" and admission(proxy, gone) == "draining"
+    await step()
+    assert admission(proxy, gone) is None
+    source = proxy.discovery.sources[0]
+    assert isinstance(source, DnsSource)
+    source.timeout_s = 0.2
+    for box[0] in ([], OSError("Temporary failure in name resolution"), "hang", ["not-an-ip"]):
+        t0 = time.monotonic()
+        await step()  # an empty answer, a failure, a hang, a forged answer: nothing changes
+        assert time.monotonic() - t0 < 2.0  # a hanging resolver is bounded
+        assert admission(proxy, d1.url) == "active" and admission(proxy, d0.url) == "active"
+    # the static engine is never removed, even when DNS names neither
+    box[0] = ["::1"]
+    await step()
+    await step()
+    assert admission(proxy, d1.url) is None and admission(proxy, d0.url) == "active"
+    assert (await post(client, proxy.url + "/v1/completions", COMPLETION))[0] == 200
+    text = await metrics_text(client, proxy)
+    assert prom.value(text, P + "discovery_changes_total", role="decode", change="resumed") == 1
+    assert prom.value(text, P + "discovery_errors_total", source="dns") == 3

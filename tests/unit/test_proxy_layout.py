@@ -18,12 +18,13 @@ LAYERS = (
     ("__main__",),
     ("cli",),
     ("app",),
-    ("dispatch",),
+    ("admin", "discovery", "dispatch"),
     ("relay",),
     ("pool",),
     ("failures", "metrics", "reasons", "tenants"),
     ("settings",),
     ("routing",),
+    ("members",),
 )
 
 

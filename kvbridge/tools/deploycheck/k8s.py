@@ -17,8 +17,11 @@ objects of :func:`kvbridge.tools.deploycheck.kustomize.render`: first what any d
   with ``IPC_LOCK`` and ``/dev/shm``, and hugepages unless ``FI_EFA_USE_HUGE_PAGE=0``; every
   engine is a StatefulSet behind a headless Service;
 * the proxy: its args parse with the proxy's own argparse; it binds all addresses on its
-  container port; its ``--prefill``/``--decode`` pools are exactly the engines' stable DNS
-  names on their vLLM port, one per pod; no GPU, no EFA;
+  container port; each role's engines are found by ``--prefill-dns``/``--decode-dns`` naming
+  the role's headless Service (optionally ``.<namespace>[.svc[.cluster.local]]``) on the
+  engines' vLLM port (scaling then needs no proxy edit), or listed by ``--prefill``/``--decode``
+  as exactly the engines' stable DNS names on their vLLM port, one per pod (without discovery);
+  no GPU, no EFA;
 * monitors (``components/monitoring``): a PodMonitor or ServiceMonitor selects pods (Services)
   and names one of their ports (:func:`kvbridge.tools.deploycheck.monitoring.target_problems`);
 * the secret: every ``KVBRIDGE_SECRET`` comes from one Secret key (``secretKeyRef``), never a
@@ -99,6 +102,8 @@ class Fleet:
     engines: list[EnginePod] = field(default_factory=list)
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    discovery: dict[str, str] = field(default_factory=dict)
+    """role → the proxy's ``--ROLE-dns`` value (roles found by DNS)."""
     problems: list[str] = field(default_factory=list)
 
     def role(self, role: str) -> list[EnginePod]:
@@ -339,9 +344,39 @@ class _Checker(Objects):
                 self.problem(w, f"the proxy requests {key}: it moves no KV")
         self.fleet.prefill_urls, self.fleet.decode_urls = list(args.prefill), list(args.decode)
         for role, urls in (("prefill", args.prefill), ("decode", args.decode)):
-            self.pool(w, role, list(urls))
+            dns = getattr(args, f"{role}_dns")
+            if dns is not None:
+                self.fleet.discovery[role] = dns
+                self.dns(w, role, dns)
+            static_only = dns is None and args.engines_file is None
+            if urls or static_only:
+                self.pool(w, role, list(urls), every_pod=static_only)
 
-    def pool(self, w: Obj, role: str, urls: list[str]) -> None:
+    def dns(self, w: Obj, role: str, target: str) -> None:
+        """``--ROLE-dns`` must name the role's headless Service on its engines' port."""
+        from kvbridge.proxy.settings import parse_dns_target
+
+        try:
+            name, port = parse_dns_target(target, f"--{role}-dns")
+        except ConfigError as exc:
+            self.problem(w, str(exc))
+            return
+        pods = self.fleet.role(role)
+        services = {e.service for e in pods}
+        labels = name.rstrip(".").split(".")
+        ns = w["metadata"].get("namespace")
+        if labels[0] not in services or (len(labels) > 1 and labels[1] != ns) or labels[2:] not in (
+                [], ["svc"], ["svc", "cluster", "local"]):
+            self.problem(w, f"--{role}-dns {target}: names no {role} headless Service "
+                            f"({', '.join(sorted(services)) or 'none'}"
+                            f"[.{ns}[.svc[.cluster.local]]])")
+            return
+        ports = sorted({e.port for e in pods if e.service == labels[0]})
+        if ports != [port]:
+            self.problem(w, f"--{role}-dns {target}: port {port}, the engines serve on "
+                            f"{', '.join(map(str, ports))}")
+
+    def pool(self, w: Obj, role: str, urls: list[str], every_pod: bool = True) -> None:
         want = {e.pod: e for e in self.fleet.role(role)}
         ns = w["metadata"].get("namespace")
         seen: list[str] = []
@@ -360,9 +395,10 @@ class _Checker(Objects):
                 self.problem(w, f"--{role} {url}: port {parts.port}, the engine serves on "
                                 f"{pod.port}")
             seen.append(pod.pod)
-        for name in sorted(set(want) - set(seen), key=lambda p: (len(p), p)):
+        for name in sorted(set(want) - set(seen) if every_pod else (),
+                           key=lambda p: (len(p), p)):
             self.problem(w, f"--{role} lacks {name} (its StatefulSet has more replicas than the "
-                            "proxy lists)")
+                            f"proxy lists; --{role}-dns finds them all)")
         for name in sorted({p for p in seen if seen.count(p) > 1}):
             self.problem(w, f"--{role} lists {name} more than once")
 

@@ -23,7 +23,7 @@ LAYERS = (
     ("pool",),
     ("failures", "metrics", "reasons", "tenants"),
     ("settings",),
-    ("routing",),
+    ("routing", "credit"),
     ("members",),
 )
 

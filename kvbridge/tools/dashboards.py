@@ -72,6 +72,8 @@ _PEER = "mode, backend, peer"
 _LABELLED_ON_FIRST = ("a labelled child is created by its first occurrence; the unlabelled "
                       "counters of the panel beside it are published at zero")
 
+_ADMISSION_ONLY = "published only by proxies with --kv-admission reject or queue"
+
 ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     ("Hand-offs", (
         PanelSpec("Requests at the proxy", "Client requests by the mode used and outcome.",
@@ -163,6 +165,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                          "up {{role}} {{engine}}"),
                    Query("sum by (role, engine) (kvbridge_proxy_in_flight)",
                          "in flight {{role}} {{engine}}"))),
+        PanelSpec("Engine states", "Each engine's state at the proxy (joining, active, "
+                  "draining, drained, dead: docs/proxy.md, fleet operations) and the hand-offs "
+                  "it serves beyond its open requests (a draining P is drained at 0).", "short",
+                  (Query("max by (role, engine, state) (kvbridge_proxy_engine_state) == 1",
+                         "{{state}} {{role}} {{engine}}"),
+                   Query("sum by (role, engine) (kvbridge_proxy_engine_handoffs)",
+                         "hand-offs {{role}} {{engine}}"))),
+        PanelSpec("KV credit", "Blocks of KV each decode engine may still be given, its "
+                  "capacity, and requests waiting for credit (--kv-admission).", "short",
+                  (Query("min by (engine) (kvbridge_proxy_kv_credit_blocks)",
+                         "credit {{engine}}", sparse=_ADMISSION_ONLY),
+                   Query("max by (engine) (kvbridge_proxy_kv_capacity_blocks)",
+                         "capacity {{engine}}", sparse=_ADMISSION_ONLY),
+                   Query("sum (kvbridge_proxy_kv_queued)", "waiting for credit",
+                         sparse=_ADMISSION_ONLY))),
     )),
 )
 

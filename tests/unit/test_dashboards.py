@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from kvbridge.integrations import vllm_stats
+from kvbridge.proxy.credit import KvAdmission, KvCredit
+from kvbridge.proxy.members import Pool, Role
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.tools import dashboards
 from kvbridge.tools.cli import main
@@ -35,7 +37,9 @@ def exported() -> set[str]:
     source = Path(vllm_stats.__file__).read_text()
     families = set(re.findall(r'"(vllm:kvbridge_\w+)"', source))
     families |= {f"vllm:kvbridge_{n}" for n in vllm_stats.EXPORTED}
-    families |= {f.name for f in ProxyMetrics().registry.collect()}
+    proxy = ProxyMetrics()  # with admission on, so its KV credit series are listed too
+    proxy.watch_credit(KvCredit(Pool(Role.DECODE, ["http://d:1"]), KvAdmission.REJECT))
+    families |= {f.name for f in proxy.registry.collect()}
     return {f + s for f in families for s in SUFFIXES}
 
 

@@ -39,8 +39,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvbridge.errors import ConfigError
 from kvbridge.proxy.members import Engine, Pool
 
@@ -101,6 +99,9 @@ def read_capacity(metrics: str, models: Any) -> Capacity | None:
     """A vLLM engine's KV capacity from its ``/metrics`` text (``vllm:cache_config_info``'s
     ``num_gpu_blocks`` and ``block_size`` labels) and ``/v1/models`` answer (``max_model_len``);
     None when either is missing or malformed. Never raises."""
+    # imported here: settings import this module, and the pure parts need no proxy extra
+    from prometheus_client.parser import text_string_to_metric_families
+
     blocks = size = 0
     try:
         for family in text_string_to_metric_families(metrics):

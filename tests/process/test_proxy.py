@@ -1909,7 +1909,7 @@ async def test_discovery_file_adds_engines_that_serve_and_drains_one_that_left(
     write_engines(path, {"decode": [d1.url, d2.url]})
     await until(lambda: admission(proxy, d2.url) == "active")
     for d in (d1, d2):
-        d.first_delay = 0.8
+        d.first_delay = 2.0  # long enough to see it draining on a loaded host
     slow = asyncio.ensure_future(post(client, proxy.url + "/v1/completions", COMPLETION))
     await until(lambda: len(d1.requests()) + len(d2.requests()) == 2)
     busy = d1 if len(d1.requests()) == 2 else d2

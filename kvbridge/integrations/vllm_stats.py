@@ -55,6 +55,7 @@ EXPORTED: dict[str, str] = {
     "push_failed": "pushes that failed",
     "push_timeout": "pushes D stopped waiting for",
     "transfer_timeout": "READ/WRITE that exceeded transfer_timeout_s",
+    "handoff_stalled": "hand-offs D gave up after stall_s without progress",
     "lease_expired": "requests whose blocks P released after D stopped renewing",
     "checksum_mismatch": "transfers whose end-to-end checksum did not match",
     "peer_gone": "peers found gone (restarted or unreachable)",

@@ -37,6 +37,7 @@ RATE = "$__rate_interval"
 
 #: Engine counters that should stay at zero (all published at zero per engine).
 FAILURE_COUNTERS = ("checksum_mismatch", "lease_expired", "push_timeout", "transfer_timeout",
+                    "handoff_stalled",
                     "push_failed", "recv_failed", "peer_gone", "params_rejected",
                     "offload_load_failed")
 

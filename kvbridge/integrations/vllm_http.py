@@ -34,6 +34,9 @@ Contract:
   with ``more_body`` False; later ``receive()`` calls go to the server, so vLLM still notices a
   client that disconnects.
 * A client that disconnects while the body is being read: the app is not called.
+* After SIGTERM (:mod:`kvbridge.integrations.vllm_drain`): ``/health`` and new generation
+  requests are answered 503 by the guard (``Retry-After: 1`` on the latter), so routers move
+  on while vLLM drains what it already runs.
 
 No shared state: any number of requests may be in flight at once.
 """
@@ -46,6 +49,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvbridge.errors import ParamsError
+from kvbridge.integrations.vllm_drain import SigtermDrain
 from kvbridge.params import parse
 
 __all__ = ["KVTransferParamsGuard", "MAX_BODY_BYTES", "GUARDED_PATHS", "check_body"]
@@ -105,8 +109,19 @@ class KVTransferParamsGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.drain = SigtermDrain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.drain.armed:
+            self.drain.arm()
+        if self.drain.draining and scope.get("type") == "http":
+            path = self._path(scope)
+            if path == "/health":
+                await self.drain.answer(send, health=True)
+                return
+            if self._guarded(scope):
+                await self.drain.answer(send, health=False)
+                return
         if not self._guarded(scope):
             await self.app(scope, receive, send)
             return

@@ -9,6 +9,8 @@ all on this host, oversubscribed) behind one kvbridge proxy per mode.
   its heartbeats (the reason says the P is gone), not after ``prefill_wait_s``.
 - A D drained under load, removed, stopped, replaced by a new process and added back; a P
   drained: no request fails or is retried, and nothing stays pinned (the operator's week).
+- A D given SIGTERM under load (vLLM's --shutdown-timeout): it finishes what it runs, answers
+  what arrives meanwhile 503 (kvbridge's guard), which the proxy retries on the other D.
 - A D killed under load: the requests it held before its first byte reached a client are
   retried on the other D; a stream it was in the middle of ends with an in-band error event,
   never a hang. Nothing stays pinned on the surviving engines one lease later.
@@ -78,7 +80,7 @@ class Fleet:
         return VllmServer(self.model, name=name, port=self.http[name], kv_transfer_config=kv,
                           cpu_bind=CORES[name],
                           env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"},
-                          extra_args=["--block-size", "32"],
+                          extra_args=["--block-size", "32", "--shutdown-timeout", "30"],
                           log_path=self.logs / f"{name}-{time.monotonic_ns()}.log")
 
     def address(self, name: str) -> str:
@@ -321,6 +323,35 @@ def test_a_decode_drained_under_load_is_replaced_without_a_failed_request(fleet:
         check_outputs(f, *burst(ex, f, 4))
     assert f.served("D0") > fresh  # the successor serves
     assert sum(f.retries().values()) == retries  # nothing failed, nothing dispatched twice
+    for name in NAMES:
+        assert f.wait_idle(name) == 0, f"{name} still holds transfers"
+
+
+def test_a_decode_given_sigterm_under_load_drains_and_loses_nothing(fleet: Fleet) -> None:
+    """SIGTERM to D1's server (what Kubernetes sends a pod), with vLLM's --shutdown-timeout: what
+    D1 runs finishes; what arrives while it drains is answered 503 by kvbridge's guard (not left
+    hanging) and the proxy retries it on D0; /health says 503, so D1 leaves the rotation. Every
+    output equals the single-engine reference. D1 is then restarted at its address."""
+    f = fleet
+    server = f.engines["D1"]
+    assert server.proc is not None and server.pid is not None
+    with cf.ThreadPoolExecutor(12) as ex:
+        prompts, futures = burst(ex, f, 4)
+        wait_until(lambda: f.in_flight("D1") > 0, 30, "no load reached D1")
+        os.kill(server.pid, signal.SIGTERM)  # the server process only, as a pod's PID 1 gets it
+        more, later = burst(ex, f, 4)  # sent while D1 drains
+        check_outputs(f, prompts, futures)
+        check_outputs(f, more, later)
+    wait_until(lambda: not f.in_rotation("D1"), 30, "D1 still in rotation while it drains")
+    assert server.proc.wait(timeout=120) is not None  # it drained and exited on its own
+    server.stop()
+    f.engines["D1"] = f.engine("D1")
+    start_servers([f.engines["D1"]], timeout=600)
+    wait_until(lambda: f.in_rotation("D1"), 30, "D1 not back in rotation")
+    served = f.served("D1")
+    with cf.ThreadPoolExecutor(12) as ex:
+        check_outputs(f, *burst(ex, f, 4))
+    assert f.served("D1") > served
     for name in NAMES:
         assert f.wait_idle(name) == 0, f"{name} still holds transfers"
 

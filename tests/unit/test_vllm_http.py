@@ -380,3 +380,22 @@ async def test_as_starlette_middleware() -> None:
         ok = await client.post("/v1/completions", content=raw,
                                headers={"content-type": "application/json"})
         assert ok.status_code == 200 and got == [raw]
+
+
+# -- draining after SIGTERM (kvbridge.integrations.vllm_drain) --------------------------------
+
+
+async def test_a_draining_engine_answers_503_at_once_and_runs_nothing_new() -> None:
+    down = Downstream()
+    guard = KVTransferParamsGuard(down)
+    assert (await call(guard, encode(request()))).status == 200
+    guard.drain.draining = True
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        res = await call(guard, encode(request()), path=path)
+        assert res.status == 503 and res.headers[b"retry-after"] == b"1"
+        assert res.json()["error"]["type"] == "EngineDraining"
+    health = await call(guard, b"", path="/health", method="GET")
+    assert health.status == 503 and health.json() == {"status": "draining"}
+    assert down.calls == 1  # neither the new requests nor /health reached vLLM
+    models = await call(guard, b"", path="/v1/models", method="GET")
+    assert models.status == 200 and down.calls == 2  # everything else passes

@@ -12,7 +12,11 @@ drain). A router keeps sending work to an engine that is leaving.
 ``/v1/chat/completions`` answers 503 with ``Retry-After: 1`` and ``type`` ``EngineDraining``
 before it reaches vLLM. A router (kvbridge's proxy among them) then retries it on another engine
 — nothing of it was computed — and takes the engine out of rotation at its next health check.
-Requests already admitted run to their end; vLLM's own shutdown proceeds unchanged.
+vLLM's own shutdown begins once every generation request that went in before the signal has
+ended (at most ``wait_s``, 120 s; a second SIGTERM starts it at once): vLLM's drain finishes
+the requests its engine core holds, but one still between its HTTP server and its engine core
+when the drain starts is lost (measured here: the core reported "request processing complete"
+at once while a request was in flight, and the client got an error seconds later).
 
 How it hears SIGTERM: vLLM's server installs its SIGTERM handler with
 ``loop.add_signal_handler``, which keeps one handler per signal. :meth:`SigtermDrain.arm`,
@@ -46,10 +50,37 @@ Send = Callable[[Message], Awaitable[None]]
 class SigtermDrain:
     """Whether this engine got SIGTERM, and the 503 answers while it drains."""
 
-    def __init__(self, sig: int = signal.SIGTERM) -> None:
+    def __init__(self, sig: int = signal.SIGTERM, wait_s: float = 120.0) -> None:
         self.sig = sig
+        self.wait_s = wait_s
         self.draining = False
         self.armed = False
+        self.in_flight = 0
+        self._idle: asyncio.Event | None = None
+        self._waiter: asyncio.Task[None] | None = None
+
+    def enter(self) -> None:
+        """A generation request went in to vLLM (call :meth:`leave` when its answer ended)."""
+        self.in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def _then(self, callback: Callable[..., object], args: tuple[object, ...]) -> None:
+        """vLLM's own handler, once every request in flight ended (or ``wait_s`` passed)."""
+        self._idle = asyncio.Event()
+        if self.in_flight == 0:
+            self._idle.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.wait_s)
+        except TimeoutError:
+            log.warning("SIGTERM: %d requests still in flight after %.0f s; shutting down",
+                        self.in_flight, self.wait_s)
+        callback(*args)
 
     def arm(self) -> bool:
         """Wrap the running loop's handler of :attr:`sig` (once); True once armed."""
@@ -67,11 +98,15 @@ class SigtermDrain:
         args = tuple(getattr(handle, "_args", None) or ())
 
         def on_signal() -> None:
-            if not self.draining:
+            if self.draining or self.in_flight == 0:  # a second signal: no more waiting
                 self.draining = True
-                log.warning("SIGTERM: draining; new requests are answered 503 and /health "
-                            "503 until the server exits")
-            callback(*args)
+                callback(*args)
+                return
+            self.draining = True
+            log.warning("SIGTERM: draining; new requests are answered 503 and /health 503; "
+                        "vLLM's shutdown begins once the %d requests in flight ended (at most "
+                        "%.0f s)", self.in_flight, self.wait_s)
+            self._waiter = loop.create_task(self._then(callback, args))
 
         try:
             loop.add_signal_handler(self.sig, on_signal)

@@ -126,7 +126,11 @@ class KVTransferParamsGuard:
             await self.app(scope, receive, send)
             return
         if self._declared_length(scope) > self.max_body_bytes:
-            await self.app(scope, receive, send)  # too big to check: vLLM's to judge
+            self.drain.enter()
+            try:
+                await self.app(scope, receive, send)  # too big to check: vLLM's to judge
+            finally:
+                self.drain.leave()
             return
         messages: list[Message] = []
         size = 0
@@ -137,7 +141,11 @@ class KVTransferParamsGuard:
             messages.append(message)
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                await self.app(scope, _replaying(messages, receive), send)
+                self.drain.enter()
+                try:
+                    await self.app(scope, _replaying(messages, receive), send)
+                finally:
+                    self.drain.leave()
                 return
             if not message.get("more_body", False):
                 break
@@ -149,7 +157,11 @@ class KVTransferParamsGuard:
             await _bad_request(send, param, text)
             return
         whole: Message = {"type": "http.request", "body": body, "more_body": False}
-        await self.app(scope, _replaying([whole], receive), send)
+        self.drain.enter()
+        try:
+            await self.app(scope, _replaying([whole], receive), send)
+        finally:
+            self.drain.leave()
 
     @staticmethod
     def _path(scope: Scope) -> str:

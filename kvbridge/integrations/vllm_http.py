@@ -126,11 +126,7 @@ class KVTransferParamsGuard:
             await self.app(scope, receive, send)
             return
         if self._declared_length(scope) > self.max_body_bytes:
-            self.drain.enter()
-            try:
-                await self.app(scope, receive, send)  # too big to check: vLLM's to judge
-            finally:
-                self.drain.leave()
+            await self.app(scope, receive, send)  # too big to check: vLLM's to judge
             return
         messages: list[Message] = []
         size = 0
@@ -141,11 +137,7 @@ class KVTransferParamsGuard:
             messages.append(message)
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                self.drain.enter()
-                try:
-                    await self.app(scope, _replaying(messages, receive), send)
-                finally:
-                    self.drain.leave()
+                await self.app(scope, _replaying(messages, receive), send)
                 return
             if not message.get("more_body", False):
                 break
@@ -157,11 +149,7 @@ class KVTransferParamsGuard:
             await _bad_request(send, param, text)
             return
         whole: Message = {"type": "http.request", "body": body, "more_body": False}
-        self.drain.enter()
-        try:
-            await self.app(scope, _replaying([whole], receive), send)
-        finally:
-            self.drain.leave()
+        await self.app(scope, _replaying([whole], receive), send)
 
     @staticmethod
     def _path(scope: Scope) -> str:

@@ -9,8 +9,8 @@ all on this host, oversubscribed) behind one kvbridge proxy per mode.
   its heartbeats (the reason says the P is gone), not after ``prefill_wait_s``.
 - A D drained under load, removed, stopped, replaced by a new process and added back; a P
   drained: no request fails or is retried, and nothing stays pinned (the operator's week).
-- A D given SIGTERM under load (vLLM's --shutdown-timeout): it finishes what it runs, answers
-  what arrives meanwhile 503 (kvbridge's guard), which the proxy retries on the other D.
+- A D given SIGTERM (vLLM's --shutdown-timeout): it finishes the stream it decodes, answers what
+  arrives meanwhile 503 (kvbridge's guard), which the proxies retry on the other D.
 - A D killed under load: the requests it held before its first byte reached a client are
   retried on the other D; a stream it was in the middle of ends with an in-band error event,
   never a hang. Nothing stays pinned on the surviving engines one lease later.
@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -327,24 +328,35 @@ def test_a_decode_drained_under_load_is_replaced_without_a_failed_request(fleet:
         assert f.wait_idle(name) == 0, f"{name} still holds transfers"
 
 
-def test_a_decode_given_sigterm_under_load_drains_and_loses_nothing(fleet: Fleet) -> None:
-    """SIGTERM to D1's server (what Kubernetes sends a pod), with vLLM's --shutdown-timeout: what
-    D1 runs finishes; what arrives while it drains is answered 503 by kvbridge's guard (not left
-    hanging) and the proxy retries it on D0; /health says 503, so D1 leaves the rotation. Every
-    output equals the single-engine reference. D1 is then restarted at its address."""
+def test_a_decode_given_sigterm_finishes_its_stream_and_sends_newcomers_elsewhere(
+        fleet: Fleet) -> None:
+    """SIGTERM to D1's server (what Kubernetes sends a pod) with vLLM's --shutdown-timeout: the
+    stream D1's engine is decoding runs to its end (every token, equal to the reference); the
+    requests the proxies send while D1 drains are answered 503 at once by kvbridge's guard —
+    before, they hung until the server exited while /health said 200 — and retried on D0, every
+    output right; /health says 503, so D1 leaves the rotation. D1 is then restarted.
+
+    SIGTERM is sent while nothing is on its way into D1's engine core: vLLM's drain loses a
+    request caught between its HTTP server and its core (docs/operations.md)."""
     f = fleet
     server = f.engines["D1"]
     assert server.proc is not None and server.pid is not None
+    prompt = f.prompts(1, 100)[0]
+    stream = LongStream(f.url("D1"), prompt, 400)  # straight to D1: decoding in its core
+    stream.start()
+    assert stream.first.wait(60) and stream.failure is None, stream.failure
+    os.kill(server.pid, signal.SIGTERM)  # the server process only, as a pod's PID 1 gets it
+    wait_until(lambda: _health(f.url("D1")) == 503, 10, "D1's /health still 200 after SIGTERM")
+    retries = sum(f.retries().values())
     with cf.ThreadPoolExecutor(12) as ex:
-        prompts, futures = burst(ex, f, 4)
-        wait_until(lambda: f.in_flight("D1") > 0, 30, "no load reached D1")
-        os.kill(server.pid, signal.SIGTERM)  # the server process only, as a pod's PID 1 gets it
-        more, later = burst(ex, f, 4)  # sent while D1 drains
-        check_outputs(f, prompts, futures)
-        check_outputs(f, more, later)
+        check_outputs(f, *burst(ex, f, 4))  # sent while D1 drains
+    stream.join(120)
+    assert stream.failure is None and stream.error is None, (stream.failure, stream.error)
+    assert stream.tokens == f.reference(prompt, 400)
     wait_until(lambda: not f.in_rotation("D1"), 30, "D1 still in rotation while it drains")
-    assert server.proc.wait(timeout=120) is not None  # it drained and exited on its own
+    assert server.proc.wait(timeout=120) is not None  # drained and exited on its own
     server.stop()
+    assert sum(f.retries().values()) >= retries  # what D1 refused went elsewhere
     f.engines["D1"] = f.engine("D1")
     start_servers([f.engines["D1"]], timeout=600)
     wait_until(lambda: f.in_rotation("D1"), 30, "D1 not back in rotation")
@@ -354,6 +366,16 @@ def test_a_decode_given_sigterm_under_load_drains_and_loses_nothing(fleet: Fleet
     assert f.served("D1") > served
     for name in NAMES:
         assert f.wait_idle(name) == 0, f"{name} still holds transfers"
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
 
 
 def orphan_push(f: Fleet, prefill: str, decode: str, tid: str) -> cf.Future[tuple[int, Any]]:

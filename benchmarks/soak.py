@@ -203,10 +203,13 @@ class Fleet:
         assert isinstance(reply, StatsReply)
         return int(reply.pending)
 
-    def wait_idle(self, timeout: float = LEASE_S + 30) -> dict[str, int]:
+    def wait_idle(self, names: tuple[str, ...] = ENGINES, timeout: float = LEASE_S + 30
+                  ) -> dict[str, int]:
+        """What each engine of ``names`` still holds, once none holds anything (or when
+        ``timeout`` ran out)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = {n: self.pending(n) for n in ENGINES}
+            left = {n: self.pending(n) for n in names}
             if not any(left.values()) or time.monotonic() >= deadline:
                 return left
             time.sleep(0.5)
@@ -241,8 +244,9 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
         admin, url = fleet.admin(), fleet.url(name)
         admin.drain(url)
         row = admin.wait_drained(url, 120)
-        held = fleet.pending(name) if row["state"] == "drained" else -1
-        note = f"{row['state']} after {time.monotonic() - t0 - start:.1f} s, holding {held}"
+        took = time.monotonic() - t0 - start
+        held = fleet.wait_idle((name,))[name]  # a drained engine holds nothing a lease later
+        note = f"{row['state']} after {took:.1f} s, then holding {held}"
         admin.remove(url, force=row["state"] != "drained")
         fleet.engines[name].stop()
         fleet.restart(name)
@@ -339,13 +343,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for fault in plan:
                 if stop.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
                     return
-                print(f"[{time.monotonic() - t0:6.1f} s] {fault.kind} {fault.target}",
-                      file=sys.stderr, flush=True)
+                began = time.monotonic() - t0
+                print(f"[{began:6.1f} s] {fault.kind} {fault.target}", file=sys.stderr,
+                      flush=True)
                 try:
                     with fleet.lock:
                         windows.append(inject(fleet, fault, t0))
+                    print(f"[{time.monotonic() - t0:6.1f} s] whole again {windows[-1].note}",
+                          file=sys.stderr, flush=True)
                 except Exception as exc:  # noqa: BLE001 - a fault the fleet did not recover from
-                    errors.append(f"{fault.kind} {fault.target}: {type(exc).__name__}: {exc}")
+                    why = f"{type(exc).__name__}: {exc}"[:2000]
+                    errors.append(f"{fault.kind} {fault.target}: {why}")
+                    windows.append(Window(fault.kind, fault.target, round(began, 2),
+                                          round(time.monotonic() - t0, 2), "not recovered"))
+                    print(f"injector stopped: {errors[-1]}", file=sys.stderr, flush=True)
                     return
 
         chaos = threading.Thread(target=injector, name="soak-injector", daemon=True)

@@ -34,11 +34,13 @@ engine and the proxy are stopped on any exit (also Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures as cf
 import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +103,7 @@ class Fleet:
         self.cores = dict(zip(ENGINES, map(str, sum(fleet_cores(cpus, 2, 2), [])), strict=True))
         self.engines: dict[str, VllmServer] = {}
         self.proxy: subprocess.Popen[bytes] | None = None
+        atexit.register(self.stop_proxy)  # engines have their own (kvbridge.tools.engines)
         self.lock = threading.Lock()  # the injector and the final checks, never both at once
         self.starts = {n: 0 for n in ENGINES}  # per engine: its n-th process draws its own fails
 
@@ -324,6 +327,17 @@ def check(fleet: Fleet, args: argparse.Namespace, outcomes: list[Outcome]) -> No
                 fut.result()
 
 
+def injected_failures(logs: Path) -> int:
+    """Transfers the fault-injecting wrapper failed, from the engines' logs (each is logged,
+    with its transfer id, by the side that saw it fail)."""
+    ids: set[str] = set()
+    for path in logs.glob("[PD]*.log"):
+        with open(path, errors="replace") as f:
+            ids.update(m.group(0) for line in f if "injected failure" in line
+                       for m in [re.search(r"xfer-[0-9a-f]+", line)] if m)
+    return len(ids)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or tempfile.mkdtemp(prefix="kvbridge-soak-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -374,12 +388,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = card(outcomes, windows, pending, extra={
         "argv": sys.argv, "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
         "rate": args.rate, "faults_enabled": args.faults, "fail_share": args.fail_share,
-        "scheduled": len(plan), "injector_errors": errors})
+        "scheduled": len(plan), "injector_errors": errors,
+        "transfers_failed_injected": injected_failures(out / "logs")})
     (out / "card.json").write_text(json.dumps(result, indent=1) + "\n")
     with open(out / "requests.jsonl", "w") as f:
         for o in outcomes:
             f.write(json.dumps({k: v for k, v in asdict(o).items() if k != "tokens"}) + "\n")
-    print_table(["item", "value"], card_rows(result))
+    print_table(["item", "value"], [*card_rows(result), [
+        "transfers failed on purpose", str(result["transfers_failed_injected"])]])
     for e in errors:
         print(f"injector stopped: {e}")
     return result

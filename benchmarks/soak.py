@@ -1,0 +1,426 @@
+"""A chaos soak: a 2P2D fleet under steady load while faults are injected, every answer checked.
+
+    PYTHONPATH=.:backends .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 \
+        [--backend shm|nixl] [--rate 1.5] [--faults kill,stop,drain,proxy,transfer_error] \
+        [--fail-share 0.05] [--out DIR]
+
+Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
+and control port, so a restarted engine keeps its address) and one kvbridge proxy in auto mode,
+as its own process (``python -m kvbridge.proxy``) so that it can be killed and restarted at its
+port. Then, for ``--minutes``:
+
+- **load**: a seeded Poisson stream of ``--rate`` greedy completions per second through the
+  proxy, half streamed, prompts of 64/150/300 token ids never sent before, 8/16/32 tokens out,
+  ``return_token_ids``. Its own load generator rather than ``vllm bench serve``, which cannot
+  check outputs: here *every* answer is compared with the single-engine reference (computed
+  after the run on P1 directly, prefix cache reset, no hand-off).
+- **faults**, one at a time at seeded moments (:func:`kvbridge.tools.bench.soak_card.schedule`):
+  ``kill`` (SIGKILL an engine's process group, restart it at its port), ``stop`` (SIGSTOP it
+  for 2-12 s, then SIGCONT), ``drain`` (drain it through the proxy's ``/admin``, remove it,
+  stop it, start its successor, add it back), ``proxy`` (SIGKILL the proxy, restart it at its
+  port). Each fault's window lasts until the fleet is whole again (every engine ``active``).
+  ``transfer_error`` is not a moment: P1 and D1 run the fault-injecting transport wrapper
+  (:class:`kvbridge.testing.faults.FaultyBackend` around the chosen backend), failing a seeded
+  ``--fail-share`` of their transfers for the whole run.
+
+At the end it waits until no engine holds a transfer (at most a lease and 30 s), reads what each
+still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0), computes the
+references and prints the report card (:func:`~kvbridge.tools.bench.soak_card.card`); the card
+and every request go to ``DIR/card.json`` and ``DIR/requests.jsonl``, the logs to ``DIR/logs``.
+Exit status 0 when the card is clean (no wrong output, nothing leaked), 1 otherwise. Every
+engine and the proxy are stopped on any exit (also Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvbridge.host.placement import fleet_cores
+from kvbridge.messages import StatsQuery, StatsReply
+from kvbridge.testing.clients import engine_client
+from kvbridge.tools.bench.soak_card import (
+    ENGINES,
+    FAULTS,
+    Fault,
+    Outcome,
+    Window,
+    card,
+    card_rows,
+    reason,
+    schedule,
+)
+from kvbridge.tools.client import complete, output_token_ids, reset_prefix_cache, stream_complete
+from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
+from kvbridge.tools.fleetctl import AdminClient, AdminError
+from kvbridge.tools.report import print_table
+from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
+
+LEASE_S = 6.0
+GREEDY = {"ignore_eos": True}
+LENGTHS = (64, 150, 300)
+MAX_TOKENS = (8, 16, 32)
+CLIENT_TIMEOUT_S = 180.0
+
+
+def _faulty_backend_path(where: Path) -> str:
+    """A directory that registers the test-only backend ``faulty`` for the engines that have it
+    on their ``PYTHONPATH`` (as ``tests/engines/test_vllm_faults.py`` does)."""
+    dist = where / "kvbridge_faulty_soak-0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-faulty-soak\n"
+                                   "Version: 0\n")
+    (dist / "entry_points.txt").write_text(
+        "[kvbridge.backends]\nfaulty = kvbridge.testing.faults:FaultyBackend\n")
+    return os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
+
+
+class Fleet:
+    """Four engines and a proxy process at fixed ports; every start and stop goes through it."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args, self.out, self.logs = args, out, out / "logs"
+        self.model = str(build_tiny_model())
+        self.http = {n: free_port() for n in ENGINES}
+        self.ctl = {n: free_port() for n in ENGINES}
+        self.proxy_port = free_port()
+        cpus = sorted(os.sched_getaffinity(0))
+        self.cores = dict(zip(ENGINES, map(str, sum(fleet_cores(cpus, 2, 2), [])), strict=True))
+        self.engines: dict[str, VllmServer] = {}
+        self.proxy: subprocess.Popen[bytes] | None = None
+        atexit.register(self.stop_proxy)  # engines have their own (kvbridge.tools.engines)
+        self.lock = threading.Lock()  # the injector and the final checks, never both at once
+        self.starts = {n: 0 for n in ENGINES}  # per engine: its n-th process draws its own fails
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.http[name]}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def engine(self, name: str) -> VllmServer:
+        role = "kv_producer" if name.startswith("P") else "kv_consumer"
+        extra: dict[str, Any] = {
+            "backend": self.args.backend, "lease_s": LEASE_S, "heartbeat_s": 1,
+            "push_timeout_s": 60, "prefill_wait_s": 60, "control_timeout_s": 5,
+            "side_channel_port": self.ctl[name]}
+        env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2",
+               "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache, before the references
+        if "transfer_error" in self.args.faults and name in ("P1", "D1"):
+            self.starts[name] += 1
+            rng = random.Random(f"{self.args.seed}-{name}-{self.starts[name]}")
+            fail = [n for n in range(1, 5001) if rng.random() < self.args.fail_share]
+            extra.update(backend="faulty", backend_options={"inner": self.args.backend,
+                                                            "faults": {"fail": fail}})
+            env["PYTHONPATH"] = _faulty_backend_path(self.out / "plugin")
+        kv = {"kv_connector": "KVBridgeConnector", "kv_role": role, "engine_id": f"soak-{name}",
+              "kv_connector_extra_config": extra}
+        return VllmServer(self.model, name=name, port=self.http[name], kv_transfer_config=kv,
+                          cpu_bind=self.cores[name], env=env, extra_args=["--block-size", "32"],
+                          log_path=self.logs / f"{name}-{time.monotonic_ns()}.log")
+
+    def start(self) -> None:
+        self.engines = {n: self.engine(n) for n in ENGINES}
+        start_servers(self.engines.values(), timeout=900)
+        self.start_proxy()
+
+    def start_proxy(self) -> None:
+        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", "auto",
+               "--prefill", self.url("P0"), self.url("P1"),
+               "--decode", self.url("D0"), self.url("D1"),
+               "--port", str(self.proxy_port), "--health-interval", "0.5", "--timeout", "120"]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / f"proxy-{time.monotonic_ns()}.log", "wb") as log:
+            self.proxy = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_whole(60)
+
+    def stop_proxy(self, sig: int = signal.SIGKILL) -> None:
+        proc, self.proxy = self.proxy, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.proxy_url, timeout_s=10)
+
+    def states(self) -> dict[str, str]:
+        rows = self.admin().engines()
+        by_url = {r["url"]: r["state"] for r in rows}
+        return {n: by_url.get(self.url(n), "absent") for n in ENGINES}
+
+    def wait_whole(self, timeout: float) -> None:
+        """Until the proxy answers and has all four engines active."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proxy is not None and self.proxy.poll() is not None:
+                raise RuntimeError(f"the proxy exited with {self.proxy.returncode}")
+            try:
+                last = self.states()
+                if all(s == "active" for s in last.values()):
+                    return
+            except AdminError as exc:
+                last = str(exc)
+            time.sleep(0.25)
+        raise RuntimeError(f"the fleet is not whole after {timeout:.0f} s: {last}")
+
+    def restart(self, name: str) -> None:
+        self.engines[name] = self.engine(name)
+        start_servers([self.engines[name]], timeout=600)
+
+    def signal(self, name: str, sig: int) -> None:
+        pid = self.engines[name].pid
+        assert pid is not None
+        os.killpg(pid, sig)
+
+    def pending(self, name: str) -> int:
+        client = engine_client(30.0)
+        try:
+            reply = client.request(f"tcp://127.0.0.1:{self.ctl[name]}", StatsQuery())
+        finally:
+            client.close()
+        assert isinstance(reply, StatsReply)
+        return int(reply.pending)
+
+    def wait_idle(self, names: tuple[str, ...] = ENGINES, timeout: float = LEASE_S + 30
+                  ) -> dict[str, int]:
+        """What each engine of ``names`` still holds, once none holds anything (or when
+        ``timeout`` ran out)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {n: self.pending(n) for n in names}
+            if not any(left.values()) or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.stop_proxy()
+        for server in self.engines.values():
+            if server.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGCONT)  # a SIGSTOPped group stops as well
+            with contextlib.suppress(Exception):
+                server.stop(grace=10)
+
+
+def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
+    """Run one fault to the end of its recovery; its window on the soak's clock."""
+    start = time.monotonic() - t0
+    note = ""
+    name = fault.target
+    if fault.kind == "kill":
+        fleet.signal(name, signal.SIGKILL)
+        fleet.engines[name].stop(grace=10)
+        fleet.restart(name)
+    elif fault.kind == "stop":
+        fleet.signal(name, signal.SIGSTOP)
+        try:
+            time.sleep(fault.hold_s)
+        finally:
+            fleet.signal(name, signal.SIGCONT)
+        note = f"stopped {fault.hold_s:.1f} s"
+    elif fault.kind == "drain":
+        admin, url = fleet.admin(), fleet.url(name)
+        admin.drain(url)
+        row = admin.wait_drained(url, 120)
+        took = time.monotonic() - t0 - start
+        held = fleet.wait_idle((name,))[name]  # a drained engine holds nothing a lease later
+        note = f"{row['state']} after {took:.1f} s, then holding {held}"
+        admin.remove(url, force=row["state"] != "drained")
+        fleet.engines[name].stop()
+        fleet.restart(name)
+        admin.add("prefill" if name.startswith("P") else "decode", url)
+    elif fault.kind == "proxy":
+        fleet.stop_proxy(signal.SIGKILL)
+        fleet.start_proxy()
+    else:
+        raise ValueError(fault.kind)
+    fleet.wait_whole(120)
+    return Window(fault.kind, name, round(start, 2), round(time.monotonic() - t0, 2), note)
+
+
+def send(url: str, i: int, prompt: list[int], stream: bool, max_tokens: int,
+         t0: float) -> Outcome:
+    start = time.monotonic() - t0
+    o = Outcome(i, stream, len(prompt), max_tokens, round(start, 3), 0.0, 0)
+    try:
+        if stream:
+            res = stream_complete(url, prompt, max_tokens, None, GREEDY, timeout=CLIENT_TIMEOUT_S)
+            o.tokens, o.ttft = res.token_ids, res.ttft
+            if len(res.token_ids) != max_tokens:
+                o.why = f"stream ended after {len(res.token_ids)} of {max_tokens} tokens"
+        else:
+            o.tokens = output_token_ids(complete(url, prompt, max_tokens, extra=GREEDY,
+                                                 timeout=CLIENT_TIMEOUT_S)) or []
+        o.status = 200
+    except EngineError as exc:
+        o.status = exc.status or 0
+        o.why = reason(o.status, str(exc))
+    except Exception as exc:  # noqa: BLE001 - counted as a failure with its cause
+        o.why = reason(0, f"{type(exc).__name__}: {exc}")
+    o.end = round(time.monotonic() - t0, 3)
+    return o
+
+
+def prompt_of(seed: int, i: int, length: int) -> list[int]:
+    return random_prompts(1, length, seed=seed * 1_000_003 + i)[0]
+
+
+def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: float,
+         ex: cf.ThreadPoolExecutor) -> list[cf.Future[Outcome]]:
+    """Send the seeded Poisson stream until ``until`` (soak clock); the futures of every
+    request."""
+    rng = random.Random(args.seed)
+    futures: list[cf.Future[Outcome]] = []
+    at = 0.0
+    while True:
+        at += rng.expovariate(args.rate)
+        if at >= until:
+            return futures
+        length, max_tokens, stream = rng.choice(LENGTHS), rng.choice(MAX_TOKENS), rng.random() < .5
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        i = len(futures)
+        futures.append(ex.submit(send, fleet.proxy_url, i, prompt_of(args.seed, i, length),
+                                 stream, max_tokens, t0))
+
+
+def check(fleet: Fleet, args: argparse.Namespace, outcomes: list[Outcome]) -> None:
+    """Compare every answered request with the single-engine reference (P1, prefix cache
+    reset, no hand-off)."""
+    with contextlib.suppress(EngineError):  # best effort: a cached prefix gives the same tokens
+        reset_prefix_cache(fleet.url("P1"))
+
+    def ref(o: Outcome) -> None:
+        out = output_token_ids(complete(fleet.url("P1"), prompt_of(args.seed, o.i, o.prompt_len),
+                                        o.max_tokens, extra=GREEDY, timeout=120))
+        o.correct = out == o.tokens
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        for fut in [ex.submit(ref, o) for o in outcomes if o.ok]:
+            with contextlib.suppress(EngineError):
+                fut.result()
+
+
+def injected_failures(logs: Path) -> int:
+    """Transfers the fault-injecting wrapper failed, from the engines' logs (each is logged,
+    with its transfer id, by the side that saw it fail)."""
+    ids: set[str] = set()
+    for path in logs.glob("[PD]*.log"):
+        with open(path, errors="replace") as f:
+            ids.update(m.group(0) for line in f if "injected failure" in line
+                       for m in [re.search(r"xfer-[0-9a-f]+", line)] if m)
+    return len(ids)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out or tempfile.mkdtemp(prefix="kvbridge-soak-")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"results and logs in {out}", file=sys.stderr, flush=True)
+    duration = args.minutes * 60.0
+    plan = schedule(args.seed, duration, args.faults)
+    fleet = Fleet(args, out)
+    windows: list[Window] = []
+    errors: list[str] = []
+    outcomes: list[Outcome] = []
+    try:
+        fleet.start()
+        t0 = time.monotonic()
+        stop = threading.Event()
+
+        def injector() -> None:
+            for fault in plan:
+                if stop.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
+                    return
+                began = time.monotonic() - t0
+                print(f"[{began:6.1f} s] {fault.kind} {fault.target}", file=sys.stderr,
+                      flush=True)
+                try:
+                    with fleet.lock:
+                        windows.append(inject(fleet, fault, t0))
+                    print(f"[{time.monotonic() - t0:6.1f} s] whole again {windows[-1].note}",
+                          file=sys.stderr, flush=True)
+                except Exception as exc:  # noqa: BLE001 - a fault the fleet did not recover from
+                    why = f"{type(exc).__name__}: {exc}"[:2000]
+                    errors.append(f"{fault.kind} {fault.target}: {why}")
+                    windows.append(Window(fault.kind, fault.target, round(began, 2),
+                                          round(time.monotonic() - t0, 2), "not recovered"))
+                    print(f"injector stopped: {errors[-1]}", file=sys.stderr, flush=True)
+                    return
+
+        chaos = threading.Thread(target=injector, name="soak-injector", daemon=True)
+        chaos.start()
+        with cf.ThreadPoolExecutor(32) as ex:
+            futures = load(fleet, args, t0, duration, ex)
+            outcomes = [f.result() for f in futures]
+        stop.set()
+        chaos.join()
+        with fleet.lock:
+            pending = fleet.wait_idle()
+            check(fleet, args, outcomes)
+    finally:
+        fleet.close()
+    result = card(outcomes, windows, pending, extra={
+        "argv": sys.argv, "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
+        "rate": args.rate, "faults_enabled": args.faults, "fail_share": args.fail_share,
+        "scheduled": len(plan), "injector_errors": errors,
+        "transfers_failed_injected": injected_failures(out / "logs")})
+    (out / "card.json").write_text(json.dumps(result, indent=1) + "\n")
+    with open(out / "requests.jsonl", "w") as f:
+        for o in outcomes:
+            f.write(json.dumps({k: v for k, v in asdict(o).items() if k != "tokens"}) + "\n")
+    print_table(["item", "value"], [*card_rows(result), [
+        "transfers failed on purpose", str(result["transfers_failed_injected"])]])
+    for e in errors:
+        print(f"injector stopped: {e}")
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--backend", default="shm", choices=("shm", "nixl"))
+    ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--fail-share", type=float, default=0.05,
+                    help="transfer_error: share of P1's and D1's transfers that fail")
+    ap.add_argument("--out", default=None, help="directory for card.json, requests and logs")
+    args = ap.parse_args()
+    args.faults = [f for f in args.faults.split(",") if f]
+    if not set(args.faults) <= set(FAULTS) or args.rate <= 0 or args.minutes <= 0:
+        ap.error(f"--faults: of {', '.join(FAULTS)}; --rate and --minutes: positive")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(args)
+    clean = not result["wrong"] and not result["leaked_total"] and not result["injector_errors"]
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

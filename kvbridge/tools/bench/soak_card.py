@@ -1,0 +1,195 @@
+"""The pure parts of the chaos soak (``benchmarks/soak.py``): its fault schedule and report card.
+
+Contract: :func:`schedule` turns a seed into the faults a soak injects, one at a time, at random
+moments; :func:`reason` folds a failed request's error into a short, countable cause;
+:func:`card` aggregates what every request did (:class:`Outcome`) and when faults were open
+(:class:`Window`) into the report card, and :func:`card_rows` lays it out for
+:func:`kvbridge.tools.report.print_table`. Nothing here starts a process or touches the network.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvbridge.tools.report import percentile
+
+__all__ = ["ENGINES", "FAULTS", "SCHEDULED", "Fault", "Outcome", "Window", "card", "card_rows",
+           "reason", "schedule"]
+
+ENGINES = ("P0", "P1", "D0", "D1")
+SCHEDULED = ("kill", "stop", "drain", "proxy")
+"""Faults injected at a moment: SIGKILL of an engine (restarted at its port), SIGSTOP of an
+engine for a few seconds then SIGCONT, drain + remove + restart + add of an engine through the
+proxy's admin API, SIGKILL of the proxy (restarted at its port)."""
+FAULTS = (*SCHEDULED, "transfer_error")
+"""``transfer_error`` is not a moment: P1 and D1 run the fault-injecting transport wrapper for
+the whole soak, failing a seeded share of their transfers."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled fault: ``at_s`` after the load started, of ``kind`` on ``target`` (an
+    engine name, or ``proxy``); ``hold_s`` is how long a SIGSTOP lasts (0 otherwise)."""
+
+    at_s: float
+    kind: str
+    target: str
+    hold_s: float = 0.0
+
+
+def schedule(seed: int, duration_s: float, kinds: Sequence[str], *, warmup_s: float = 20.0,
+             gap_s: tuple[float, float] = (25.0, 50.0), stop_s: tuple[float, float] = (2.0, 12.0),
+             quiet_tail_s: float = 30.0) -> list[Fault]:
+    """The faults of a soak of ``duration_s`` seconds, from ``seed``: the first after
+    ``warmup_s``, then one every ``gap_s`` (uniform), none in the last ``quiet_tail_s``; each of
+    a kind drawn from ``kinds`` (those of :data:`SCHEDULED`; others are ignored) on a target
+    drawn among those it applies to. The same arguments give the same list. The injector runs
+    them in order, one at a time: one whose moment came while the previous one was still
+    recovering starts late (the card records when each really ran)."""
+    unknown = set(kinds) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    if not 0 < gap_s[0] <= gap_s[1] or not 0 <= stop_s[0] <= stop_s[1]:
+        raise ValueError(f"bad ranges: gap_s {gap_s}, stop_s {stop_s}")
+    usable = [k for k in SCHEDULED if k in kinds]
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    at = warmup_s
+    while usable and at <= duration_s - quiet_tail_s:
+        kind = rng.choice(usable)
+        target = "proxy" if kind == "proxy" else rng.choice(ENGINES)
+        hold = round(rng.uniform(*stop_s), 1) if kind == "stop" else 0.0
+        out.append(Fault(round(at, 1), kind, target, hold))
+        at += rng.uniform(*gap_s)
+    return out
+
+
+@dataclass(frozen=True)
+class Window:
+    """A fault from the moment it was injected (``start``) until the fleet was whole again
+    (``end``: the engine or proxy back in rotation), seconds on the soak's clock."""
+
+    kind: str
+    target: str
+    start: float
+    end: float
+    note: str = ""
+
+
+@dataclass
+class Outcome:
+    """One request: when it was sent and answered (soak clock, s), HTTP status (200, the
+    error's status, or 0 when none came), ``why`` it failed (``""`` when it did not), TTFT of a
+    stream (s), and whether its output equals the single-engine reference (None: unchecked)."""
+
+    i: int
+    stream: bool
+    prompt_len: int
+    max_tokens: int
+    start: float
+    end: float
+    status: int
+    why: str = ""
+    ttft: float | None = None
+    correct: bool | None = None
+    tokens: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.why
+
+
+_REASONS = (
+    ("Connection refused", "connection refused (nothing listening)"),
+    ("reported an error", "stream ended with an in-band error event"),
+    ("Connection reset", "connection reset"),
+    ("Remote end closed", "connection closed without a response"),
+    ("timed out", "client timeout"),
+    ("exceeded", "client timeout"),
+    ("IncompleteRead", "response cut short"),
+)
+
+
+def reason(status: int, text: str) -> str:
+    """A short cause for a failed request, the same for failures of one kind (numbers, ids and
+    addresses are dropped) so that they can be counted."""
+    for needle, short in _REASONS:
+        if needle in text:
+            if needle == "reported an error":
+                kind = re.search(r"'type': '([^']+)'", text)
+                return short + (f" ({kind.group(1)})" if kind else "")
+            return short
+    msg = text
+    found = re.search(r'"message":\s*"([^"]{0,160})', text)
+    if found:
+        msg = found.group(1)
+    msg = re.sub(r"https?://\S+|tcp://\S+|[0-9a-f]{8,}|\d+(\.\d+)?", "#", msg)
+    msg = re.sub(r"\s+", " ", msg).strip()[:90]
+    return f"HTTP {status}: {msg}" if status else msg or "unknown"
+
+
+def _in_window(o: Outcome, windows: Iterable[Window], settle_s: float) -> bool:
+    return any(w.start <= o.end and o.start <= w.end + settle_s for w in windows)
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 1)
+
+
+def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mapping[str, int],
+         *, settle_s: float = 5.0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report card: requests sent, ok, failed (by reason, and how many while a fault was
+    open), wrong outputs (ok but not the reference: must be 0), unchecked outputs, transfers
+    still held per engine after the run (``pending``: must be 0), the longest a failed request
+    took to fail, TTFT p50/p99 of streams that overlapped a fault window (its end plus
+    ``settle_s``) vs the others, and the faults by kind. ``extra`` is merged in as is."""
+    failed = [o for o in outcomes if not o.ok]
+    ok = [o for o in outcomes if o.ok]
+    faulted = [o for o in outcomes if _in_window(o, windows, settle_s)]
+    quiet = [o for o in outcomes if not _in_window(o, windows, settle_s)]
+    ttft_f = [o.ttft for o in faulted if o.ok and o.ttft is not None]
+    ttft_q = [o.ttft for o in quiet if o.ok and o.ttft is not None]
+    out: dict[str, Any] = {
+        "sent": len(outcomes),
+        "ok": len(ok),
+        "failed": len(failed),
+        "failed_during_faults": sum(1 for o in failed if _in_window(o, windows, settle_s)),
+        "failed_by_reason": dict(Counter(o.why for o in failed).most_common()),
+        "wrong": sum(1 for o in ok if o.correct is False),
+        "wrong_requests": [o.i for o in ok if o.correct is False],
+        "unchecked": sum(1 for o in ok if o.correct is None),
+        "leaked": dict(pending),
+        "leaked_total": sum(pending.values()),
+        "longest_failure_s": round(max((o.end - o.start for o in failed), default=0.0), 2),
+        "ttft_faults_ms": {"n": len(ttft_f), "p50": _ms(percentile(ttft_f, 50)),
+                           "p99": _ms(percentile(ttft_f, 99))},
+        "ttft_quiet_ms": {"n": len(ttft_q), "p50": _ms(percentile(ttft_q, 50)),
+                          "p99": _ms(percentile(ttft_q, 99))},
+        "faults": dict(Counter(w.kind for w in windows)),
+        "windows": [asdict(w) for w in windows],
+    }
+    out.update(extra or {})
+    return out
+
+
+def card_rows(c: Mapping[str, Any]) -> list[list[str]]:
+    """The card as (item, value) rows for :func:`kvbridge.tools.report.print_table`."""
+    def ttft(d: Mapping[str, Any]) -> str:
+        return f"p50 {d['p50']} / p99 {d['p99']} ms (n={d['n']})"
+
+    rows = [["requests sent", str(c["sent"])], ["ok", str(c["ok"])],
+            ["failed", f"{c['failed']} ({c['failed_during_faults']} while a fault was open)"]]
+    rows += [[f"  failed: {why}", str(n)] for why, n in c["failed_by_reason"].items()]
+    rows += [["wrong outputs (must be 0)", str(c["wrong"])],
+             ["unchecked outputs", str(c["unchecked"])],
+             ["blocks leaked (must be 0)", ", ".join(f"{k} {v}" for k, v in c["leaked"].items())],
+             ["longest time to fail", f"{c['longest_failure_s']} s"],
+             ["TTFT during faults", ttft(c["ttft_faults_ms"])],
+             ["TTFT quiet", ttft(c["ttft_quiet_ms"])],
+             ["faults injected", ", ".join(f"{k} {v}" for k, v in c["faults"].items()) or "none"]]
+    return rows

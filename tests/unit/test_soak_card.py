@@ -1,0 +1,83 @@
+"""The chaos soak's pure parts (``kvbridge.tools.bench.soak_card``): the seeded fault schedule,
+the short failure reasons and the report card. Starts nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.tools.bench.soak_card import (
+    ENGINES,
+    SCHEDULED,
+    Outcome,
+    Window,
+    card,
+    card_rows,
+    reason,
+    schedule,
+)
+
+
+def test_a_seed_gives_one_schedule_within_the_run_and_its_quiet_ends() -> None:
+    a = schedule(7, 600, SCHEDULED)
+    assert a == schedule(7, 600, SCHEDULED)
+    assert a != schedule(8, 600, SCHEDULED)
+    assert a[0].at_s == 20.0 and all(f.at_s <= 570 for f in a)
+    assert all(25 <= b.at_s - x.at_s <= 50.1 for x, b in zip(a, a[1:], strict=False))
+    assert {f.kind for f in a} <= set(SCHEDULED)
+    for f in a:
+        assert (f.target == "proxy") == (f.kind == "proxy")
+        assert f.target in (*ENGINES, "proxy")
+        assert (2 <= f.hold_s <= 12) if f.kind == "stop" else f.hold_s == 0
+
+
+def test_only_enabled_faults_are_scheduled_and_a_moment_less_fault_schedules_nothing() -> None:
+    assert {f.kind for f in schedule(3, 1200, ["stop"])} == {"stop"}
+    assert schedule(3, 1200, ["transfer_error"]) == []
+    assert schedule(3, 40, SCHEDULED) == []  # shorter than warm-up plus the quiet tail
+    with pytest.raises(ValueError, match="unknown faults"):
+        schedule(3, 600, ["meteor"])
+
+
+def test_reasons_fold_numbers_and_addresses_so_that_failures_count_together() -> None:
+    a = reason(503, 'POST http://127.0.0.1:1234/v1/completions -> HTTP 503: {"error": '
+                    '{"message": "no decode engine up after 3 tries (tid 0123abcdef99)"}}')
+    b = reason(503, 'POST http://127.0.0.1:999/v1/completions -> HTTP 503: {"error": '
+                    '{"message": "no decode engine up after 4 tries (tid ffffabcdef00)"}}')
+    assert a == b and a.startswith("HTTP 503: no decode engine up")
+    assert reason(0, "POST x failed: <urlopen error [Errno 111] Connection refused>") == \
+        "connection refused (nothing listening)"
+    assert reason(0, "stream from x reported an error: {'type': 'decode_error', 'x': 1}") == \
+        "stream ended with an in-band error event (decode_error)"
+
+
+def _o(i: int, start: float, end: float, status: int = 200, why: str = "",
+       ttft: float | None = None, correct: bool | None = True) -> Outcome:
+    return Outcome(i, ttft is not None, 64, 8, start, end, status, why, ttft, correct)
+
+
+def test_the_card_counts_failures_wrong_outputs_leaks_and_splits_ttft_by_fault_windows() -> None:
+    outcomes = [_o(0, 0, 1, ttft=0.1), _o(1, 2, 3, ttft=0.3),  # quiet
+                _o(2, 10, 12, ttft=0.9),  # overlaps the kill window
+                _o(3, 11, 14, 0, "connection reset", correct=None),
+                _o(4, 21, 22, ttft=0.5),  # within settle_s after the window: a fault's
+                _o(5, 40, 41, correct=False), _o(6, 42, 43, correct=None)]
+    c = card(outcomes, [Window("kill", "P0", 10, 18)], {"P0": 0, "D1": 2}, settle_s=5,
+             extra={"seed": 1})
+    assert (c["sent"], c["ok"], c["failed"], c["failed_during_faults"]) == (7, 6, 1, 1)
+    assert c["failed_by_reason"] == {"connection reset": 1}
+    assert (c["wrong"], c["wrong_requests"], c["unchecked"]) == (1, [5], 1)
+    assert (c["leaked_total"], c["longest_failure_s"]) == (2, 3.0)
+    assert c["ttft_quiet_ms"] == {"n": 2, "p50": 200.0, "p99": 298.0}
+    assert c["ttft_faults_ms"]["n"] == 2 and c["ttft_faults_ms"]["p50"] == 700.0
+    assert c["faults"] == {"kill": 1} and c["seed"] == 1
+    rows = dict((r[0], r[1]) for r in card_rows(c))
+    assert rows["wrong outputs (must be 0)"] == "1"
+    assert rows["blocks leaked (must be 0)"] == "P0 0, D1 2"
+    assert rows["  failed: connection reset"] == "1"
+
+
+def test_an_empty_run_has_a_card() -> None:
+    c = card([], [], {})
+    assert (c["sent"], c["wrong"], c["leaked_total"], c["longest_failure_s"]) == (0, 0, 0, 0.0)
+    assert c["ttft_quiet_ms"]["p50"] is None
+    assert card_rows(c)[-1] == ["faults injected", "none"]

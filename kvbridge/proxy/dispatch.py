@@ -105,13 +105,14 @@ class Dispatcher:
         the engines' reason for the last attempt's failure (``response``: D's own answer)."""
         forced: Decision | None = None
         reuse: Attempt | None = None
-        await self._admit(body, call)
         while True:
             call.attempt = Attempt()
             try:
                 if reuse is None:  # nothing sent yet: no engine to take it is a 503 now
                     self.fleet.prefills.require()
                 self.fleet.decodes.require()
+                if call.reservation is None:  # once, before any leg: KV credit on some D
+                    call.reservation = await self.fleet.admission.admit(body)
                 if reuse is not None:
                     resp = await self._pull(request, path, body, call, reuse)
                 else:
@@ -127,6 +128,9 @@ class Dispatcher:
                 self.metrics.error("no_engine")
                 call.abandon()
                 raise LegFailed(503, str(exc), "no_engine", cause=Cause.REFUSED) from None
+            except NoCredit as exc:  # waited or refused per --kv-admission
+                self.metrics.error("no_kv_credit")
+                raise LegFailed(503, str(exc), "no_kv_credit", cause=Cause.REFUSED) from None
             except LegFailed as exc:
                 self.metrics.error(exc.kind)
                 call.abandon()
@@ -149,20 +153,6 @@ class Dispatcher:
                 )
                 continue
             return resp
-
-    async def _admit(self, body: dict[str, Any], call: Call) -> None:
-        """Claim KV credit on a D for the whole request before any leg starts (waits or
-        raises a 503 ``no_kv_credit`` per ``--kv-admission``)."""
-        try:
-            self.fleet.prefills.require()  # no engine at all: say that, at once
-            self.fleet.decodes.require()
-            call.reservation = await self.fleet.admission.admit(body)
-        except NoEngine as exc:
-            self.metrics.error("no_engine")
-            raise LegFailed(503, str(exc), "no_engine", cause=Cause.REFUSED) from None
-        except NoCredit as exc:
-            self.metrics.error("no_kv_credit")
-            raise LegFailed(503, str(exc), "no_kv_credit", cause=Cause.REFUSED) from None
 
     def _pick_decode(self, call: Call) -> Engine:
         """The least-loaded D with KV credit for the request; its claim follows it."""

@@ -8,7 +8,8 @@ the same user without the fleet secret sends forged and unauthenticated ``DrainN
 write-out budget of one prompt's chunks: the most recent prompt is written, the other is not
 (the control). A stops; B (same model, same disk directory, same secret) gets both prompts:
 the written one hits the disk tier, the other is recomputed, and both outputs equal A's first,
-tier-less computation (the single-engine greedy reference).
+tier-less computation (the single-engine greedy reference). B then stops on SIGTERM alone,
+and its shutdown writes the older prompt out.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def start(model: str, disk: Path, logs: Path, ctl_port: int, name: str) -> VllmS
     server = VllmServer(model, name=f"warm-{name}", port=free_port(), kv_transfer_config=kv,
                         cpu_bind="0", env={"KVBRIDGE_SECRET": SECRET,
                                            "KVBRIDGE_ENGINE_SPIN_MS": "2"},
-                        extra_args=["--block-size", str(BLOCK)],
+                        extra_args=["--block-size", str(BLOCK), "--shutdown-timeout", "20"],
                         log_path=logs / f"{name}.log")
     return server.start().wait_ready(600)
 
@@ -118,3 +119,6 @@ def test_a_drained_engines_hot_prompts_load_from_the_shared_tier_on_its_successo
         assert final.get("offload_load_failed", 0) == 0
     finally:
         b.stop()
+    # SIGTERM without a drain notice: the worker's shutdown writes out (B's dram holds the
+    # older prompt now, the one its shared tier lacks)
+    assert len(list(disk.rglob("*.kvb"))) == 12

@@ -19,8 +19,10 @@ Bounds: at most ``budget_bytes`` per lasting tier, at most ``budget_s`` in all (
 batches of :data:`BATCH` chunks). Partial failure: a lasting tier that raises or stores fewer
 chunks than asked is counted (``offload_drain_failed_<tier>``), logged, and not written again
 by this write-out; the others go on and the write-out completes. Counters:
-``offload_drain_written_blocks_<tier>`` (chunks written), ``offload_drain_present_blocks_<tier>``
-(already there), ``offload_drain_failed_<tier>``, ``offload_drain_timeouts``.
+``offload_drain_written_blocks_<tier>`` (chunks written; their sum, without the suffix, is the
+series ``vllm:kvbridge_offload_drain_written_blocks_total``),
+``offload_drain_present_blocks_<tier>`` (already there), ``offload_drain_failed_<tier>``,
+``offload_drain_timeouts``.
 
 Blocking: :func:`write_out` calls the lasting tiers (disk and network I/O) and returns when done
 or out of budget; the manager runs it on its write-behind thread (a control-channel drain) or on
@@ -160,6 +162,7 @@ def _missing(mgr: Owner, target: Tier, keys: list[str]) -> set[str]:
 def _count(mgr: Owner, report: WriteOutReport) -> None:
     for name, n in report.written.items():
         mgr._count(f"offload_drain_written_blocks_{name}", n)
+        mgr._count("offload_drain_written_blocks", n)  # all tiers: a vllm:kvbridge_* series
     for name, n in report.present.items():
         mgr._count(f"offload_drain_present_blocks_{name}", n)
     for name, n in report.failed.items():

@@ -16,13 +16,18 @@ into the local tiers by the store; the rest are running requests' blocks, which 
 stored — before the engine exits), and chunks a local tier evicted.
 
 Bounds: at most ``budget_bytes`` per lasting tier, at most ``budget_s`` in all (checked between
-batches of :data:`BATCH` chunks). Partial failure: a lasting tier that raises or stores fewer
-chunks than asked is counted (``offload_drain_failed_<tier>``), logged, and not written again
-by this write-out; the others go on and the write-out completes. Counters:
-``offload_drain_written_blocks_<tier>`` (chunks written; their sum, without the suffix, is the
-series ``vllm:kvbridge_offload_drain_written_blocks_total``),
-``offload_drain_present_blocks_<tier>`` (already there), ``offload_drain_failed_<tier>``,
-``offload_drain_timeouts``.
+batches of :data:`BATCH` chunks), and never past a managed tier's free room: the write-out does
+not evict (a chunk hot in ``dram`` may be cold in the tier's own LRU order, its copy there never
+touched by a ``dram`` hit, so evicting by that order could drop what is being written out;
+and on a shared disk the oldest chunks may be another engine's). A tier that evicts on its own
+(unmanaged: a remote store) is written up to the budget.
+
+Partial failure: a lasting tier that raises or stores fewer chunks than asked is counted
+(``offload_drain_failed_<tier>``), logged, and not written again by this write-out; the others
+go on and the write-out completes. Counters: ``offload_drain_written_blocks_<tier>`` (chunks
+written; their sum, without the suffix, is the series
+``vllm:kvbridge_offload_drain_written_blocks_total``), ``offload_drain_present_blocks_<tier>``
+(already there), ``offload_drain_failed_<tier>``, ``offload_drain_timeouts``.
 
 Blocking: :func:`write_out` calls the lasting tiers (disk and network I/O) and returns when done
 or out of budget; the manager runs it on its write-behind thread (a control-channel drain) or on
@@ -111,6 +116,10 @@ def write_out(mgr: Owner, budget_bytes: int, budget_s: float, *,
     size = sealed_size(mgr.io.chunk_bytes)
     for target in targets:
         room = budget_bytes // size
+        index = mgr._index.get(target.name)
+        if index is not None:
+            with mgr._lock:
+                room = min(room, index.free)
         for i in range(0, len(hot), BATCH):
             if room <= 0:
                 break

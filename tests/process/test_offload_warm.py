@@ -213,3 +213,19 @@ def test_write_out_options_are_checked() -> None:
             raw.update(bad)
         with pytest.raises(ConfigError, match=what):
             OffloadConfig.parse(raw)
+
+
+def test_the_write_out_fills_a_managed_tiers_free_room_and_evicts_nothing(
+        tmp_path: Path) -> None:
+    r = Rank(["dram", disk(tmp_path, drain_only=True, capacity_bytes=5 * chunk_size())])
+    try:
+        for i, keys in enumerate(chains()):
+            r.store(f"r{i}", keys, [3 * i, 3 * i + 1, 3 * i + 2])
+        first = warm.write_out(r.manager, 1 << 30, 10.0)
+        assert first.written == {"disk": 5}  # the newest chain, then the next one's head
+        again = warm.write_out(r.manager, 1 << 30, 10.0)
+        assert again.written == {}  # full: nothing evicted to make room
+        assert "offload_evicted_blocks_disk" not in r.manager.take_counters()
+        assert len(list(tmp_path.rglob("*.kvb"))) == 5
+    finally:
+        r.manager.close()

@@ -64,6 +64,7 @@ __all__ = [
     "StatsReply",
     "TransferQuery",
     "TransferReply",
+    "DrainNotice",
     "Ack",
     "PipeFrame",
     "Message",
@@ -326,6 +327,13 @@ class TransferReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     outcomes: Annotated[dict[TransferId, Reason], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
+class DrainNotice(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """This engine is draining (the proxy's ``/admin/drain``): write the offload tiers' hot
+    chunks out for a successor (:mod:`kvbridge.offload.warm`). Answered with an :class:`Ack`
+    at once (``ok`` False: the rank has no offload tiers); the write-out runs in the
+    background."""
+
+
 class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     ok: bool = True
     kind: ErrorKind | None = None
@@ -343,7 +351,7 @@ class PipeFrame(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 Message = Union[
     Hello, HelloReply, Heartbeat, HeartbeatReply, PullClaim, PullDone, PushRegister,
     PushConfirm, PushResult, Cancel, CancelReply, StatsQuery, StatsReply, TransferQuery,
-    TransferReply, Ack, PipeFrame,
+    TransferReply, DrainNotice, Ack, PipeFrame,
 ]
 
 

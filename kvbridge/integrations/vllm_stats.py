@@ -65,6 +65,7 @@ EXPORTED: dict[str, str] = {
     "offload_hit_tokens": "prompt tokens loaded from an offload tier",
     "offload_store_requests": "requests whose prompt blocks were stored to the tiers",
     "offload_load_failed": "tier chunks that failed to load (the rest was recomputed)",
+    "offload_drain_written_blocks": "chunks a drain wrote from local into lasting tiers",
 }
 
 #: Most label sets (mode, backend, peer[, outcome]) one series family keeps.

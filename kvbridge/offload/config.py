@@ -14,7 +14,11 @@ Environment overrides (applied on top, highest precedence):
 - ``KVBRIDGE_OFFLOAD_<TIER>_<OPTION>=value`` — one tier option, e.g.
   ``KVBRIDGE_OFFLOAD_DISK_PATH=/mnt/nvme/kv``, ``KVBRIDGE_OFFLOAD_DRAM_CAPACITY_BYTES=4GiB``;
 - ``KVBRIDGE_OFFLOAD_<KNOB>=value`` for ``store``, ``load``, ``max_staged_bytes``,
-  ``max_backlog_bytes``, ``min_blocks``, ``layerwise_load``.
+  ``max_backlog_bytes``, ``min_blocks``, ``layerwise_load``, ``drain_write_bytes``,
+  ``drain_write_s``.
+
+A tier option every tier accepts: ``drain_only`` (bool) — a blocking tier (disk, remote) that
+is written only when the engine drains (:mod:`kvbridge.offload.warm`), not by every store.
 
 Sizes accept integers or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, powers of ten) suffixes.
 Every error is a :class:`~kvbridge.errors.ConfigError` naming the key.
@@ -35,7 +39,8 @@ __all__ = ["OffloadConfig", "TierSpec", "parse_size", "parse_bool", "apply_env",
 
 ENV_OFFLOAD = "KVBRIDGE_OFFLOAD"
 _KNOBS = {"store": "bool", "load": "bool", "max_staged_bytes": "size",
-          "max_backlog_bytes": "size", "min_blocks": "int", "layerwise_load": "bool"}
+          "max_backlog_bytes": "size", "min_blocks": "int", "layerwise_load": "bool",
+          "drain_write_bytes": "size", "drain_write_s": "seconds"}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -88,6 +93,11 @@ class OffloadConfig:
     #: copy tier hits into their blocks layer by layer while the forward runs
     #: (:mod:`kvbridge.offload.layerwise`) instead of all before it
     layerwise_load: bool = False
+    #: on drain (and shutdown) write at most this many bytes of the local tiers' most recently
+    #: used chunks into each lasting tier that lacks them (:mod:`kvbridge.offload.warm`); 0: off
+    drain_write_bytes: int = 1 << 30
+    #: ... and spend at most this long doing so (seconds)
+    drain_write_s: float = 10.0
 
     @property
     def enabled(self) -> bool:
@@ -123,6 +133,8 @@ class OffloadConfig:
             if "capacity_bytes" in options:
                 options["capacity_bytes"] = parse_size(options["capacity_bytes"],
                                                        f"{what}.capacity_bytes")
+            if "drain_only" in options:
+                options["drain_only"] = parse_bool(options["drain_only"], f"{what}.drain_only")
             tiers.append(TierSpec(name, options))
         values: dict[str, Any] = {}
         for key, kind in _KNOBS.items():
@@ -133,6 +145,8 @@ class OffloadConfig:
                 values[key] = parse_bool(raw[key], what)
             elif kind == "size":
                 values[key] = parse_size(raw[key], what)
+            elif kind == "seconds":
+                values[key] = _seconds(raw[key], what)
             else:
                 try:
                     values[key] = int(raw[key])
@@ -148,7 +162,24 @@ class OffloadConfig:
         return {"tiers": [t.to_json() for t in self.tiers], "store": self.store,
                 "load": self.load, "max_staged_bytes": self.max_staged_bytes,
                 "max_backlog_bytes": self.max_backlog_bytes, "min_blocks": self.min_blocks,
-                "layerwise_load": self.layerwise_load}
+                "layerwise_load": self.layerwise_load,
+                "drain_write_bytes": self.drain_write_bytes, "drain_write_s": self.drain_write_s}
+
+    def drain_only(self, tier: str) -> bool:
+        """Tier ``tier`` is written only on drain (its ``drain_only`` option)."""
+        return any(s.name == tier and bool(s.options.get("drain_only")) for s in self.tiers)
+
+
+def _seconds(raw: Any, what: str) -> float:
+    if isinstance(raw, bool):
+        raise ConfigError(f"{what}: expected seconds, got {raw!r}")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}: expected seconds, got {raw!r}") from exc
+    if not 0 <= value <= 3600:
+        raise ConfigError(f"{what}: must be between 0 and 3600 seconds, got {raw!r}")
+    return value
 
 
 def apply_env(raw: Mapping[str, Any] | None, env: Mapping[str, str],

@@ -45,10 +45,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import registry
 from kvbridge.errors import PipeClosed
 from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss
+from kvbridge.offload import warm
 from kvbridge.offload.blocks import BlockIO
+from kvbridge.offload.build import build_tiers
 from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.events import TierEvent, TierEvents
 from kvbridge.offload.index import KNOWN_KEYS, TierIndex, hold, tier_index
@@ -56,7 +57,7 @@ from kvbridge.offload.keys import tier_key
 from kvbridge.offload.layerwise import LayerFeed
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
 from kvbridge.offload.seal import open_prefix, seal, sealed_size
-from kvbridge.offload.tier import Tier, TierContext
+from kvbridge.offload.tier import Tier
 from kvbridge.transports.pipe import MemoryRecvHalf, MemorySendHalf, memory_pipe
 
 __all__ = ["OffloadManager", "build_tiers", "staging_buffer"]
@@ -75,26 +76,6 @@ class _Job:
 STAGE_TTL_S = 120.0
 #: lookups one rank holds at once; beyond, a lookup is answered "no hit" at once
 MAX_LOOKUPS = 1 << 16
-
-
-def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
-                secret: bytes | None = None) -> list[Tier]:
-    """Construct the configured tiers in order (raises ConfigError/BackendUnavailable).
-    ``chunk_bytes`` is the payload of one chunk (one block of one rank); the tiers store it
-    sealed (:mod:`kvbridge.offload.seal`: its digest follows it). ``secret`` is the engine's
-    (:func:`kvbridge.trust.resolve`): tiers that authenticate their chunks (``disk``) key their
-    MAC with it."""
-    tiers: list[Tier] = []
-    try:
-        for spec in config.tiers:
-            cls = registry.load_tier_class(spec.name)
-            tiers.append(cls(TierContext(spec.name, sealed_size(chunk_bytes), namespace,
-                                         spec.options, secret=secret)))
-    except BaseException:
-        for t in tiers:
-            t.close()
-        raise
-    return tiers
 
 
 def staging_buffer(capacity: int = MAX_LOOKUPS, *,
@@ -148,6 +129,8 @@ class OffloadManager:
         self._sink: Callable[[dict[str, int]], None] | None = None
         self._progress: Callable[[], None] = lambda: None
         self._closed = False
+        self._draining = False  # a drain was announced: drain-only tiers are written too
+        self._drain_only = {t.name for t in self.tiers if config.drain_only(t.name)}
         self._feed: LayerFeed | None = None  # this step's layer-wise load (model-runner thread)
         for t in self.tiers:
             if t.managed:
@@ -438,6 +421,8 @@ class OffloadManager:
             if not tier.blocking:
                 self._put(tier, items, hashes)
                 continue
+            if tier.name in self._drain_only and not self._draining:
+                continue  # written by the drain's write-out (kvbridge.offload.warm)
             size = len(items) * sealed_size(self.io.chunk_bytes)
             with self._lock:
                 if self._backlog_bytes + size > self.config.max_backlog_bytes:
@@ -456,9 +441,9 @@ class OffloadManager:
                 self._backlog_bytes -= size
 
     def _put(self, tier: Tier, items: list[tuple[str, bytes]],
-             hashes: Sequence[bytes | None] | None = None) -> None:
+             hashes: Sequence[bytes | None] | None = None) -> tuple[int, int]:
         """Store into one tier: skip what it holds, evict past capacity, remember the rest
-        (under its block ``hashes``, which its KV events name)."""
+        (under its block ``hashes``, which its KV events name); (chunks to store, stored)."""
         by_key = dict(zip((k for k, _ in items), hashes or (), strict=False))
         index = self._index.get(tier.name)
         known = self._known.get(tier.name)
@@ -470,7 +455,7 @@ class OffloadManager:
                 assert known is not None
                 todo = [(k, c) for k, c in items if k not in known]
         if not todo:
-            return
+            return 0, 0
         stored = self._call(tier, "store", todo) or []
         if len(stored) < len(todo):
             self._count(f"offload_store_failed_{tier.name}", len(todo) - len(stored))
@@ -488,6 +473,7 @@ class OffloadManager:
             self._count(f"offload_evicted_blocks_{tier.name}", len(evicted))
             self._call(tier, "evict", [k for k, _ in evicted])
             self.events.removed(tier.name, tier.medium, [h for _, h in evicted])
+        return len(todo), len(stored)
 
     def _call(self, tier: Tier, method: str, arg: Any) -> Any:
         lock = self._tier_locks[tier.name] if tier.blocking else None
@@ -579,13 +565,27 @@ class OffloadManager:
                 return False
         return True
 
+    def drain(self) -> None:
+        """The engine drains: from now on stores write the drain-only tiers too, and a
+        write-out (:mod:`kvbridge.offload.warm`) is queued behind the write-behind backlog.
+        Non-blocking; idempotent (a second call queues nothing)."""
+        if not self._draining:
+            self._draining = True
+            self._submit(self._slow, self._write_out)
+
+    def _write_out(self) -> None:
+        warm.write_out(self, self.config.drain_write_bytes, self.config.drain_write_s)
     def close(self, timeout: float = 10.0) -> None:
-        """Finish queued writes (bounded), stop the threads, close the tiers. Idempotent."""
+        """Finish queued writes, then the drain's write-out (both bounded), stop the threads,
+        close the tiers. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.finish_loads()
+        drained, self._draining = self._draining, True
         self.flush(timeout)
+        if not drained:  # once per engine: a drain already ran it (its budget spent)
+            self._write_out()
         for pipe in (self._fast, self._slow):
             pipe.close()  # end of stream: each thread ends after the jobs queued before it
         for th in self._threads:

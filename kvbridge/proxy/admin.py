@@ -6,7 +6,8 @@ method    path                                   does
 GET       ``/admin/engines``                     every engine: state, load, hand-offs (200)
 POST      ``/admin/engines``                     add ``{"role": "prefill"|"decode", "url": …}``;
                                                  it joins in the background (202)
-POST      ``/admin/drain?engine=URL``            no new requests to it; what it serves runs on
+POST      ``/admin/drain?engine=URL``            no new requests to it; what it serves runs on;
+                                                 its ranks are told to write their hot KV out
 POST      ``/admin/resume?engine=URL``           undo a drain
 DELETE    ``/admin/engines?engine=URL[&force=1]``  forget it (409 while it serves something)
 ========  =====================================  ===============================================
@@ -24,11 +25,15 @@ nothing; a proxy that runs without any secret (``allow_insecure_control``) answe
 refused (413) before they are parsed.
 
 Contract: handlers run on the proxy's event loop and never block; a change is made at once and
-is visible to the next pick.
+is visible to the next pick. A drain's notices (:mod:`kvbridge.proxy.notices`: the engine's
+ranks write their offload tiers' hot chunks into the lasting tiers, for the engine that
+replaces it) go out in the background, once per drain, after a probe for the engine's control
+addresses if none is cached; the answer does not wait for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -40,7 +45,9 @@ from aiohttp import web
 
 from kvbridge import trust
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.proxy.members import Engine, Role, parse_engine_url
+from kvbridge.proxy.failures import LegFailed
+from kvbridge.proxy.members import Admission, Engine, Role, parse_engine_url
+from kvbridge.proxy.notices import DrainNotices, NoticeOutcome
 from kvbridge.proxy.pool import Fleet
 
 __all__ = ["AdminApi", "engine_row", "MAX_BODY"]
@@ -100,8 +107,11 @@ def check_engine_url(value: Any, param: str = "url") -> str:
 class AdminApi:
     """The ``/admin`` routes of one proxy (see the module docstring)."""
 
-    def __init__(self, fleet: Fleet, secret: str | None) -> None:
+    def __init__(self, fleet: Fleet, secret: str | None, control_timeout_s: float = 2.0) -> None:
         self.fleet = fleet
+        self.notices = DrainNotices(secret, control_timeout_s)
+        self._timeout_s = control_timeout_s
+        self._tasks: set[asyncio.Task[dict[str, NoticeOutcome]]] = set()
         self._token: str | None = None
         self._disabled = ""
         try:
@@ -183,7 +193,31 @@ class AdminApi:
         return web.json_response(engine_row(e), status=202)
 
     async def _drain(self, request: web.Request) -> web.StreamResponse:
-        return web.json_response(engine_row(self.fleet.drain(self._engine(request).url)))
+        e = self._engine(request)
+        first = e.admission is not Admission.DRAINING
+        row = engine_row(self.fleet.drain(e.url))
+        if first:
+            task = asyncio.ensure_future(self.write_out(e))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return web.json_response(row)
+
+    async def write_out(self, e: Engine) -> dict[str, NoticeOutcome]:
+        """Tell ``e``'s ranks to write their hot KV out; what each answered (never raises)."""
+        try:
+            addresses = (await self.fleet.probe(e, self._timeout_s)).addresses()
+        except LegFailed as exc:
+            log.warning("%s drains without writing its KV out: no control address (%s)",
+                        e.url, exc.message)
+            return {}
+        return await self.notices.tell(addresses)
+
+    async def close(self) -> None:
+        """Cancel drain notices still in flight; close their client."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.notices.close()
 
     async def _resume(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(engine_row(self.fleet.resume(self._engine(request).url)))

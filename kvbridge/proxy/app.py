@@ -97,7 +97,7 @@ class ProxyServer:
         self.decodes = self.fleet.decodes
         self.dispatcher = Dispatcher(settings, self.metrics, self.fleet,
                                      Relay(settings, self.metrics, self.fleet))
-        self.admin = AdminApi(self.fleet, settings.control_secret)
+        self.admin = AdminApi(self.fleet, settings.control_secret, settings.control_timeout_s)
         self.discovery = from_settings(settings, self.fleet, self.metrics, resolver)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)
@@ -156,6 +156,7 @@ class ProxyServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.admin.close()  # its notices probe through the fleet's session
         await self.fleet.close()
         await self.dispatcher.close()
 

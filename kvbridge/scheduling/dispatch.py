@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from kvbridge import identity
@@ -16,6 +17,7 @@ from kvbridge.messages import (
     Ack,
     Cancel,
     CancelReply,
+    DrainNotice,
     ErrorKind,
     Heartbeat,
     HeartbeatReply,
@@ -52,6 +54,8 @@ class Host(LoopContext, Protocol):
     push_sink: PushSink
     timings: collections.OrderedDict[str, dict[str, float]]
     timing_lock: threading.Lock
+    #: what a DrainNotice starts (the rank's offload write-out); None: no offload tiers
+    on_drain: Callable[[], None] | None
 
     @property
     def server(self) -> ControlServer: ...
@@ -106,6 +110,12 @@ def answer(core: Host, ctx: RequestContext, msg: Message) -> Message | None:
         return StatsReply(engine_id=core.engine_id, generation=core.generation,
                           stats=stats, pending=core.pending(), timings=timings,
                           held=held(core))
+    if isinstance(msg, DrainNotice):
+        if core.on_drain is None:
+            return Ack(ok=False, error="this rank has no offload tiers: nothing to write out")
+        core.stats["drain_notices"] += 1
+        core.on_drain()
+        return Ack(ok=True)
     if isinstance(msg, TransferQuery):
         outcomes = {t: o for t in msg.transfer_ids if (o := outcome(core, t)) is not None}
         return TransferReply(outcomes=outcomes)

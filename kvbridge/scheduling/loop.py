@@ -115,6 +115,8 @@ class TransferLoop(PeerEvents):
         self.observe = Observations(self.transport.name)
         self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
         self.timing_lock = threading.Lock()
+        #: a DrainNotice's action, set by the rank's owner (kvbridge.scheduling.rank)
+        self.on_drain: Callable[[], None] | None = None
         self.ended = Outcomes()
         self.results = ResultBox(layout, self.stats, self.ended, self.mark, self.wake_caller)
         self.timers = Timers()

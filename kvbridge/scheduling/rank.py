@@ -51,6 +51,8 @@ class RankSide:
                  offload: OffloadManager | None = None) -> None:
         self.loop = loop
         self.offload = offload
+        if offload is not None:  # a DrainNotice (the proxy's drain) starts its write-out
+            loop.on_drain = offload.drain
         self.rank = loop.rank
         self._fence = fence or (lambda: None)
         self._ready: list[SendPlan] = []  # whole-request pushes the forward writes

@@ -36,7 +36,7 @@ from aiohttp import web
 from kvbridge import trust
 from kvbridge.control import ControlServer
 from kvbridge.errors import ConfigError
-from kvbridge.messages import Ack, TransferQuery, TransferReply
+from kvbridge.messages import Ack, Codec, DrainNotice, TransferQuery, TransferReply
 from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.discovery import DnsSource
@@ -262,16 +262,21 @@ class FakeControl:
     """An engine rank's control channel: a real ControlServer, answered by a thread.
 
     ``outcomes`` maps transfer ids to what the rank says happened (``"failed: …"``); ``default``
-    is said of any other id (None: the rank does not know it). Every TransferQuery is recorded.
+    is said of any other id (None: the rank does not know it). Every TransferQuery is recorded,
+    and every DrainNotice counted (``notices``). ``secret``: the fleet secret it authenticates
+    with (default: the per-user one local engines use).
     """
 
-    def __init__(self, default: str | None = None, *, refuse: bool = False) -> None:
-        self.server = ControlServer(engine_codec(), "127.0.0.1", 0)  # as a local engine
+    def __init__(self, default: str | None = None, *, refuse: bool = False,
+                 secret: str | None = None) -> None:
+        codec = Codec(secret.encode()) if secret else engine_codec()  # as a local engine
+        self.server = ControlServer(codec, "127.0.0.1", 0)
         self.port = self.server.port
         self.default = default
         self.refuse = refuse
         self.outcomes: dict[str, str] = {}
         self.queries: list[list[str]] = []
+        self.notices = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-control", daemon=True)
         self._thread.start()
@@ -283,6 +288,10 @@ class FakeControl:
             if not poller.poll(20):
                 continue
             for ctx, msg in self.server.receive():
+                if isinstance(msg, DrainNotice) and not self.refuse:
+                    self.notices += 1
+                    self.server.reply(ctx, Ack(ok=True))
+                    continue
                 if not isinstance(msg, TransferQuery) or self.refuse:
                     self.server.reply(ctx, Ack(ok=False, error="not answering"))
                     continue
@@ -1571,6 +1580,34 @@ async def test_admin_needs_the_token_and_changes_nothing_without_it(
     assert status == 200
     assert {r["state"] for r in listing["engines"]} == {"active"}
     assert [r["role"] for r in listing["engines"]] == ["prefill", "decode", "decode"]
+
+
+async def test_a_drain_tells_the_engines_ranks_once_to_write_their_kv_out(
+        engines: Any, proxies: Any, client: Any, controls: Any) -> None:
+    ctl, quiet = controls(secret=SECRET), controls(secret=SECRET)
+    p = await engines("prefill", control_port=ctl.port)
+    d = await engines("decode", control_port=quiet.port, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], control_secret=SECRET)
+    for token in (None, trust.admin_token(b"another fleet's secret")):  # refused: no notice
+        assert (await admin(client, proxy, "POST", f"/admin/drain?engine={p.url}",
+                            token=token))[0] == 401
+    status, row = await admin(client, proxy, "POST", f"/admin/drain?engine={p.url}")
+    assert status == 200 and row["state"] in ("draining", "drained")
+    await until(lambda: ctl.notices == 1)
+    await admin(client, proxy, "POST", f"/admin/drain?engine={p.url}")  # already draining
+    await asyncio.sleep(0.3)
+    assert ctl.notices == 1 and quiet.notices == 0  # once, and only the drained engine's
+
+
+async def test_a_drain_notice_without_the_fleet_secret_is_dropped(
+        engines: Any, proxies: Any, client: Any, controls: Any) -> None:
+    ctl = controls(secret="the engines' own fleet secret")  # the proxy signs with another one
+    p = await engines("prefill", control_port=ctl.port)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], control_secret=SECRET)
+    assert (await admin(client, proxy, "POST", f"/admin/drain?engine={p.url}"))[0] == 200
+    await until(lambda: ctl.server.dropped_auth >= 1)
+    assert ctl.notices == 0
 
 
 async def test_admin_is_off_without_any_secret(

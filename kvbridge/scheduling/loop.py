@@ -46,6 +46,7 @@ from kvbridge.scheduling.layer_stream import LayerStream
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
+from kvbridge.scheduling.recorder import Recorder
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource
 from kvbridge.scheduling.push import PushSource
@@ -113,8 +114,8 @@ class TransferLoop(PeerEvents):
             checksum=config.checksum, heads=heads)
         self.stats: Counter[str] = Counter()
         self.observe = Observations(self.transport.name)
-        self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
-        self.timing_lock = threading.Lock()
+        #: the flight recorder: per-transfer timestamps (kvbridge.scheduling.recorder)
+        self.recorder = Recorder(1024, on_phase=self.observe.phase)
         self.ended = Outcomes()
         self.results = ResultBox(layout, self.stats, self.ended, self.mark, self.wake_caller)
         self.timers = Timers()
@@ -301,13 +302,9 @@ class TransferLoop(PeerEvents):
         return dict(self.stats)
 
     def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
-        """Record a timing event (wall clock) for a transfer; keeps the last 1024."""
-        with self.timing_lock:
-            entry = self.timings.setdefault(transfer_id, {})
-            entry.setdefault(event, time.time() if when is None else when)
-            self.timings.move_to_end(transfer_id)
-            while len(self.timings) > 1024:
-                self.timings.popitem(last=False)
+        """Record a timing event of a transfer (now, or at wall time ``when``) in the flight
+        recorder; it keeps the last 1024 transfers."""
+        self.recorder.mark(transfer_id, event, when)
 
     def drain(self) -> Results:
         """Return and clear what finished since the last call."""

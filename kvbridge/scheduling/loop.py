@@ -46,11 +46,11 @@ from kvbridge.scheduling.layer_stream import LayerStream
 from kvbridge.scheduling.leases import HeartbeatBook, PeerEvents, Prober, Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
-from kvbridge.scheduling.recorder import Recorder
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource
 from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
+from kvbridge.scheduling.recorder import Recorder
 from kvbridge.scheduling.results import Outcomes, ResultBox, Results, digest
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport

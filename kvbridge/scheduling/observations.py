@@ -103,8 +103,8 @@ class Observations:
     def drain(self) -> dict[str, Any]:
         """The samples since the last drain (empty dict when none):
         ``{"transfers": [[mode, backend, peer, outcome, seconds, bytes, descriptors], …],
-        "handoffs": [[mode, backend, peer, seconds], …], "phases": [[phase, seconds], …], "events": [[name, mode, backend, peer,
-        count], …], "dropped": n}``."""
+        "handoffs": [[mode, backend, peer, seconds], …], "phases": [[phase, seconds], …],
+        "events": [[name, mode, backend, peer, count], …], "dropped": n}``."""
         with self._lock:
             transfers, self._transfers = self._transfers, []
             handoffs, self._handoffs = self._handoffs, []

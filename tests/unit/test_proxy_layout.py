@@ -21,7 +21,7 @@ LAYERS = (
     ("admin", "discovery", "dispatch"),
     ("relay",),
     ("pool",),
-    ("failures", "metrics", "reasons", "tenants"),
+    ("failures", "metrics", "reasons", "tenants", "flight"),
     ("settings",),
     ("routing", "credit"),
     ("members",),

@@ -19,9 +19,9 @@ import urllib.parse
 from typing import Any
 
 from kvbridge.tools.fleetctl import DEFAULT_PROXY, AdminClient, AdminError
-from kvbridge.tools.report import print_json, print_table
+from kvbridge.tools.report import print_json, table
 
-__all__ = ["add_arguments", "cli_main", "format_why", "plot_why"]
+__all__ = ["add_arguments", "cli_main", "format_why", "render_why", "plot_why"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +64,14 @@ def format_why(row: dict[str, Any]) -> tuple[list[str], list[list[object]]]:
     return head, rows
 
 
+def render_why(row: dict[str, Any], width: int | None = None) -> list[str]:
+    """What ``kvbridge why`` prints of one answer: the heading, then the table."""
+    head, rows = format_why(row)
+    if not rows:
+        return head
+    return [*head, *table(["phase", "ms", "%", "", "from → to"], rows, list("lrrll"), width)]
+
+
 def plot_why(row: dict[str, Any], path: str) -> None:
     """The phases of one answer as a timeline PNG. Raises ImportError without matplotlib."""
     import matplotlib
@@ -99,10 +107,7 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.json:
         print_json(row)
     else:
-        head, rows = format_why(row)
-        print("\n".join(head))
-        if rows:
-            print_table(["phase", "ms", "%", "", "from → to"], rows, "lrrll")
+        print("\n".join(render_why(row)))
     if args.plot:
         try:
             plot_why(row, args.plot)

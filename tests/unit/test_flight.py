@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvbridge.proxy.flight import Flight, FlightLog, critical_path, safe_request_id
@@ -85,7 +87,7 @@ def test_no_path_before_the_first_token() -> None:
 
 
 def test_kvbridge_why_prints_every_phase_and_marks_the_hops() -> None:
-    from kvbridge.tools.why import format_why
+    from kvbridge.tools.why import format_why, render_why
 
     row = {"request_id": "r1", "mode": "push", "transfer_id": "xfer-1", "retries": 0,
            "outcome": "ok", "prefill": "http://p", "decode": "http://d",
@@ -97,3 +99,15 @@ def test_kvbridge_why_prints_every_phase_and_marks_the_hops() -> None:
     assert [r[0] for r in rows].count("wire (WRITE)") == 1
     assert sum(1 for r in rows if str(r[0]).endswith(" *")) == 3
     assert format_why({**row, "phases": []})[1] == []
+    lines = render_why(row, 100)
+    assert lines[:len(head)] == head and len(lines) == len(head) + 2 + len(rows)
+    assert lines[len(head)].split() == ["phase", "ms", "%", "from", "→", "to"]
+
+
+def test_kvbridge_why_plots_a_timeline(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvbridge.tools.why import plot_why
+
+    plot_why({"request_id": "r1", "mode": "push",
+              "phases": critical_path("push", PROXY, P_PUSH, D_PUSH)}, str(tmp_path / "w.png"))
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"

@@ -33,7 +33,7 @@ OTHER_ENV: Mapping[str, str] = {
     "KVBRIDGE_MOONCAKE_MASTER": "the mooncake_master binary kvbridge's tools start",
     "KVBRIDGE_SALT_FROM_HEADER": "default of kvbridge proxy --salt-from-header",
     "KVBRIDGE_KV_ADMISSION": "default of kvbridge proxy --kv-admission",
-    "KVBRIDGE_PROXY_URL": "the proxy kvbridge engines / kvbridge drain talk to",
+    "KVBRIDGE_PROXY_URL": "the proxy kvbridge engines / drain / why talk to",
     "KVBRIDGE_REGISTER_ON_IMPORT": "register the connector names with vLLM when "
                                    "kvbridge.integrations.vllm is imported",
     "KVBRIDGE_TEST_PEER_LOG": "log level of the conformance suites' peer process",

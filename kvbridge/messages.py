@@ -317,14 +317,21 @@ class StatsReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 class TransferQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """What happened to these transfers (the proxy asks after a failed request)?"""
+    """What happened to these transfers (the proxy asks after a failed request)? With
+    ``timings``, also their flight records (``kvbridge why``)."""
 
     transfer_ids: TransferIds
+    timings: bool = False
 
 
 class TransferReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     #: transfer_id -> "state: reason" for those this rank remembers
     outcomes: Annotated[dict[TransferId, Reason], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+    #: transfer_id -> {event: wall-clock time} (kvbridge.scheduling.recorder), when asked
+    timings: Annotated[
+        dict[TransferId, Annotated[dict[Short, float], msgspec.Meta(max_length=32)]],
+        msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE),
+    ] = {}
 
 
 class DrainNotice(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -134,6 +134,12 @@ class SchedulerSide:
         """``update_state_after_alloc``: plan the receive (when there is one) and commit the
         tiers' share of the ``external`` tokens vLLM allocated (the planner splits them)."""
         req_id = request.request_id
+        tid = self.book.transfer_of(req_id) if req_id in self._live else None
+        if tid is not None:  # the flight recorder (timing only): vLLM's queue, on this clock
+            arrival = getattr(request, "arrival_time", None)
+            if isinstance(arrival, float):
+                self._marks.append((tid, "arrived", arrival))
+            self._marks.append((tid, "scheduled", time.time()))
         tables = [list(t) for t in blocks.get_block_ids()] if external else []
         ids = tables[0] if tables else []
         receiving = self.book.receives(req_id)

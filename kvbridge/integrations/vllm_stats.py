@@ -14,6 +14,8 @@ The payload (``data``), every part optional:
 - ``transfers``: ``[[mode, backend, peer, outcome, seconds, bytes, descriptors], …]``, one per
   finished READ / WRITE (:mod:`kvbridge.scheduling.observations`);
 - ``handoffs``: ``[[mode, backend, peer, seconds], …]``, one per finished hand-off on D;
+- ``phases``: ``[[phase, seconds], …]``, one per hand-off phase the rank's flight recorder
+  timed (:data:`~kvbridge.scheduling.recorder.PHASES`; other names are dropped);
 - ``events``: ``[[event, mode, backend, peer, count], …]``, failure events of
   :data:`~kvbridge.scheduling.observations.EVENTS` (peer ``-`` where the rank does not know it);
 - ``dropped``: samples the rank could not keep (its buffer was full).
@@ -36,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvbridge.scheduling.observations import EVENTS
+from kvbridge.scheduling.recorder import PHASES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +75,7 @@ EXPORTED: dict[str, str] = {
 MAX_LABEL_SETS = 64
 _MAX_SAMPLES = 8192
 _MODES = ("pull", "push")
+_PHASES = frozenset(p for p, _, _ in PHASES)
 _OUTCOMES = ("ok", "failed")
 _TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                  2.5, 5.0, 10.0, 30.0)
@@ -126,6 +130,13 @@ def _handoffs(data: Mapping[str, Any]) -> list[list[Any]]:
     return out
 
 
+def _phases(data: Mapping[str, Any]) -> list[list[Any]]:
+    raw = data.get("phases", [])
+    return [[s[0], float(s[1])] for s in (raw[:_MAX_SAMPLES] if isinstance(raw, list) else [])
+            if isinstance(s, (list, tuple)) and len(s) == 2 and s[0] in _PHASES
+            and _num(s[1])]
+
+
 def _events(data: Mapping[str, Any]) -> list[list[Any]]:
     out = []
     raw = data.get("events", [])
@@ -140,7 +151,7 @@ def _parse(data: Mapping[str, Any] | None) -> dict[str, Any]:
     data = data if isinstance(data, Mapping) else {}
     dropped = data.get("dropped", 0)
     return {"counters": _counters(data), "transfers": _transfers(data),
-            "handoffs": _handoffs(data), "events": _events(data),
+            "handoffs": _handoffs(data), "events": _events(data), "phases": _phases(data),
             "dropped": dropped if _int(dropped) and dropped > 0 else 0}
 
 
@@ -163,7 +174,7 @@ class KVBridgeStats(KVConnectorStats):
         mine = self.counters
         for k, v in theirs["counters"].items():
             mine[k] = mine.get(k, 0) + v
-        for key in ("transfers", "handoffs", "events"):
+        for key in ("transfers", "handoffs", "events", "phases"):
             room = _MAX_SAMPLES - len(self.data[key])
             self.data[key].extend(theirs[key][:max(0, room)])
             self.data["dropped"] += max(0, len(theirs[key]) - max(0, room))
@@ -192,7 +203,7 @@ class KVBridgeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not (self.counters or self.data["transfers"] or self.data["handoffs"]
-                    or self.data["events"])
+                    or self.data["events"] or self.data["phases"])
 
 
 class _Family:
@@ -210,7 +221,7 @@ class _Family:
             base = self._per_engine.get(engine_idx)
             if base is None:
                 return None
-            if len(self._children) >= MAX_LABEL_SETS:  # peer label → "other"
+            if len(self._children) >= MAX_LABEL_SETS and len(labels) > 2:  # peer → "other"
                 labels = (labels[0], labels[1], "other", *labels[3:])
                 key = (engine_idx, *labels)
                 found = self._children.get(key)
@@ -257,6 +268,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                "usable (claim + READ + confirm, or registration to DONE)", where,
                                _TIME_BUCKETS)
 
+        self._phase = family(h, "vllm:kvbridge_phase_seconds", "one phase of a hand-off as "
+                             "this engine timed it on its own clock (docs/why.md)",
+                             [*labelnames, "phase"], _TIME_BUCKETS)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = _parse(transfer_stats_data)
         for name, n in data["counters"].items():
@@ -274,6 +289,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self._descs.child(engine_idx, where).observe(descs)
         for mode, backend, peer, seconds in data["handoffs"]:
             child = self._handoff.child(engine_idx, (mode, backend, peer))
+            if child is not None:
+                child.observe(seconds)
+        for phase, seconds in data["phases"]:
+            child = self._phase.child(engine_idx, (phase,))
             if child is not None:
                 child.observe(seconds)
         for event, mode, backend, peer, n in data["events"]:

@@ -10,6 +10,10 @@ POST      ``/admin/drain?engine=URL``            no new requests to it; what it 
                                                  its ranks are told to write their hot KV out
 POST      ``/admin/resume?engine=URL``           undo a drain
 DELETE    ``/admin/engines?engine=URL[&force=1]``  forget it (409 while it serves something)
+GET       ``/admin/why/<request-id>``            the request's flight record joined with its
+                                                 engines' (:mod:`kvbridge.proxy.flight`): the
+                                                 critical path, phase by phase (200; 404 when
+                                                 the proxy no longer remembers it)
 ========  =====================================  ===============================================
 
 States and admissions are :mod:`kvbridge.proxy.members`'; the changes are
@@ -28,7 +32,10 @@ Contract: handlers run on the proxy's event loop and never block; a change is ma
 is visible to the next pick. A drain's notices (:mod:`kvbridge.proxy.notices`: the engine's
 ranks write their offload tiers' hot chunks into the lasting tiers, for the engine that
 replaces it) go out in the background, once per drain, after a probe for the engine's control
-addresses if none is cached; the answer does not wait for them.
+addresses if none is cached; the answer does not wait for them. ``/admin/why`` asks the
+request's engines' control channels (bounded by ``control_timeout_s`` each, all at once); an
+engine that does not answer, or no longer remembers the transfer, only leaves its steps out of
+the answer (``engines`` says so).
 """
 
 from __future__ import annotations
@@ -46,9 +53,11 @@ from aiohttp import web
 from kvbridge import trust
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.proxy.failures import LegFailed
+from kvbridge.proxy.flight import FlightLog, critical_path, safe_request_id
 from kvbridge.proxy.members import Admission, Engine, Role, parse_engine_url
 from kvbridge.proxy.notices import DrainNotices, NoticeOutcome
 from kvbridge.proxy.pool import Fleet
+from kvbridge.proxy.reasons import ReasonFinder
 
 __all__ = ["AdminApi", "engine_row", "MAX_BODY"]
 
@@ -107,10 +116,13 @@ def check_engine_url(value: Any, param: str = "url") -> str:
 class AdminApi:
     """The ``/admin`` routes of one proxy (see the module docstring)."""
 
-    def __init__(self, fleet: Fleet, secret: str | None, control_timeout_s: float = 2.0) -> None:
+    def __init__(self, fleet: Fleet, secret: str | None, flights: FlightLog | None = None,
+                 control_timeout_s: float = 2.0) -> None:
         self.fleet = fleet
+        self.flights = flights if flights is not None else FlightLog()
+        self._finder = ReasonFinder(secret, control_timeout_s)
+        self._budget = control_timeout_s
         self.notices = DrainNotices(secret, control_timeout_s)
-        self._timeout_s = control_timeout_s
         self._tasks: set[asyncio.Task[dict[str, NoticeOutcome]]] = set()
         self._token: str | None = None
         self._disabled = ""
@@ -132,6 +144,7 @@ class AdminApi:
         app.router.add_delete("/admin/engines", self._guard(self._remove))
         app.router.add_post("/admin/drain", self._guard(self._drain))
         app.router.add_post("/admin/resume", self._guard(self._resume))
+        app.router.add_get("/admin/why/{rid}", self._guard(self._why))
 
     def _guard(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -205,7 +218,7 @@ class AdminApi:
     async def write_out(self, e: Engine) -> dict[str, NoticeOutcome]:
         """Tell ``e``'s ranks to write their hot KV out; what each answered (never raises)."""
         try:
-            addresses = (await self.fleet.probe(e, self._timeout_s)).addresses()
+            addresses = (await self.fleet.probe(e, self._budget)).addresses()
         except LegFailed as exc:
             log.warning("%s drains without writing its KV out: no control address (%s)",
                         e.url, exc.message)
@@ -213,11 +226,13 @@ class AdminApi:
         return await self.notices.tell(addresses)
 
     async def close(self) -> None:
-        """Cancel drain notices still in flight; close their client."""
+        """Cancel drain notices still in flight; close the control-channel clients of the
+        notices and of ``/admin/why``."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.notices.close()
+        await self._finder.close()
 
     async def _resume(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(engine_row(self.fleet.resume(self._engine(request).url)))
@@ -232,3 +247,43 @@ class AdminApi:
         row = engine_row(removed)
         row["state"] = "removed"
         return web.json_response(row)
+
+    async def _why(self, request: web.Request) -> web.StreamResponse:
+        rid = safe_request_id(request.match_info.get("rid"))
+        if rid is None:
+            raise _Bad(400, "a request id is 1-128 characters of [A-Za-z0-9._:@-]", "rid")
+        flight = self.flights.get(rid)
+        if flight is None:
+            raise _Bad(404, f"this proxy does not remember request {rid} (it keeps the last "
+                            f"{self.flights.capacity})", "rid")
+        row = flight.row()
+        records: dict[str, dict[str, float] | None] = {"P": None, "D": None}
+        engines: dict[str, str] = {}
+        if flight.tid:
+            asks = [(side, url) for side, url in (("P", flight.prefill), ("D", flight.decode))
+                    if url]
+            found = await asyncio.gather(*(self._record(url, flight.tid) for _, url in asks))
+            for (side, url), (record, note) in zip(asks, found, strict=True):
+                records[side] = record
+                engines[side] = f"{url}: {note}"
+        row["engines"] = engines
+        row["P"], row["D"] = records["P"], records["D"]
+        row["phases"] = critical_path(flight.mode, row["proxy"], records["P"], records["D"])
+        row["ttft_s"] = sum(p["seconds"] for p in row["phases"]) if row["phases"] else None
+        return web.json_response(row)
+
+    async def _record(self, url: str, tid: str) -> tuple[dict[str, float] | None, str]:
+        """The flight record engine ``url`` kept of ``tid`` (the first of its ranks that has
+        one), and what happened asking."""
+        try:
+            e = self.fleet.find(url)
+        except ConfigError:
+            return None, "no longer an engine of this proxy"
+        try:
+            addresses = (await self.fleet.probe(e, self._budget)).addresses()
+        except Exception as exc:  # noqa: BLE001 - a dead engine only loses its steps
+            return None, f"not reachable ({exc})"
+        for found in await asyncio.gather(*(self._finder.record(a, tid) for a in addresses)):
+            if found:
+                return found, "recorded"
+        return None, "no record (evicted, or never reached it)"

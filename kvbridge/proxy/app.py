@@ -55,6 +55,7 @@ from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.discovery import Resolver, from_settings
 from kvbridge.proxy.dispatch import Dispatcher
 from kvbridge.proxy.failures import LegFailed
+from kvbridge.proxy.flight import Flight, FlightLog, safe_request_id
 from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.pool import Fleet
@@ -97,7 +98,10 @@ class ProxyServer:
         self.decodes = self.fleet.decodes
         self.dispatcher = Dispatcher(settings, self.metrics, self.fleet,
                                      Relay(settings, self.metrics, self.fleet))
-        self.admin = AdminApi(self.fleet, settings.control_secret, settings.control_timeout_s)
+        #: the last requests' flight records (kvbridge.proxy.flight; GET /admin/why/<id>)
+        self.flights = FlightLog()
+        self.admin = AdminApi(self.fleet, settings.control_secret, self.flights,
+                              settings.control_timeout_s)
         self.discovery = from_settings(settings, self.fleet, self.metrics, resolver)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)
@@ -196,6 +200,7 @@ class ProxyServer:
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
+        flight = Flight("")  # its steps start now: "receive"
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -216,13 +221,18 @@ class ProxyServer:
                 return _error(400, str(exc), "invalid_request_error", self._salt.header)
 
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
-        rid = request.headers.get("X-Request-Id") or "kvb-" + uuid.uuid4().hex
-        headers["X-Request-Id"] = rid
-        call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers)
+        # the client's id when it is safe to key a record and echo, else the proxy's own
+        rid = safe_request_id(request.headers.get("X-Request-Id")) or "kvb-" + uuid.uuid4().hex
+        headers["X-Request-Id"] = flight.rid = rid
+        self.flights.add(flight)
+        call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
+                    flight=flight)
         try:
             resp = await self.dispatcher.route(request, path, body, call)
             if call.outcome == "ok" and resp.status >= 400:
                 call.outcome = "client_error" if resp.status < 500 else "upstream_error"
+            if not resp.prepared:
+                resp.headers["X-Request-Id"] = rid
             return resp
         except LegFailed as exc:
             log.warning("%s %s failed (%s): %s", call.rid, call.mode, exc.kind, exc.message)
@@ -232,8 +242,11 @@ class ProxyServer:
                 else ("client_error" if exc.status < 500 else "upstream_error")
             )
             if exc.response is not None:  # D's own answer, unless an engine says why
+                if not exc.response.prepared:
+                    exc.response.headers["X-Request-Id"] = rid
                 return exc.response
             resp = _error(exc.status, exc.message, exc.kind, exc.param)
+            resp.headers["X-Request-Id"] = rid
             if exc.kind in ("no_engine", "no_kv_credit"):  # a moment later it may fit
                 resp.headers["Retry-After"] = "1"
             return resp
@@ -249,6 +262,7 @@ class ProxyServer:
                 elif not task.done():
                     self._spawn(task)  # P still draining after D answered: let it finish
             call.release_held()
+            flight.outcome = call.outcome
             self.metrics.request_done(call.mode, call.outcome)
             self.metrics.observe_duration(call.mode, time.monotonic() - t0)
 

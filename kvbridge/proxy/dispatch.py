@@ -215,10 +215,12 @@ class Dispatcher:
         if reuse is not None and reuse.p is not None and reuse.answer is not None:
             p, answer, tid = reuse.p, reuse.answer, reuse.tid
             att.wire = reuse.wire
+            call.flight.steps.pop("decode_sent", None)  # P's steps stand; a new D follows
         else:
             p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
             tid = new_transfer_id()
             att.p, att.tid = p, tid
+            call.flight.attempt(ProxyMode.PULL.value, tid, p.url)
             try:
                 answer = await self.relay.prefill_leg(
                     p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
@@ -230,6 +232,7 @@ class Dispatcher:
         # late placement: the least-loaded D now that prefill is done
         d = att.d = self._pick_decode(call)
         d.acquire()
+        call.flight.decode = d.url
         d_body = decode_body(body, pull_decode_params(answer, att.wire))
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         legs: list[tuple[Engine, TransferParams | None]] = [(d, None), (p, answer)]
@@ -271,6 +274,7 @@ class Dispatcher:
         self._record(decision, call)
         tid = att.tid = new_transfer_id()
         att.probe = info
+        call.flight.attempt(ProxyMode.PUSH.value, tid, p.url, d.url)
         p_leg = att.p_leg = asyncio.ensure_future(
             self.relay.prefill_leg(
                 p, path, prefill_body(body, tid, ProxyMode.PUSH), call, tid, ProxyMode.PUSH

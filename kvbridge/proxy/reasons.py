@@ -9,6 +9,9 @@ executor with a short deadline: the loop never blocks, and a dead or slow engine
 failed request that deadline. Any failure of the query (no answer, a refused or undecodable
 reply, an engine that knows nothing) yields no reason, and the caller keeps its generic message.
 
+The same query with ``timings`` fetches a transfer's flight records for ``GET /admin/why``
+(:meth:`ReasonFinder.record`).
+
 Thread safety: :class:`ReasonFinder` is used from one event loop; the client it owns is
 thread-safe (a lock per address), which is what lets calls overlap in executor threads.
 """
@@ -56,30 +59,44 @@ class ReasonFinder:
             self._client = ControlClient(Codec(key), self.timeout_s)
         return self._client
 
+    async def _ask(self, address: str, transfer_id: str,
+                   timings: bool) -> TransferReply | None:
+        client = self._get_client()
+        loop = asyncio.get_running_loop()
+        msg = TransferQuery(transfer_ids=[transfer_id], timings=timings)
+        call = loop.run_in_executor(None, client.request, address, msg, self.timeout_s)
+        try:
+            reply = await asyncio.wait_for(call, self.timeout_s + 0.5)
+        except Exception as exc:  # noqa: BLE001 - any failure here only loses the reason
+            log.debug("no answer from %s about %s: %s", address, transfer_id, exc)
+            # drop the socket (and whatever it still queues); off the loop: forget() may wait
+            # for the address lock held by a call still running in another executor thread
+            loop.run_in_executor(None, client.forget, address)
+            return None
+        if not isinstance(reply, TransferReply):
+            log.debug("%s answered %s to a TransferQuery", address, type(reply).__name__)
+            return None
+        return reply
+
     async def query(self, address: str, transfer_id: str) -> tuple[QueryOutcome, str | None]:
         """``(outcome, "state: reason" or None)`` of ``transfer_id`` on the rank at ``address``.
 
         Never raises (cancellation aside); returns within about ``timeout_s``.
         """
-        client = self._get_client()
-        loop = asyncio.get_running_loop()
-        msg = TransferQuery(transfer_ids=[transfer_id])
-        call = loop.run_in_executor(None, client.request, address, msg, self.timeout_s)
-        try:
-            reply = await asyncio.wait_for(call, self.timeout_s + 0.5)
-        except Exception as exc:  # noqa: BLE001 - any failure here only loses the reason
-            log.debug("no transfer reason from %s for %s: %s", address, transfer_id, exc)
-            # drop the socket (and whatever it still queues); off the loop: forget() may wait
-            # for the address lock held by a call still running in another executor thread
-            loop.run_in_executor(None, client.forget, address)
-            return QueryOutcome.ERROR, None
-        if not isinstance(reply, TransferReply):
-            log.debug("%s answered %s to a TransferQuery", address, type(reply).__name__)
+        reply = await self._ask(address, transfer_id, False)
+        if reply is None:
             return QueryOutcome.ERROR, None
         outcome = reply.outcomes.get(transfer_id)
         if outcome is None:
             return QueryOutcome.UNKNOWN, None
         return QueryOutcome.ANSWERED, outcome
+
+    async def record(self, address: str, transfer_id: str) -> dict[str, float] | None:
+        """The flight record (``{step: wall-clock seconds}``) the rank at ``address`` kept of
+        ``transfer_id`` (:mod:`kvbridge.scheduling.recorder`), or None (no answer, not known).
+        Never raises (cancellation aside); returns within about ``timeout_s``."""
+        reply = await self._ask(address, transfer_id, True)
+        return None if reply is None else reply.timings.get(transfer_id)
 
     async def close(self) -> None:
         """Close the client's sockets (off the loop: closing may wait for running calls)."""

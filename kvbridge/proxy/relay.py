@@ -42,6 +42,7 @@ from kvbridge.errors import ParamsError
 from kvbridge.params import TransferParams
 from kvbridge.proxy.credit import Reservation
 from kvbridge.proxy.failures import LegFailed, cause_of
+from kvbridge.proxy.flight import Flight
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.routing import (
@@ -95,6 +96,8 @@ class Call:
     tried: dict[Role, set[str]] = field(
         default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()})
     retries: int = 0
+    flight: Flight = field(default_factory=lambda: Flight(""))
+    """Its flight record (:mod:`kvbridge.proxy.flight`): the proxy's steps, timestamps only."""
     reservation: Reservation | None = None
     """Its claim on a D's KV credit (:mod:`kvbridge.proxy.credit`), released with
     :meth:`release_held`."""
@@ -182,6 +185,8 @@ class Relay:
         """POST and return the response once its headers arrived; errors → LegFailed."""
         role = e.role.value
         t0 = time.monotonic()
+        if role == "decode":
+            call.flight.mark("decode_sent")
         try:
             resp = await self.fleet.session.post(e.url + path, json=body, headers=call.headers)
         except aiohttp.ConnectionTimeoutError as exc:
@@ -229,6 +234,7 @@ class Relay:
         """Run P's one-token prefill; returns P's parsed and checked ``kv_transfer_params``."""
         p.acquire()
         t0 = time.monotonic()
+        call.flight.mark("prefill_sent")
         try:
             resp = await self.open(p, path, body, call)
             try:
@@ -263,6 +269,7 @@ class Relay:
                 raise LegFailed(
                     502, f"prefill engine {p.url}: {exc}", "prefill_error", cause=Cause.MALFORMED
                 ) from None
+            call.flight.mark("prefill_answer")
             self.fleet.note_generation(p, answer)
             if isinstance(kvp, dict):
                 call.attempt.wire = kvp
@@ -345,7 +352,10 @@ class Relay:
                     if p_leg is not None:
                         p_leg.cancel()
                 ctype = resp.headers.get("Content-Type", "application/json")
-                return web.Response(body=raw, status=resp.status, headers={"Content-Type": ctype})
+                if resp.status < 400:
+                    call.flight.mark("first_token")  # the whole answer: its first token too
+                return web.Response(body=raw, status=resp.status,
+                                    headers={"Content-Type": ctype, "X-Request-Id": call.rid})
             first = await self._gate(asyncio.ensure_future(self._first_event(d, resp)), p_leg)
             problem = stream_error(first)
             if problem is not None:  # D failed the request (e.g. its KV load) before a token
@@ -358,6 +368,7 @@ class Relay:
                 headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache",
+                    "X-Request-Id": call.rid,
                 },
             )
             await out.prepare(request)
@@ -370,6 +381,7 @@ class Relay:
                     log.info("%s client went away; closing the decode stream", call.rid)
                     return out
                 if chunk is first:
+                    call.flight.mark("first_token")
                     self.metrics.observe_ttft(call.mode, time.monotonic() - call.t0)
                 try:
                     chunk = await self._next_chunk(d, resp)

@@ -6,8 +6,6 @@ later (a claim held until its stage, a registration whose final answer comes wit
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -39,6 +37,7 @@ from kvbridge.scheduling.peers import ANY_GENERATION, PeerTable
 from kvbridge.scheduling.pull import PullSink, PullSource
 from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
+from kvbridge.scheduling.recorder import Recorder
 
 __all__ = ["Host", "answer", "outcome", "held"]
 
@@ -52,8 +51,7 @@ class Host(LoopContext, Protocol):
     pull_sink: PullSink
     push_source: PushSource
     push_sink: PushSink
-    timings: collections.OrderedDict[str, dict[str, float]]
-    timing_lock: threading.Lock
+    recorder: Recorder
     #: what a DrainNotice starts (the rank's offload write-out); None: no offload tiers
     on_drain: Callable[[], None] | None
 
@@ -96,8 +94,7 @@ def answer(core: Host, ctx: RequestContext, msg: Message) -> Message | None:
                               msg.info.transport_metadata)
         return HelloReply(info=core.info)
     if isinstance(msg, StatsQuery):
-        with core.timing_lock:
-            timings = {k: dict(v) for k, v in core.timings.items()}
+        timings = core.recorder.snapshot()
         stats = dict(core.stats)
         for key, value in (("control_dropped_auth", core.server.dropped_auth),
                            ("control_dropped_malformed", core.server.dropped_malformed),
@@ -118,6 +115,9 @@ def answer(core: Host, ctx: RequestContext, msg: Message) -> Message | None:
         return Ack(ok=True)
     if isinstance(msg, TransferQuery):
         outcomes = {t: o for t in msg.transfer_ids if (o := outcome(core, t)) is not None}
+        if msg.timings:
+            return TransferReply(outcomes=outcomes,
+                                 timings=core.recorder.many(list(msg.transfer_ids)))
         return TransferReply(outcomes=outcomes)
     return Ack(ok=False, kind=ErrorKind.MALFORMED,
                error=f"unexpected message {type(msg).__name__}")

@@ -512,6 +512,11 @@ class HandoffBook:
             req.recving = False
         return tid
 
+    def transfer_of(self, req_id: str) -> str | None:
+        """The transfer id of hand-off request ``req_id`` (None: not one, or not known)."""
+        req = self._reqs.get(req_id)
+        return req.transfer_id or None if req is not None else None
+
     def receiving(self, req_id: str) -> str | None:
         """The transfer id of ``req_id``'s receive while it is in progress (planned, not yet
         reported done nor given up), else None."""

@@ -50,6 +50,7 @@ from kvbridge.scheduling.peers import ANY_GENERATION, Peer, PeerTable, make_info
 from kvbridge.scheduling.pull import PullSink, PullSource
 from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
+from kvbridge.scheduling.recorder import Recorder
 from kvbridge.scheduling.results import Outcomes, ResultBox, Results, digest
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport
@@ -113,8 +114,8 @@ class TransferLoop(PeerEvents):
             checksum=config.checksum, heads=heads)
         self.stats: Counter[str] = Counter()
         self.observe = Observations(self.transport.name)
-        self.timings: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
-        self.timing_lock = threading.Lock()
+        #: the flight recorder: per-transfer timestamps (kvbridge.scheduling.recorder)
+        self.recorder = Recorder(1024, on_phase=self.observe.phase)
         #: a DrainNotice's action, set by the rank's owner (kvbridge.scheduling.rank)
         self.on_drain: Callable[[], None] | None = None
         self.ended = Outcomes()
@@ -303,13 +304,9 @@ class TransferLoop(PeerEvents):
         return dict(self.stats)
 
     def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
-        """Record a timing event (wall clock) for a transfer; keeps the last 1024."""
-        with self.timing_lock:
-            entry = self.timings.setdefault(transfer_id, {})
-            entry.setdefault(event, time.time() if when is None else when)
-            self.timings.move_to_end(transfer_id)
-            while len(self.timings) > 1024:
-                self.timings.popitem(last=False)
+        """Record a timing event of a transfer (now, or at wall time ``when``) in the flight
+        recorder; it keeps the last 1024 transfers."""
+        self.recorder.mark(transfer_id, event, when)
 
     def drain(self) -> Results:
         """Return and clear what finished since the last call."""

@@ -14,6 +14,9 @@ message (a registration, a claim) never gets a label of its own, so junk ids can
 labels from real peers. Label values are therefore a fixed set per deployment, whatever peers
 or clients send.
 
+The flight recorder (:mod:`kvbridge.scheduling.recorder`) adds one sample per phase it timed
+(:meth:`Observations.phase`, from whichever thread marked the phase's end).
+
 Thread safety: :meth:`Observations.admit`, :meth:`Observations.transfer` and
 :meth:`Observations.handoff` are called from the loop thread, :meth:`Observations.drain` from
 the model-runner thread; one lock guards the buffers (a few appends per transfer, one swap per
@@ -48,6 +51,7 @@ class Observations:
         self._transfers: list[list[Any]] = []
         self._handoffs: list[list[Any]] = []
         self._events: dict[tuple[str, str, str, str], int] = {}
+        self._phases: list[list[Any]] = []
         self._dropped = 0
 
     def admit(self, engine_id: str) -> None:
@@ -74,6 +78,11 @@ class Observations:
         self._add(self._handoffs, [mode, backend or self.backend, self.peer_label(peer),
                                    max(0.0, float(seconds))])
 
+    def phase(self, name: str, seconds: float) -> None:
+        """One phase of a hand-off this rank timed (:data:`kvbridge.scheduling.recorder.PHASES`,
+        from the flight recorder, any thread)."""
+        self._add(self._phases, [name[:32], max(0.0, float(seconds))])
+
     def event(self, name: str, mode: str, peer: str | None = None,
               backend: str | None = None) -> None:
         """One failure event of :data:`EVENTS` (others are ignored); ``peer`` None: unknown."""
@@ -86,7 +95,7 @@ class Observations:
 
     def _add(self, into: list[list[Any]], sample: list[Any]) -> None:
         with self._lock:
-            if len(self._transfers) + len(self._handoffs) >= MAX_SAMPLES:
+            if len(self._transfers) + len(self._handoffs) + len(self._phases) >= MAX_SAMPLES:
                 self._dropped += 1
                 return
             into.append(sample)
@@ -94,12 +103,13 @@ class Observations:
     def drain(self) -> dict[str, Any]:
         """The samples since the last drain (empty dict when none):
         ``{"transfers": [[mode, backend, peer, outcome, seconds, bytes, descriptors], …],
-        "handoffs": [[mode, backend, peer, seconds], …], "events": [[name, mode, backend, peer,
-        count], …], "dropped": n}``."""
+        "handoffs": [[mode, backend, peer, seconds], …], "phases": [[phase, seconds], …],
+        "events": [[name, mode, backend, peer, count], …], "dropped": n}``."""
         with self._lock:
             transfers, self._transfers = self._transfers, []
             handoffs, self._handoffs = self._handoffs, []
             events, self._events = self._events, {}
+            phases, self._phases = self._phases, []
             dropped, self._dropped = self._dropped, 0
         out: dict[str, Any] = {}
         if events:
@@ -108,6 +118,8 @@ class Observations:
             out["transfers"] = transfers
         if handoffs:
             out["handoffs"] = handoffs
+        if phases:
+            out["phases"] = phases
         if dropped:
             out["dropped"] = dropped
         return out

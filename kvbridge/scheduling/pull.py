@@ -434,6 +434,7 @@ class PullSink(Receiver[_Pull]):
             self._fail(job, f"cannot post the READ: {exc}")
             return False
         job.reading = True
+        core.mark(s.transfer_id, "read_posted")
         if all(j.handle is not None for j in self.jobs.get(s.transfer_id, ())):
             core.timers.cancel(("pull", s.transfer_id))
         core.watch_handle(job.handle)

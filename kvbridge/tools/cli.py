@@ -479,6 +479,13 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
         ("add_drain_arguments", "drain_main"),
     ),
     LazyCommand(
+        "why",
+        "kvbridge.tools.why",
+        "why was this request slow? its critical path (proxy, P, D) from the proxy's flight "
+        "records",
+        "pip install kvbridge (matplotlib for --plot)",
+    ),
+    LazyCommand(
         "demo",
         "kvbridge.tools.demo",
         "run a self-contained prefill/decode demo",

@@ -275,6 +275,8 @@ class FakeControl:
         self.default = default
         self.refuse = refuse
         self.outcomes: dict[str, str] = {}
+        #: transfer id -> flight record ({step: wall time}) answered to a query with timings
+        self.records: dict[str, dict[str, float]] = {}
         self.queries: list[list[str]] = []
         self.notices = 0
         self._stop = threading.Event()
@@ -298,7 +300,9 @@ class FakeControl:
                 self.queries.append(list(msg.transfer_ids))
                 said = {t: o for t in msg.transfer_ids
                         if (o := self.outcomes.get(t, self.default)) is not None}
-                self.server.reply(ctx, TransferReply(outcomes=said))
+                timings = {t: r for t in msg.transfer_ids
+                           if msg.timings and (r := self.records.get(t)) is not None}
+                self.server.reply(ctx, TransferReply(outcomes=said, timings=timings))
 
     def close(self) -> None:
         self._stop.set()
@@ -2048,3 +2052,76 @@ async def test_discovery_dns_answers_that_change_between_rounds(
     text = await metrics_text(client, proxy)
     assert prom.value(text, P + "discovery_changes_total", role="decode", change="resumed") == 1
     assert prom.value(text, P + "discovery_errors_total", source="dns") == 3
+
+
+# ------------------------------------------------------------------------------ /admin/why
+
+LOCAL_TOKEN = trust.admin_token(trust.for_tools(None).secret or b"")
+
+
+@pytest.mark.parametrize("mode", [ProxyMode.PUSH, ProxyMode.PULL])
+async def test_why_joins_the_proxy_record_with_the_engines_records(
+        engines: Any, proxies: Any, client: Any, controls: Any, mode: ProxyMode) -> None:
+    p_ctl, d_ctl = controls(), controls()
+    p = await engines("prefill", control_port=p_ctl.port, prefill_delay=0.05)
+    d = await engines("decode", control_port=d_ctl.port, first_delay=0.2, answers_probe=True)
+    proxy = await proxies([p.url], [d.url], mode=mode)
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION,
+                           headers={"X-Request-Id": "client-req.1"}) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"] == "client-req.1"
+        await r.read()
+    status, row = await admin(client, proxy, "GET", "/admin/why/client-req.1",
+                              token=LOCAL_TOKEN)
+    assert status == 200, row
+    tid = tid_of(p.requests()[0])
+    assert row["transfer_id"] == tid and row["mode"] == mode.value
+    assert row["P"] is None and row["D"] is None  # the stand-ins recorded nothing yet
+    steps = row["proxy"]
+    t0, t1 = steps["receive"], steps["first_token"]
+    assert sum(x["seconds"] for x in row["phases"]) == pytest.approx(t1 - t0)
+    # now the engines remember the transfer: steps on their own clocks, D's 3 s behind
+    span = t1 - t0
+    p_ctl.records[tid] = {"arrived": t0 + 0.1 * span, "scheduled": t0 + 0.15 * span,
+                          "kv_ready": t0 + 0.2 * span, "write_posted": t0 + 0.21 * span,
+                          "write_done": t0 + 0.25 * span}
+    d_ctl.records[tid] = {k: v - 3.0 for k, v in {
+        "arrived": t0 + 0.3 * span, "scheduled": t0 + 0.31 * span,
+        "recv_start": t0 + 0.32 * span, "read_posted": t0 + 0.33 * span,
+        "recv_done": t0 + 0.4 * span, "recv_seen": t0 + 0.41 * span,
+        "first_step": t0 + 0.42 * span}.items()}
+    status, row = await admin(client, proxy, "GET", "/admin/why/client-req.1",
+                              token=LOCAL_TOKEN)
+    assert status == 200 and row["P"] and row["D"], row["engines"]
+    phases = {x["phase"]: x for x in row["phases"]}
+    assert sum(x["seconds"] for x in row["phases"]) == pytest.approx(t1 - t0)
+    assert row["ttft_s"] == pytest.approx(t1 - t0)
+    assert phases["P prefill"]["seconds"] == pytest.approx(0.05 * span, abs=1e-6)
+    assert not phases["P prefill"]["hop"] and phases["D first step → first token out"]["hop"]
+    if mode is ProxyMode.PULL:
+        assert phases["wire (READ)"]["seconds"] == pytest.approx(0.07 * span, abs=1e-6)
+    else:
+        assert phases["wire (WRITE)"]["seconds"] == pytest.approx(0.04 * span, abs=1e-6)
+
+
+async def test_why_refuses_without_the_token_and_hostile_ids(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url])
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION,
+                           headers={"X-Request-Id": "y" * 500}) as r:
+        rid = r.headers["X-Request-Id"]  # an unsafe client id is replaced, not echoed
+        assert r.status == 200 and rid.startswith("kvb-") and len(rid) < 64
+    for token in (None, "", "0" * 64):
+        status, answer = await admin(client, proxy, "GET", f"/admin/why/{rid}", token=token)
+        assert status == 401 and "P" not in answer
+    assert (await admin(client, proxy, "GET", f"/admin/why/{rid}", token=LOCAL_TOKEN))[0] == 200
+    for bad in ("y" * 500, "bad%20id", "%00", "-x", "a%0Ab"):
+        status, answer = await admin(client, proxy, "GET", f"/admin/why/{bad}",
+                                     token=LOCAL_TOKEN)
+        assert status == 400 and answer["error"]["param"] == "rid", (bad, answer)
+    status, answer = await admin(client, proxy, "GET", "/admin/why/kvb-unknown",
+                                 token=LOCAL_TOKEN)
+    assert status == 404 and answer["error"]["param"] == "rid"
+    async with client.get(proxy.url + "/admin/why/" + "z" * 20000,
+                          headers={"Authorization": f"Bearer {LOCAL_TOKEN}"}) as r:
+        assert 400 <= r.status < 500  # an oversized path is refused before any handler

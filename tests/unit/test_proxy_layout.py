@@ -21,7 +21,7 @@ LAYERS = (
     ("admin", "discovery", "dispatch"),
     ("relay",),
     ("pool",),
-    ("failures", "metrics", "notices", "reasons", "tenants"),
+    ("failures", "metrics", "notices", "reasons", "tenants", "flight"),
     ("settings",),
     ("routing", "credit"),
     ("members",),

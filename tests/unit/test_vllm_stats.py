@@ -24,6 +24,7 @@ from kvbridge.integrations.vllm_stats import (  # noqa: E402
     delta,
 )
 from kvbridge.scheduling.observations import MAX_PEERS, MAX_SAMPLES, OTHER, Observations  # noqa: E402,E501
+from kvbridge.scheduling.recorder import Recorder  # noqa: E402
 
 ENGINE0 = {"model_name": "tiny", "engine": "0"}
 
@@ -192,3 +193,25 @@ def test_events_are_counted_with_labels_and_refused_when_forged() -> None:
     assert reg.get_sample_value("vllm:kvbridge_events_total", {
         **ENGINE0, "mode": "pull", "backend": "shm", "peer": "P-1",
         "event": "checksum_mismatch"}) == 1
+
+
+def test_phase_histogram_takes_only_known_phases_from_the_recorder() -> None:
+    obs = Observations("shm")
+    rec = Recorder(on_phase=obs.phase)
+    rec.mark("t", "arrived", when=5.0)
+    rec.mark("t", "scheduled", when=5.125)
+    data = obs.drain()
+    assert data["phases"] == [["queue", pytest.approx(0.125, abs=1e-6)]]
+    data["phases"] += [["forged", 1.0], ["wire", -1.0], ["wire", "1"], ["prefill", 0.5, 9],
+                       ["prefill", 0.25]]
+    stats = KVBridgeStats(data)
+    assert [p[0] for p in stats.data["phases"]] == ["queue", "prefill"]
+    assert not stats.is_empty()
+    prom, reg = _prom()
+    prom.observe(stats.data, 0)
+    assert reg.get_sample_value("vllm:kvbridge_phase_seconds_count",
+                                {**ENGINE0, "phase": "queue"}) == 1
+    assert reg.get_sample_value("vllm:kvbridge_phase_seconds_sum",
+                                {**ENGINE0, "phase": "prefill"}) == pytest.approx(0.25)
+    assert reg.get_sample_value("vllm:kvbridge_phase_seconds_count",
+                                {**ENGINE0, "phase": "forged"}) is None

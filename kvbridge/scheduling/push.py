@@ -65,14 +65,13 @@ from kvbridge.messages import (
     PushResult,
 )
 from kvbridge.params import MAX_TP
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.push_limits import RegistrationLimits
 from kvbridge.scheduling.push_state import Out, Stage, Target, push_table
-from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import SendPlan
 from kvbridge.transport import HandleState, Op
 
@@ -424,6 +423,10 @@ class PushSource:
     def _post(self, out: Out, t: Target) -> None:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
+        if (t.digests is None and t.reg.block_ids
+                and (core.config.checksum or t.peer.info.checksum)
+                and len({i for group in out.ready for i in group}) == len(core.layout.planes)):
+            t.digests = digests.compute(self._side(out, t))  # the KV as computed, before it moves
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
@@ -560,18 +563,14 @@ class PushSource:
             core.count("push_failed", "push", t.peer)
             log.warning("push %s failed: %s", out.tid, error)
         if answer:
-            result = PushResult(transfer_id=out.tid, ok=error is None, nbytes=t.nbytes,
-                                error=error)
-            if error is None and (core.config.checksum
-                                  or (t.peer is not None and t.peer.info.checksum)):
-                result = PushResult(transfer_id=out.tid, ok=True, nbytes=t.nbytes,
-                                    checksum=digest_descriptors(self._digest_source(out, t)))
-            core.server.reply(t.ctx, result)
+            core.server.reply(t.ctx, PushResult(
+                transfer_id=out.tid, ok=error is None, nbytes=t.nbytes, error=error,
+                digests=t.digests if error is None else None))
         if error is None:
             self._close(out)
 
-    def _digest_source(self, out: Out, t: Target) -> DescriptorArray:
-        """This rank's side of ``t``'s part (every plane), as the checksum covers it."""
+    def _side(self, out: Out, t: Target) -> DescriptorArray:
+        """This rank's side of ``t``'s part (every plane), as its digests cover it."""
         assert out.plan is not None and t.shape is not None
         span, _ = self._span(out, t)
         src, first = self._src(out, t)

@@ -43,6 +43,8 @@ class Target:
     prepared: PreparedRequest | None = None
     handles: list[TransferHandle] = field(default_factory=list)
     nbytes: int = 0
+    #: this rank's digests of the part (kvbridge.scheduling.digests), once every plane is posted
+    digests: bytes | None = None
     error: str | None = None
 
 

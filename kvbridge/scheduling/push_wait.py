@@ -33,10 +33,9 @@ from kvbridge.messages import (
     PushRegister,
     PushResult,
 )
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.peers import Peer
 from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
-from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import PushSpec
 
 __all__ = ["PushSink"]
@@ -146,12 +145,11 @@ class PushSink(Receiver[_In]):
             problem = "prefill reported a write this engine never confirmed"
         elif msg.nbytes != expected:
             problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
-        elif msg.checksum is None and core.config.checksum:
-            problem = "this engine verifies checksums; the push carried none"
-        elif msg.checksum is not None and msg.checksum != digest_descriptors(
-                mapping.side_descriptors(w.half)):
-            core.count("checksum_mismatch", "push", w.peer)
-            problem = "checksum mismatch: bytes changed in transit"
+        elif expected and (core.config.checksum or msg.digests is not None):
+            problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half))
+            if problem is not None:
+                core.count("checksum_mismatch", "push", w.peer)
+                problem = f"the pushed KV is not what prefill computed: {problem}"
         if problem is not None:
             self._fail(w, problem, safe=True, cancel=False)
             return

@@ -59,18 +59,24 @@ def compute(descs: DescriptorArray) -> bytes:
     """The digests of the stream ``descs`` covers, one per chunk, concatenated.
 
     Reads the memory in place (no copy). An empty stream has no digests (``b""``)."""
+    if not len(descs):
+        return b""
     rows = descs[:, :2].tolist()
     total = sum(length for _addr, length in rows)
     size = chunk_size(total)
+    # one view from the lowest to the highest byte named; only the ranges are read
+    base = min(addr for addr, _length in rows)
+    span = max(addr + length for addr, length in rows) - base
+    memory = memoryview((ctypes.c_char * span).from_address(base)).cast("B")
     out = bytearray()
     h = xxhash.xxh3_128()
     left = size
     for addr, length in rows:
-        view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-        pos = 0
-        while pos < length:
-            take = min(left, length - pos)
-            h.update(view[pos:pos + take])
+        pos = addr - base
+        end = pos + length
+        while pos < end:
+            take = min(left, end - pos)
+            h.update(memory[pos:pos + take])
             pos += take
             left -= take
             if left == 0:

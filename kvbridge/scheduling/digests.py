@@ -45,6 +45,13 @@ DIGEST_BYTES = 16
 #: most digests one part carries (they fit one message)
 MAX_CHUNKS = MAX_DIGEST_BYTES // DIGEST_BYTES
 _PAGE = 4096
+_PyBUF_READ = 0x100
+
+# A read-only memoryview of raw memory without a ctypes array type per size (ctypes caches
+# every array type it makes, so one per distinct size would grow for as long as the engine runs)
+_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_memory.restype = ctypes.py_object
 
 
 def chunk_size(total: int) -> int:
@@ -61,22 +68,23 @@ def compute(descs: DescriptorArray) -> bytes:
     Reads the memory in place (no copy). An empty stream has no digests (``b""``)."""
     if not len(descs):
         return b""
-    rows = descs[:, :2].tolist()
-    total = sum(length for _addr, length in rows)
-    size = chunk_size(total)
-    # one view from the lowest to the highest byte named; only the ranges are read
-    base = min(addr for addr, _length in rows)
-    span = max(addr + length for addr, length in rows) - base
-    memory = memoryview((ctypes.c_char * span).from_address(base)).cast("B")
+    addrs, lengths = descs[:, 0], descs[:, 1]
+    base = int(addrs.min())
+    size = chunk_size(int(lengths.sum()))
+    # one view from the lowest to the highest byte named (only the ranges are read)
+    memory = _memory(base, int((addrs + lengths).max()) - base, _PyBUF_READ)
     out = bytearray()
     h = xxhash.xxh3_128()
+    update = h.update
     left = size
-    for addr, length in rows:
-        pos = addr - base
-        end = pos + length
+    for pos, end in zip((addrs - base).tolist(), (addrs - base + lengths).tolist(), strict=True):
+        if end - pos < left:  # the usual case: the whole range inside the chunk
+            update(memory[pos:end])
+            left -= end - pos
+            continue
         while pos < end:
             take = min(left, end - pos)
-            h.update(memory[pos:pos + take])
+            update(memory[pos:pos + take])
             pos += take
             left -= take
             if left == 0:

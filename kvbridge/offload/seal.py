@@ -14,7 +14,8 @@ XXH3-128 — the hash of the hand-off digests (:mod:`kvbridge.scheduling.digests
 block's bytes are checked with one function from the engine that computed them to every engine
 that loads them — runs at 15–40 GB/s per core, about four times BLAKE3 (the seals' hash before
 format 2); docs/benchmarks.md has the measured cost. Like BLAKE3 unkeyed, it catches changed
-bytes, not a writer that recomputes the digest: a tier others may write to checks its own MAC. Pure functions; thread-safe.
+bytes, not a writer that recomputes the digest: a tier others may write to checks its own MAC.
+Pure functions; thread-safe.
 """
 
 from __future__ import annotations

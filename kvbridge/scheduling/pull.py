@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
+from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
@@ -73,6 +74,7 @@ STALL_READ_RATE = 64 << 20
 class _Claim:
     conn: bytes
     half: Half  # this rank's side of the claimant's part
+    stream: DescriptorArray | None = None  # its descriptors, as the digests cover them
     done: bool = False
 
 
@@ -205,7 +207,8 @@ class PullSource:
             core.stats["claim_refused"] += 1
             log.warning("refusing claim of %s: %s", tid, problem)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
-        st.claims[part.rank] = _Claim(ctx.conn, half)
+        st.claims[part.rank] = _Claim(ctx.conn, half, mapping.side_descriptors(half)
+                                      if core.config.checksum else None)
         self.staged.extend(tid, core.config.lease_s + core.config.transfer_timeout_s)
         core.stats["pull_claimed"] += 1
         return Ack()
@@ -270,9 +273,10 @@ class PullSource:
                         error=f"DONE reports {msg.nbytes} bytes, {expected} were leased")
             self._release(tid, f"failed: {reply.error}")
             return reply
-        served = PullServed(transfer_id=tid, digests=digests.compute(
-            mapping.side_descriptors(claim.half)) if msg.want_digests or core.config.checksum
-            else None)  # from this rank's KV, before the lease ends
+        stream = mapping.side_descriptors(claim.half) if claim.stream is None else claim.stream
+        served = PullServed(transfer_id=tid, digests=digests.compute(stream)
+                            if msg.want_digests or core.config.checksum
+                            else None)  # from this rank's KV, before the lease ends
         claim.done = True
         if st.expected is not None and all(r in st.claims and st.claims[r].done
                                            for r in st.expected):

@@ -17,9 +17,8 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    earlier, while the forward that writes the KV runs (:meth:`PushSource.prepare`, as soon as
    both the plan and D's confirmation are known): ids validated, the transport's request built
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
-   A prepared WRITE that is not posted is discarded with its registration. When all WRITEs
-   have stopped P sends the ``PushResult`` with the byte count (and a checksum when either
-   side asks for one), which D checks against what it expected.
+   A prepared WRITE that is not posted is discarded with its registration. P digests its KV
+   before the last WRITE posts; once all stopped, D checks the ``PushResult``'s bytes and digests.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
@@ -408,6 +407,8 @@ class PushSource:
                 or t.stage is not Stage.CONFIRMED or t.error is not None or t.posted
                 or t.prepared is not None or not t.reg.block_ids or t.peer is None):
             return
+        if self.core.config.checksum or t.peer.info.checksum:
+            t.stream = self._side(out, t)
         try:
             t.prepared = prepare_parts(
                 self.core.transport, Op.WRITE, t.peer.name,
@@ -426,7 +427,7 @@ class PushSource:
         if (t.digests is None and t.reg.block_ids
                 and (core.config.checksum or t.peer.info.checksum)
                 and len({i for group in out.ready for i in group}) == len(core.layout.planes)):
-            t.digests = digests.compute(self._side(out, t))  # the KV as computed, before it moves
+            t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
+from kvbridge.layout import DescriptorArray
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -57,6 +58,8 @@ class _In(Part[PushSpec]):
 
     state: _Wait = _Wait.DIALING
     half: Half = field(default_factory=list)  # this rank's side of the part
+    #: the half's descriptors, built while P computes (what the digests cover), or None
+    stream: DescriptorArray | None = None
     call: int | None = None
     #: HeartbeatBook.sent when P's confirmation came: earlier heartbeats' answers predate it
     confirmed_after: int = 0
@@ -96,6 +99,8 @@ class PushSink(Receiver[_In]):
         w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
                                lambda reply: self._answer(w, reply))
         core.stats["push_registered"] += 1
+        if core.config.checksum or result.info.checksum:  # off the hand-off's path
+            w.stream = mapping.side_descriptors(w.half)
 
     def _half(self, w: _In, peer: Peer) -> Half:
         """This rank's side of the part, after checking the peer is the rank expected."""
@@ -146,7 +151,8 @@ class PushSink(Receiver[_In]):
         elif msg.nbytes != expected:
             problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
         elif expected and (core.config.checksum or msg.digests is not None):
-            problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half))
+            problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half)
+                                       if w.stream is None else w.stream)
             if problem is not None:
                 core.count("checksum_mismatch", "push", w.peer)
                 problem = f"the pushed KV is not what prefill computed: {problem}"

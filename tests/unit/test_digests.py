@@ -15,7 +15,7 @@ def _descs(buf: np.ndarray, cuts: list[int]) -> np.ndarray:
     """Descriptors covering ``buf`` in order, cut at ``cuts`` (byte offsets)."""
     base = buf.ctypes.data
     edges = [0, *cuts, buf.nbytes]
-    return np.array([(base + a, b - a, 0) for a, b in zip(edges, edges[1:]) if b > a],
+    return np.array([(base + a, b - a, 0) for a, b in zip(edges, edges[1:], strict=False) if b > a],
                     dtype=np.int64)
 
 

@@ -11,9 +11,9 @@ the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
 peer's mapped cache: compare the wire time), or ``nodigest`` with ``KVBRIDGE_CHECKSUM=0`` (no
 hand-off digests: what computing and checking them costs), or ``code``: the same
 configuration running the kvbridge of ``--baseline-code``, a checkout of another commit (what a
-change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100 M-parameter
-bench model (24 KiB of KV per token) instead of the tiny one, so that a request's KV is tens of
-MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
+change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100
+M-parameter bench model (24 KiB of KV per token) instead of the tiny one, so that a request's
+KV is tens of MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
 Idle engines cost next to nothing (measured in the ``idle`` rows), so the pair that is not being
 measured does not disturb the other.

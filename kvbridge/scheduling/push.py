@@ -18,7 +18,7 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    both the plan and D's confirmation are known): ids validated, the transport's request built
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
    A prepared WRITE that is not posted is discarded with its registration. P digests its KV
-   before the last WRITE posts; once all stopped, D checks the ``PushResult``'s bytes and digests.
+   while the last WRITE moves it; once all stopped, D checks the result's bytes and digests.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
@@ -424,10 +424,6 @@ class PushSource:
     def _post(self, out: Out, t: Target) -> None:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
-        if (t.digests is None and t.reg.block_ids
-                and (core.config.checksum or t.peer.info.checksum)
-                and len({i for group in out.ready for i in group}) == len(core.layout.planes)):
-            t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
@@ -454,6 +450,9 @@ class PushSource:
             if len(t.handles) == 1:
                 core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,
                                 lambda: self._write_timeout(out, t))
+        if (t.digests is None and len(t.posted) == len(core.layout.planes)
+                and (core.config.checksum or t.peer.info.checksum)):  # while the bytes move
+            t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
 
     def poll(self) -> None:
         for out in list(self.outs.values()):

@@ -140,8 +140,10 @@ class Config:
     """Most peers one engine rank keeps handshaken (least recently used are forgotten)."""
     gone_grace_s: float = 1.0
     """After a prefill engine is proven gone, how long D still keeps blocks it let it write."""
-    checksum: bool = False
-    """Verify every transferred byte end to end (blake2b over the blocks on both sides)."""
+    checksum: bool = True
+    """Digest every hand-off where its KV was computed and check it where it lands (XXH3-128
+    per 256 KiB of each part, :mod:`kvbridge.scheduling.digests`); a mismatch fails the receive.
+    Host-memory KV caches only: a CUDA KV cache is not digested."""
     layerwise: bool = False
     """Push: WRITE each layer as soon as the forward pass has written it."""
     idle_wait_ms: float = 20.0

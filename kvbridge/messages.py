@@ -42,6 +42,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_IDS_PER_MESSAGE",
+    "MAX_DIGEST_BYTES",
     "ErrorKind",
     "PlaneWire",
     "LayoutWire",
@@ -55,6 +56,7 @@ __all__ = [
     "HeartbeatReply",
     "PullClaim",
     "PullDone",
+    "PullServed",
     "PushRegister",
     "PushConfirm",
     "PushResult",
@@ -73,10 +75,14 @@ __all__ = [
     "decode_info",
 ]
 
-PROTOCOL_VERSION = 3
+#: 4: per-chunk hand-off digests sent by the prefill side (``PullServed``, ``PushResult``);
+#: ``DrainNotice``; ``TransferQuery.timings``
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 #: Most transfer ids one heartbeat or query may carry.
 MAX_IDS_PER_MESSAGE = 4096
+#: Most bytes of hand-off digests one message may carry (kvbridge.scheduling.digests).
+MAX_DIGEST_BYTES = 1 << 16
 
 _FRAME_PLAIN = 1
 _FRAME_SIGNED = 2
@@ -86,6 +92,7 @@ _MAC_BYTES = 32
 Short = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Digest = Annotated[str, msgspec.Meta(max_length=128)]
+Digests = Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
 SmallInt = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP)]
 TransferIds = Annotated[list[TransferId], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
@@ -154,7 +161,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     layout_fingerprint: Digest
     control_address: Address
     compat: Annotated[dict[Short, Short], msgspec.Meta(max_length=64)] = {}
-    #: this rank verifies transferred bytes; a peer that also does, or not, must send digests
+    #: this rank checks hand-off digests; a prefill peer must send them to it
     checksum: bool = False
     #: this rank's KV heads and block interior (None: not head-major; such an engine only
     #: exchanges KV with engines of its own TP size and block size)
@@ -226,11 +233,23 @@ class PullClaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 class PullDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """D → P after its READ completed; P answers ok only if its lease still held."""
+    """D → P after its READ completed; P answers :class:`PullServed` if its lease still held
+    (an :class:`Ack` with the reason if not)."""
 
     transfer_id: TransferId
     nbytes: Count
-    checksum: Digest | None = None
+    #: D checks digests: P must send its own in the :class:`PullServed`
+    want_digests: bool = False
+
+
+class PullServed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """P → D, the answer to a :class:`PullDone` whose lease held: P is done with the part.
+    ``digests`` (when either side digests hand-offs) are P's digests of the part's byte
+    stream, computed from its own KV (:mod:`kvbridge.scheduling.digests`); D checks what it
+    read against them before it uses a byte."""
+
+    transfer_id: TransferId
+    digests: Digests | None = None
 
 
 # -- push -------------------------------------------------------------------------------------
@@ -277,7 +296,8 @@ class PushResult(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     transfer_id: TransferId
     ok: bool
     nbytes: Count = 0
-    checksum: Digest | None = None
+    #: P's digests of the part's byte stream (when either side digests hand-offs)
+    digests: Digests | None = None
     error: Reason | None = None
 
 
@@ -356,7 +376,7 @@ class PipeFrame(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 Message = Union[
-    Hello, HelloReply, Heartbeat, HeartbeatReply, PullClaim, PullDone, PushRegister,
+    Hello, HelloReply, Heartbeat, HeartbeatReply, PullClaim, PullDone, PullServed, PushRegister,
     PushConfirm, PushResult, Cancel, CancelReply, StatsQuery, StatsReply, TransferQuery,
     TransferReply, DrainNotice, Ack, PipeFrame,
 ]

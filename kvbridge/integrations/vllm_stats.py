@@ -60,7 +60,7 @@ EXPORTED: dict[str, str] = {
     "transfer_timeout": "READ/WRITE that exceeded transfer_timeout_s",
     "handoff_stalled": "hand-offs D gave up after stall_s without progress",
     "lease_expired": "requests whose blocks P released after D stopped renewing",
-    "checksum_mismatch": "transfers whose end-to-end checksum did not match",
+    "checksum_mismatch": "hand-offs whose landed KV did not match the prefill engine's digests",
     "peer_gone": "peers found gone (restarted or unreachable)",
     "params_rejected": "requests whose kv_transfer_params were refused",
     "offload_lookups": "offload tier lookups",

@@ -9,6 +9,7 @@ rank's :class:`~kvbridge.scheduling.loop.TransferLoop` and offload manager under
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +107,12 @@ class WorkerSide:
         # the backend can (nothing pins or writes it yet); the operator's backend_options win
         mapped = {"map_memory": True} if (
             on_cpu and self.config.map_kv_cache and maps_memory(self.config.backend)) else {}
-        loop = TransferLoop(self.config, self.engine_id, layout, rank=self.rank,
+        config = self.config
+        if on_gpu and config.checksum:  # digests read the KV from the host
+            log.info("kvbridge rank %d: hand-off digests are off (the KV cache is in GPU "
+                     "memory)", self.rank)
+            config = dataclasses.replace(config, checksum=False)
+        loop = TransferLoop(config, self.engine_id, layout, rank=self.rank,
                             tp_size=self.tp_size, compat=compat,
                             heads=self._head_split(kv_caches, layout),
                             transport_defaults=mapped)

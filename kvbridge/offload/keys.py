@@ -27,7 +27,9 @@ KEY_BYTES = 16
 def seed_key(identity: Mapping[str, str]) -> bytes:
     """The chain's seed from ``identity`` (model, dtype, KV geometry…); order-independent."""
     blob = json.dumps(dict(identity), sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(b"kvbridge-kv-v1\0" + blob, digest_size=KEY_BYTES).digest()
+    # v2: chunks sealed with XXH3-128 (kvbridge.offload.seal); v1's BLAKE3-sealed chunks are
+    # other keys, so misses, never digest mismatches
+    return hashlib.blake2b(b"kvbridge-kv-v2\0" + blob, digest_size=KEY_BYTES).digest()
 
 
 def salted(seed: bytes, salt: str | None) -> bytes:

@@ -51,7 +51,7 @@ from kvbridge.scheduling.pull import PullSink, PullSource
 from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
 from kvbridge.scheduling.recorder import Recorder
-from kvbridge.scheduling.results import Outcomes, ResultBox, Results, digest
+from kvbridge.scheduling.results import Outcomes, ResultBox, Results
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport
 
@@ -398,9 +398,6 @@ class TransferLoop(PeerEvents):
 
     def holds_pull(self, transfer_id: str) -> bool:
         return transfer_id in self.pull_source.staged
-
-    def digest(self, block_ids: Sequence[int]) -> str:
-        return digest(self.layout, block_ids)
 
     def _cancel_recv(self, tid: str, reason: str) -> None:
         if not (self.pull_sink.cancel(tid, reason) or self.push_sink.cancel(tid, reason)):

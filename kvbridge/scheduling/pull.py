@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
+from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
@@ -47,13 +48,13 @@ from kvbridge.messages import (
     Message,
     PullClaim,
     PullDone,
+    PullServed,
 )
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
-from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import PullSpec, SendPlan
 from kvbridge.transport import HandleState, Op, TransferHandle
 
@@ -73,6 +74,7 @@ STALL_READ_RATE = 64 << 20
 class _Claim:
     conn: bytes
     half: Half  # this rank's side of the claimant's part
+    stream: DescriptorArray | None = None  # its descriptors, as the digests cover them
     done: bool = False
 
 
@@ -205,7 +207,8 @@ class PullSource:
             core.stats["claim_refused"] += 1
             log.warning("refusing claim of %s: %s", tid, problem)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
-        st.claims[part.rank] = _Claim(ctx.conn, half)
+        st.claims[part.rank] = _Claim(ctx.conn, half, mapping.side_descriptors(half)
+                                      if core.config.checksum else None)
         self.staged.extend(tid, core.config.lease_s + core.config.transfer_timeout_s)
         core.stats["pull_claimed"] += 1
         return Ack()
@@ -265,27 +268,21 @@ class PullSource:
                        error=f"DONE for {tid} from a connection that did not claim it")
         claim = st.claims[rank]
         expected = mapping.side_bytes(claim.half)
-        reply = Ack()
         if msg.nbytes != expected:
             reply = Ack(ok=False, kind=ErrorKind.MISMATCH,
                         error=f"DONE reports {msg.nbytes} bytes, {expected} were leased")
-        elif core.config.checksum and msg.checksum is None:
-            reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
-                        error="this prefill engine verifies checksums; the DONE carries none")
-        elif msg.checksum is not None and msg.checksum != digest_descriptors(
-                mapping.side_descriptors(claim.half)):
-            core.count("checksum_mismatch", "pull")
-            reply = Ack(ok=False, kind=ErrorKind.CHECKSUM,
-                        error="checksum mismatch: bytes changed in transit")
-        if not reply.ok:
             self._release(tid, f"failed: {reply.error}")
             return reply
+        stream = mapping.side_descriptors(claim.half) if claim.stream is None else claim.stream
+        served = PullServed(transfer_id=tid, digests=digests.compute(stream)
+                            if msg.want_digests or core.config.checksum
+                            else None)  # from this rank's KV, before the lease ends
         claim.done = True
         if st.expected is not None and all(r in st.claims and st.claims[r].done
                                            for r in st.expected):
             core.stats["pull_served"] += 1
             self._release(tid, "done")
-        return reply
+        return served
 
     def on_cancel(self, ctx: RequestContext, msg: Cancel) -> Message | None:
         """D gave up; None if this side does not hold the transfer."""
@@ -347,6 +344,7 @@ class _Pull(Part[PullSpec]):
     handle: TransferHandle | None = None
     prepared: PreparedRequest | None = None  # the READ built while the claim is in flight
     reading: bool = False  # the READ is posted and has not stopped
+    landed: bytes | None = None  # digests of what the READ landed, when they are checked
 
 
 class PullSink(Receiver[_Pull]):
@@ -485,17 +483,25 @@ class PullSink(Receiver[_Pull]):
         half = [(x.local, x.local_ids) for x in job.subs]
         nbytes = mapping.side_bytes(half)
         assert job.peer is not None
-        checksum = None
-        if core.config.checksum or job.peer.info.checksum:
-            checksum = digest_descriptors(mapping.side_descriptors(half))
-        done = PullDone(transfer_id=s.transfer_id, nbytes=nbytes, checksum=checksum)
+        want = nbytes > 0 and (core.config.checksum or job.peer.info.checksum)
+        done = PullDone(transfer_id=s.transfer_id, nbytes=nbytes, want_digests=want)
         core.rpc.call(job.address, done, core.config.control_timeout_s,
                       lambda reply: self._confirmed(job, reply, nbytes))
+        if want:  # while the DONE flies and P digests its side
+            job.landed = digests.compute(mapping.side_descriptors(half))
 
     def _confirmed(self, job: _Pull, reply: Message | KVBridgeError, nbytes: int) -> bool:
         if not self._live(job):
             return False
-        if isinstance(reply, Ack) and reply.ok:
+        if isinstance(reply, PullServed) and job.landed is not None and (
+                reply.digests != job.landed):
+            self.core.count("checksum_mismatch", "pull", job.peer)
+            self._fail(job, "the pulled KV is not what prefill computed: " + (
+                digests.mismatch(reply.digests, mapping.side_descriptors(
+                    [(x.local, x.local_ids) for x in job.subs])) or "digests differ"),
+                cancel=False)
+            return False
+        if isinstance(reply, PullServed):
             self._forget(job)
             self.core.stats["pull_bytes"] += nbytes
             if job.peer is not None:
@@ -505,8 +511,6 @@ class PullSink(Receiver[_Pull]):
             job.box.received(job.spec.req_id, job.tid)
             return False
         why = reply.error if isinstance(reply, Ack) else f"no confirmation: {reply}"
-        if isinstance(reply, Ack) and reply.kind is ErrorKind.CHECKSUM:
-            self.core.count("checksum_mismatch", "pull", job.peer)
         self._fail(job, f"prefill did not confirm the read: {why}", cancel=False)
         return False
 

@@ -17,9 +17,8 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    earlier, while the forward that writes the KV runs (:meth:`PushSource.prepare`, as soon as
    both the plan and D's confirmation are known): ids validated, the transport's request built
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
-   A prepared WRITE that is not posted is discarded with its registration. When all WRITEs
-   have stopped P sends the ``PushResult`` with the byte count (and a checksum when either
-   side asks for one), which D checks against what it expected.
+   A prepared WRITE that is not posted is discarded with its registration. P digests its KV
+   while the last WRITE moves it; once all stopped, D checks the result's bytes and digests.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
@@ -65,14 +64,13 @@ from kvbridge.messages import (
     PushResult,
 )
 from kvbridge.params import MAX_TP
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
 from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.push_limits import RegistrationLimits
 from kvbridge.scheduling.push_state import Out, Stage, Target, push_table
-from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import SendPlan
 from kvbridge.transport import HandleState, Op
 
@@ -409,6 +407,8 @@ class PushSource:
                 or t.stage is not Stage.CONFIRMED or t.error is not None or t.posted
                 or t.prepared is not None or not t.reg.block_ids or t.peer is None):
             return
+        if self.core.config.checksum or t.peer.info.checksum:
+            t.stream = self._side(out, t)
         try:
             t.prepared = prepare_parts(
                 self.core.transport, Op.WRITE, t.peer.name,
@@ -450,6 +450,9 @@ class PushSource:
             if len(t.handles) == 1:
                 core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,
                                 lambda: self._write_timeout(out, t))
+        if (t.digests is None and len(t.posted) == len(core.layout.planes)
+                and (core.config.checksum or t.peer.info.checksum)):  # while the bytes move
+            t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
 
     def poll(self) -> None:
         for out in list(self.outs.values()):
@@ -560,18 +563,14 @@ class PushSource:
             core.count("push_failed", "push", t.peer)
             log.warning("push %s failed: %s", out.tid, error)
         if answer:
-            result = PushResult(transfer_id=out.tid, ok=error is None, nbytes=t.nbytes,
-                                error=error)
-            if error is None and (core.config.checksum
-                                  or (t.peer is not None and t.peer.info.checksum)):
-                result = PushResult(transfer_id=out.tid, ok=True, nbytes=t.nbytes,
-                                    checksum=digest_descriptors(self._digest_source(out, t)))
-            core.server.reply(t.ctx, result)
+            core.server.reply(t.ctx, PushResult(
+                transfer_id=out.tid, ok=error is None, nbytes=t.nbytes, error=error,
+                digests=t.digests if error is None else None))
         if error is None:
             self._close(out)
 
-    def _digest_source(self, out: Out, t: Target) -> DescriptorArray:
-        """This rank's side of ``t``'s part (every plane), as the checksum covers it."""
+    def _side(self, out: Out, t: Target) -> DescriptorArray:
+        """This rank's side of ``t``'s part (every plane), as its digests cover it."""
         assert out.plan is not None and t.shape is not None
         span, _ = self._span(out, t)
         src, first = self._src(out, t)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.blocks import PreparedRequest
 from kvbridge.control import RequestContext
+from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import LookupBuffer
 from kvbridge.messages import PushRegister
 from kvbridge.scheduling import mapping
@@ -43,6 +44,9 @@ class Target:
     prepared: PreparedRequest | None = None
     handles: list[TransferHandle] = field(default_factory=list)
     nbytes: int = 0
+    #: this rank's side of the part as its digests cover it (built ahead), and the digests
+    stream: DescriptorArray | None = None
+    digests: bytes | None = None
     error: str | None = None
 
 

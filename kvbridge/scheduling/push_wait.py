@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError
+from kvbridge.layout import DescriptorArray
 from kvbridge.messages import (
     Ack,
     Cancel,
@@ -33,10 +34,9 @@ from kvbridge.messages import (
     PushRegister,
     PushResult,
 )
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.peers import Peer
 from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
-from kvbridge.scheduling.results import digest_descriptors
 from kvbridge.scheduling.specs import PushSpec
 
 __all__ = ["PushSink"]
@@ -58,6 +58,8 @@ class _In(Part[PushSpec]):
 
     state: _Wait = _Wait.DIALING
     half: Half = field(default_factory=list)  # this rank's side of the part
+    #: the half's descriptors, built while P computes (what the digests cover), or None
+    stream: DescriptorArray | None = None
     call: int | None = None
     #: HeartbeatBook.sent when P's confirmation came: earlier heartbeats' answers predate it
     confirmed_after: int = 0
@@ -97,6 +99,8 @@ class PushSink(Receiver[_In]):
         w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
                                lambda reply: self._answer(w, reply))
         core.stats["push_registered"] += 1
+        if core.config.checksum or result.info.checksum:  # off the hand-off's path
+            w.stream = mapping.side_descriptors(w.half)
 
     def _half(self, w: _In, peer: Peer) -> Half:
         """This rank's side of the part, after checking the peer is the rank expected."""
@@ -146,12 +150,12 @@ class PushSink(Receiver[_In]):
             problem = "prefill reported a write this engine never confirmed"
         elif msg.nbytes != expected:
             problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
-        elif msg.checksum is None and core.config.checksum:
-            problem = "this engine verifies checksums; the push carried none"
-        elif msg.checksum is not None and msg.checksum != digest_descriptors(
-                mapping.side_descriptors(w.half)):
-            core.count("checksum_mismatch", "push", w.peer)
-            problem = "checksum mismatch: bytes changed in transit"
+        elif expected and (core.config.checksum or msg.digests is not None):
+            problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half)
+                                       if w.stream is None else w.stream)
+            if problem is not None:
+                core.count("checksum_mismatch", "push", w.peer)
+                problem = f"the pushed KV is not what prefill computed: {problem}"
         if problem is not None:
             self._fail(w, problem, safe=True, cancel=False)
             return

@@ -8,17 +8,15 @@ ended: …") and for :class:`~kvbridge.messages.TransferQuery` (why did my reque
 from __future__ import annotations
 
 import collections
-import ctypes
-import hashlib
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvbridge.layout import DescriptorArray, KVLayout
+from kvbridge.layout import KVLayout
 
-__all__ = ["Results", "Outcomes", "ResultBox", "digest", "digest_descriptors"]
+__all__ = ["Results", "Outcomes", "ResultBox"]
 
 log = logging.getLogger("kvbridge.loop")
 
@@ -124,15 +122,3 @@ class ResultBox:
             out, self._results = self._results, Results()
         return out
 
-
-def digest(layout: KVLayout, block_ids: Sequence[int]) -> str:
-    """blake2b over the bytes of ``block_ids`` in descriptor order (checksum mode)."""
-    return digest_descriptors(layout.descriptors(block_ids))
-
-
-def digest_descriptors(descs: DescriptorArray) -> str:
-    """blake2b over the bytes ``descs`` cover, in order (checksum mode)."""
-    h = hashlib.blake2b(digest_size=16)
-    for addr, length, _dev in descs.tolist():
-        h.update(ctypes.string_at(addr, length))
-    return h.hexdigest()

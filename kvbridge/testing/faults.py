@@ -18,8 +18,10 @@ notification handed to ``send_notification`` or attached to a transfer counts, i
     One byte of transfer n is wrong at its destination: the byte at ``corrupt_offset`` (modulo
     the transfer's size) counted through the local descriptors in order. For a WRITE the peer's
     memory cannot be touched from here, so the *source* byte is flipped (XOR 0xFF) just before
-    the transfer is posted and restored once it finished: the peer receives the flipped byte and
-    the local buffer ends unchanged (do not read it meanwhile). For a READ the landed local byte
+    the transfer is posted and restored once it finished, before ``submit`` returns (a corrupted
+    WRITE's submit blocks until the inner transfer stopped): the peer receives the flipped byte
+    and the sender, which may read its source right after posting (to digest it), never sees
+    it. For a READ the landed local byte
     is flipped after the transfer finished and before the handle reports DONE. The handle ends
     DONE and the notification is sent as usual — silent corruption, for checksum tests.
 ``drop_notification`` (n or a collection of n)
@@ -232,6 +234,10 @@ class FaultyTransport(Transport):
                 if note_n is not None:
                     self._notes = itertools.count(note_n)
                 raise
+            if restore is not None:  # see ``corrupt``: the source is whole again on return
+                self._wait_inner(handle)
+                _flip(restore)
+                restore = None
             if note_n is not None and send is None:
                 self._record("drop_notification", note_n)
             if fail:

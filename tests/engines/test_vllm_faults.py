@@ -550,6 +550,44 @@ def test_a_pull_that_stalls_is_recomputed_within_stall_s(cluster: Cluster,
     _healthy(cluster, 41)
 
 
+def test_a_byte_flipped_in_a_pull_is_recomputed_right(cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 27: D's first READ lands with one byte wrong (the test-only ``faulty`` backend).
+    D's digests of what landed differ from P's (on by default): the receive fails naming the
+    chunk, ``kv_load_failure_policy: recompute`` computes the prompt on D, the client gets the
+    reference tokens, and P holds nothing. The next, clean pull is used (``recv_ok``)."""
+    assert cluster.p is not None
+    ctl = free_port()
+    kv = _connector("kv_consumer", "faults-D-flip", ctl)
+    kv["kv_load_failure_policy"] = "recompute"
+    kv["kv_connector_extra_config"].update(
+        backend="faulty",
+        backend_options={"inner": "shm", "faults": {"corrupt": [1], "corrupt_offset": 777}})
+    flipping = VllmServer(cluster.model, name="decode-flip", port=free_port(),
+                          kv_transfer_config=kv, cpu_bind="1",
+                          env={"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2",
+                               "PYTHONPATH": _faulty_backend_path(tmp_path / "plugin")},
+                          extra_args=["--block-size", "32"],
+                          log_path=cluster.logs / "decode-flip.log")
+    address = f"tcp://127.0.0.1:{ctl}"
+    try:
+        start_servers([flipping], timeout=600)
+        for n, tid in enumerate(("flipped-pull", "clean-pull")):
+            prompt = random_prompts(1, 150, seed=50 + n)[0]
+            ref = cluster.reference(prompt)
+            staged = complete(cluster.p.url, prompt, 1, {"do_remote_decode": True,
+                                                         "transfer_id": tid})
+            status, out = _post(flipping.url, prompt, staged["kv_transfer_params"])
+            assert (status, out) == (200, ref)
+        stats = cluster.stats(address).stats
+        assert stats.get("checksum_mismatch", 0) == 1 and stats.get("recv_ok", 0) == 1, stats
+        why = cluster.outcome(address, "flipped-pull") or ""
+        assert "not what prefill computed: digest mismatch in 1 of" in why, why
+        assert cluster.wait_idle(cluster.p_ctl, timeout=10) == 0
+    finally:
+        flipping.stop()
+    _healthy(cluster, 52)
+
+
 def _connector_as(role: str, engine_id: str, port: int, identity: str) -> dict[str, Any]:
     kv = _connector(role, engine_id, port)
     kv["kv_connector_extra_config"]["model_identity"] = identity

@@ -8,6 +8,7 @@ import pytest
 from kvbridge.errors import AuthError, KVBridgeError, MessageError, MessageTooLarge, ReplayError
 from kvbridge.layout import LayoutWire, PlaneWire
 from kvbridge.messages import (
+    MAX_DIGEST_BYTES,
     PROTOCOL_VERSION,
     Ack,
     Cancel,
@@ -26,6 +27,7 @@ from kvbridge.messages import (
     PipeFrame,
     PullClaim,
     PullDone,
+    PullServed,
     PushConfirm,
     PushRegister,
     PushResult,
@@ -66,7 +68,8 @@ ALL_MESSAGES: list[Message] = [
               num_tokens=48, prompt_digest="ab",
               part=ClaimPart(tp_size=2, rank=1, block_size=32, first_token=32)),
     Hello(info=INFO_HEADS, challenge=b"c" * 16),
-    PullDone(transfer_id="t-1", nbytes=1 << 20, checksum="abcd"),
+    PullDone(transfer_id="t-1", nbytes=1 << 20, want_digests=True),
+    PullServed(transfer_id="t-1", digests=b"\x01" * 32),
     PushRegister(transfer_id="t-1", generation="*", engine_id="engine-d",
                  sender_generation="gen-2", control_address="tcp://127.0.0.1:6000",
                  block_ids=[5, 6, 7], skip_blocks=2, num_tokens=80, prompt_digest="ab",
@@ -74,6 +77,7 @@ ALL_MESSAGES: list[Message] = [
     PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7]),
     PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7], rank=3),
     PushResult(transfer_id="t-1", ok=True, nbytes=3 << 20),
+    PushResult(transfer_id="t-1", ok=True, nbytes=3 << 20, digests=b"\x02" * 16),
     PushResult(transfer_id="t-2", ok=False, error="prefill aborted"),
     Cancel(transfer_id="t-1", reason="peer went away"),
     CancelReply(safe=False),
@@ -103,7 +107,7 @@ def test_every_kind_is_covered() -> None:
 
 
 def test_defaults_and_protocol_version() -> None:
-    assert INFO.protocol == PROTOCOL_VERSION == 3
+    assert INFO.protocol == PROTOCOL_VERSION == 4
     assert Ack().ok is True
     assert PipeFrame(seq=0).payload == b"" and PipeFrame(seq=0).eos is False
 
@@ -192,9 +196,14 @@ _HEADER = b"\x01" + b"\0" * 24
                                 "block_ids": [-1], "num_tokens": 1, "prompt_digest": ""}),
         msgspec.msgpack.encode({"type": "Cancel", "transfer_id": "has space", "reason": ""}),
         b"\x91" * 200_000 + b"\xc0",
+        msgspec.msgpack.encode({"type": "PullServed", "transfer_id": "t",
+                                "digests": b"\0" * (MAX_DIGEST_BYTES + 16)}),
+        msgspec.msgpack.encode({"type": "PushResult", "transfer_id": "t", "ok": True,
+                                "digests": "not bytes"}),
     ],
     ids=["empty", "garbage", "unknown-tag", "wrong-type", "missing-field", "not-a-struct",
-         "too-many-ids", "id-too-long", "negative-block", "id-with-space", "deep-nesting"],
+         "too-many-ids", "id-too-long", "negative-block", "id-with-space", "deep-nesting",
+         "digests-too-long", "digests-not-bytes"],
 )
 def test_garbage_rejected(body: bytes) -> None:
     with pytest.raises(MessageError) as info:

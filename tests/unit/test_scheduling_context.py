@@ -26,10 +26,11 @@ from kvbridge.messages import (
     Message,
     PullClaim,
     PullDone,
+    PullServed,
     PushRegister,
     PushResult,
 )
-from kvbridge.scheduling import mapping
+from kvbridge.scheduling import digests, mapping
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.leases import Timers
@@ -181,8 +182,12 @@ PLAN = SendPlan("req", "t1", BLOCKS, num_tokens=10, prompt_digest="d")
 CTX = RequestContext(b"conn-d", b"rid-1")
 
 
+_CACHES: list[Any] = []  # the layouts' memory, alive for the digests P computes from it
+
+
 def _source() -> tuple[FakeLoop, PullSource]:
-    _, layout = make_caches((2, 8, 4, 8))
+    caches, layout = make_caches((2, 8, 4, 8))
+    _CACHES.append(caches)
     loop = FakeLoop(layout)
     return loop, PullSource(_context(loop))
 
@@ -201,7 +206,9 @@ def test_staged_claimed_done_releases_the_blocks_once() -> None:
     staged = src.staged.get("t1")
     assert staged is not None
     nbytes = mapping.side_bytes(staged.claims[0].half)
-    assert src.on_done(CTX, PullDone(transfer_id="t1", nbytes=nbytes)) == Ack()
+    served = src.on_done(CTX, PullDone(transfer_id="t1", nbytes=nbytes))
+    assert isinstance(served, PullServed) and served.transfer_id == "t1"
+    assert served.digests == digests.compute(mapping.side_descriptors(staged.claims[0].half))
     assert len(src) == 0 and "t1" not in src.staged
     assert loop.results.drain().finished_sending == {"req"}
     assert loop.ended.get("t1") == "done" and loop.stats["pull_served"] == 1

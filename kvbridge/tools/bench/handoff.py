@@ -8,11 +8,12 @@ vLLM's idle path, no early posting: the behaviour before the wake-up), or ``nodi
 workers' next step output), or ``nohuge`` with ``KVBRIDGE_HUGE_PAGES=0`` (the KV cache stays on
 the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
 ``KVBRIDGE_MAP_KV_CACHE=0`` (shm moves KV by cross-memory attach instead of copying through the
-peer's mapped cache: compare the wire time), or ``code``: the same configuration running the
-kvbridge of ``--baseline-code``, a checkout of another commit (what a change costs), with one
-fleet secret for all four engines. ``--model bench`` runs the ~100 M-parameter
-bench model (24 KiB of KV per token) instead of the tiny one, so that a request's KV is tens of
-MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
+peer's mapped cache: compare the wire time), or ``nodigest`` with ``KVBRIDGE_CHECKSUM=0`` (no
+hand-off digests: what computing and checking them costs), or ``code``: the same
+configuration running the kvbridge of ``--baseline-code``, a checkout of another commit (what a
+change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100
+M-parameter bench model (24 KiB of KV per token) instead of the tiny one, so that a request's
+KV is tens of MiB and the wire time shows. Per mode, ``--requests`` rounds each send one sequential
 request to each pair, the order alternating every round (ABBA), so both see the same host noise.
 Idle engines cost next to nothing (measured in the ``idle`` rows), so the pair that is not being
 measured does not disturb the other.
@@ -77,6 +78,7 @@ BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "
                                         "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"},
                                         "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"},
                                         "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"},
+                                        "nodigest": {"KVBRIDGE_CHECKSUM": "0"},
                                         "code": {}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none). ``code``:
 the engines import kvbridge from ``--baseline-code``, a checkout of another commit."""
@@ -394,7 +396,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", choices=tuple(BASELINES), default=d.against,
                    help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
                         "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0), nomap "
-                        "(KVBRIDGE_MAP_KV_CACHE=0) or code (the code of --baseline-code)")
+                        "(KVBRIDGE_MAP_KV_CACHE=0), nodigest (KVBRIDGE_CHECKSUM=0: no "
+                        "hand-off digests) or code (the code of --baseline-code)")
     p.add_argument("--baseline-code", type=Path, default=None,
                    help="with --against code: a checkout of another commit (git worktree add "
                         "DIR COMMIT) whose kvbridge the baseline pair's engines run")

@@ -1,0 +1,74 @@
+"""Hand-off digests (kvbridge.scheduling.digests): the same stream digests alike however each
+side cuts it into ranges; a flipped byte is found and located; sizes stay bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.messages import MAX_DIGEST_BYTES
+from kvbridge.scheduling import digests
+from kvbridge.scheduling.digests import CHUNK_BYTES, DIGEST_BYTES, MAX_CHUNKS
+
+
+def _descs(buf: np.ndarray, cuts: list[int]) -> np.ndarray:
+    """Descriptors covering ``buf`` in order, cut at ``cuts`` (byte offsets)."""
+    base = buf.ctypes.data
+    edges = [0, *cuts, buf.nbytes]
+    return np.array([(base + a, b - a, 0) for a, b in zip(edges, edges[1:], strict=False) if b > a],
+                    dtype=np.int64)
+
+
+@pytest.fixture
+def stream() -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, 3 * CHUNK_BYTES + 1000, dtype=np.uint8)
+
+
+def test_one_digest_per_chunk_and_the_cut_into_ranges_does_not_matter(
+        stream: np.ndarray) -> None:
+    whole = digests.compute(_descs(stream, []))
+    assert len(whole) == 4 * DIGEST_BYTES  # three full chunks and a tail
+    for cuts in ([1], [CHUNK_BYTES], [5, 4096, CHUNK_BYTES + 3, 2 * CHUNK_BYTES - 1]):
+        assert digests.compute(_descs(stream, cuts)) == whole
+    assert digests.mismatch(whole, _descs(stream, [17])) is None
+
+
+def test_the_stream_is_read_in_place_across_separate_buffers(stream: np.ndarray) -> None:
+    """Two buffers, in descriptor order, digest as their concatenation (the other side's
+    stream may live in one)."""
+    a, b = stream[:100_000].copy(), stream[100_000:].copy()
+    descs = np.array([(a.ctypes.data, a.nbytes, 0), (b.ctypes.data, b.nbytes, 0)],
+                     dtype=np.int64)
+    assert digests.compute(descs) == digests.compute(_descs(stream, []))
+
+
+@pytest.mark.parametrize("offset", [0, CHUNK_BYTES - 1, CHUNK_BYTES, 3 * CHUNK_BYTES + 999])
+def test_a_flipped_byte_is_found_and_located(stream: np.ndarray, offset: int) -> None:
+    sent = digests.compute(_descs(stream, []))
+    landed = stream.copy()
+    landed[offset] ^= 0x01
+    problem = digests.mismatch(sent, _descs(landed, [offset]))
+    chunk, total = offset // CHUNK_BYTES, stream.nbytes
+    end = min((chunk + 1) * CHUNK_BYTES, total) - 1
+    assert problem == (f"digest mismatch in 1 of 4 chunks, the first at bytes "
+                       f"{chunk * CHUNK_BYTES}–{end} of the part's {total}-byte stream")
+
+
+def test_missing_short_or_foreign_digests_are_mismatches(stream: np.ndarray) -> None:
+    descs = _descs(stream, [])
+    assert digests.mismatch(None, descs) == "the sender sent no digests"
+    assert "digested 2 chunks, 4 landed" in (digests.mismatch(b"\0" * 32, descs) or "")
+    assert "4 of 4 chunks" in (digests.mismatch(b"\0" * 64, descs) or "")
+
+
+def test_empty_stream_has_no_digests() -> None:
+    assert digests.compute(np.zeros((0, 3), dtype=np.int64)) == b""
+
+
+def test_chunks_grow_past_the_cap_so_digests_fit_one_message() -> None:
+    assert MAX_CHUNKS * DIGEST_BYTES == MAX_DIGEST_BYTES
+    assert digests.chunk_size(1) == CHUNK_BYTES
+    assert digests.chunk_size(CHUNK_BYTES * MAX_CHUNKS) == CHUNK_BYTES
+    for total in (CHUNK_BYTES * MAX_CHUNKS + 1, 64 << 30, 1 << 40):
+        size = digests.chunk_size(total)
+        assert size % 4096 == 0 and -(-total // size) <= MAX_CHUNKS

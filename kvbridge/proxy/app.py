@@ -63,7 +63,7 @@ from kvbridge.proxy.relay import Call, Relay
 from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, Role, validate_request
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.proxy.tenants import SaltError, TenantSalt
-from kvbridge.proxy.tracing import ProxyTracing
+from kvbridge.proxy.tracing import ProxyTracing, pass_on
 
 __all__ = ["ProxySettings", "ProxyServer", "serve"]
 
@@ -238,6 +238,8 @@ class ProxyServer:
                     flight=flight)
         if self.tracing is not None:
             call.trace = self.tracing.start(request.headers, rid, path)
+        else:  # no spans of ours: vLLM's still join the client's trace
+            pass_on(request.headers, headers)
         try:
             resp = await self.dispatcher.route(request, path, body, call)
             if call.outcome == "ok" and resp.status >= 400:

@@ -5,11 +5,13 @@ vLLM uses) the proxy makes one ``kvbridge.request`` span per client request, and
 ``kvbridge.prefill`` and one ``kvbridge.decode`` span per leg it sends (a retry: new legs). Each
 leg's request to its engine carries a W3C ``traceparent`` naming that leg's span, so a vLLM
 engine started with its own ``--otlp-traces-endpoint`` puts its request span under it: the
-hand-off is one trace in any OTLP backend. A client's valid ``traceparent`` is continued (the
-request span is its child, ``tracestate`` goes along unchanged); a malformed one is ignored (a
-new trace, never an error). The exporter is vLLM's choice too: OTLP over gRPC unless
-``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``http/protobuf``; the service name is
-``kvbridge-proxy`` unless ``$OTEL_SERVICE_NAME`` says otherwise.
+hand-off is one trace in any OTLP backend. Without an endpoint the proxy makes no span but
+passes a client's valid ``traceparent`` (and ``tracestate``) on to both engines as it came
+(:func:`pass_on`), so vLLM's spans still join the client's trace. With one, a client's valid
+``traceparent`` is continued (the request span is its child, ``tracestate`` goes along
+unchanged); a malformed one is ignored (a new trace, never an error). The exporter is vLLM's
+choice too: OTLP over gRPC unless ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``http/protobuf``;
+the service name is ``kvbridge-proxy`` unless ``$OTEL_SERVICE_NAME`` says otherwise.
 
 Contract:
 
@@ -34,7 +36,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 
-__all__ = ["TraceParent", "parse_traceparent", "ProxyTracing", "RequestTrace",
+__all__ = ["TraceParent", "parse_traceparent", "pass_on", "ProxyTracing", "RequestTrace",
            "ENDPOINT_ENV", "PROTOCOL_ENV"]
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -85,6 +87,17 @@ def _tracestate(value: str | None) -> str | None:
             or not value.isascii() or not value.isprintable()):
         return None
     return value
+
+
+def pass_on(incoming: Mapping[str, str], out: dict[str, str]) -> None:
+    """Copy a valid ``traceparent`` (and then a usable ``tracestate``) from ``incoming`` into
+    ``out`` as they came (tracing off); an invalid one is dropped."""
+    value = incoming.get("traceparent")
+    if value is not None and parse_traceparent(value) is not None:
+        out["traceparent"] = value.strip(" \t")
+        state = _tracestate(incoming.get("tracestate"))
+        if state is not None:
+            out["tracestate"] = state
 
 
 class ProxyTracing:

@@ -17,8 +17,9 @@ Contract:
 
 - This module imports no OpenTelemetry package at import time; :class:`ProxyTracing` imports the
   SDK when it is built, and only a proxy with an endpoint builds one. Without one, the proxy's
-  cost is a ``None`` check per request and per leg. The SDK missing while an endpoint is set is
-  a :class:`~kvbridge.errors.ConfigError` at start, naming what to install.
+  cost is a ``None`` check per request and per leg, and a header lookup per request. The SDK
+  missing while an endpoint is set is a :class:`~kvbridge.errors.ConfigError` at start, naming
+  what to install.
 - :func:`parse_traceparent` is pure and total: any string (oversized, non-ASCII, wrong version,
   all-zero ids) gives a :class:`TraceParent` or None, never a raise.
 - Spans are exported in the background (a batch processor); :meth:`ProxyTracing.shutdown`

@@ -63,6 +63,7 @@ from kvbridge.proxy.relay import Call, Relay
 from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, Role, validate_request
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.proxy.tenants import SaltError, TenantSalt
+from kvbridge.proxy.tracing import ProxyTracing, pass_on
 
 __all__ = ["ProxySettings", "ProxyServer", "serve"]
 
@@ -87,10 +88,16 @@ def _error(
 class ProxyServer:
     """The proxy as an object: ``await start()`` binds (port 0 → see :attr:`port`), ``stop()``."""
 
-    def __init__(self, settings: ProxySettings, resolver: Resolver | None = None) -> None:
+    def __init__(self, settings: ProxySettings, resolver: Resolver | None = None,
+                 span_exporter: Any = None) -> None:
         """``resolver``: what ``--prefill-dns``/``--decode-dns`` resolve with (default: the
-        system's, :func:`kvbridge.proxy.discovery.system_resolver`)."""
+        system's, :func:`kvbridge.proxy.discovery.system_resolver`); ``span_exporter``: an
+        OpenTelemetry SDK exporter that replaces OTLP when ``otlp_traces_endpoint`` is set
+        (tests)."""
         settings.check()
+        #: OpenTelemetry spans (kvbridge.proxy.tracing); None without --otlp-traces-endpoint
+        self.tracing = (ProxyTracing(settings.otlp_traces_endpoint, span_exporter)
+                        if settings.otlp_traces_endpoint else None)
         self.settings = settings
         self.metrics = ProxyMetrics()
         self.fleet = Fleet(settings, self.metrics)
@@ -163,6 +170,8 @@ class ProxyServer:
         await self.admin.close()  # its notices probe through the fleet's session
         await self.fleet.close()
         await self.dispatcher.close()
+        if self.tracing is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     async def __aenter__(self) -> ProxyServer:
         await self.start()
@@ -227,6 +236,10 @@ class ProxyServer:
         self.flights.add(flight)
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
                     flight=flight)
+        if self.tracing is not None:
+            call.trace = self.tracing.start(request.headers, rid, path)
+        else:  # no spans of ours: vLLM's still join the client's trace
+            pass_on(request.headers, headers)
         try:
             resp = await self.dispatcher.route(request, path, body, call)
             if call.outcome == "ok" and resp.status >= 400:
@@ -263,6 +276,8 @@ class ProxyServer:
                     self._spawn(task)  # P still draining after D answered: let it finish
             call.release_held()
             flight.outcome = call.outcome
+            if call.trace is not None:
+                call.trace.finish(call.mode, call.outcome, flight.tid, flight.retries)
             self.metrics.request_done(call.mode, call.outcome)
             self.metrics.observe_duration(call.mode, time.monotonic() - t0)
 

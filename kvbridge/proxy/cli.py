@@ -179,6 +179,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--kv-admission queue: longest wait for credit before a 503 (default 30)",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+        metavar="URL",
+        help="OpenTelemetry: export a span per request, with one per prefill and decode leg, "
+        "to this OTLP collector, and pass each leg's traceparent to its engine so vLLM's own "
+        "spans join the trace (vLLM's flag; gRPC unless $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+        "is http/protobuf; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -212,6 +221,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         decode_dns=args.decode_dns,
         engines_file=args.engines_file,
         discovery_interval_s=args.discovery_interval,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -55,6 +55,7 @@ from kvbridge.proxy.routing import (
     read_prefill_answer,
 )
 from kvbridge.proxy.settings import ProxySettings
+from kvbridge.proxy.tracing import RequestTrace
 
 __all__ = ["Attempt", "Call", "Relay", "decode_answered", "stream_error", "unsent_failure"]
 
@@ -104,6 +105,8 @@ class Call:
     held: list[Engine] = field(default_factory=list)
     """Engines that serve a hand-off of this request beyond their open legs (a pull's P until
     D's answer ended): :meth:`Engine.hold` until :meth:`release_held`."""
+    trace: RequestTrace | None = None
+    """Its OpenTelemetry spans (:mod:`kvbridge.proxy.tracing`); None without tracing."""
 
     def hold(self, e: Engine) -> None:
         """Count a hand-off on ``e`` until the request ends (once per engine)."""
@@ -185,10 +188,15 @@ class Relay:
         """POST and return the response once its headers arrived; errors → LegFailed."""
         role = e.role.value
         t0 = time.monotonic()
+        headers = call.headers
         if role == "decode":
             call.flight.mark("decode_sent")
+        if call.trace is not None:  # the leg's span is the parent of the engine's own
+            if role == "decode":  # (P's leg began in prefill_leg); ends in to_client
+                call.trace.begin_leg(role, e.url, call.attempt.tid, call.attempt.mode.value)
+            headers = call.trace.headers(role, headers)
         try:
-            resp = await self.fleet.session.post(e.url + path, json=body, headers=call.headers)
+            resp = await self.fleet.session.post(e.url + path, json=body, headers=headers)
         except aiohttp.ConnectionTimeoutError as exc:
             self.fleet.take_out(e, "connect timeout")
             raise LegFailed(
@@ -235,6 +243,10 @@ class Relay:
         p.acquire()
         t0 = time.monotonic()
         call.flight.mark("prefill_sent")
+        trace = call.trace
+        if trace is not None:
+            trace.begin_leg("prefill", p.url, tid, mode.value)
+        error: str | None = "cancelled"
         try:
             resp = await self.open(p, path, body, call)
             try:
@@ -274,9 +286,15 @@ class Relay:
             if isinstance(kvp, dict):
                 call.attempt.wire = kvp
             self.metrics.observe_prefill_leg(mode.value, time.monotonic() - t0)
+            error = None
             return answer
+        except LegFailed as exc:
+            error = exc.kind
+            raise
         finally:
             p.release()
+            if trace is not None:
+                trace.end_leg("prefill", error)
 
     async def _read(self, e: Engine, resp: aiohttp.ClientResponse) -> bytes:
         try:
@@ -332,6 +350,7 @@ class Relay:
     ) -> web.StreamResponse:
         """Return D's answer to the client (streamed as it comes when the client asked so)."""
         resp: aiohttp.ClientResponse | None = None
+        error: str | None = "cancelled"
         try:
             try:
                 resp = await self._gate(d_open, p_leg)
@@ -354,6 +373,7 @@ class Relay:
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if resp.status < 400:
                     call.flight.mark("first_token")  # the whole answer: its first token too
+                error = None if resp.status < 400 else f"decode answered {resp.status}"
                 return web.Response(body=raw, status=resp.status,
                                     headers={"Content-Type": ctype, "X-Request-Id": call.rid})
             first = await self._gate(asyncio.ensure_future(self._first_event(d, resp)), p_leg)
@@ -399,11 +419,17 @@ class Relay:
                 await out.write_eof()
             except ConnectionError:  # the client hung up right after the last chunk: harmless
                 log.debug("%s client closed before the end of the stream", call.rid)
+            error = None if call.outcome == "ok" else call.outcome
             return out
+        except LegFailed as exc:
+            error = exc.kind
+            raise
         finally:
             if resp is not None:
                 resp.close()  # closing mid-stream aborts the request inside vLLM
             d.release()
+            if call.trace is not None:
+                call.trace.end_leg("decode", error)
 
     async def _first_event(self, d: Engine, resp: aiohttp.ClientResponse) -> bytes:
         """D's stream up to the end of its first SSE event (or its end, or 64 KiB)."""

@@ -100,6 +100,10 @@ class ProxySettings:
     """``--kv-queue``: most requests waiting for credit at once (``queue``)."""
     kv_queue_s: float = 30.0
     """``--kv-queue-s``: longest a request waits for credit before its 503 (``queue``)."""
+    otlp_traces_endpoint: str | None = None
+    """``--otlp-traces-endpoint URL`` (vLLM's flag; default
+    ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``): export OpenTelemetry spans of every request there
+    (:mod:`kvbridge.proxy.tracing`); None: no tracing, and no OpenTelemetry import."""
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""
@@ -140,6 +144,11 @@ class ProxySettings:
             raise ConfigError(f"--kv-queue must be >= 0, got {self.kv_queue}")
         if not 0 <= self.kv_queue_s < math.inf:
             raise ConfigError(f"--kv-queue-s must be >= 0 and finite, got {self.kv_queue_s}")
+        ep = self.otlp_traces_endpoint
+        if ep is not None and (not ep.strip() or len(ep) > 2048 or not ep.isprintable()
+                               or any(c.isspace() for c in ep)):
+            raise ConfigError(f"--otlp-traces-endpoint must be a URL such as "
+                              f"http://otel-collector:4317, got {ep[:100]!r}")
         for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -21,7 +21,8 @@ LAYERS = (
     ("admin", "discovery", "dispatch"),
     ("relay",),
     ("pool",),
-    ("failures", "metrics", "notices", "reasons", "tenants", "flight"),
+    ("failures", "metrics", "notices", "reasons", "tenants", "flight",
+     "tracing"),
     ("settings",),
     ("routing", "credit"),
     ("members",),
@@ -59,4 +60,14 @@ def test_settings_and_policy_need_no_aiohttp() -> None:
     code = ("import sys; import kvbridge.proxy as p; p.ProxySettings(prefill=['http://a:1'], "
             "decode=['http://b:2']).check(); import kvbridge.proxy.routing; "
             "assert 'aiohttp' not in sys.modules, 'aiohttp imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_proxy_imports_no_opentelemetry_without_an_endpoint() -> None:
+    code = ("import sys; from kvbridge.proxy.app import ProxyServer; "
+            "from kvbridge.proxy.settings import ProxySettings; "
+            "s = ProxyServer(ProxySettings(['http://a:1'], ['http://b:2'])); "
+            "assert s.tracing is None; "
+            "bad = [m for m in sys.modules if m.startswith('opentelemetry')]; "
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -2,9 +2,9 @@
 
 Contract: :func:`schedule` turns a seed into the faults a soak injects, one at a time, at random
 moments, and :func:`rolling` is the plan of a rolling upgrade (a drain and replacement of every
-engine, one after the other); :func:`reason` folds a failed request's error into a short, countable cause;
-:func:`card` aggregates what every request did (:class:`Outcome`) and when faults were open
-(:class:`Window`) into the report card, and :func:`card_rows` lays it out for
+engine, one after the other); :func:`reason` folds a failed request's error into a short,
+countable cause; :func:`card` aggregates what every request did (:class:`Outcome`) and when
+faults were open (:class:`Window`) into the report card, and :func:`card_rows` lays it out for
 :func:`kvbridge.tools.report.print_table`. Nothing here starts a process or touches the network.
 """
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:backends .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 \
         [--backend shm|nixl] [--rate 1.5] [--faults kill,stop,drain,proxy,transfer_error] \
-        [--fail-share 0.05] [--out DIR]
+        [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75]]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
 and control port, so a restarted engine keeps its address) and one kvbridge proxy in auto mode,
@@ -23,12 +23,19 @@ port. Then, for ``--minutes``:
   (:class:`kvbridge.testing.faults.FaultyBackend` around the chosen backend), failing a seeded
   ``--fail-share`` of their transfers for the whole run.
 
+``--rolling`` is a measured rolling upgrade instead (issue 28): no faults but a ``drain`` of every
+engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`), one at a time, the
+first after ``--quiet-s`` of steady load, each step starting when the fleet is whole again; the
+load goes on for another ``--quiet-s`` after the last (``--minutes`` is then its upper bound).
+The card's "during faults" are the upgrade's windows, "quiet" the steady state around them.
+
 At the end it waits until no engine holds a transfer (at most a lease and 30 s), reads what each
 still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0), computes the
 references and prints the report card (:func:`~kvbridge.tools.bench.soak_card.card`); the card
 and every request go to ``DIR/card.json`` and ``DIR/requests.jsonl``, the logs to ``DIR/logs``.
-Exit status 0 when the card is clean (no wrong output, nothing leaked), 1 otherwise. Every
-engine and the proxy are stopped on any exit (also Ctrl-C, SIGTERM).
+Exit status 0 when the card is clean (no wrong output, nothing leaked; with ``--rolling`` no
+failed request either), 1 otherwise. Every engine and the proxy are stopped on any exit (also
+Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -63,6 +71,7 @@ from kvbridge.tools.bench.soak_card import (
     card,
     card_rows,
     reason,
+    rolling,
     schedule,
 )
 from kvbridge.tools.client import complete, output_token_ids, reset_prefix_cache, stream_complete
@@ -290,16 +299,16 @@ def prompt_of(seed: int, i: int, length: int) -> list[int]:
     return random_prompts(1, length, seed=seed * 1_000_003 + i)[0]
 
 
-def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: float,
+def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: Callable[[], float],
          ex: cf.ThreadPoolExecutor) -> list[cf.Future[Outcome]]:
-    """Send the seeded Poisson stream until ``until`` (soak clock); the futures of every
-    request."""
+    """Send the seeded Poisson stream until ``until()`` (soak clock, asked before each
+    request); the futures of every request."""
     rng = random.Random(args.seed)
     futures: list[cf.Future[Outcome]] = []
     at = 0.0
     while True:
         at += rng.expovariate(args.rate)
-        if at >= until:
+        if at >= until():
             return futures
         length, max_tokens, stream = rng.choice(LENGTHS), rng.choice(MAX_TOKENS), rng.random() < .5
         delay = t0 + at - time.monotonic()
@@ -343,7 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     print(f"results and logs in {out}", file=sys.stderr, flush=True)
     duration = args.minutes * 60.0
-    plan = schedule(args.seed, duration, args.faults)
+    plan = rolling(args.quiet_s) if args.rolling else schedule(args.seed, duration, args.faults)
+    end = [duration]  # when the load stops (soak clock); a rolling upgrade's is set when done
     fleet = Fleet(args, out)
     windows: list[Window] = []
     errors: list[str] = []
@@ -354,6 +364,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop = threading.Event()
 
         def injector() -> None:
+            try:
+                run_plan()
+            finally:
+                if args.rolling:
+                    end[0] = min(duration, time.monotonic() - t0 + args.quiet_s)
+
+        def run_plan() -> None:
             for fault in plan:
                 if stop.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
                     return
@@ -376,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chaos = threading.Thread(target=injector, name="soak-injector", daemon=True)
         chaos.start()
         with cf.ThreadPoolExecutor(32) as ex:
-            futures = load(fleet, args, t0, duration, ex)
+            futures = load(fleet, args, t0, lambda: end[0], ex)
             outcomes = [f.result() for f in futures]
         stop.set()
         chaos.join()
@@ -387,7 +404,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet.close()
     result = card(outcomes, windows, pending, extra={
         "argv": sys.argv, "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
-        "rate": args.rate, "faults_enabled": args.faults, "fail_share": args.fail_share,
+        "rate": args.rate, "faults_enabled": args.faults, "rolling": args.rolling,
+        "quiet_s": args.quiet_s if args.rolling else None, "load_s": round(end[0], 1),
+        "fail_share": args.fail_share,
         "scheduled": len(plan), "injector_errors": errors,
         "transfers_failed_injected": injected_failures(out / "logs")})
     (out / "card.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -403,22 +422,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--backend", default="shm", choices=("shm", "nixl"))
+    ap.add_argument("--minutes", type=float, default=5.0,
+                    help="how long the load runs (with --rolling: at most)")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the load and the fault schedule")
+    ap.add_argument("--backend", default="shm", choices=("shm", "nixl"), help="KV transport")
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
     ap.add_argument("--faults", default=",".join(FAULTS),
                     help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--fail-share", type=float, default=0.05,
                     help="transfer_error: share of P1's and D1's transfers that fail")
     ap.add_argument("--out", default=None, help="directory for card.json, requests and logs")
+    ap.add_argument("--rolling", action="store_true",
+                    help="a rolling upgrade instead of faults: drain and replace P0, P1, D0, D1 "
+                         "one at a time, with no other fault (transfer_error neither)")
+    ap.add_argument("--quiet-s", type=float, default=75.0,
+                    help="--rolling: seconds of steady load before the first step and after "
+                         "the last")
     args = ap.parse_args()
-    args.faults = [f for f in args.faults.split(",") if f]
-    if not set(args.faults) <= set(FAULTS) or args.rate <= 0 or args.minutes <= 0:
-        ap.error(f"--faults: of {', '.join(FAULTS)}; --rate and --minutes: positive")
+    args.faults = [] if args.rolling else [f for f in args.faults.split(",") if f]
+    if not set(args.faults) <= set(FAULTS) or args.rate <= 0 or args.minutes <= 0 \
+            or args.quiet_s < 0:
+        ap.error(f"--faults: of {', '.join(FAULTS)}; --rate and --minutes: positive; "
+                 "--quiet-s: not negative")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)
     clean = not result["wrong"] and not result["leaked_total"] and not result["injector_errors"]
+    clean = clean and not (args.rolling and result["failed"])  # a drain fails no request
     return 0 if clean else 1
 
 

@@ -7,12 +7,14 @@ import pytest
 
 from kvbridge.tools.bench.soak_card import (
     ENGINES,
+    ROLLING_ORDER,
     SCHEDULED,
     Outcome,
     Window,
     card,
     card_rows,
     reason,
+    rolling,
     schedule,
 )
 
@@ -36,6 +38,17 @@ def test_only_enabled_faults_are_scheduled_and_a_moment_less_fault_schedules_not
     assert schedule(3, 40, SCHEDULED) == []  # shorter than warm-up plus the quiet tail
     with pytest.raises(ValueError, match="unknown faults"):
         schedule(3, 600, ["meteor"])
+
+
+def test_a_rolling_upgrade_drains_every_engine_once_prefill_first_no_other_fault() -> None:
+    plan = rolling(60)
+    assert [f.target for f in plan] == list(ROLLING_ORDER) and set(ROLLING_ORDER) == set(ENGINES)
+    assert ROLLING_ORDER[:2] == ("P0", "P1")
+    assert all(f.kind == "drain" and f.at_s == 60.0 and f.hold_s == 0 for f in plan)
+    assert [f.target for f in rolling(0, ["D1", "P0"])] == ["D1", "P0"]
+    for bad in ((-1.0, ROLLING_ORDER), (10.0, ["P0", "P0"]), (10.0, ["proxy"])):
+        with pytest.raises(ValueError, match="bad rolling upgrade"):
+            rolling(*bad)
 
 
 def test_reasons_fold_numbers_and_addresses_so_that_failures_count_together() -> None:
@@ -69,15 +82,17 @@ def test_the_card_counts_failures_wrong_outputs_leaks_and_splits_ttft_by_fault_w
     assert (c["leaked_total"], c["longest_failure_s"]) == (2, 3.0)
     assert c["ttft_quiet_ms"] == {"n": 2, "p50": 200.0, "p99": 298.0}
     assert c["ttft_faults_ms"]["n"] == 2 and c["ttft_faults_ms"]["p50"] == 700.0
+    assert c["ttft_p99_ratio"] == round(0.896 / 0.298, 2)  # p99s unrounded: 896 / 298 ms
     assert c["faults"] == {"kill": 1} and c["seed"] == 1
     rows = dict((r[0], r[1]) for r in card_rows(c))
     assert rows["wrong outputs (must be 0)"] == "1"
     assert rows["blocks leaked (must be 0)"] == "P0 0, D1 2"
     assert rows["  failed: connection reset"] == "1"
+    assert rows["TTFT p99 faults / quiet"] == "3.01"
 
 
 def test_an_empty_run_has_a_card() -> None:
     c = card([], [], {})
     assert (c["sent"], c["wrong"], c["leaked_total"], c["longest_failure_s"]) == (0, 0, 0, 0.0)
-    assert c["ttft_quiet_ms"]["p50"] is None
+    assert c["ttft_quiet_ms"]["p50"] is None and c["ttft_p99_ratio"] is None
     assert card_rows(c)[-1] == ["faults injected", "none"]

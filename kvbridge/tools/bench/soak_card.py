@@ -1,9 +1,10 @@
 """The pure parts of the chaos soak (``benchmarks/soak.py``): its fault schedule and report card.
 
 Contract: :func:`schedule` turns a seed into the faults a soak injects, one at a time, at random
-moments; :func:`reason` folds a failed request's error into a short, countable cause;
-:func:`card` aggregates what every request did (:class:`Outcome`) and when faults were open
-(:class:`Window`) into the report card, and :func:`card_rows` lays it out for
+moments, and :func:`rolling` is the plan of a rolling upgrade (a drain and replacement of every
+engine, one after the other); :func:`reason` folds a failed request's error into a short,
+countable cause; :func:`card` aggregates what every request did (:class:`Outcome`) and when
+faults were open (:class:`Window`) into the report card, and :func:`card_rows` lays it out for
 :func:`kvbridge.tools.report.print_table`. Nothing here starts a process or touches the network.
 """
 
@@ -18,8 +19,8 @@ from typing import Any
 
 from kvbridge.tools.report import percentile
 
-__all__ = ["ENGINES", "FAULTS", "SCHEDULED", "Fault", "Outcome", "Window", "card", "card_rows",
-           "reason", "schedule"]
+__all__ = ["ENGINES", "FAULTS", "ROLLING_ORDER", "SCHEDULED", "Fault", "Outcome", "Window", "card",
+           "card_rows", "reason", "rolling", "schedule"]
 
 ENGINES = ("P0", "P1", "D0", "D1")
 SCHEDULED = ("kill", "stop", "drain", "proxy")
@@ -29,6 +30,8 @@ proxy's admin API, SIGKILL of the proxy (restarted at its port)."""
 FAULTS = (*SCHEDULED, "transfer_error")
 """``transfer_error`` is not a moment: P1 and D1 run the fault-injecting transport wrapper for
 the whole soak, failing a seeded share of their transfers."""
+ROLLING_ORDER = ("P0", "P1", "D0", "D1")
+"""A rolling upgrade replaces the prefill engines first, then the decode engines."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,16 @@ def schedule(seed: int, duration_s: float, kinds: Sequence[str], *, warmup_s: fl
         out.append(Fault(round(at, 1), kind, target, hold))
         at += rng.uniform(*gap_s)
     return out
+
+
+def rolling(warmup_s: float, order: Sequence[str] = ROLLING_ORDER) -> list[Fault]:
+    """A rolling upgrade: a ``drain`` (drain, remove, stop, start the successor, add) of each
+    engine of ``order``, once, all due at ``warmup_s``. The injector runs them one at a time and
+    each ends only when the fleet is whole again, so every step starts once the previous one's
+    engine is back in rotation."""
+    if warmup_s < 0 or len(set(order)) != len(order) or not set(order) <= set(ENGINES):
+        raise ValueError(f"bad rolling upgrade: warmup_s {warmup_s}, order {list(order)}")
+    return [Fault(round(warmup_s, 1), "drain", name) for name in order]
 
 
 @dataclass(frozen=True)
@@ -141,19 +154,25 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000.0, 1)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 2)
+
+
 def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mapping[str, int],
          *, settle_s: float = 5.0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report card: requests sent, ok, failed (by reason, and how many while a fault was
     open), wrong outputs (ok but not the reference: must be 0), unchecked outputs, transfers
     still held per engine after the run (``pending``: must be 0), the longest a failed request
     took to fail, TTFT p50/p99 of streams that overlapped a fault window (its end plus
-    ``settle_s``) vs the others, and the faults by kind. ``extra`` is merged in as is."""
+    ``settle_s``) vs the others with the ratio of their p99s (``ttft_p99_ratio``, faults over
+    quiet: the rolling upgrade's bar is 2), and the faults by kind. ``extra`` is merged in as is."""
     failed = [o for o in outcomes if not o.ok]
     ok = [o for o in outcomes if o.ok]
     faulted = [o for o in outcomes if _in_window(o, windows, settle_s)]
     quiet = [o for o in outcomes if not _in_window(o, windows, settle_s)]
     ttft_f = [o.ttft for o in faulted if o.ok and o.ttft is not None]
     ttft_q = [o.ttft for o in quiet if o.ok and o.ttft is not None]
+    p99_f, p99_q = percentile(ttft_f, 99), percentile(ttft_q, 99)
     out: dict[str, Any] = {
         "sent": len(outcomes),
         "ok": len(ok),
@@ -167,9 +186,10 @@ def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mappin
         "leaked_total": sum(pending.values()),
         "longest_failure_s": round(max((o.end - o.start for o in failed), default=0.0), 2),
         "ttft_faults_ms": {"n": len(ttft_f), "p50": _ms(percentile(ttft_f, 50)),
-                           "p99": _ms(percentile(ttft_f, 99))},
+                           "p99": _ms(p99_f)},
         "ttft_quiet_ms": {"n": len(ttft_q), "p50": _ms(percentile(ttft_q, 50)),
-                          "p99": _ms(percentile(ttft_q, 99))},
+                          "p99": _ms(p99_q)},
+        "ttft_p99_ratio": _ratio(p99_f, p99_q),
         "faults": dict(Counter(w.kind for w in windows)),
         "windows": [asdict(w) for w in windows],
     }
@@ -191,5 +211,6 @@ def card_rows(c: Mapping[str, Any]) -> list[list[str]]:
              ["longest time to fail", f"{c['longest_failure_s']} s"],
              ["TTFT during faults", ttft(c["ttft_faults_ms"])],
              ["TTFT quiet", ttft(c["ttft_quiet_ms"])],
+             ["TTFT p99 faults / quiet", str(c.get("ttft_p99_ratio"))],
              ["faults injected", ", ".join(f"{k} {v}" for k, v in c["faults"].items()) or "none"]]
     return rows

@@ -95,7 +95,9 @@ class Recorder:
                 self._records.move_to_end(tid)
             if event in rec.events or len(rec.events) >= MAX_EVENTS:
                 return
-            t = now if when is None else rec.mono0 + int(when * 1e9) - rec.wall0
+            # an event stamped elsewhere happened before it is marked: never after "now" (a
+            # float wall time of ~1.8e9 s carries ~0.2 us of rounding, the anchor as much)
+            t = now if when is None else min(now, rec.mono0 + int(when * 1e9) - rec.wall0)
             rec.events[event] = t
             if self.on_phase is not None:
                 for phase, start in _ENDING.get(event, ()):

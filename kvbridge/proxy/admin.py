@@ -122,7 +122,7 @@ class AdminApi:
         self.flights = flights if flights is not None else FlightLog()
         self._finder = ReasonFinder(secret, control_timeout_s)
         self._budget = control_timeout_s
-        self.notices = DrainNotices(secret, control_timeout_s)
+        self.notices = DrainNotices(self._finder.client, control_timeout_s)  # one client
         self._tasks: set[asyncio.Task[dict[str, NoticeOutcome]]] = set()
         self._token: str | None = None
         self._disabled = ""
@@ -226,12 +226,11 @@ class AdminApi:
         return await self.notices.tell(addresses)
 
     async def close(self) -> None:
-        """Cancel drain notices still in flight; close the control-channel clients of the
-        notices and of ``/admin/why``."""
+        """Cancel drain notices still in flight; close the control-channel client
+        the notices and ``/admin/why`` share."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.notices.close()
         await self._finder.close()
 
     async def _resume(self, request: web.Request) -> web.StreamResponse:

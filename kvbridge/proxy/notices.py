@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from kvbridge import trust
 from kvbridge.control import ControlClient
-from kvbridge.errors import KVBridgeError
-from kvbridge.messages import Ack, Codec, DrainNotice
+from kvbridge.messages import Ack, DrainNotice
 
 __all__ = ["DrainNotices", "NoticeOutcome"]
 
@@ -41,21 +39,11 @@ class NoticeOutcome(enum.StrEnum):
 class DrainNotices:
     """Sends drain notices; see the module docstring."""
 
-    def __init__(self, secret: str | None, timeout_s: float) -> None:
+    def __init__(self, client: Callable[[], ControlClient], timeout_s: float) -> None:
+        """``client``: the control-channel client to notify with (the owner's, which it
+        closes; :meth:`kvbridge.proxy.reasons.ReasonFinder.client` in the proxy)."""
         self.timeout_s = timeout_s
-        self._secret = secret
-        self._client: ControlClient | None = None
-
-    def _get_client(self) -> ControlClient:
-        if self._client is None:
-            try:
-                key = trust.for_tools(self._secret).secret
-            except KVBridgeError as exc:
-                log.warning("cannot read the engines' secret (%s); notifying unauthenticated",
-                            exc)
-                key = None
-            self._client = ControlClient(Codec(key), self.timeout_s)
-        return self._client
+        self._get_client = client
 
     async def tell(self, addresses: Iterable[str]) -> dict[str, NoticeOutcome]:
         """Notify every rank at ``addresses`` at once; what each answered. Never raises
@@ -84,9 +72,3 @@ class DrainNotices:
         log.warning("drain notice to %s: answered %s (an engine that predates drain "
                     "notices refuses them as malformed)", address, reply)
         return NoticeOutcome.ERROR
-
-    async def close(self) -> None:
-        """Close the client's sockets (off the loop: closing may wait for running calls)."""
-        client, self._client = self._client, None
-        if client is not None:
-            await asyncio.get_running_loop().run_in_executor(None, client.close)

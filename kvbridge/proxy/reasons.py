@@ -49,7 +49,8 @@ class ReasonFinder:
         self._secret = secret
         self._client: ControlClient | None = None
 
-    def _get_client(self) -> ControlClient:
+    def client(self) -> ControlClient:
+        """The control-channel client (made on first use; closed by :meth:`close`)."""
         if self._client is None:
             try:  # no fleet secret: the per-user secret local engines use (kvbridge.trust)
                 key = trust.for_tools(self._secret).secret
@@ -61,7 +62,7 @@ class ReasonFinder:
 
     async def _ask(self, address: str, transfer_id: str,
                    timings: bool) -> TransferReply | None:
-        client = self._get_client()
+        client = self.client()
         loop = asyncio.get_running_loop()
         msg = TransferQuery(transfer_ids=[transfer_id], timings=timings)
         call = loop.run_in_executor(None, client.request, address, msg, self.timeout_s)

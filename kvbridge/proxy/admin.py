@@ -14,6 +14,8 @@ GET       ``/admin/why/<request-id>``            the request's flight record joi
                                                  engines' (:mod:`kvbridge.proxy.flight`): the
                                                  critical path, phase by phase (200; 404 when
                                                  the proxy no longer remembers it)
+GET       ``/admin/plan``                        the planner's cost model per path and the
+                                                 prefix index's size per engine (200)
 ========  =====================================  ===============================================
 
 States and admissions are :mod:`kvbridge.proxy.members`'; the changes are
@@ -56,6 +58,7 @@ from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.flight import FlightLog, critical_path, safe_request_id
 from kvbridge.proxy.members import Admission, Engine, Role, parse_engine_url
 from kvbridge.proxy.notices import DrainNotices, NoticeOutcome
+from kvbridge.proxy.planning import Planning
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.reasons import ReasonFinder
 
@@ -117,8 +120,9 @@ class AdminApi:
     """The ``/admin`` routes of one proxy (see the module docstring)."""
 
     def __init__(self, fleet: Fleet, secret: str | None, flights: FlightLog | None = None,
-                 control_timeout_s: float = 2.0) -> None:
+                 control_timeout_s: float = 2.0, planning: Planning | None = None) -> None:
         self.fleet = fleet
+        self.planning = planning
         self.flights = flights if flights is not None else FlightLog()
         self._finder = ReasonFinder(secret, control_timeout_s)
         self._budget = control_timeout_s
@@ -145,6 +149,7 @@ class AdminApi:
         app.router.add_post("/admin/drain", self._guard(self._drain))
         app.router.add_post("/admin/resume", self._guard(self._resume))
         app.router.add_get("/admin/why/{rid}", self._guard(self._why))
+        app.router.add_get("/admin/plan", self._guard(self._plan))
 
     def _guard(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -243,9 +248,20 @@ class AdminApi:
             removed = self.fleet.remove(e.url, force=force)
         except ConfigError as exc:
             raise _Bad(409, str(exc), "engine") from None
+        if self.planning is not None:
+            self.planning.forget(removed.url)  # a URL used again is a new engine
         row = engine_row(removed)
         row["state"] = "removed"
         return web.json_response(row)
+
+    async def _plan(self, request: web.Request) -> web.StreamResponse:
+        if self.planning is None:
+            raise _Bad(404, "this proxy has no planner", "plan")
+        index = self.planning.index
+        return web.json_response({
+            "paths": self.planning.planner.snapshot(),
+            "prefix_units": {e.url: index.size(e.url) for e in self.fleet.engines},
+        })
 
     async def _why(self, request: web.Request) -> web.StreamResponse:
         rid = safe_request_id(request.match_info.get("rid"))

@@ -117,7 +117,7 @@ class ProxyServer:
         #: the last requests' flight records (kvbridge.proxy.flight; GET /admin/why/<id>)
         self.flights = FlightLog()
         self.admin = AdminApi(self.fleet, settings.control_secret, self.flights,
-                              settings.control_timeout_s)
+                              settings.control_timeout_s, self.dispatcher.planning)
         self.discovery = from_settings(settings, self.fleet, self.metrics, resolver)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)

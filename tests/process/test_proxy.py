@@ -2213,6 +2213,11 @@ async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
     text = await (await client.get(proxy.url + "/metrics")).text()
     assert prom.value(text, P + "mode_decisions_total", configured="plan", chosen="local",
                       reason="fastest") >= 1
+    status, snap = await admin(client, proxy, "GET", "/admin/plan", token=LOCAL_TOKEN)
+    assert status == 200 and snap["paths"]["local"]["observations"] >= 3, snap
+    assert snap["paths"]["local"]["ms_per_1k_compute"] > 100  # 0.5 ms per token, measured
+    assert snap["prefix_units"][d.url] > 0 and set(snap["prefix_units"]) == {p.url, d.url}
+    assert (await admin(client, proxy, "GET", "/admin/plan", token=None))[0] == 401
 
 
 async def test_plan_places_a_prompt_on_the_d_that_holds_it_and_never_by_another_tenant(

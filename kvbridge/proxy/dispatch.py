@@ -173,6 +173,14 @@ class Dispatcher:
             self.planning.requested(call, call.prompt, decision.mode)
         return decision
 
+    def _pick_prefill(self, call: Call, mode: ProxyMode) -> Engine:
+        """The P for the request's attempt: the one the planner ranks best when it looks at
+        the request (its prefix hit, its queue), else the least loaded."""
+        prompt = call.prompt
+        return self.fleet.prefills.pick(
+            avoid=call.tried[Role.PREFILL],
+            rank=None if prompt is None else self.planning.prefill_rank(Path(mode.value), prompt))
+
     def _pick_decode(self, call: Call, p: Engine | None = None) -> Engine:
         """The D for the request's attempt: with KV credit for it, then the one the planner
         ranks best when the request has a prompt it looks at (prefix held, load), else the
@@ -242,7 +250,7 @@ class Dispatcher:
             att.wire = reuse.wire
             call.flight.steps.pop("decode_sent", None)  # P's steps stand; a new D follows
         else:
-            p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
+            p = self._pick_prefill(call, ProxyMode.PULL)
             tid = new_transfer_id()
             att.p, att.tid = p, tid
             call.flight.attempt(ProxyMode.PULL.value, tid, p.url)
@@ -281,7 +289,7 @@ class Dispatcher:
         att.mode = ProxyMode.PUSH
         call.mode = ProxyMode.PUSH.value
         # early placement: D is committed before prefill starts
-        p = att.p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
+        p = att.p = self._pick_prefill(call, ProxyMode.PUSH)
         d = att.d = self._pick_decode(call, p)
         d.acquire()
         try:

@@ -52,10 +52,6 @@ def requested_slo(headers: Mapping[str, str]) -> float | None:
     return value
 
 
-def _in_flight(e: Engine) -> float:
-    return float(e.in_flight)
-
-
 def _best(engines: Sequence[Engine], avoid: Collection[str],
           rank: Callable[[Engine], float]) -> Engine | None:
     """The best-ranked engine that takes requests, is in rotation and not in ``avoid`` (those
@@ -107,17 +103,28 @@ class Planning:
 
         return rank
 
+    def prefill_rank(self, path: Path, prompt: Prompt) -> Callable[[Engine], float]:
+        """The order of prefill engines for a hand-off on ``path`` (lower is better): the
+        path's estimate with that P's own prefix hit and queue."""
+        def rank(p: Engine) -> float:
+            held_p = self.index.held(p.url, prompt)
+            return self.planner.estimate(
+                path, Features(prompt.tokens - held_p, prompt.tokens, 0.0, p.in_flight))
+
+        return rank
+
     def plan(self, call: Call, prompt: Prompt) -> Plan:
         """Choose the request's path; its plan goes on the call and into ``X-KVBridge-Plan``.
 
         The candidates: ``local`` on the D ranked best for it, and, when a P is in rotation,
-        ``push`` and ``pull`` with the least-loaded P (each D that follows is placed by
-        :meth:`decode_rank`)."""
+        ``push`` and ``pull`` with the P ranked best (:meth:`prefill_rank`: its own prefix hit
+        against its queue); the dispatch then places each by the same ranks."""
         d = _best(self.fleet.decodes.engines, call.tried[Role.DECODE],
                   self.decode_rank(Path.LOCAL, prompt))
         if d is None:
             raise NoEngine(Role.DECODE, self.fleet.decodes.engines)
-        p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL], _in_flight)
+        p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL],
+                  self.prefill_rank(Path.PUSH, prompt))
         plan = self.planner.choose(self._features(prompt, p, d), call.slo_ms)
         call.plan = plan
         call.reply_headers["X-KVBridge-Plan"] = plan.header()
@@ -128,7 +135,8 @@ class Planning:
         if mode not in (ProxyMode.LOCAL, ProxyMode.PUSH, ProxyMode.PULL):
             return
         path = Path(mode.value)
-        p = None if path is Path.LOCAL else _best(self.fleet.prefills.engines, (), _in_flight)
+        p = (None if path is Path.LOCAL
+             else _best(self.fleet.prefills.engines, (), self.prefill_rank(path, prompt)))
         d = _best(self.fleet.decodes.engines, (), self.decode_rank(path, prompt, p))
         if d is None or (p is None and path is not Path.LOCAL):
             return  # no engine: the dispatch says so

@@ -2244,3 +2244,25 @@ async def test_plan_places_a_prompt_on_the_d_that_holds_it_and_never_by_another_
     # the same tokens from another tenant are not placed by tenant-a's history: they alternate
     other = [await ask(history, f"tenant-b{i}") for i in range(4)]
     assert set(other) == {"d1", "d2"}
+
+
+async def test_plan_sends_a_prompt_to_the_p_that_computed_its_prefix(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p1, p2 = await engines("prefill"), await engines("prefill")
+    d = await engines("decode")
+    proxy = await proxies([p1.url, p2.url], [d.url], mode=ProxyMode.PLAN)
+    prompt = list(range(1, 300))
+
+    async def push(tokens: list[int]) -> str:
+        body = {**COMPLETION, "prompt": tokens, "stream": True}
+        async with client.post(proxy.url + "/v1/completions", json=body,
+                               headers={"X-KVBridge-Mode": "push"}) as r:
+            assert r.status == 200
+            await r.read()
+        return "p1" if p1.requests() and p1.requests()[-1].body["prompt"] == tokens else "p2"
+
+    first = await push(prompt)
+    for turn in range(3):
+        prompt = prompt + [900 + turn] * 30
+        assert await push(prompt) == first
+    assert {await push([7000 + i] * 50) for i in range(4)} == {"p1", "p2"}  # cold: by load

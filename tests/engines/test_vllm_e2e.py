@@ -117,7 +117,8 @@ def cluster(request: pytest.FixtureRequest,
     proxies: ProxyThread | None = None
     try:
         start_servers([p, d], timeout=600)
-        proxies = ProxyThread([p.url], [d.url], push_headroom=2).start()
+        proxies = ProxyThread([p.url], [d.url], modes=("pull", "push", "auto", "plan"),
+                              push_headroom=2).start()
         yield Cluster(p, d, proxies, _control_address(p.url), _control_address(d.url), {},
                       backend)
     finally:
@@ -147,6 +148,50 @@ def test_sequential_outputs_match_single_engine(cluster: Cluster, mode: str) -> 
     moved = (after.get("pull_bytes", 0) + after.get("push_received_bytes", 0)
              - before.get("pull_bytes", 0) - before.get("push_received_bytes", 0))
     assert moved > 0
+
+
+def test_d_alone_and_the_planner_match_single_engine_and_a_held_prefix_moves_only_the_rest(
+        cluster: Cluster) -> None:
+    """Through the planner's proxy, every path it can take gives the single engine's output:
+    D alone (no hand-off), push, pull, and the planner's own choice; and a conversation whose
+    history D computed alone is then pushed with only its new blocks moving (D's prefix hit)."""
+    url = cluster.proxies.urls["plan"]
+    prompts = random_prompts(3, 150, seed=41) + random_prompts(1, 20, seed=42)
+    refs = [cluster.reference(p) for p in prompts]
+    for mode in ("local", "push", "pull", "plan"):
+        before = cluster.stats(cluster.d_ctl).stats
+        outs = [output_token_ids(complete(url, p, MAX_TOKENS, timeout=180,
+                                          extra={**_GREEDY, "cache_salt": f"plan-{mode}"},
+                                          headers={"X-KVBridge-Mode": mode}))
+                for p in prompts]
+        assert outs == refs, mode
+        after = cluster.stats(cluster.d_ctl).stats
+        received = after.get("recv_ok", 0) - before.get("recv_ok", 0)
+        if mode == "local":
+            assert received == 0  # D alone: nothing handed off
+        elif mode in ("push", "pull"):
+            assert received == len(prompts)
+    history = random_prompts(1, 160, seed=43)[0]  # 5 whole blocks of 32
+    turn = history + random_prompts(1, 70, seed=44)[0]
+    salt = {**_GREEDY, "cache_salt": "plan-conversation"}
+    assert output_token_ids(complete(url, history, MAX_TOKENS, extra=salt, timeout=180,
+                                     headers={"X-KVBridge-Mode": "local"})) \
+        == cluster.reference(history)
+    before = cluster.stats(cluster.d_ctl).stats
+    assert output_token_ids(complete(url, turn, MAX_TOKENS, extra=salt, timeout=180,
+                                     headers={"X-KVBridge-Mode": "push"})) \
+        == cluster.reference(turn)
+    after = cluster.stats(cluster.d_ctl).stats
+    assert after.get("recv_ok", 0) - before.get("recv_ok", 0) == 1
+    moved = after.get("push_received_bytes", 0) - before.get("push_received_bytes", 0)
+    # the same 230 tokens under another salt: nothing held, all 8 blocks move
+    assert output_token_ids(complete(url, turn, MAX_TOKENS, timeout=180,
+                                     extra={**_GREEDY, "cache_salt": "plan-cold"},
+                                     headers={"X-KVBridge-Mode": "push"})) \
+        == cluster.reference(turn)
+    whole = cluster.stats(cluster.d_ctl).stats.get("push_received_bytes", 0) \
+        - after.get("push_received_bytes", 0)
+    assert moved * 8 == whole * 3, (moved, whole)  # blocks 5-7 of 0-7: D held the history
 
 
 def test_a_salted_request_is_handed_off_under_its_salt(cluster: Cluster) -> None:

@@ -120,6 +120,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     identity refuses the hand-off and computes the prompt itself)."""
     kvbridge_error: Text | None = None
     """P → router: why this prefill could not be handed off (nothing is pinned)."""
+    kvbridge_tiers: bool | None = None
+    """D leg: ``false`` — this engine's offload tiers serve nothing of this request, the prefill
+    engine sends every block D lacks in its prefix cache (the router's choice when reading them
+    is slower than moving them); absent or ``true``: tiers serve what they hold."""
 
     # -- derived ----------------------------------------------------------------------------
 

@@ -124,8 +124,9 @@ class SchedulerSide:
         """``get_num_new_matched_tokens``: a tier hit or a P/D receive (the planner says)."""
         self.seen(request)
         req_id = request.request_id
-        tier = self.offload.matched(req_id, request.prompt_token_ids, num_computed,
-                                    _salt(request))
+        tier = (self.offload.matched(req_id, request.prompt_token_ids, num_computed,
+                                     _salt(request))
+                if self.book.uses_tiers(req_id) else 0)  # the router said: P sends it all
         count, load_async = self.book.matched_tokens(req_id, request.num_prompt_tokens,
                                                      num_computed)
         return load_source(tier, count, load_async)

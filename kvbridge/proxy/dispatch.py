@@ -85,6 +85,11 @@ def _answer_of(p_leg: asyncio.Future[TransferParams]) -> TransferParams | None:
     return None
 
 
+def _d_tiers(call: Call) -> bool:
+    """Whether D's offload tiers serve the request's hand-off (the planner may leave them out)."""
+    return call.plan is None or call.plan.d_tiers
+
+
 class Dispatcher:
     """Routes client requests over a :class:`~kvbridge.proxy.pool.Fleet` (module docstring)."""
 
@@ -266,7 +271,7 @@ class Dispatcher:
         d = att.d = self._pick_decode(call, p)
         d.acquire()
         call.flight.decode = d.url
-        d_body = decode_body(body, pull_decode_params(answer, att.wire))
+        d_body = decode_body(body, pull_decode_params(answer, att.wire, _d_tiers(call)))
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         legs: list[tuple[Engine, TransferParams | None]] = [(d, None), (p, answer)]
         try:
@@ -314,7 +319,7 @@ class Dispatcher:
             )
         )
         call.background.append(p_leg)
-        d_body = decode_body(body, push_decode_params(info, tid))
+        d_body = decode_body(body, push_decode_params(info, tid, _d_tiers(call)))
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         try:
             resp = await self.relay.to_client(request, d, d_open, p_leg, call)

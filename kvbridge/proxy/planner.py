@@ -9,17 +9,25 @@ For each request the planner weighs three *paths* (:class:`Path`):
   receive), so the cost of a hand-off counts only the tokens D lacks.
 
 Each path's expected TTFT comes from measurement: a :class:`CostModel` per path, a ridge
-regression of the TTFTs the proxy observed for that path on four features of the request
-(:class:`Features`: tokens to compute, tokens to move, tokens the chosen D holds, requests in
+regression of the TTFTs the proxy observed for that path on features of the request
+(:class:`Features`: tokens to compute, tokens to move, tokens the chosen D holds — in its prefix
+cache, a host-memory tier or a disk tier, when the engines' KV events say which — and requests in
 flight on the engine that prefills), each observation weighted by its recency (a half-life of
 ``half_life`` observations), so the costs follow a host that slows down or speeds up. Until a path
 has ``warmup`` observations it is tried (``why=warmup``); afterwards one decision in
 ``explore_every`` *of its kind* (:func:`kind_of`: short, medium or long; nothing, part or most of
-it held by D) goes to the path other than the cheapest that was observed longest ago for that
-kind (``why=explore``), so a path that got cheaper again for requests like it is noticed. An
-exploration that comes back well under its estimate (under ``1 - surprise`` of it) is tried again
-on the next request of that kind, until the estimate has caught up (``why=recheck``): a recovery
-is followed within a few requests instead of one exploration period each.
+it held by D; held in D's prefix cache, a host-memory tier or a disk tier) goes to the path
+other than the cheapest that was observed longest ago for that kind (``why=explore``), so a path
+that got cheaper again for requests like it is noticed. An exploration that comes back well under
+its estimate (under ``1 - surprise`` of it) is tried again on the next request of that kind, until
+the estimate has caught up (``why=recheck``): a recovery is followed within a few requests instead
+of one exploration period each.
+
+A hand-off to a D that holds part of the prompt in its offload tiers has two variants: D loads
+that part from its tiers and P sends the rest (the default), or D's tiers are left out and P
+sends it all (``Plan.d_tiers`` False, ``tiers=off`` in the header, ``kvbridge_tiers: false`` in
+D's params) — chosen when the path's own cost model says reading the tier is slower than moving
+the tokens, e.g. a disk tier that slowed down.
 
 The choice (:meth:`Planner.choose`): with a TTFT SLO, the paths whose estimate meets it are the
 candidates and the one that leaves P free (``local``) wins among them, else the fastest meeting
@@ -62,34 +70,49 @@ class Features:
     move: float
     """Prompt tokens that move from P to D (0 for ``local``)."""
     held: float
-    """Prompt tokens the chosen D holds already (prefix cache or tiers) and loads itself."""
+    """Prompt tokens the chosen D holds already in its prefix cache (or, when the proxy cannot
+    tell where, anywhere) and reuses."""
     queue: float
     """Requests in flight on the engine that prefills (D for ``local``, P otherwise)."""
+    cpu: float = 0.0
+    """Prompt tokens the chosen D holds only in a host-memory tier (KV events' medium CPU)."""
+    storage: float = 0.0
+    """Prompt tokens the chosen D holds only in a disk or remote tier (medium STORAGE)."""
 
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.compute / 1000.0, self.move / 1000.0, self.held / 1000.0,
-                         self.queue])
+                         self.queue, self.cpu / 1000.0, self.storage / 1000.0])
 
 
 #: Prior coefficients (ms): fixed cost, per 1000 computed tokens, per 1000 moved tokens, per 1000
-#: held tokens, per queued request. Only the first few decisions of a path lean on them.
+#: held tokens, per queued request, per 1000 tokens from a host-memory tier, per 1000 from a disk
+#: or remote tier. Only the first few decisions of a path lean on them, and a coefficient no
+#: recent observation informs drifts back to its prior: reading a tier is assumed cheaper than
+#: moving the tokens from P, so a tier found slow is tried again once its slow observations
+#: have aged out.
 _PRIORS: dict[Path, tuple[float, ...]] = {
-    Path.LOCAL: (10.0, 100.0, 0.0, 5.0, 10.0),
-    Path.PUSH: (20.0, 100.0, 10.0, 5.0, 10.0),
-    Path.PULL: (30.0, 100.0, 10.0, 5.0, 10.0),
+    Path.LOCAL: (10.0, 100.0, 0.0, 2.0, 10.0, 2.0, 5.0),
+    Path.PUSH: (20.0, 100.0, 10.0, 2.0, 10.0, 2.0, 5.0),
+    Path.PULL: (30.0, 100.0, 10.0, 2.0, 10.0, 2.0, 5.0),
 }
-_FEATURES = 5
+_FEATURES = 7
+#: Index of the per-queued-request coefficient in a cost model's ``coef``.
+QUEUE = 4
 
 
-def kind_of(features: Mapping[Path, Features]) -> tuple[int, int]:
+def kind_of(features: Mapping[Path, Features]) -> tuple[int, int, int]:
     """A request's kind for exploration: (0, 1, 2 for under 256, under 2048, more prompt tokens;
-    0, 1, 2 for none, under half, at least half of them held by the chosen D)."""
+    0, 1, 2 for none, under half, at least half of them held by the chosen D; 0, 1, 2 for most
+    of what D holds being in its prefix cache, a host-memory tier, a disk tier)."""
     f = next(iter(features.values()))
-    tokens = f.compute + f.held if Path.LOCAL in features else f.move + f.held
+    held = f.held + f.cpu + f.storage
+    tokens = f.compute + held if Path.LOCAL in features else f.move + held
     f = features.get(Path.LOCAL, f)
+    held = f.held + f.cpu + f.storage
     size = 0 if tokens < 256 else (1 if tokens < 2048 else 2)
-    share = 0 if f.held <= 0 else (1 if f.held < tokens / 2 else 2)
-    return size, share
+    share = 0 if held <= 0 else (1 if held < tokens / 2 else 2)
+    medium = max(range(3), key=lambda i: (f.held, f.cpu, f.storage)[i]) if held > 0 else 0
+    return size, share, medium
 
 
 class CostModel:
@@ -165,6 +188,8 @@ class Plan:
     why: str
     estimates: Mapping[Path, float]
     features: Mapping[Path, Features] = field(default_factory=dict)
+    d_tiers: bool = True
+    """A hand-off: whether D's offload tiers load what they hold (False: P sends it all)."""
 
     def header(self) -> str:
         """The ``X-KVBridge-Plan`` value: ``path=push; est_ms=41.0; local=80.2; push=41.0;
@@ -173,6 +198,8 @@ class Plan:
         if self.path in self.estimates:
             parts.append(f"est_ms={self.estimates[self.path]:.1f}")
         parts += [f"{p.value}={self.estimates[p]:.1f}" for p in Path if p in self.estimates]
+        if not self.d_tiers:
+            parts.append("tiers=off")
         parts.append(f"why={self.why}")
         return "; ".join(parts)
 
@@ -186,9 +213,9 @@ class Planner:
         self._decisions = 0
         self._observed = 0
         #: per request kind: its decisions, and when each path was last observed for it
-        self._kinds: dict[tuple[int, int], dict[str, int]] = {}
+        self._kinds: dict[tuple[int, int, int], dict[str, int]] = {}
         #: per request kind: a path whose last exploration came back well under its estimate
-        self._again: dict[tuple[int, int], Path] = {}
+        self._again: dict[tuple[int, int, int], Path] = {}
 
     def estimate(self, path: Path, f: Features) -> float:
         return self.models[path].predict(f)
@@ -198,40 +225,62 @@ class Planner:
         """The path for a request whose possible paths (those with an engine to take them) have
         ``features``; ``slo_ms`` overrides the default SLO (0: none). Counts as one decision,
         unless ``dry_run``: then nothing is counted and nothing explored (what would it choose
-        now?)."""
+        now?). A hand-off whose D holds part of the prompt in its tiers is planned with D's
+        tiers off (P sends those tokens too) when that is expected to be faster."""
         if not features:
             raise ValueError("no path to choose from")
-        s = self.settings
         if not dry_run:
             self._decisions += 1
+        kind = kind_of(features)
+        features, off = self._tier_variants(features)
         est = {p: self.estimate(p, f) for p, f in features.items()}
+        path, why = self._pick(kind, est, slo_ms, dry_run)
+        return Plan(path, why, est, features, d_tiers=path not in off)
+
+    def _tier_variants(self, features: Mapping[Path, Features]
+                       ) -> tuple[dict[Path, Features], set[Path]]:
+        """``features`` with each hand-off whose D holds tier tokens replaced by its tiers-off
+        variant (those tokens move from P instead) where that one is estimated cheaper; and
+        the paths so replaced."""
+        out = dict(features)
+        off: set[Path] = set()
+        for p, f in features.items():
+            if p is Path.LOCAL or f.cpu + f.storage <= 0:
+                continue
+            alt = Features(f.compute, f.move + f.cpu + f.storage, f.held, f.queue)
+            if self.estimate(p, alt) < self.estimate(p, f):
+                out[p] = alt
+                off.add(p)
+        return out, off
+
+    def _pick(self, kind: tuple[int, int, int], est: Mapping[Path, float],
+              slo_ms: float | None, dry_run: bool) -> tuple[Path, str]:
+        s = self.settings
         cold = [p for p in Path if p in est and self.models[p].count < s.warmup]
         if cold and not dry_run:
-            return Plan(min(cold, key=lambda p: self.models[p].count), "warmup", est, features)
-        kind = kind_of(features)
+            return min(cold, key=lambda p: self.models[p].count), "warmup"
         seen = self._kinds.setdefault(kind, {"decisions": 0, **{p.value: -1 for p in Path}})
         seen["decisions"] += 0 if dry_run else 1
         again = self._again.get(kind)
         best = min(est, key=lambda p: est[p])
         if again is not None and again in est and again is not best and not dry_run:
-            return Plan(again, "recheck", est, features)
+            return again, "recheck"
         if (s.explore_every and not dry_run and len(est) > 1
                 and seen["decisions"] % s.explore_every == 0):
-            stale = min((p for p in est if p is not best), key=lambda p: seen[p.value])
-            return Plan(stale, "explore", est, features)
+            return min((p for p in est if p is not best), key=lambda p: seen[p.value]), "explore"
         slo = s.ttft_slo_ms if slo_ms is None else slo_ms
         fastest = min(est, key=lambda p: (est[p], p is not Path.LOCAL))
         if slo > 0:
             meeting = [p for p in est if est[p] <= slo]
             if not meeting:
-                return Plan(fastest, "slo_missed", est, features)
+                return fastest, "slo_missed"
             if Path.LOCAL in meeting:
-                return Plan(Path.LOCAL, "slo", est, features)
-            return Plan(min(meeting, key=lambda p: est[p]), "slo", est, features)
+                return Path.LOCAL, "slo"
+            return min(meeting, key=lambda p: est[p]), "slo"
         if (fastest is not Path.LOCAL and Path.LOCAL in est
                 and est[Path.LOCAL] <= est[fastest] * (1.0 + s.tie)):
-            return Plan(Path.LOCAL, "tie", est, features)
-        return Plan(fastest, "fastest", est, features)
+            return Path.LOCAL, "tie"
+        return fastest, "fastest"
 
     def observe(self, plan: Plan, path: Path, ttft_ms: float) -> None:
         """Request planned as ``plan`` went ``path`` (a fallback may differ from the plan) and
@@ -254,7 +303,7 @@ class Planner:
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         """Each path's coefficients and observation count (for ``/admin`` and tests)."""
         names = ("base_ms", "ms_per_1k_compute", "ms_per_1k_move", "ms_per_1k_held",
-                 "ms_per_queued")
+                 "ms_per_queued", "ms_per_1k_cpu_tier", "ms_per_1k_storage_tier")
         return {p.value: {"observations": m.count,
                           **{n: round(float(c), 3) for n, c in zip(names, m.coef, strict=True)}}
                 for p, m in self.models.items()}

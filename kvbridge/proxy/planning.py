@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvbridge.proxy.members import Engine, NoEngine, Role
-from kvbridge.proxy.planner import Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.planner import QUEUE, Features, Path, Plan, Planner, PlannerSettings
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.prefixes import PrefixIndex, Prompt, prompt_of
 from kvbridge.proxy.relay import Call
@@ -98,7 +98,7 @@ class Planning:
             f = self._features(prompt, p, d)
             est = self.planner.estimate(path, f.get(path, f[Path.LOCAL]))
             if path is not Path.LOCAL:
-                est += max(0.0, float(model[Path.LOCAL].coef[4])) * d.in_flight
+                est += max(0.0, float(model[Path.LOCAL].coef[QUEUE])) * d.in_flight
             return est
 
         return rank

@@ -299,13 +299,19 @@ def prefill_body(body: Mapping[str, Any], transfer_id: str, mode: ProxyMode) -> 
     return out
 
 
-def push_decode_params(probe: ProbeInfo, transfer_id: str) -> dict[str, Any]:
-    """D's ``kv_transfer_params`` in push mode: where P is, and the shared transfer id."""
-    return params.push_decode_request(probe.params, transfer_id)
+def push_decode_params(probe: ProbeInfo, transfer_id: str, tiers: bool = True
+                       ) -> dict[str, Any]:
+    """D's ``kv_transfer_params`` in push mode: where P is, and the shared transfer id
+    (``tiers=False``: D's offload tiers serve nothing of it, ``kvbridge_tiers``)."""
+    out = params.push_decode_request(probe.params, transfer_id)
+    if not tiers:
+        out["kvbridge_tiers"] = False
+    return out
 
 
 def pull_decode_params(answer: TransferParams,
-                       raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       raw: Mapping[str, Any] | None = None, tiers: bool = True
+                       ) -> dict[str, Any]:
     """D's ``kv_transfer_params`` in pull mode: P's answer ``raw`` as P gave it, once
     :func:`read_prefill_answer` checked it as ``answer``, with the proxy's ``transfer_id``.
 
@@ -313,11 +319,12 @@ def pull_decode_params(answer: TransferParams,
     per-group ``remote_block_ids`` (``[[...]]``) stays nested and keys kvbridge does not read (a
     stock NixlConnector's ``dcp_size`` …) stay; a fleet that mixes kvbridge and vLLM's own
     connectors during a migration routes through one proxy. Without ``raw``: ``answer``
-    re-serialised."""
-    if raw is None:
-        return params.to_wire(answer)
-    out = dict(raw)
+    re-serialised. ``tiers=False``: D's offload tiers serve nothing of it
+    (``kvbridge_tiers``)."""
+    out = params.to_wire(answer) if raw is None else dict(raw)
     out["transfer_id"] = answer.transfer_id
+    if not tiers:
+        out["kvbridge_tiers"] = False
     return out
 
 

@@ -210,6 +210,12 @@ class HandoffBook:
         send = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
         return _Request(None, err, send=send)
 
+    def uses_tiers(self, req_id: str) -> bool:
+        """Whether this engine's offload tiers may serve ``req_id`` (its D leg's
+        ``kvbridge_tiers`` is not ``false``)."""
+        req = self._reqs.get(req_id)
+        return req is None or req.params is None or req.params.kvbridge_tiers is not False
+
     def on_new_request(self, req_id: str, raw: Any, prompt: Sequence[int] | None, *,
                        cleanup: bool = False, salt: str | None = None) -> None:
         """Parse the request's ``kv_transfer_params`` (once). ``cleanup``: vLLM's clean-up

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from kvbridge import params
+from kvbridge.config import TransferMode
 from kvbridge.tools.client import (
     complete,
     engine_stats,
@@ -20,7 +22,7 @@ from kvbridge.tools.client import (
     reset_prefix_cache,
     wait_stats,
 )
-from kvbridge.tools.engines import VllmServer, free_port
+from kvbridge.tools.engines import EngineError, VllmServer, free_port
 from kvbridge.tools.proxies import ProxyThread, serve_pd
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
@@ -97,6 +99,33 @@ def test_decode_tier_prefix_moves_only_the_suffix(pd: PD, mode: str) -> None:
     assert moved == 3 * CHUNK  # blocks 4, 5 and the partial 6: only the suffix crossed
     # P had stored `second` when it computed the reference: it loaded instead of recomputing
     assert _d(p1, p0, "offload_loaded_blocks") == 6
+
+
+def test_a_hand_off_with_d_tiers_off_moves_every_block_and_loads_none(pd: PD) -> None:
+    """``kvbridge_tiers: false`` on D's leg (the planner's choice when D's tier is slow): D
+    holds the shared prefix in its tier, yet loads none of it and P sends every block."""
+    first, tail = random_prompts(2, 200, seed=304)
+    second = first[:4 * BLOCK] + tail[4 * BLOCK:]
+    ref_second = _run(pd.p.url, second)
+    stored = engine_stats(pd.d_ctl).get("offload_stored_blocks_dram", 0)
+    assert pd.proxies is not None
+    _run(pd.proxies.urls["pull"], first)
+    wait_stats(pd.d_ctl, "offload_stored_blocks_dram", stored + 6)
+    for e in (pd.p, pd.d):
+        reset_prefix_cache(e.url)
+    d0 = engine_stats(pd.d_ctl)
+    answer = complete(pd.p.url, second, 1, params.prefill_request("tiers-off-1",
+                                                                  TransferMode.PULL))
+    kvp = {**answer["kv_transfer_params"], "transfer_id": "tiers-off-1", "kvbridge_tiers": False}
+    out = output_token_ids(complete(pd.d.url, second, MAX_TOKENS, kvp, extra=GREEDY,
+                                    timeout=120))
+    assert out == ref_second
+    d1 = engine_stats(pd.d_ctl)
+    assert _d(d1, d0, "offload_loaded_blocks") == 0  # D's tier held 4 blocks: left out
+    assert _d(d1, d0, "pull_bytes") == 7 * CHUNK  # all of it crossed: 6 full blocks + 1
+    bad = {**kvp, "transfer_id": "tiers-off-2", "kvbridge_tiers": "no"}
+    with pytest.raises(EngineError, match="kvbridge_tiers"):
+        complete(pd.d.url, second, MAX_TOKENS, bad, extra=GREEDY, timeout=60)
 
 
 def test_tier_ids_in_client_params_cannot_reach_the_tiers(pd: PD) -> None:

@@ -92,6 +92,45 @@ def test_a_slow_tier_flips_its_requests_within_20_and_back_when_it_recovers() ->
     assert sum(b <= 40 for b in backs if b is not None) >= 18, backs
 
 
+def test_a_slow_disk_tier_moves_only_what_it_holds_off_d() -> None:
+    """With the medium of what D holds known (KV events), a disk tier that slows down sends
+    the prompts D holds on disk to a hand-off with D's tiers left out (P sends it all), while
+    those in its prefix cache stay on D."""
+    rng = random.Random(5)
+    planner = Planner(PlannerSettings(explore_every=8))
+    disk_ms = 2.0
+
+    def go(tokens: float, held: float, on_disk: bool) -> Plan:
+        local = Features(tokens - held, 0.0, 0.0 if on_disk else held, 0.0,
+                         storage=held if on_disk else 0.0)
+        hand = Features(tokens, tokens - held, local.held, 0.0, storage=local.storage)
+        f = {Path.LOCAL: local, Path.PUSH: hand, Path.PULL: hand}
+        plan = planner.choose(f)
+        x = plan.features[plan.path]  # with D's tiers off, the disk is not read
+        cost = host(plan.path, x, 2.0) + disk_ms * x.storage / 1000
+        planner.observe(plan, plan.path, cost * (1 + rng.uniform(-0.05, 0.05)))
+        return plan
+
+    kinds = [(100.0, 0.0, False), (1000.0, 0.0, False), (1000.0, 900.0, False),
+             (1000.0, 900.0, True)]
+    for _ in range(80):
+        go(*rng.choice(kinds))
+    disk_ms = 400.0  # the disk tier slows: 400 ms per 1000 tokens read
+    for _ in range(40):
+        go(*rng.choice(kinds))
+    local = Features(100, 0, 0, 0, storage=900)
+    hand = Features(1000, 100, 0, 0, storage=900)
+    on_disk = planner.choose({Path.LOCAL: local, Path.PUSH: hand, Path.PULL: hand},
+                             dry_run=True)
+    assert on_disk.path is not Path.LOCAL and not on_disk.d_tiers, on_disk
+    assert "tiers=off" in on_disk.header()
+    local = Features(100, 0, 900, 0)
+    hand = Features(1000, 100, 900, 0)
+    cached = planner.choose({Path.LOCAL: local, Path.PUSH: hand, Path.PULL: hand},
+                            dry_run=True)
+    assert cached.path is Path.LOCAL, cached
+
+
 def test_one_decision_in_explore_every_goes_to_another_path_in_turn() -> None:
     planner = Planner(PlannerSettings(warmup=1, explore_every=4))
     for _ in range(3):
@@ -143,7 +182,7 @@ def test_the_plan_header_names_every_estimate() -> None:
 
 
 def test_a_cost_model_ignores_what_is_not_a_duration() -> None:
-    m = CostModel((10.0, 100.0, 0.0, 5.0, 10.0))
+    m = CostModel((10.0, 100.0, 0.0, 5.0, 10.0, 10.0, 50.0))
     f = Features(500, 0, 0, 0)
     for bad in (math.nan, math.inf, -1.0):
         m.observe(f, bad)

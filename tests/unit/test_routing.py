@@ -279,6 +279,20 @@ PROBE_ANSWER = {
 }
 
 
+def test_the_planner_can_leave_d_tiers_out_of_a_hand_off() -> None:
+    probe = parse_probe(PROBE_ANSWER)
+    assert "kvbridge_tiers" not in push_decode_params(probe, "xfer-1")
+    assert push_decode_params(probe, "xfer-1", tiers=False)["kvbridge_tiers"] is False
+    answer = params.parse({"do_remote_prefill": True, "remote_block_ids": [1], "transfer_id": "t"})
+    assert "kvbridge_tiers" not in pull_decode_params(answer, {"remote_block_ids": [1]})
+    out = pull_decode_params(answer, {"remote_block_ids": [1]}, tiers=False)
+    assert out == {"remote_block_ids": [1], "transfer_id": "t", "kvbridge_tiers": False}
+    assert params.parse(out).kvbridge_tiers is False
+    for bad in ("no", 0, 1, None.__class__.__name__, [False]):
+        with pytest.raises(ParamsError, match="kvbridge_tiers"):
+            params.parse({"kvbridge_tiers": bad})
+
+
 def test_decode_bodies() -> None:
     kvp = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "transfer_id": "xfer-3"}
     out = decode_body({**BODY, "kv_transfer_params": {"client": 1}}, kvp)

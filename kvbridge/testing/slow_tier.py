@@ -190,6 +190,14 @@ class SlowDiskTier(DiskTier):
     """The ``disk`` tier, slowed on reads for fault injection (see the module docstring).
     Options: the disk tier's, plus ``delay_file``, ``read_delay_ms``, ``write_delay_ms``."""
 
+    #: no ``KVBridgeSlowDiskConnector``: a fault-injection tier gets no connector name of its own
+    connector_word = ""
+
+    @staticmethod
+    def probe() -> str:
+        """What ``kvbridge backends`` shows next to it."""
+        return "ok (FAULT INJECTION for tests and benchmarks: reads sleep; not for production)"
+
     def __init__(self, ctx: TierContext) -> None:
         read_ms = _static_ms(ctx, "read_delay_ms")
         write_ms = _static_ms(ctx, "write_delay_ms")
@@ -220,17 +228,17 @@ class SlowDiskTier(DiskTier):
         time.sleep(ms / 1000.0)
         slept = (time.monotonic() - start) * 1000.0
         with self._stats_lock:
-            self._counts[kind] += 1
+            self._counts[kind + "s"] += 1
             self._counts[kind + "_ms"] += slept
 
     def load(self, keys: Sequence[str]) -> list[bytes]:
         if keys:
-            self._pause(self.current_read_delay_ms(), "delays")
+            self._pause(self.current_read_delay_ms(), "delay")
         return super().load(keys)
 
     def store(self, items: Sequence[tuple[str, bytes]]) -> list[str]:
         if items:
-            self._pause(self.write_delay_ms, "write_delays")
+            self._pause(self.write_delay_ms, "write_delay")
         return super().store(items)
 
     def stats(self) -> dict[str, Any]:

@@ -264,7 +264,7 @@ def format_rate(entry: Mapping[str, Any]) -> str:
                          _num(r["ttft_p50_ms"]), _num(r["ttft_p99_ms"]), _num(r["tpot_p50_ms"]),
                          _num(r["goodput_rps"], 2), mism, _paths(r["paths"], r["count"]),
                          "-" if p_reqs is None else f"{p_reqs:g}"])
-    return "\n".join(table(head, rows, align="llrrrrrrrll"))
+    return "\n".join(table(head, rows, align=list("llrrrrrrrlr")))
 
 
 def format_goodput(report: Mapping[str, Any]) -> str:
@@ -280,7 +280,7 @@ def format_goodput(report: Mapping[str, Any]) -> str:
             values[(run["policy"], e["rate"])] = whole[0]["goodput_rps"] if whole else None
     head = ["policy", *(f"{r:g} req/s" for r in rates)]
     rows = [[p, *(_num(values.get((p, r)), 2) for r in rates)] for p in policies]
-    return "\n".join(table(head, rows, align="l" + "r" * len(rates)))
+    return "\n".join(table(head, rows, align=["l", *("r" * len(rates))]))
 
 
 # -- one rate ------------------------------------------------------------------------------------

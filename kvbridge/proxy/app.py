@@ -58,9 +58,18 @@ from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.flight import Flight, FlightLog, safe_request_id
 from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.planning import SLO_HEADER, requested_slo
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.relay import Call, Relay
-from kvbridge.proxy.routing import Engine, ProbeInfo, ProxyMode, Role, validate_request
+from kvbridge.proxy.routing import (
+    MODE_HEADER,
+    Engine,
+    ProbeInfo,
+    ProxyMode,
+    Role,
+    requested_mode,
+    validate_request,
+)
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.proxy.tenants import SaltError, TenantSalt
 from kvbridge.proxy.tracing import ProxyTracing, pass_on
@@ -229,13 +238,22 @@ class ProxyServer:
                 self.metrics.request_done("none", "client_error")
                 return _error(400, str(exc), "invalid_request_error", self._salt.header)
 
+        try:
+            requested = requested_mode(request.headers)
+            slo_ms = requested_slo(request.headers)
+        except ValueError as exc:
+            self.metrics.error("bad_request")
+            self.metrics.request_done("none", "client_error")
+            header = MODE_HEADER if str(exc).startswith(MODE_HEADER) else SLO_HEADER
+            return _error(400, str(exc), "invalid_request_error", header)
+
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         # the client's id when it is safe to key a record and echo, else the proxy's own
         rid = safe_request_id(request.headers.get("X-Request-Id")) or "kvb-" + uuid.uuid4().hex
         headers["X-Request-Id"] = flight.rid = rid
         self.flights.add(flight)
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
-                    flight=flight)
+                    flight=flight, requested=requested, slo_ms=slo_ms)
         if self.tracing is not None:
             call.trace = self.tracing.start(request.headers, rid, path)
         else:  # no spans of ours: vLLM's still join the client's trace
@@ -259,6 +277,7 @@ class ProxyServer:
                     exc.response.headers["X-Request-Id"] = rid
                 return exc.response
             resp = _error(exc.status, exc.message, exc.kind, exc.param)
+            resp.headers.update(call.reply_headers)
             resp.headers["X-Request-Id"] = rid
             if exc.kind in ("no_engine", "no_kv_credit"):  # a moment later it may fit
                 resp.headers["Retry-After"] = "1"
@@ -276,6 +295,7 @@ class ProxyServer:
                     self._spawn(task)  # P still draining after D answered: let it finish
             call.release_held()
             flight.outcome = call.outcome
+            self.dispatcher.planning.learn(call)
             if call.trace is not None:
                 call.trace.finish(call.mode, call.outcome, flight.tid, flight.retries)
             self.metrics.request_done(call.mode, call.outcome)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvbridge.proxy.app import serve
 from kvbridge.proxy.credit import KvAdmission
+from kvbridge.proxy.planner import PlannerSettings
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.values import LOG_LEVELS
@@ -76,7 +77,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=[m.value for m in ProxyMode],
         default="auto",
-        help="push, pull, or auto per request from live load (default auto)",
+        help="push, pull, auto (push or pull per request from live load), local (D alone, no "
+        "P) or plan (the planner: local, push or pull per request by measured cost); a "
+        "request's X-KVBridge-Mode header overrides it (default auto)",
+    )
+    parser.add_argument(
+        "--plan-ttft-slo-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="plan: the TTFT SLO of a request without an X-KVBridge-TTFT-SLO-Ms header; the "
+        "cheapest path meeting it wins (default 0: none, the fastest path wins)",
+    )
+    parser.add_argument(
+        "--plan-tie",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="plan: without an SLO, D alone wins when its estimate is within this share of "
+        "the fastest path's, leaving P free (default 0.1)",
+    )
+    parser.add_argument(
+        "--plan-explore-every",
+        type=int,
+        default=16,
+        metavar="N",
+        help="plan: one decision in N of a kind (prompt size, share held by D) goes to the "
+        "path other than the cheapest measured longest ago for that kind, so each path's "
+        "cost for requests like it stays current (default 16; 0: never)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
@@ -222,6 +250,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         engines_file=args.engines_file,
         discovery_interval_s=args.discovery_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        plan=PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms, tie=args.plan_tie,
+                             explore_every=args.plan_explore_every),
     )
 
 

@@ -44,6 +44,8 @@ from kvbridge.proxy.credit import NoCredit
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.planner import Path
+from kvbridge.proxy.planning import Planning
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.reasons import QueryOutcome, ReasonFinder, pick_reason
 from kvbridge.proxy.relay import Attempt, Call, Relay, decode_answered, unsent_failure
@@ -92,6 +94,7 @@ class Dispatcher:
         self.metrics = metrics
         self.fleet = fleet
         self.relay = relay
+        self.planning = Planning(fleet, settings.plan)
         self._reasons = ReasonFinder(settings.control_secret, settings.control_timeout_s)
 
     async def close(self) -> None:
@@ -105,6 +108,9 @@ class Dispatcher:
         the engines' reason for the last attempt's failure (``response``: D's own answer)."""
         forced: Decision | None = None
         reuse: Attempt | None = None
+        mode = call.requested or self.settings.mode
+        if ProxyMode.PLAN in (mode, self.settings.mode):  # the planner sees every request
+            self.planning.prompt(call, body, chat=path.endswith("/chat/completions"))
         while True:
             call.attempt = Attempt()
             try:
@@ -116,11 +122,12 @@ class Dispatcher:
                 if reuse is not None:
                     resp = await self._pull(request, path, body, call, reuse)
                 else:
-                    decision = forced or decide(
-                        self.settings.mode, self.fleet.decodes, self.settings.push_headroom
-                    )
+                    decision = forced or self._decide(mode, call)
                     if decision.mode is ProxyMode.PUSH:
                         resp = await self._push(request, path, body, call, decision)
+                    elif decision.mode is ProxyMode.LOCAL:
+                        self._record(decision, call)
+                        resp = await self._local(request, path, body, call)
                     else:
                         self._record(decision, call)
                         resp = await self._pull(request, path, body, call)
@@ -154,13 +161,30 @@ class Dispatcher:
                 continue
             return resp
 
-    def _pick_decode(self, call: Call) -> Engine:
-        """The least-loaded D with KV credit for the request; its claim follows it."""
+    def _decide(self, mode: ProxyMode, call: Call) -> Decision:
+        """The concrete mode of the next dispatch: the planner's in ``plan`` mode, else
+        :func:`decide`'s (whose path the planner then records, to learn from it)."""
+        if mode is ProxyMode.PLAN:
+            assert call.prompt is not None
+            plan = self.planning.plan(call, call.prompt)
+            return Decision(ProxyMode(plan.path.value), plan.why)
+        decision = decide(mode, self.fleet.decodes, self.settings.push_headroom)
+        if call.prompt is not None:
+            self.planning.requested(call, call.prompt, decision.mode)
+        return decision
+
+    def _pick_decode(self, call: Call, p: Engine | None = None) -> Engine:
+        """The D for the request's attempt: with KV credit for it, then the one the planner
+        ranks best when the request has a prompt it looks at (prefix held, load), else the
+        least loaded; its credit claim follows it."""
         r = call.reservation
+        prompt = call.prompt
         d = self.fleet.decodes.pick(
             avoid=call.tried[Role.DECODE],
             only=None if r is None or r.engine is None
-            else (lambda e: self.fleet.admission.fits(e, r)))
+            else (lambda e: self.fleet.admission.fits(e, r)),
+            rank=None if prompt is None
+            else self.planning.decode_rank(Path(call.attempt.mode.value), prompt, p))
         call.place(d)
         return d
 
@@ -196,7 +220,8 @@ class Dispatcher:
 
     def _record(self, decision: Decision, call: Call) -> None:
         call.mode = decision.mode.value
-        self.metrics.decision(self.settings.mode.value, decision.mode.value, decision.reason)
+        configured = (call.requested or self.settings.mode).value
+        self.metrics.decision(configured, decision.mode.value, decision.reason)
         log.debug("%s mode=%s (%s)", call.rid, decision.mode.value, decision.reason)
 
     async def _pull(
@@ -229,8 +254,8 @@ class Dispatcher:
                 raise exc.within(tid, [(p, None)]) from None
         att.p, att.tid, att.answer = p, tid, answer
         call.hold(p)  # P serves the pull until D's answer ends (drain waits for it)
-        # late placement: the least-loaded D now that prefill is done
-        d = att.d = self._pick_decode(call)
+        # late placement: the best D now that prefill is done
+        d = att.d = self._pick_decode(call, p)
         d.acquire()
         call.flight.decode = d.url
         d_body = decode_body(body, pull_decode_params(answer, att.wire))
@@ -256,14 +281,14 @@ class Dispatcher:
         att.mode = ProxyMode.PUSH
         call.mode = ProxyMode.PUSH.value
         # early placement: D is committed before prefill starts
-        d = att.d = self._pick_decode(call)
         p = att.p = self.fleet.prefills.pick(avoid=call.tried[Role.PREFILL])
+        d = att.d = self._pick_decode(call, p)
         d.acquire()
         try:
             info = await self.fleet.probe(p)
         except LegFailed as exc:
             d.release()
-            if self.settings.mode is not ProxyMode.AUTO:
+            if (call.requested or self.settings.mode) not in (ProxyMode.AUTO, ProxyMode.PLAN):
                 raise exc.within("", []) from None
             call.tried[Role.PREFILL].add(p.url)  # the fallback pull goes to another P if any
             self._record(Decision(ProxyMode.PULL, "no_probe"), call)
@@ -298,6 +323,27 @@ class Dispatcher:
             self.fleet.drop_probe(p, "decode_failed")  # D may have failed to reach P there
             legs = [(d, None), (p, _answer_of(p_leg) or info.params)]
             raise decode_answered(d, resp).within(tid, legs)
+        return resp
+
+    async def _local(
+        self, request: web.Request, path: str, body: dict[str, Any], call: Call
+    ) -> web.StreamResponse:
+        """One dispatch to D alone: the client's request as it came (no ``kv_transfer_params``),
+        so D prefills it with its own prefix cache and tiers; no P, no hand-off."""
+        att = call.attempt
+        att.mode = ProxyMode.LOCAL
+        call.mode = ProxyMode.LOCAL.value
+        d = att.d = self._pick_decode(call)
+        d.acquire()
+        call.flight.attempt(ProxyMode.LOCAL.value, "", "", d.url)
+        d_open = asyncio.ensure_future(self.relay.open(d, path, body, call))
+        legs: list[tuple[Engine, TransferParams | None]] = [(d, None)]
+        try:
+            resp = await self.relay.to_client(request, d, d_open, None, call)
+        except LegFailed as exc:
+            raise exc.within("", legs) from None
+        if unsent_failure(resp):
+            raise decode_answered(d, resp).within("", legs)
         return resp
 
     async def _prefill_restarted(

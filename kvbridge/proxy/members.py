@@ -259,7 +259,8 @@ class Pool:
             raise NoEngine(self.role, self.engines)
 
     def pick(self, now: float | None = None, avoid: Collection[str] = (),
-             only: Callable[[Engine], bool] | None = None) -> Engine:
+             only: Callable[[Engine], bool] | None = None,
+             rank: Callable[[Engine], float] | None = None) -> Engine:
         """The in-rotation engine with the fewest in-flight requests; ties go round-robin.
 
         Only ``active`` engines are candidates; with none, :class:`NoEngine`. Of those, the ones
@@ -267,7 +268,8 @@ class Pool:
         Engines whose URL is in ``avoid`` (those a retried request already tried) are passed
         over while another in-rotation engine is left. When every candidate is out of rotation
         the least-loaded one is returned anyway: the caller then fails fast with a clear error
-        instead of refusing without trying.
+        instead of refusing without trying. ``rank`` (the planner's estimate for the engine) orders
+        the candidates instead of their in-flight counts; lower is better.
         """
         accepting = self._accepting()
         if not accepting:
@@ -279,7 +281,8 @@ class Pool:
         candidates = fresh or up or accepting
         n = len(self.engines)
         order = {id(e): (i - self._next) % n for i, e in enumerate(self.engines)}
-        best = min(candidates, key=lambda e: (e.in_flight, order[id(e)]))
+        best = min(candidates, key=lambda e: (e.in_flight if rank is None else rank(e),
+                                              order[id(e)]))
         self._next = (self.engines.index(best) + 1) % n
         return best
 

@@ -44,7 +44,9 @@ from kvbridge.proxy.credit import Reservation
 from kvbridge.proxy.failures import LegFailed, cause_of
 from kvbridge.proxy.flight import Flight
 from kvbridge.proxy.metrics import ProxyMetrics
+from kvbridge.proxy.planner import Plan
 from kvbridge.proxy.pool import Fleet
+from kvbridge.proxy.prefixes import Prompt
 from kvbridge.proxy.routing import (
     Cause,
     Engine,
@@ -107,6 +109,17 @@ class Call:
     D's answer ended): :meth:`Engine.hold` until :meth:`release_held`."""
     trace: RequestTrace | None = None
     """Its OpenTelemetry spans (:mod:`kvbridge.proxy.tracing`); None without tracing."""
+    requested: ProxyMode | None = None
+    """The mode the client asked for (``X-KVBridge-Mode``); None: the proxy's ``--mode``."""
+    slo_ms: float | None = None
+    """The client's TTFT SLO (``X-KVBridge-TTFT-SLO-Ms``); None: the planner's default."""
+    prompt: Prompt | None = None
+    """The prompt as the planner sees it (:mod:`kvbridge.proxy.prefixes`); None when no planner
+    looks at this request."""
+    plan: Plan | None = None
+    """The planner's plan for the request (:mod:`kvbridge.proxy.planner`), once made."""
+    reply_headers: dict[str, str] = field(default_factory=dict)
+    """Headers the client's answer carries besides D's (``X-KVBridge-Plan``)."""
 
     def hold(self, e: Engine) -> None:
         """Count a hand-off on ``e`` until the request ends (once per engine)."""
@@ -375,7 +388,8 @@ class Relay:
                     call.flight.mark("first_token")  # the whole answer: its first token too
                 error = None if resp.status < 400 else f"decode answered {resp.status}"
                 return web.Response(body=raw, status=resp.status,
-                                    headers={"Content-Type": ctype, "X-Request-Id": call.rid})
+                                    headers={**call.reply_headers, "Content-Type": ctype,
+                                             "X-Request-Id": call.rid})
             first = await self._gate(asyncio.ensure_future(self._first_event(d, resp)), p_leg)
             problem = stream_error(first)
             if problem is not None:  # D failed the request (e.g. its KV load) before a token
@@ -386,6 +400,7 @@ class Relay:
             out = web.StreamResponse(
                 status=resp.status,
                 headers={
+                    **call.reply_headers,
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     "X-Request-Id": call.rid,

@@ -15,6 +15,9 @@ answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.m
 - push: D is picked *first*; P and D are dispatched concurrently with one ``transfer_id``; D's
   params name P's control address, learnt beforehand by a probe (:func:`probe_body`).
 - auto: push when some D has headroom (in-flight below ``push_headroom``), else pull.
+- local: D alone, no P: the request goes to a D without ``kv_transfer_params``.
+- plan: the planner (:mod:`kvbridge.proxy.planner`) chooses local, push or pull per request.
+- any request may name its own mode in the ``X-KVBridge-Mode`` header (:func:`requested_mode`).
 - fleets (xPyD): every role is a :class:`Pool`; picks skip engines out of rotation
   (:meth:`Engine.mark_down`, health checks) and, for a retry, engines the request already
   tried. :func:`plan_retry` says whether and how a failed dispatch is retried.
@@ -52,6 +55,8 @@ from kvbridge.proxy.members import (
 __all__ = [
     "Role",
     "ProxyMode",
+    "MODE_HEADER",
+    "requested_mode",
     "ProbeInfo",
     "Engine",
     "Pool",
@@ -81,8 +86,40 @@ PROBE_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 """Keys a probe answer must carry; they are what D needs to reach P in push mode."""
 
 
-#: How the proxy hands a request from P to D: the same pull | push | auto as the connector's.
-ProxyMode = TransferMode
+class ProxyMode(enum.StrEnum):
+    """How the proxy serves a request: the connector's pull | push | auto, plus ``local`` (D
+    alone: no P, no hand-off) and ``plan`` (the planner chooses local, push or pull per request,
+    :mod:`kvbridge.proxy.planner`)."""
+
+    PULL = "pull"
+    PUSH = "push"
+    AUTO = "auto"
+    LOCAL = "local"
+    PLAN = "plan"
+
+    @property
+    def transfer(self) -> TransferMode:
+        """The connector's mode of a hand-off in this mode (pull or push)."""
+        if self not in (ProxyMode.PULL, ProxyMode.PUSH):
+            raise ValueError(f"a hand-off is pull or push, not {self.value}")
+        return TransferMode(self.value)
+
+
+#: The value of the per-request header that overrides the proxy's ``--mode``.
+MODE_HEADER = "X-KVBridge-Mode"
+
+
+def requested_mode(headers: Mapping[str, str]) -> ProxyMode | None:
+    """The mode a request asks for in :data:`MODE_HEADER` (None: the proxy's ``--mode``); a value
+    that is not a mode raises :class:`ValueError` naming the header and the modes."""
+    raw = headers.get(MODE_HEADER)
+    if raw is None:
+        return None
+    try:
+        return ProxyMode(raw.strip().lower())
+    except ValueError:
+        raise ValueError(f"{MODE_HEADER} must be one of "
+                         f"{', '.join(m.value for m in ProxyMode)}, got {raw[:40]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -94,17 +131,22 @@ class Decision:
 
 
 def decide(mode: ProxyMode, decodes: Pool, push_headroom: int) -> Decision:
-    """Choose push or pull for one request.
+    """Choose push, pull or local for one request (``plan`` is the planner's: not here).
 
-    ``push`` and ``pull`` are returned as configured. ``auto`` pushes when the least-loaded D has
-    fewer than ``push_headroom`` requests in flight (committing D early costs nothing when D is
-    idle, and push takes coordination off the critical path); when every D is that busy it pulls,
-    because placing the request on whichever D frees up first after prefill then pays.
+    ``push``, ``pull`` and ``local`` are returned as configured. ``auto`` pushes when the
+    least-loaded D has fewer than ``push_headroom`` requests in flight (committing D early costs
+    nothing when D is idle, and push takes coordination off the critical path); when every D is
+    that busy it pulls, because placing the request on whichever D frees up first after prefill
+    then pays.
     """
     if mode is ProxyMode.PUSH:
         return Decision(ProxyMode.PUSH)
     if mode is ProxyMode.PULL:
         return Decision(ProxyMode.PULL)
+    if mode is ProxyMode.LOCAL:
+        return Decision(ProxyMode.LOCAL)
+    if mode is ProxyMode.PLAN:
+        raise ValueError("plan mode is decided by the planner (kvbridge.proxy.planner)")
     if decodes.least_in_flight() < push_headroom:
         return Decision(ProxyMode.PUSH, "headroom")
     return Decision(ProxyMode.PULL, "busy")
@@ -158,10 +200,12 @@ def plan_retry(mode: ProxyMode, role: Role, cause: Cause, *, retries: int, max_r
       lease, or P may have died under D's READ): a fresh dispatch on engines not tried yet,
       either role (P may be the one to blame).
     """
-    if mode is ProxyMode.AUTO:
+    if mode in (ProxyMode.AUTO, ProxyMode.PLAN):
         raise ValueError("plan_retry needs the concrete mode of the failed dispatch")
     if retries >= max_retries or cause not in RETRYABLE:
         return None
+    if mode is ProxyMode.LOCAL:  # D alone: another D, if there is one
+        return Retry("decode_failed") if other_decode else None
     if role is Role.PREFILL:
         return Retry("prefill_failed") if other_prefill else None
     if mode is ProxyMode.PULL and cause is Cause.UNREACHABLE:
@@ -242,8 +286,7 @@ def validate_request(body: Any, chat: bool) -> RequestProblem | None:
 
 def prefill_body(body: Mapping[str, Any], transfer_id: str, mode: ProxyMode) -> dict[str, Any]:
     """The one-token, non-streaming copy of ``body`` that P prefills (the original is untouched)."""
-    if mode is ProxyMode.AUTO:
-        raise ValueError("prefill_body needs a concrete mode, not auto")
+    transfer = mode.transfer  # a ValueError for auto, plan or local
     out = copy.deepcopy(dict(body))
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -252,7 +295,7 @@ def prefill_body(body: Mapping[str, Any], transfer_id: str, mode: ProxyMode) -> 
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
     out.pop("min_completion_tokens", None)
-    out["kv_transfer_params"] = params.prefill_request(transfer_id, mode)
+    out["kv_transfer_params"] = params.prefill_request(transfer_id, transfer)
     return out
 
 

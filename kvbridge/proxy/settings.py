@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
 from kvbridge.proxy.credit import KvAdmission
+from kvbridge.proxy.planner import PlannerSettings
 from kvbridge.proxy.routing import ProxyMode
 
 __all__ = ["ProxySettings", "parse_dns_target", "DEFAULT_ENGINE_PORT"]
@@ -105,6 +106,10 @@ class ProxySettings:
     ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``): export OpenTelemetry spans of every request there
     (:mod:`kvbridge.proxy.tracing`); None: no tracing, and no OpenTelemetry import."""
 
+    plan: PlannerSettings = PlannerSettings()
+    """The planner's knobs (``--plan-ttft-slo-ms``, ``--plan-tie``, ``--plan-explore-every``):
+    used by requests in ``plan`` mode (:mod:`kvbridge.proxy.planner`)."""
+
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
@@ -149,6 +154,15 @@ class ProxySettings:
                                or any(c.isspace() for c in ep)):
             raise ConfigError(f"--otlp-traces-endpoint must be a URL such as "
                               f"http://otel-collector:4317, got {ep[:100]!r}")
+        plan = self.plan
+        if not 0 <= plan.ttft_slo_ms < math.inf:
+            raise ConfigError("--plan-ttft-slo-ms must be >= 0 (0: none) and finite, got "
+                              f"{plan.ttft_slo_ms}")
+        if not 0 <= plan.tie <= 10:
+            raise ConfigError(f"--plan-tie must be in [0, 10], got {plan.tie}")
+        if not 0 <= plan.explore_every <= 1_000_000:
+            raise ConfigError("--plan-explore-every must be >= 0 (0: never), got "
+                              f"{plan.explore_every}")
         for name in ("timeout_s", "connect_timeout_s", "probe_timeout_s", "control_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -93,6 +93,10 @@ class StandIn:
     bad_params: dict[str, Any] | None = None  # prefill: merged into its answer's params
     fail_first: int = 0  # with fail_status: fail only the first N generation requests
     kv_blocks: int | None = None  # /metrics: vLLM's cache_config_info with this many blocks
+    local_per_token: float = 0.0  # decode: seconds per prompt token of a request it prefills
+    # itself (no kv_transfer_params: D alone), before its first chunk
+    handoff_delay: float = 0.0  # decode: seconds a hand-off's KV takes to arrive (a request
+    # with kv_transfer_params), before its first chunk
     error_event: bool = False  # decode stream: 200, then an in-band error event (vLLM's way
     # of failing a streamed request after its headers, e.g. a KV load); fail_first applies
     seen: list[Seen] = field(default_factory=list)
@@ -225,6 +229,12 @@ class StandIn:
             await out.write_eof()
             return out
         await asyncio.sleep(self.first_delay)
+        if body.get("kv_transfer_params"):
+            await asyncio.sleep(self.handoff_delay)
+        elif self.local_per_token:
+            prompt = body.get("prompt")
+            await asyncio.sleep(self.local_per_token * len(prompt if isinstance(prompt, list)
+                                                          else str(prompt)))
         if self._failing():
             assert self.fail_status is not None
             err = {"error": {"message": "stand-in decode failure", "code": self.fail_status}}
@@ -2131,3 +2141,101 @@ async def test_why_refuses_without_the_token_and_hostile_ids(
     async with client.get(proxy.url + "/admin/why/" + "z" * 20000,
                           headers={"Authorization": f"Bearer {LOCAL_TOKEN}"}) as r:
         assert 400 <= r.status < 500  # an oversized path is refused before any handler
+
+
+# ------------------------------------------------------------------------------ local and plan
+
+
+async def test_local_mode_sends_the_request_to_d_alone(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.LOCAL)
+    status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
+    assert status == 200 and answer["choices"][0]["text"] == "t0t1t2"
+    assert p.requests() == []  # no prefill, no hand-off
+    [ds] = d.requests()
+    assert ds.body == COMPLETION  # as the client sent it: no kv_transfer_params
+    text = await (await client.get(proxy.url + "/metrics")).text()
+    assert prom.value(text, P + "requests_total", mode="local", outcome="ok") == 1
+    assert prom.value(text, P + "mode_decisions_total", configured="local", chosen="local",
+                      reason="configured") == 1
+
+
+async def test_the_mode_header_overrides_the_proxy_mode_and_bad_headers_are_refused(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p, d = await engines("prefill"), await engines("decode", answers_probe=False)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    url = proxy.url + "/v1/completions"
+    async with client.post(url, json=COMPLETION, headers={"X-KVBridge-Mode": "LOCAL"}) as r:
+        assert r.status == 200
+    assert p.requests() == [] and "kv_transfer_params" not in d.requests()[-1].body
+    async with client.post(url, json=COMPLETION, headers={"X-KVBridge-Mode": "push"}) as r:
+        assert r.status == 200
+    assert p.requests()[-1].body["kv_transfer_params"]["transfer_mode"] == "push"
+    for header, value in (("X-KVBridge-Mode", "nixl"), ("X-KVBridge-Mode", "x" * 5000),
+                          ("X-KVBridge-TTFT-SLO-Ms", "-3"), ("X-KVBridge-TTFT-SLO-Ms", "nan"),
+                          ("X-KVBridge-TTFT-SLO-Ms", "soon")):
+        async with client.post(url, json=COMPLETION, headers={header: value}) as r:
+            answer = await r.json()
+            assert r.status == 400 and answer["error"]["param"] == header, answer
+    assert len(d.requests()) == 2  # the refused ones reached no engine
+    status, _ = await post(client, url, COMPLETION)  # the proxy keeps serving
+    assert status == 200
+
+
+def plan_of(headers: Any) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in headers["X-KVBridge-Plan"].split("; "))
+
+
+async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """D alone costs 0.5 ms per prompt token here, a hand-off a flat 30 ms or more: once each
+    path was measured, a 10-token prompt stays on D and a 400-token one is handed off."""
+    p = await engines("prefill", prefill_delay=0.01)
+    d = await engines("decode", local_per_token=0.0005, handoff_delay=0.03)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PLAN)
+    url = proxy.url + "/v1/completions"
+
+    async def ask(tokens: int, seed: int) -> dict[str, str]:
+        body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True}
+        async with client.post(url, json=body) as r:
+            assert r.status == 200
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            return plan_of(r.headers)
+
+    plans = [await ask(tokens, seed) for seed, tokens in enumerate([10, 400] * 6)]
+    assert {x["why"] for x in plans[:9]} >= {"warmup"}  # every path measured first
+    assert {x["path"] for x in plans} == {"local", "push", "pull"}
+    short, long = await ask(10, 100), await ask(400, 101)
+    assert short["path"] == "local" and float(short["local"]) < float(short["push"]), short
+    assert long["path"] in ("push", "pull"), long
+    assert float(long["local"]) > float(long[long["path"]]), long
+    text = await (await client.get(proxy.url + "/metrics")).text()
+    assert prom.value(text, P + "mode_decisions_total", configured="plan", chosen="local",
+                      reason="fastest") >= 1
+
+
+async def test_plan_places_a_prompt_on_the_d_that_holds_it_and_never_by_another_tenant(
+        engines: Any, proxies: Any, client: Any) -> None:
+    p = await engines("prefill")
+    d1, d2 = await engines("decode"), await engines("decode")
+    proxy = await proxies([p.url], [d1.url, d2.url], mode=ProxyMode.PLAN)
+    url = proxy.url + "/v1/completions"
+    history = list(range(1, 200))
+
+    async def ask(prompt: list[int], salt: str) -> str:
+        body = {**COMPLETION, "prompt": prompt, "stream": True, "cache_salt": salt}
+        async with client.post(url, json=body, headers={"X-KVBridge-Mode": "local"}) as r:
+            assert r.status == 200
+            await r.read()
+        return "d1" if d1.requests() and d1.requests()[-1].body["prompt"] == prompt \
+            and d1.requests()[-1].body["cache_salt"] == salt else "d2"
+
+    first = await ask(history, "tenant-a")
+    # the conversation grows: every turn goes where its history is, though both Ds are idle
+    for turn in range(4):
+        history = history + [500 + turn] * 20
+        assert await ask(history, "tenant-a") == first
+    # the same tokens from another tenant are not placed by tenant-a's history: they alternate
+    other = [await ask(history, f"tenant-b{i}") for i in range(4)]
+    assert set(other) == {"d1", "d2"}

@@ -19,13 +19,14 @@ LAYERS = (
     ("cli",),
     ("app",),
     ("admin", "discovery", "dispatch"),
+    ("planning",),
     ("relay",),
     ("pool",),
     ("failures", "metrics", "notices", "reasons", "tenants", "flight",
      "tracing"),
     ("settings",),
-    ("routing", "credit"),
-    ("members",),
+    ("routing", "credit", "planner"),
+    ("members", "prefixes"),
 )
 
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from kvbridge import params
+from kvbridge.config import TransferMode
 from kvbridge.errors import ConfigError, ParamsError
 from kvbridge.params import PeerRef, TransferParams
 from kvbridge.proxy.reasons import pick_reason
@@ -254,7 +255,7 @@ def test_prefill_body(mode: ProxyMode) -> None:
         "transfer_id": "xfer-1",
         "transfer_mode": mode.value,
     }
-    assert params.parse(out["kv_transfer_params"]).mode(ProxyMode.AUTO) is mode
+    assert params.parse(out["kv_transfer_params"]).mode(TransferMode.AUTO) is mode.transfer
 
 
 def test_prefill_body_adds_no_max_completion_tokens_and_rejects_auto() -> None:
@@ -299,7 +300,7 @@ def test_decode_bodies() -> None:
     # what D parses is what the probe said, for every rank
     parsed = params.parse(d_params)
     assert parsed.peer(1) == PeerRef("tcp://10.0.0.1:5601", "g-1r1")
-    assert parsed.mode(ProxyMode.PULL) is ProxyMode.PUSH
+    assert parsed.mode(TransferMode.PULL) is TransferMode.PUSH
 
 
 def test_probe_roundtrip_and_errors() -> None:

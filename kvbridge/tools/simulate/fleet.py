@@ -40,9 +40,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvbridge.config import TransferMode
 from kvbridge.host.placement import fleet_cores
-from kvbridge.proxy.routing import Engine, Pool, Role, decide
+from kvbridge.proxy.routing import Engine, Pool, ProxyMode, Role, decide
 from kvbridge.tools.simulate.cpu import CpuPool, Task
 from kvbridge.tools.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
 from kvbridge.tools.simulate.events import EventLoop, Nic, Server, SimulationError, reserve
@@ -65,7 +64,10 @@ class Fleet:
         if not 0.0 <= prefix_hit < 1.0:
             raise SimulationError(f"prefix_hit must be in [0, 1), got {prefix_hit!r}")
         self.profile = profile
-        self.mode = TransferMode(mode)
+        if mode not in ("pull", "push", "auto"):
+            raise SimulationError(f"the simulator runs pull, push or auto, not {mode!r} (the "
+                                  "planner's local and plan modes are not simulated yet)")
+        self.mode = ProxyMode(mode)
         self.prefix_hit = prefix_hit
         self.fragmentation = profile.fragmentation if fragmentation is None else fragmentation
         self.headroom = profile.proxy.push_headroom if push_headroom is None else push_headroom

@@ -1,0 +1,260 @@
+"""The hand-off planner: per request, where its KV comes from, chosen by measured cost.
+
+For each request the planner weighs three *paths* (:class:`Path`):
+
+- ``local`` — D alone: the request goes to a decode engine without ``kv_transfer_params``; D
+  prefills it, and its own prefix cache and offload tiers serve what they hold. No P is used.
+- ``push`` / ``pull`` — P prefills and hands the KV off. Where D already holds a leading part
+  (its prefix cache, its tiers) D keeps it and only the rest moves (the connector's partial
+  receive), so the cost of a hand-off counts only the tokens D lacks.
+
+Each path's expected TTFT comes from measurement: a :class:`CostModel` per path, a ridge
+regression of the TTFTs the proxy observed for that path on four features of the request
+(:class:`Features`: tokens to compute, tokens to move, tokens the chosen D holds, requests in
+flight on the engine that prefills), each observation weighted by its recency (a half-life of
+``half_life`` observations), so the costs follow a host that slows down or speeds up. Until a path
+has ``warmup`` observations it is tried (``why=warmup``); afterwards one decision in
+``explore_every`` *of its kind* (:func:`kind_of`: short, medium or long; nothing, part or most of
+it held by D) goes to the path other than the cheapest that was observed longest ago for that
+kind (``why=explore``), so a path that got cheaper again for requests like it is noticed. An
+exploration that comes back well under its estimate (under ``1 - surprise`` of it) is tried again
+on the next request of that kind, until the estimate has caught up (``why=recheck``): a recovery
+is followed within a few requests instead of one exploration period each.
+
+The choice (:meth:`Planner.choose`): with a TTFT SLO, the paths whose estimate meets it are the
+candidates and the one that leaves P free (``local``) wins among them, else the fastest meeting
+it (``why=slo``); when none meets it, the fastest (``why=slo_missed``). Without an SLO, the
+fastest, except that ``local`` wins when it is within ``tie`` of the fastest (``why=tie``: it
+leaves P free for others); otherwise ``why=fastest``. The estimates of every path go into the
+:class:`Plan`, which the proxy returns as the ``X-KVBridge-Plan`` header.
+
+Plain data and arithmetic (numpy for a 4x4 solve): no I/O, no aiohttp. Not thread-safe: the
+proxy's event loop owns the planner.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["CostModel", "Features", "Path", "Plan", "Planner", "PlannerSettings", "kind_of"]
+
+
+class Path(enum.StrEnum):
+    """Where a request's KV comes from (module docstring)."""
+
+    LOCAL = "local"
+    PUSH = "push"
+    PULL = "pull"
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a path costs for one request, in the units the cost models use."""
+
+    compute: float
+    """Prompt tokens the prefilling engine computes (its own prefix-cache hit taken off)."""
+    move: float
+    """Prompt tokens that move from P to D (0 for ``local``)."""
+    held: float
+    """Prompt tokens the chosen D holds already (prefix cache or tiers) and loads itself."""
+    queue: float
+    """Requests in flight on the engine that prefills (D for ``local``, P otherwise)."""
+
+    def vector(self) -> np.ndarray:
+        return np.array([1.0, self.compute / 1000.0, self.move / 1000.0, self.held / 1000.0,
+                         self.queue])
+
+
+#: Prior coefficients (ms): fixed cost, per 1000 computed tokens, per 1000 moved tokens, per 1000
+#: held tokens, per queued request. Only the first few decisions of a path lean on them.
+_PRIORS: dict[Path, tuple[float, ...]] = {
+    Path.LOCAL: (10.0, 100.0, 0.0, 5.0, 10.0),
+    Path.PUSH: (20.0, 100.0, 10.0, 5.0, 10.0),
+    Path.PULL: (30.0, 100.0, 10.0, 5.0, 10.0),
+}
+_FEATURES = 5
+
+
+def kind_of(features: Mapping[Path, Features]) -> tuple[int, int]:
+    """A request's kind for exploration: (0, 1, 2 for under 256, under 2048, more prompt tokens;
+    0, 1, 2 for none, under half, at least half of them held by the chosen D)."""
+    f = next(iter(features.values()))
+    tokens = f.compute + f.held if Path.LOCAL in features else f.move + f.held
+    f = features.get(Path.LOCAL, f)
+    size = 0 if tokens < 256 else (1 if tokens < 2048 else 2)
+    share = 0 if f.held <= 0 else (1 if f.held < tokens / 2 else 2)
+    return size, share
+
+
+class CostModel:
+    """One path's TTFT in ms as a function of :class:`Features`, fit to what was observed.
+
+    A recency-weighted ridge regression towards ``prior``: observation ``i`` of the last
+    ``window`` weighs ``0.5 ** (age / half_life)``, and ``ridge`` pulls each coefficient towards
+    its prior with the weight of that many observations. Predictions are at least 0.
+    """
+
+    def __init__(self, prior: Iterable[float], window: int = 64, half_life: float = 8.0,
+                 ridge: float = 0.05) -> None:
+        self.prior = np.array(list(prior), dtype=float)
+        if self.prior.shape != (_FEATURES,):
+            raise ValueError(f"a prior has {_FEATURES} coefficients")
+        self.window = window
+        self.half_life = half_life
+        self.ridge = ridge
+        self._seen: collections.deque[tuple[np.ndarray, float]] = collections.deque(
+            maxlen=window)
+        self.coef = self.prior.copy()
+        self.count = 0
+
+    def predict(self, f: Features) -> float:
+        return max(0.0, float(f.vector() @ self.coef))
+
+    def observe(self, f: Features, ttft_ms: float) -> None:
+        """Add one observed TTFT (ms) and refit. A non-finite or negative value is ignored."""
+        if not math.isfinite(ttft_ms) or ttft_ms < 0:
+            return
+        self._seen.append((f.vector(), float(ttft_ms)))
+        self.count += 1
+        n = len(self._seen)
+        x = np.stack([v for v, _ in self._seen])
+        y = np.array([t for _, t in self._seen])
+        w = 0.5 ** (np.arange(n - 1, -1, -1) / self.half_life)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-3)  # ridge in each feature's own units
+        lam = self.ridge * np.diag(scale ** 2)
+        a = (x * w[:, None]).T @ x + lam
+        b = (x * w[:, None]).T @ y + lam @ self.prior
+        try:
+            self.coef = np.linalg.solve(a, b)
+        except np.linalg.LinAlgError:  # cannot happen with a positive ridge; keep the last fit
+            pass
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """The planner's knobs; the proxy's ``--plan-*`` flags map one to one."""
+
+    ttft_slo_ms: float = 0.0
+    """Default TTFT SLO (ms) of a request without the ``X-KVBridge-TTFT-SLO-Ms`` header; 0:
+    none (the fastest path wins)."""
+    tie: float = 0.1
+    """Without an SLO, ``local`` wins when its estimate is within this share of the fastest."""
+    warmup: int = 3
+    """Observations of a path before its estimate is trusted."""
+    explore_every: int = 16
+    """One decision in this many of a kind goes to another path than the cheapest, the one
+    observed longest ago for that kind (0: never)."""
+    half_life: float = 8.0
+    """Observations after which one weighs half as much in a path's cost model."""
+    surprise: float = 0.25
+    """An exploration that comes back under ``1 - surprise`` of its estimate is rechecked on
+    the next request of its kind."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's chosen path, why, and every path's estimate (ms)."""
+
+    path: Path
+    why: str
+    estimates: Mapping[Path, float]
+    features: Mapping[Path, Features] = field(default_factory=dict)
+
+    def header(self) -> str:
+        """The ``X-KVBridge-Plan`` value: ``path=push; est_ms=41.0; local=80.2; push=41.0;
+        pull=55.3; why=fastest``."""
+        parts = [f"path={self.path.value}"]
+        if self.path in self.estimates:
+            parts.append(f"est_ms={self.estimates[self.path]:.1f}")
+        parts += [f"{p.value}={self.estimates[p]:.1f}" for p in Path if p in self.estimates]
+        parts.append(f"why={self.why}")
+        return "; ".join(parts)
+
+
+class Planner:
+    """The cost models of the three paths and the choice between them (module docstring)."""
+
+    def __init__(self, settings: PlannerSettings | None = None) -> None:
+        self.settings = s = settings or PlannerSettings()
+        self.models = {p: CostModel(_PRIORS[p], half_life=s.half_life) for p in Path}
+        self._decisions = 0
+        self._observed = 0
+        #: per request kind: its decisions, and when each path was last observed for it
+        self._kinds: dict[tuple[int, int], dict[str, int]] = {}
+        #: per request kind: a path whose last exploration came back well under its estimate
+        self._again: dict[tuple[int, int], Path] = {}
+
+    def estimate(self, path: Path, f: Features) -> float:
+        return self.models[path].predict(f)
+
+    def choose(self, features: Mapping[Path, Features], slo_ms: float | None = None, *,
+               dry_run: bool = False) -> Plan:
+        """The path for a request whose possible paths (those with an engine to take them) have
+        ``features``; ``slo_ms`` overrides the default SLO (0: none). Counts as one decision,
+        unless ``dry_run``: then nothing is counted and nothing explored (what would it choose
+        now?)."""
+        if not features:
+            raise ValueError("no path to choose from")
+        s = self.settings
+        if not dry_run:
+            self._decisions += 1
+        est = {p: self.estimate(p, f) for p, f in features.items()}
+        cold = [p for p in Path if p in est and self.models[p].count < s.warmup]
+        if cold and not dry_run:
+            return Plan(min(cold, key=lambda p: self.models[p].count), "warmup", est, features)
+        kind = kind_of(features)
+        seen = self._kinds.setdefault(kind, {"decisions": 0, **{p.value: -1 for p in Path}})
+        seen["decisions"] += 0 if dry_run else 1
+        again = self._again.get(kind)
+        best = min(est, key=lambda p: est[p])
+        if again is not None and again in est and again is not best and not dry_run:
+            return Plan(again, "recheck", est, features)
+        if (s.explore_every and not dry_run and len(est) > 1
+                and seen["decisions"] % s.explore_every == 0):
+            stale = min((p for p in est if p is not best), key=lambda p: seen[p.value])
+            return Plan(stale, "explore", est, features)
+        slo = s.ttft_slo_ms if slo_ms is None else slo_ms
+        fastest = min(est, key=lambda p: (est[p], p is not Path.LOCAL))
+        if slo > 0:
+            meeting = [p for p in est if est[p] <= slo]
+            if not meeting:
+                return Plan(fastest, "slo_missed", est, features)
+            if Path.LOCAL in meeting:
+                return Plan(Path.LOCAL, "slo", est, features)
+            return Plan(min(meeting, key=lambda p: est[p]), "slo", est, features)
+        if (fastest is not Path.LOCAL and Path.LOCAL in est
+                and est[Path.LOCAL] <= est[fastest] * (1.0 + s.tie)):
+            return Plan(Path.LOCAL, "tie", est, features)
+        return Plan(fastest, "fastest", est, features)
+
+    def observe(self, plan: Plan, path: Path, ttft_ms: float) -> None:
+        """Request planned as ``plan`` went ``path`` (a fallback may differ from the plan) and
+        its first token came ``ttft_ms`` after the proxy got it."""
+        f = plan.features.get(path)
+        if f is None:
+            return
+        self.models[path].observe(f, ttft_ms)
+        self._observed += 1
+        kind = kind_of(plan.features)
+        seen = self._kinds.setdefault(kind, {"decisions": 0, **{p.value: -1 for p in Path}})
+        seen[path.value] = self._observed
+        expected = plan.estimates.get(path)
+        if (plan.why in ("explore", "recheck") and expected is not None
+                and ttft_ms < (1.0 - self.settings.surprise) * expected):
+            self._again[kind] = path
+        elif self._again.get(kind) is path:
+            del self._again[kind]
+
+    def snapshot(self) -> dict[str, dict[str, float | int]]:
+        """Each path's coefficients and observation count (for ``/admin`` and tests)."""
+        names = ("base_ms", "ms_per_1k_compute", "ms_per_1k_move", "ms_per_1k_held",
+                 "ms_per_queued")
+        return {p.value: {"observations": m.count,
+                          **{n: round(float(c), 3) for n, c in zip(names, m.coef, strict=True)}}
+                for p, m in self.models.items()}

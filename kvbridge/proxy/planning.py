@@ -1,0 +1,159 @@
+"""The planner in a running proxy: features from the live fleet, placement, and learning.
+
+:class:`Planning` joins the pure parts — the cost models (:mod:`kvbridge.proxy.planner`) and the
+prefix index (:mod:`kvbridge.proxy.prefixes`) — to the fleet the dispatcher routes over:
+
+- :meth:`Planning.plan` builds each path's :class:`~kvbridge.proxy.planner.Features` for a
+  request from the engines' in-flight counts and what the index says they hold, and asks the
+  planner for a path (``X-KVBridge-Plan`` goes on the answer);
+- :meth:`Planning.requested` records the features of a request whose path was fixed (by
+  ``--mode`` or ``X-KVBridge-Mode``), so every request served teaches the planner, not only the
+  planned ones;
+- :meth:`Planning.decode_rank` orders the decode engines for a path: most of the prompt held,
+  balanced against load (prefix-aware placement; the tenant's ``cache_salt`` keys the index);
+- :meth:`Planning.learn` feeds back the request's TTFT (proxy receive → first token out, streamed
+  answers of a first dispatch only: a retry or a whole non-streamed answer would teach the wrong
+  cost) and records what the engines now hold.
+
+Runs on the proxy's event loop; not thread-safe. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from kvbridge.proxy.members import Engine, NoEngine, Role
+from kvbridge.proxy.planner import Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.pool import Fleet
+from kvbridge.proxy.prefixes import PrefixIndex, Prompt, prompt_of
+from kvbridge.proxy.relay import Call
+from kvbridge.proxy.routing import ProxyMode
+
+__all__ = ["SLO_HEADER", "Planning", "requested_slo"]
+
+SLO_HEADER = "X-KVBridge-TTFT-SLO-Ms"
+"""A request's own TTFT SLO in ms (0: none), overriding ``--plan-ttft-slo-ms``."""
+
+
+def requested_slo(headers: Mapping[str, str]) -> float | None:
+    """The SLO a request names in :data:`SLO_HEADER` (None: the proxy's default); a value that
+    is not a number in [0, 3 600 000] raises :class:`ValueError` naming the header."""
+    raw = headers.get(SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3_600_000:  # also refuses nan and inf
+        raise ValueError(f"{SLO_HEADER} must be a number of milliseconds in [0, 3600000], got "
+                         f"{raw[:40]!r}")
+    return value
+
+
+def _in_flight(e: Engine) -> float:
+    return float(e.in_flight)
+
+
+def _best(engines: Sequence[Engine], avoid: Collection[str],
+          rank: Callable[[Engine], float]) -> Engine | None:
+    """The best-ranked engine that takes requests, is in rotation and not in ``avoid`` (those
+    that take requests when none is left; None when none takes requests). Unlike
+    :meth:`Pool.pick` it moves no round-robin cursor: the dispatch's own pick follows."""
+    accepting = [e for e in engines if e.accepting]
+    up = [e for e in accepting if e.is_up()]
+    candidates = [e for e in up if e.url not in avoid] or up or accepting
+    return min(candidates, key=rank, default=None)
+
+
+class Planning:
+    """The planner and prefix index of one proxy (module docstring)."""
+
+    def __init__(self, fleet: Fleet, settings: PlannerSettings) -> None:
+        self.fleet = fleet
+        self.planner = Planner(settings)
+        self.index = PrefixIndex()
+
+    def prompt(self, call: Call, body: Mapping[str, Any], chat: bool) -> Prompt:
+        """The request's prompt, computed once per request."""
+        if call.prompt is None:
+            call.prompt = prompt_of(body, chat)
+        return call.prompt
+
+    def _features(self, prompt: Prompt, p: Engine | None, d: Engine
+                  ) -> dict[Path, Features]:
+        held_d = self.index.held(d.url, prompt)
+        out = {Path.LOCAL: Features(prompt.tokens - held_d, 0.0, held_d, d.in_flight)}
+        if p is not None:
+            held_p = self.index.held(p.url, prompt)
+            f = Features(prompt.tokens - held_p, prompt.tokens - held_d, held_d, p.in_flight)
+            out[Path.PUSH] = out[Path.PULL] = f
+        return out
+
+    def decode_rank(self, path: Path, prompt: Prompt, p: Engine | None = None
+                    ) -> Callable[[Engine], float]:
+        """The order of decode engines for ``path`` (lower is better): the path's estimate
+        with that D, plus, for a hand-off, D's own queue at the cost of a queued request on D
+        (for ``local`` the queue is in the estimate already)."""
+        model = self.planner.models
+
+        def rank(d: Engine) -> float:
+            f = self._features(prompt, p, d)
+            est = self.planner.estimate(path, f.get(path, f[Path.LOCAL]))
+            if path is not Path.LOCAL:
+                est += max(0.0, float(model[Path.LOCAL].coef[4])) * d.in_flight
+            return est
+
+        return rank
+
+    def plan(self, call: Call, prompt: Prompt) -> Plan:
+        """Choose the request's path; its plan goes on the call and into ``X-KVBridge-Plan``.
+
+        The candidates: ``local`` on the D ranked best for it, and, when a P is in rotation,
+        ``push`` and ``pull`` with the least-loaded P (each D that follows is placed by
+        :meth:`decode_rank`)."""
+        d = _best(self.fleet.decodes.engines, call.tried[Role.DECODE],
+                  self.decode_rank(Path.LOCAL, prompt))
+        if d is None:
+            raise NoEngine(Role.DECODE, self.fleet.decodes.engines)
+        p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL], _in_flight)
+        plan = self.planner.choose(self._features(prompt, p, d), call.slo_ms)
+        call.plan = plan
+        call.reply_headers["X-KVBridge-Plan"] = plan.header()
+        return plan
+
+    def requested(self, call: Call, prompt: Prompt, mode: ProxyMode) -> None:
+        """A request whose path is fixed: its features, so its TTFT teaches the planner too."""
+        if mode not in (ProxyMode.LOCAL, ProxyMode.PUSH, ProxyMode.PULL):
+            return
+        path = Path(mode.value)
+        p = None if path is Path.LOCAL else _best(self.fleet.prefills.engines, (), _in_flight)
+        d = _best(self.fleet.decodes.engines, (), self.decode_rank(path, prompt, p))
+        if d is None or (p is None and path is not Path.LOCAL):
+            return  # no engine: the dispatch says so
+        features = self._features(prompt, p, d)
+        est = {q: self.planner.estimate(q, f) for q, f in features.items()}
+        call.plan = Plan(path, "requested", est, features)
+        call.reply_headers["X-KVBridge-Plan"] = call.plan.header()
+
+    def learn(self, call: Call) -> None:
+        """The request ended: teach the planner its TTFT and the index where its KV now is."""
+        flight, prompt = call.flight, call.prompt
+        if call.outcome != "ok" or prompt is None:
+            return
+        if flight.decode:
+            self.index.record(flight.decode, prompt)
+        if flight.prefill:
+            self.index.record(flight.prefill, prompt)
+        plan = call.plan
+        steps = flight.steps
+        if (plan is None or not call.stream or call.retries or "first_token" not in steps
+                or call.mode not in {p.value for p in Path}):
+            return
+        ttft_ms = (steps["first_token"] - steps["receive"]) / 1e6
+        self.planner.observe(plan, Path(call.mode), ttft_ms)
+
+    def forget(self, url: str) -> None:
+        """An engine left or restarted: the index no longer counts on what it held."""
+        self.index.forget(url)

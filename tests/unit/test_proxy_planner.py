@@ -1,0 +1,181 @@
+"""The hand-off planner's cost models and choice (kvbridge.proxy.planner), and its knobs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.proxy.planner import CostModel, Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.planning import SLO_HEADER, requested_slo
+from kvbridge.proxy.routing import MODE_HEADER, ProxyMode, requested_mode
+from kvbridge.proxy.settings import ProxySettings
+
+
+def feats(tokens: float, held: float = 0.0, queue: float = 0.0) -> dict[Path, Features]:
+    local = Features(tokens - held, 0.0, held, queue)
+    hand = Features(tokens, tokens - held, held, 0.0)
+    return {Path.LOCAL: local, Path.PUSH: hand, Path.PULL: hand}
+
+
+def host(path: Path, f: Features, tier_ms_per_1k: float = 2.0) -> float:
+    """A host where D alone costs 0.2 ms per token to prefill (plus its queue), a hand-off a
+    30 ms fixed cost plus 0.02 ms per token on an idle P, and pull 10 ms more than push."""
+    if path is Path.LOCAL:
+        return 3.0 + 0.2 * f.compute + tier_ms_per_1k * f.held / 1000 + 15.0 * f.queue
+    return 30.0 + 0.02 * f.compute + (10.0 if path is Path.PULL else 0.0)
+
+
+def run(planner: Planner, tokens: float, held: float = 0.0, tier: float = 2.0,
+        rng: random.Random | None = None) -> Plan:
+    f = feats(tokens, held)
+    plan = planner.choose(f)
+    noise = 1.0 + (rng.uniform(-0.05, 0.05) if rng else 0.0)
+    planner.observe(plan, plan.path, host(plan.path, f[plan.path], tier) * noise)
+    return plan
+
+
+def test_every_path_is_tried_before_its_estimate_is_trusted() -> None:
+    planner = Planner(PlannerSettings(warmup=2, explore_every=0))
+    seen = [run(planner, 100).path for _ in range(6)]
+    assert sorted(seen) == sorted([Path.LOCAL, Path.PUSH, Path.PULL] * 2)
+    assert all(planner.models[p].count == 2 for p in Path)
+
+
+def test_short_prompts_stay_on_d_and_long_ones_are_handed_off() -> None:
+    rng = random.Random(1)
+    planner = Planner(PlannerSettings(explore_every=0))
+    for _ in range(60):
+        run(planner, rng.choice([20, 60, 400, 1000, 2000]), rng=rng)
+    assert planner.choose(feats(30)).path is Path.LOCAL
+    long = planner.choose(feats(2000))
+    assert long.path is Path.PUSH and long.why == "fastest"
+    assert long.estimates[Path.PUSH] == pytest.approx(70, rel=0.25)
+    assert long.estimates[Path.LOCAL] == pytest.approx(403, rel=0.25)
+    # what D holds costs little to load: a long prompt D holds stays on D
+    assert planner.choose(feats(2000, held=1990)).path is Path.LOCAL
+
+
+def _slow_tier_run(seed: int) -> tuple[int | None, int | None]:
+    """Requests until a prompt D holds is handed off once D's tier slows (300 ms per 1000 held
+    tokens), and until it stays on D again once the tier recovers (``None``: not within 80)."""
+    rng = random.Random(seed)
+    planner = Planner(PlannerSettings(explore_every=8))
+    kinds = [(100.0, 0.0), (1000.0, 0.0), (1000.0, 900.0), (300.0, 250.0)]
+    for _ in range(80):  # warm: mixed prompts, some held by D
+        run(planner, *rng.choice(kinds), rng=rng)
+    held_prompt = (300.0, 250.0)
+    assert planner.choose(feats(*held_prompt), dry_run=True).path is Path.LOCAL
+    flipped = back = None
+    for i in range(40):
+        run(planner, *rng.choice(kinds), tier=300.0, rng=rng)
+        if flipped is None and planner.choose(feats(*held_prompt), dry_run=True).path \
+                is not Path.LOCAL:
+            flipped = i + 1
+    for i in range(80):
+        run(planner, *rng.choice(kinds), tier=2.0, rng=rng)
+        if back is None and planner.choose(feats(*held_prompt), dry_run=True).path \
+                is Path.LOCAL:
+            back = i + 1
+    return flipped, back
+
+
+def test_a_slow_tier_flips_its_requests_within_20_and_back_when_it_recovers() -> None:
+    runs = [_slow_tier_run(seed) for seed in range(20)]
+    flips = [f for f, _ in runs]
+    backs = [b for _, b in runs]
+    assert all(f is not None and f <= 30 for f in flips), flips
+    assert sum(f <= 20 for f in flips if f is not None) >= 18, flips
+    assert all(b is not None and b <= 60 for b in backs), backs
+    assert sum(b <= 40 for b in backs if b is not None) >= 18, backs
+
+
+def test_one_decision_in_explore_every_goes_to_another_path_in_turn() -> None:
+    planner = Planner(PlannerSettings(warmup=1, explore_every=4))
+    for _ in range(3):
+        run(planner, 20)
+    plans = [run(planner, 20) for _ in range(8)]
+    explored = [p for p in plans if p.why == "explore"]
+    assert len(explored) == 2
+    ranks = [sorted(p.estimates, key=lambda q: p.estimates[q]).index(p.path) for p in explored]
+    assert sorted(ranks) == [1, 2]
+    assert all(p.path is Path.LOCAL for p in plans if p.why != "explore")
+
+
+def test_an_slo_prefers_leaving_p_free_and_a_missed_one_the_fastest() -> None:
+    planner = Planner(PlannerSettings(explore_every=0))
+    for _ in range(12):
+        run(planner, 500)
+    f = feats(500)
+    est = planner.choose(f).estimates
+    assert est[Path.PUSH] < est[Path.LOCAL]
+    assert planner.choose(f, slo_ms=est[Path.LOCAL] + 5).path is Path.LOCAL
+    assert planner.choose(f, slo_ms=est[Path.LOCAL] + 5).why == "slo"
+    tight = (est[Path.PUSH] + est[Path.LOCAL]) / 2
+    assert planner.choose(f, slo_ms=tight).path is Path.PUSH
+    missed = planner.choose(f, slo_ms=1.0)
+    assert missed.path is Path.PUSH and missed.why == "slo_missed"
+    # the proxy's default SLO applies without the request's own
+    slo = Planner(PlannerSettings(explore_every=0, ttft_slo_ms=est[Path.LOCAL] + 5))
+    slo.models = planner.models
+    assert slo.choose(f).path is Path.LOCAL
+
+
+def test_d_alone_wins_a_near_tie() -> None:
+    planner = Planner(PlannerSettings(explore_every=0, tie=0.5))
+    for _ in range(12):
+        run(planner, 200)
+    plan = planner.choose(feats(200))
+    assert plan.estimates[Path.LOCAL] > plan.estimates[Path.PUSH]
+    assert plan.path is Path.LOCAL and plan.why == "tie"
+
+
+def test_the_plan_header_names_every_estimate() -> None:
+    plan = Plan(Path.PUSH, "fastest", {Path.LOCAL: 80.24, Path.PUSH: 41.0, Path.PULL: 55.31})
+    assert plan.header() == ("path=push; est_ms=41.0; local=80.2; push=41.0; pull=55.3; "
+                             "why=fastest")
+    only = Plan(Path.LOCAL, "warmup", {Path.LOCAL: 3.0})
+    assert only.header() == "path=local; est_ms=3.0; local=3.0; why=warmup"
+    with pytest.raises(ValueError):
+        Planner().choose({})
+
+
+def test_a_cost_model_ignores_what_is_not_a_duration() -> None:
+    m = CostModel((10.0, 100.0, 0.0, 5.0, 10.0))
+    f = Features(500, 0, 0, 0)
+    for bad in (math.nan, math.inf, -1.0):
+        m.observe(f, bad)
+    assert m.count == 0 and m.predict(f) == pytest.approx(60.0)
+    with pytest.raises(ValueError):
+        CostModel((1.0, 2.0))
+    for _ in range(40):
+        m.observe(f, 1e12)  # absurd but finite: the estimate follows, and stays finite
+    assert math.isfinite(m.predict(f)) and m.predict(Features(0, 0, 0, 0)) >= 0
+
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"ttft_slo_ms": -1.0}, "--plan-ttft-slo-ms"), ({"ttft_slo_ms": math.inf}, "--plan-ttft"),
+    ({"ttft_slo_ms": math.nan}, "--plan-ttft"), ({"tie": -0.1}, "--plan-tie"),
+    ({"tie": 11.0}, "--plan-tie"), ({"explore_every": -1}, "--plan-explore-every"),
+])
+def test_bad_planner_settings_name_their_flag(kw: dict[str, float], flag: str) -> None:
+    s = ProxySettings(["http://p:1"], ["http://d:2"], plan=PlannerSettings(**kw))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=flag):
+        s.check()
+
+
+def test_the_mode_and_slo_headers() -> None:
+    assert requested_mode({}) is None
+    assert requested_mode({MODE_HEADER: " Local "}) is ProxyMode.LOCAL
+    assert requested_mode({MODE_HEADER: "plan"}) is ProxyMode.PLAN
+    for bad in ("", "nixl", "push;pull", "x" * 10_000, "PUSH\x00"):
+        with pytest.raises(ValueError, match=MODE_HEADER):
+            requested_mode({MODE_HEADER: bad})
+    assert requested_slo({}) is None
+    assert requested_slo({SLO_HEADER: "250"}) == 250.0
+    assert requested_slo({SLO_HEADER: "0"}) == 0.0
+    for bad in ("-1", "nan", "inf", "1e9", "fast", "", "9" * 400):
+        with pytest.raises(ValueError, match=SLO_HEADER):
+            requested_slo({SLO_HEADER: bad})

@@ -14,6 +14,7 @@ from kvbridge.tools.bench.mix_workload import (
     SHORT_LEN,
     SYSTEM_LEN,
     WARM_WINDOW,
+    class_counts,
     generate_trace,
     parse_shares,
 )
@@ -49,6 +50,19 @@ def test_classes_come_in_their_expected_shares() -> None:
     assert list(counts) == list(CLASSES)
     for k in CLASSES:
         assert counts[k] / 2000 == pytest.approx(DEFAULT_SHARES[k], abs=0.04), k
+
+
+def test_a_short_trace_has_its_shares_exactly() -> None:
+    assert generate_trace(40, 2.0, seed=0).counts() == {"short": 10, "long": 6, "chat": 10,
+                                                         "system": 8, "warm_d": 6}
+    assert class_counts(3, DEFAULT_SHARES) == {"short": 1, "long": 0, "chat": 1, "system": 1,
+                                               "warm_d": 0}
+    assert sum(class_counts(7, DEFAULT_SHARES).values()) == 7
+    assert min(class_counts(5, DEFAULT_SHARES).values()) == 1
+    for n in range(1, 12):
+        for seed in range(5):
+            t = generate_trace(n, 2.0, seed=seed, shares={"short": 1.0, "warm_d": 3.0})
+            assert len(t.requests) == n and t.requests[0].klass == "short"
 
 
 def test_lengths_are_bounded_and_ids_ordinary() -> None:

@@ -23,7 +23,8 @@ A ``disk`` class (a prefix in D's disk tier) is not generated: the engines of ``
 without an offload tier.
 
 Arrival offsets are a Poisson process: exponential gaps of mean 1 drawn from the seed, divided
-by the rate, so the same seed at another rate gives the same prompts in the same order, spaced
+by the rate; the classes come in exactly their shares (:func:`class_counts`) in a seeded
+random order. So the same seed at another rate gives the same prompts in the same order, spaced
 further apart or closer. Every prompt plus its ``max_tokens`` fits ``max_model_len``. Bad
 arguments raise :class:`~kvbridge.errors.ConfigError` naming the command-line flag.
 """
@@ -32,14 +33,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.tiny_model import NUM_SPECIAL_TOKENS, VOCAB_SIZE
 
 __all__ = ["CLASSES", "DEFAULT_SHARES", "MAX_MODEL_LEN", "WARM_WINDOW", "MixRequest", "MixTrace",
-           "class_rows", "generate_trace", "parse_shares"]
+           "class_counts", "generate_trace", "parse_shares"]
 
 CLASSES: tuple[str, ...] = ("short", "long", "chat", "system", "warm_d")
 DEFAULT_SHARES: Mapping[str, float] = {"short": 0.25, "long": 0.15, "chat": 0.25,
@@ -202,8 +203,9 @@ def generate_trace(num_requests: int, rate: float, seed: int, *,
     """The trace of ``num_requests`` requests at ``rate`` req/s from ``seed`` (module docstring).
 
     ``shares``: each class's expected share (normalised; default :data:`DEFAULT_SHARES`);
-    ``max_tokens``: each request's ``max_tokens`` is drawn from this closed range. The first
-    request is never ``warm_d`` (it has nothing to repeat): its draw is made again without it.
+    ``max_tokens``: each request's ``max_tokens`` is drawn from this closed range. Each class
+    gets :func:`class_counts` requests, in seeded random order; the first request is never
+    ``warm_d`` (it has nothing to repeat).
     """
     if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1:
         raise ConfigError(f"--num-requests must be an integer >= 1, got {num_requests!r}")
@@ -221,27 +223,41 @@ def generate_trace(num_requests: int, rate: float, seed: int, *,
     rng = random.Random(seed)
     arrivals = random.Random(seed * 7919 + 1)  # the gaps apart: shares do not move arrivals
     builder = _Builder(rng, vocab_size, (lo, hi), max_model_len)
-    names = [k for k in CLASSES if norm[k] > 0]
-    weights = [norm[k] for k in names]
-    if names == ["warm_d"]:
+    if [k for k in CLASSES if norm[k] > 0] == ["warm_d"]:
         raise ConfigError("--shares: warm_d alone has nothing to repeat; give another class a "
                           "share")
+    order = class_counts(num_requests, norm)
+    classes = [k for k in CLASSES for _ in range(order[k])]
+    rng.shuffle(classes)
+    first = next(i for i, k in enumerate(classes) if k != "warm_d")
+    classes[0], classes[first] = classes[first], classes[0]
     out: list[MixRequest] = []
     t = 0.0
-    for i in range(num_requests):
+    for i, klass in enumerate(classes):
         if i:
             t += arrivals.expovariate(1.0) / rate
-        klass = rng.choices(names, weights)[0]
-        while klass == "warm_d" and not builder.recent:
-            klass = rng.choices(names, weights)[0]
         out.append(builder.request(i, klass, t))
     return MixTrace(seed, float(rate), tuple(out), norm)
 
 
-def class_rows(trace: MixTrace) -> Sequence[tuple[str, int, int, int]]:
-    """Per class: (class, requests, shortest prompt, longest prompt) — for the printed header."""
-    rows = []
-    for k, n in trace.counts().items():
-        lens = [len(r.prompt) for r in trace.requests if r.klass == k]
-        rows.append((k, n, min(lens), max(lens)))
-    return rows
+def class_counts(num_requests: int, shares: Mapping[str, float]) -> dict[str, int]:
+    """Requests per class: ``share x num_requests`` rounded by largest remainder (ties in
+    :data:`CLASSES` order), so the counts add up to ``num_requests``; a class with a share
+    gets at least one request while there are enough to go round, and a warm_d request always
+    has something earlier to repeat (another class gets one when needed)."""
+    exact = {k: shares.get(k, 0.0) * num_requests for k in CLASSES}
+    counts = {k: int(v) for k, v in exact.items()}
+    rest = sorted(CLASSES, key=lambda k: (-(exact[k] - counts[k]), CLASSES.index(k)))
+    for k in rest[: num_requests - sum(counts.values())]:
+        counts[k] += 1
+    for k in CLASSES:  # a class with a share but no request takes one from the largest
+        big = max(CLASSES, key=lambda c: counts[c])
+        if shares.get(k, 0.0) > 0 and counts[k] == 0 and counts[big] > 1:
+            counts[big] -= 1
+            counts[k] += 1
+    if counts["warm_d"] == num_requests:  # only possible with one request
+        other = max((k for k in CLASSES if k != "warm_d"), key=lambda c: shares.get(c, 0.0))
+        counts["warm_d"] -= 1
+        counts[other] += 1
+    return counts
+

@@ -8,8 +8,9 @@ policy in ``X-KVBridge-Mode``; the proxy answers with ``X-KVBridge-Plan`` when i
 
 Without ``--proxy`` the command starts the tiny model's engines
 (:func:`~kvbridge.tools.bench.fleet.fleet_specs`, ``kvbridge-<backend>``, ``--fleet xPyD``) with
-``VLLM_SERVER_DEV_MODE=1`` and one in-process kvbridge proxy in front of them (mode ``plan``
-when this kvbridge has it, else ``auto``). Before each policy it waits until the engines are
+``VLLM_SERVER_DEV_MODE=1`` and one kvbridge proxy process in front of them (``python -m
+kvbridge.proxy``, mode ``plan`` when this kvbridge has it, else ``auto``; its own process, so
+it never shares the load generator's GIL). Before each policy it waits until the engines are
 idle, drops every engine's prefix cache (``POST /reset_prefix_cache``) and sends ``--warmups``
 unmeasured requests with that policy; around the replay it reads the P engines'
 ``vllm:request_success_total``, so the table's ``P reqs`` says how many requests P finished
@@ -28,11 +29,14 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,12 +204,64 @@ class _Engines:
         return {"p_requests": self._p_finished() - self.p_before}
 
 
+class _ProxyProcess:
+    """``python -m kvbridge.proxy`` in its own process group (not a thread of this process: the
+    replay's event loop and the proxy would share one GIL, and the proxy's relay would stall
+    behind the load generator, bunching streamed tokens). Log in ``log_path``."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], mode: str,
+                 log_path: Path) -> None:
+        self.args = ["--prefill", *prefill, "--decode", *decode, "--mode", mode]
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout: float) -> str:
+        from kvbridge.tools.engines import EngineError, free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvbridge.proxy", *self.args, "--host", "127.0.0.1",
+                 "--port", str(port), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise EngineError(f"the proxy exited ({self.proc.returncode}): {tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as r:
+                    if r.status == 200:
+                        return self.url
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise EngineError(f"the proxy at {self.url} was not healthy within {timeout:.0f} s "
+                          f"(log: {self.log_path})")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
 @contextlib.contextmanager
 def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
              ) -> Iterator[tuple[str, _Engines, dict[str, Any]]]:
-    """Engines and a proxy, stopped on exit; (proxy URL, hooks, what ran)."""
+    """Engines and a proxy process, stopped on exit; (proxy URL, hooks, what ran)."""
     from kvbridge.tools.engines import start_servers
-    from kvbridge.tools.proxies import ProxyThread
     from kvbridge.tools.tiny_model import build_tiny_model
 
     model = build_tiny_model(args.model_dir)
@@ -214,17 +270,16 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
     for e in (*ps, *ds):
         e.env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between policies
     mode = proxy_mode()
-    proxies: Any = None
+    proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
+                          out_dir / "logs" / "proxy.log")
     try:
         _say(f"starting {fleet_name(prefill, decode)} {config} engines (logs in {out_dir})")
         start_servers([*ps, *ds], timeout=args.start_timeout)
-        proxies = ProxyThread([p.url for p in ps], [d.url for d in ds], modes=[mode]).start()
-        url = proxies.urls[mode]
+        url = proxy.start(timeout=60.0)
         info = {"engines": config, "proxy_mode": mode, "logs": str(out_dir / "logs")}
         yield url, _Engines(ps, ds, url, args), info
     finally:
-        if proxies is not None:
-            proxies.close()
+        proxy.stop()
         for e in (*ps, *ds):
             e.stop()
         _say("engines and proxy stopped")

@@ -270,16 +270,19 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
     for e in (*ps, *ds):
         e.env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between policies
     mode = proxy_mode()
-    proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
-                          out_dir / "logs" / "proxy.log")
+    proxy: _ProxyProcess | None = None
     try:
         _say(f"starting {fleet_name(prefill, decode)} {config} engines (logs in {out_dir})")
         start_servers([*ps, *ds], timeout=args.start_timeout)
+        # the engines' ports are known once they started
+        proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
+                              out_dir / "logs" / "proxy.log")
         url = proxy.start(timeout=60.0)
         info = {"engines": config, "proxy_mode": mode, "logs": str(out_dir / "logs")}
         yield url, _Engines(ps, ds, url, args), info
     finally:
-        proxy.stop()
+        if proxy is not None:
+            proxy.stop()
         for e in (*ps, *ds):
             e.stop()
         _say("engines and proxy stopped")

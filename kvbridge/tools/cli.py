@@ -38,6 +38,7 @@ from kvbridge.tools.args import (
 from kvbridge.tools.bench import e2e as bench_e2e
 from kvbridge.tools.bench import handoff as bench_handoff
 from kvbridge.tools.bench import handshake as bench_handshake
+from kvbridge.tools.bench import mix_cli as bench_mix
 from kvbridge.tools.bench import offload as bench_offload
 from kvbridge.tools.bench import serve as bench_serve
 from kvbridge.tools.connector_args import add_connector_arguments, connector_args
@@ -347,6 +348,21 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     bench_serve.add_arguments(v)
     v.set_defaults(func=bench_serve.cli_main)
+
+    m = sub.add_parser(
+        "mix",
+        help="one seeded mixed workload (short, long, chat, system prompt, warm D prefix) "
+        "replayed under each hand-off policy (push, pull, local, auto, plan) through the proxy",
+        description="Generate one seeded trace of /v1/completions requests in classes short, "
+        "long, chat, system and warm_d with Poisson arrivals, and replay it identically at each "
+        "of --rates once per policy (X-KVBridge-Mode header, a cache_salt per policy), local "
+        "(D alone) first as the output reference; print per class and for the whole mix TTFT "
+        "p50/p99, TPOT p50, goodput at the SLOs, output mismatches against local, failures and "
+        "the planner's chosen paths. Starts the tiny model's engines and a proxy unless --proxy "
+        "names a running one.",
+    )
+    bench_mix.add_arguments(m)
+    m.set_defaults(func=bench_mix.cli_main)
     for bench in sub.choices.values():  # every bench's --help shows the defaults
         bench.formatter_class = DefaultsFormatter
 

@@ -1,0 +1,366 @@
+"""``kvbridge bench mix``: one seeded mixed workload, replayed identically under each hand-off
+policy (``push``, ``pull``, ``local`` = D alone, ``auto``, ``plan``) through one proxy.
+
+The trace is :func:`~kvbridge.tools.bench.mix_workload.generate_trace`'s (classes ``short``,
+``long``, ``chat``, ``system``, ``warm_d``; Poisson arrivals); the replay, the comparison with the
+``local`` reference and the tables are :mod:`~kvbridge.tools.bench.mix`'s. Each request names its
+policy in ``X-KVBridge-Mode``; the proxy answers with ``X-KVBridge-Plan`` when its planner chose.
+
+Without ``--proxy`` the command starts the tiny model's engines
+(:func:`~kvbridge.tools.bench.fleet.fleet_specs`, ``kvbridge-<backend>``, ``--fleet xPyD``) with
+``VLLM_SERVER_DEV_MODE=1`` and one kvbridge proxy process in front of them (``python -m
+kvbridge.proxy``, mode ``plan`` when this kvbridge has it, else ``auto``; its own process, so
+it never shares the load generator's GIL). Before each policy it waits until the engines are
+idle, drops every engine's prefix cache (``POST /reset_prefix_cache``) and sends ``--warmups``
+unmeasured requests with that policy; around the replay it reads the P engines'
+``vllm:request_success_total``, so the table's ``P reqs`` says how many requests P finished
+during the policy (``local`` must show 0: D alone). Everything it started is stopped when it
+returns, fails, is interrupted (Ctrl-C) or gets SIGTERM/SIGHUP. With ``--proxy URL`` nothing is
+started and nothing is reset: the per-policy ``cache_salt`` alone keeps the runs apart.
+
+Prints one table per rate, then goodput against the rate; ``--out FILE`` gets the JSON report
+(every request's outcome included). Exit status 0 when every policy ran and no request failed
+or mismatched, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.tools.bench.fleet import fleet_specs
+from kvbridge.tools.bench.mix import (
+    MODE_HEADER,
+    POLICIES,
+    format_goodput,
+    format_rate,
+    parse_policies,
+    run_rate,
+)
+from kvbridge.tools.bench.mix_workload import DEFAULT_SHARES, generate_trace, parse_shares
+from kvbridge.tools.bench.serve_settings import fleet_name, parse_fleet, parse_rates
+
+__all__ = ["add_arguments", "cli_main", "parse_max_tokens", "proxy_mode"]
+
+BACKENDS = ("shm", "nixl")
+P_COUNTER = "vllm:request_success_total"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``kvbridge bench mix`` flags."""
+    p.add_argument("--backend", choices=BACKENDS, default="shm",
+                   help="transport of the engines this command starts")
+    p.add_argument("--fleet", default="1P1D", metavar="xPyD",
+                   help="x prefill and y decode engines behind the proxy, e.g. 1P1D or 2P2D")
+    p.add_argument("--proxy", default=None, metavar="URL",
+                   help="replay against this running kvbridge proxy; start no engines")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated hand-off policies, each sent as X-KVBridge-Mode "
+                   "(local = D alone, the reference of the output comparison; run first)")
+    p.add_argument("--rates", default="2,4",
+                   help="comma-separated request rates, req/s (Poisson arrivals); one table each")
+    p.add_argument("--num-requests", type=int, default=40, help="requests of the trace")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace (prompts, arrivals)")
+    p.add_argument("--shares", default=",".join(f"{k}={v:g}" for k, v in DEFAULT_SHARES.items()),
+                   help="expected share of each request class, CLASS=SHARE,... (normalised)")
+    p.add_argument("--max-tokens", default="8,16", metavar="LOW,HIGH",
+                   help="each request's max_tokens is drawn from LOW..HIGH (>= 2: TPOT)")
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0,
+                   help="TTFT SLO of the goodput column, ms")
+    p.add_argument("--tpot-slo-ms", type=float, default=50.0,
+                   help="TPOT SLO of the goodput column, ms")
+    p.add_argument("--warmups", type=int, default=2,
+                   help="unmeasured requests per policy before its replay (engines started here)")
+    p.add_argument("--request-timeout", type=float, default=120.0,
+                   help="seconds one request may take before it counts as failed")
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds for the engines to become ready")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="before each policy, wait at most this long for the engines to be idle")
+    p.add_argument("--engine-spin-ms", type=float, default=2.0,
+                   help="KVBRIDGE_ENGINE_SPIN_MS of the engines (negative: vLLM's default)")
+    p.add_argument("--model-dir", type=Path, default=None, help="tiny model directory")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="write the JSON report (every request's outcome) here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON, not tables")
+
+
+def parse_max_tokens(text: str) -> tuple[int, int]:
+    """``"8,16"`` (or ``"8"``) → (8, 16); ConfigError naming ``--max-tokens``."""
+    try:
+        parts = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--max-tokens: {text!r} is not LOW,HIGH (integers)") from None
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        raise ConfigError(f"--max-tokens: {text!r} is not LOW,HIGH")
+    return parts[0], parts[1]
+
+
+def proxy_mode() -> str:
+    """``plan`` when this kvbridge's proxy has the planner, else ``auto``."""
+    from kvbridge.proxy.routing import ProxyMode
+
+    return "plan" if "plan" in {m.value for m in ProxyMode} else "auto"
+
+
+def _check(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("ttft_slo_ms", "tpot_slo_ms", "request_timeout", "start_timeout",
+                 "idle_timeout"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+    if args.warmups < 0:
+        raise ConfigError("--warmups must be >= 0")
+    if args.proxy is not None and not args.proxy.startswith(("http://", "https://")):
+        raise ConfigError(f"--proxy: {args.proxy!r} is not an http(s) URL")
+    shares = parse_shares(args.shares)
+    max_tokens = parse_max_tokens(args.max_tokens)
+    rates = parse_rates(args.rates)
+    traces = [generate_trace(args.num_requests, r, args.seed, shares=shares,
+                             max_tokens=max_tokens) for r in rates]  # fmt: skip
+    return {"policies": parse_policies(args.policies), "fleet": parse_fleet(args.fleet),
+            "traces": traces, "shares": shares, "max_tokens": max_tokens}
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every finally: engines are stopped
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class _Engines:
+    """The hooks around each policy when this command runs the engines."""
+
+    def __init__(self, ps: Sequence[Any], ds: Sequence[Any], proxy_url: str,
+                 args: argparse.Namespace) -> None:
+        self.ps, self.ds, self.url, self.args = ps, ds, proxy_url, args
+        self.p_before = 0.0
+
+    def _p_finished(self) -> float:
+        from kvbridge.tools import prom
+
+        return sum(prom.total(prom.fetch(p.url), P_COUNTER) for p in self.ps)
+
+    def _idle(self) -> None:
+        from kvbridge.tools.bench.serve_run import engines_idle
+
+        idle, waited = engines_idle([e.url for e in (*self.ps, *self.ds)], self.args.idle_timeout)
+        if not idle:
+            _say(f"engines not idle after {waited:.0f} s; going on")
+
+    def before(self, policy: str) -> Mapping[str, Any]:
+        from kvbridge.tools.client import reset_prefix_cache, stream_complete
+        from kvbridge.tools.tiny_model import random_prompts
+
+        self._idle()
+        for e in (*self.ps, *self.ds):
+            reset_prefix_cache(e.url)
+        warm_ok = 0
+        for prompt in random_prompts(self.args.warmups, 64, seed=900_000 + self.args.seed):
+            try:
+                stream_complete(self.url, prompt, 4, None,
+                                {"ignore_eos": True, "cache_salt": f"mix-warmup-{policy}"},
+                                timeout=self.args.request_timeout,
+                                headers={MODE_HEADER: policy})
+                warm_ok += 1
+            except Exception as exc:  # noqa: BLE001 - a warm-up is unmeasured; say why
+                _say(f"{policy}: warm-up failed: {str(exc)[:200]}")
+        self._idle()
+        self.p_before = self._p_finished()
+        return {"warmups_ok": warm_ok}
+
+    def after(self, policy: str) -> Mapping[str, Any]:
+        self._idle()
+        return {"p_requests": self._p_finished() - self.p_before}
+
+
+class _ProxyProcess:
+    """``python -m kvbridge.proxy`` in its own process group (not a thread of this process: the
+    replay's event loop and the proxy would share one GIL, and the proxy's relay would stall
+    behind the load generator, bunching streamed tokens). Log in ``log_path``."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], mode: str,
+                 log_path: Path) -> None:
+        self.args = ["--prefill", *prefill, "--decode", *decode, "--mode", mode]
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout: float) -> str:
+        from kvbridge.tools.engines import EngineError, free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvbridge.proxy", *self.args, "--host", "127.0.0.1",
+                 "--port", str(port), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise EngineError(f"the proxy exited ({self.proc.returncode}): {tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as r:
+                    if r.status == 200:
+                        return self.url
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise EngineError(f"the proxy at {self.url} was not healthy within {timeout:.0f} s "
+                          f"(log: {self.log_path})")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@contextlib.contextmanager
+def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
+             ) -> Iterator[tuple[str, _Engines, dict[str, Any]]]:
+    """Engines and a proxy process, stopped on exit; (proxy URL, hooks, what ran)."""
+    from kvbridge.tools.engines import start_servers
+    from kvbridge.tools.tiny_model import build_tiny_model
+
+    model = build_tiny_model(args.model_dir)
+    config = f"kvbridge-{args.backend}"
+    ps, ds = fleet_specs(config, model, out_dir / "logs", args.engine_spin_ms, prefill, decode)
+    for e in (*ps, *ds):
+        e.env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between policies
+    mode = proxy_mode()
+    proxy: _ProxyProcess | None = None
+    try:
+        _say(f"starting {fleet_name(prefill, decode)} {config} engines (logs in {out_dir})")
+        start_servers([*ps, *ds], timeout=args.start_timeout)
+        # the engines' ports are known once they started
+        proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
+                              out_dir / "logs" / "proxy.log")
+        url = proxy.start(timeout=60.0)
+        info = {"engines": config, "proxy_mode": mode, "logs": str(out_dir / "logs")}
+        yield url, _Engines(ps, ds, url, args), info
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for e in (*ps, *ds):
+            e.stop()
+        _say("engines and proxy stopped")
+
+
+def _print(report: Mapping[str, Any]) -> None:
+    s = report["settings"]
+    print(f"kvbridge bench mix, {report['date']}, {s['fleet']}, "
+          f"{report.get('setup', {}).get('engines', 'proxy ' + str(report['url']))}, "
+          f"proxy mode {report.get('setup', {}).get('proxy_mode', '?')}, {s['num_requests']} "
+          f"requests, seed {s['seed']}, SLO TTFT {s['ttft_slo_ms']:g} ms / TPOT "
+          f"{s['tpot_slo_ms']:g} ms")
+    for entry in report["rates"]:
+        counts = ", ".join(f"{k} {n}" for k, n in entry["counts"].items())
+        print(f"\nrate {entry['rate']:g} req/s ({counts})")
+        print(format_rate(entry))
+    if len(report["rates"]) > 1:
+        print("\ngoodput (whole mix, req/s) against the rate")
+        print(format_goodput(report))
+
+
+def _clean(report: Mapping[str, Any]) -> bool:
+    for entry in report["rates"]:
+        for run in entry["policies"]:
+            whole = (run.get("rows") or [{}])[-1]
+            if run.get("error") or whole.get("failures") or whole.get("mismatches"):
+                return False
+    return True
+
+
+def run_mix(args: argparse.Namespace, say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Validate, run every rate, return the report (written to ``--out`` after every rate)."""
+    checked = _check(args)
+    prefill, decode = checked["fleet"]
+    report: dict[str, Any] = {
+        "kind": "kvbridge-bench-mix", "date": datetime.date.today().isoformat(),
+        "url": args.proxy,
+        "settings": {"fleet": fleet_name(prefill, decode), "backend": args.backend,
+                     "policies": list(checked["policies"]), "num_requests": args.num_requests,
+                     "seed": args.seed, "shares": checked["shares"],
+                     "max_tokens": list(checked["max_tokens"]), "ttft_slo_ms": args.ttft_slo_ms,
+                     "tpot_slo_ms": args.tpot_slo_ms},
+        "rates": []}
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def rates(url: str, hooks: _Engines | None) -> None:
+        for trace in checked["traces"]:
+            report["rates"].append(run_rate(
+                url, trace, checked["policies"], ttft_slo_ms=args.ttft_slo_ms,
+                tpot_slo_ms=args.tpot_slo_ms, timeout=args.request_timeout,
+                before=hooks.before if hooks else None, after=hooks.after if hooks else None,
+                say=say))  # fmt: skip
+            save()
+
+    with _signals_unwind():
+        if args.proxy is not None:
+            rates(args.proxy, None)
+        else:
+            out_dir = (args.out.resolve().parent if args.out is not None
+                       else Path(tempfile.mkdtemp(prefix="kvbridge-bench-mix-")))
+            with _started(args, prefill, decode, out_dir) as (url, hooks, info):
+                report["url"], report["setup"] = url, info
+                rates(url, hooks)
+    save()
+    return report
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    report = run_mix(args)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print(report)
+        if args.out is not None:
+            print(f"\nresults: {args.out}")
+    return 0 if _clean(report) else 1

@@ -111,7 +111,8 @@ class Fleet:
         if self.planner is not None:
             for d in self.decodes:
                 d.on_first = self._observe
-        self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)])
+        self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)],
+                          empty_ok=True)  # local and plan may run without a P
         self.dpool = Pool(Role.DECODE, [f"sim-d{i}:1" for i in range(decodes)])
         self.p_threads = [Server() for _ in range(prefills)]
         self.d_threads = [Server() for _ in range(decodes)]
@@ -132,9 +133,14 @@ class Fleet:
     def _share_cores(self, c: CpuCost) -> None:
         """Engines pinned as ``kvbridge bench serve --fleet`` pins them
         (:func:`kvbridge.host.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
-        2P2D on two cores: every P on core 0, every D on core 1); the front ends float."""
+        2P2D on two cores: every P on core 0, every D on core 1; without a P, the D engines
+        round-robin over every core); the front ends float."""
         self.cpu = CpuPool(self.loop, c.cores, c.background)
-        p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills), len(self.decodes))
+        if self.prefills:
+            p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills),
+                                           len(self.decodes))
+        else:
+            p_cores, d_cores = [], [i % c.cores for i in range(len(self.decodes))]
         pinned: list[tuple[str, PrefillEngine | DecodeEngine, int]] = [
             *(("P", e, p_cores[i]) for i, e in enumerate(self.prefills)),
             *(("D", e, d_cores[i]) for i, e in enumerate(self.decodes))]

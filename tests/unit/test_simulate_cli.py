@@ -44,7 +44,7 @@ def test_run_prints_percentiles_per_mode(capsys: pytest.CaptureFixture[str]) -> 
     lines = out.splitlines()
     assert lines[0].startswith("profile host: 1P1D, 60 requests at 20 req/s")
     assert lines[1].split()[:8] == ["mode", "fleet", "rate", "done", "TTFT", "p50", "p90", "p99"]
-    assert [line.split()[0] for line in lines[3:]] == ["pull", "push", "auto"]
+    assert [line.split()[0] for line in lines[3:]] == ["pull", "push", "auto", "local", "plan"]
 
 
 def test_run_json_and_fleet_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,7 +62,7 @@ def test_run_from_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
                                   "output_len": 8} for i in range(40)]))
     code, out, _ = run(capsys, "run", "--profile", str(DEDICATED), "--trace", str(trace),
                        "--json")
-    assert code == 0 and [r["completed"] for r in json.loads(out)] == [40, 40, 40]
+    assert code == 0 and [r["completed"] for r in json.loads(out)] == [40] * 5
 
 
 def test_sweep_writes_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ Subcommands (every one takes ``--profile NAME|FILE``, default ``seeds``; workloa
 to the profile's ``scenario``)::
 
     kvbridge simulate run       [--mode all] [--rate R] [--prefills P --decodes D] ...
+                                (--mode local: D alone; --mode plan: the proxy's planner)
     kvbridge simulate sweep     --rates 1,2,4,8 [--plot FILE] ...   (a PNG only with --plot)
     kvbridge simulate size      --rate R --ttft-slo MS [--tpot-slo MS] [--percentile 90] ...
     kvbridge simulate validate  --results RESULTS.json [--profile host] [--plot FILE]
@@ -24,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.proxy.planner import PlannerSettings
 from kvbridge.tools.args import DefaultsFormatter, parse_names
 from kvbridge.tools.bench.serve_settings import parse_rates
 from kvbridge.tools.report import print_table
 from kvbridge.tools.simulate import calibrate
-from kvbridge.tools.simulate.fleet import MODES, simulate
+from kvbridge.tools.simulate.fleet import MODES, NO_P_MODES, simulate
 from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
 from kvbridge.tools.simulate.plots import plot_sweep, plot_validation
 from kvbridge.tools.simulate.profile import (
@@ -76,8 +78,13 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     if not workload:
         return
     g = p.add_argument_group("workload and fleet (defaults: the profile's scenario)")
-    g.add_argument("--mode", default="all", help="pull, push, auto or all (default all)")
-    g.add_argument("--prefills", type=int, default=None, help="P engines")
+    g.add_argument("--mode", default="all",
+                   help="comma-separated: pull, push, auto, local (D alone: no P, D prefills "
+                        "itself), plan (the proxy's planner chooses local, push or pull per "
+                        "request by learnt cost), or all")
+    g.add_argument("--prefills", type=int, default=None,
+                   help="P engines (0 only with --mode local or plan; local always runs "
+                        "without one)")
     g.add_argument("--decodes", type=int, default=None, help="D engines")
     g.add_argument("--requests", type=int, default=None, help="requests simulated")
     g.add_argument("--prompt-len", default=None, help="prompt tokens: N or LOW-HIGH (uniform)")
@@ -98,6 +105,19 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
                    help="fraction of the first requests left out of the figures")
     g.add_argument("--seed", type=int, default=None,
                    help="random seed (default: the profile's scenario, else 0)")
+    pl = p.add_argument_group("plan mode: the planner's settings (the proxy's --plan-* flags)")
+    d = PlannerSettings()
+    pl.add_argument("--plan-ttft-slo-ms", type=float, default=d.ttft_slo_ms, metavar="MS",
+                    help="the planner's TTFT SLO: of the paths expected to meet it, D alone "
+                         "wins; 0: none, the fastest path wins")
+    pl.add_argument("--plan-tie", type=float, default=d.tie, metavar="F",
+                    help="without an SLO, D alone wins within this share of the fastest path")
+    pl.add_argument("--plan-explore-every", type=int, default=d.explore_every, metavar="N",
+                    help="one decision in N of a kind tries another path (0: never)")
+    pl.add_argument("--plan-warmup", type=int, default=d.warmup, metavar="N",
+                    help="observations of a path before its estimate is trusted")
+    pl.add_argument("--plan-half-life", type=float, default=d.half_life, metavar="N",
+                    help="observations after which one weighs half in a path's cost model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,10 +211,25 @@ def _fraction(value: float | None, option: str, below_one: bool = False) -> None
         raise ConfigError(f"{option}: must be in [0, 1{')' if below_one else ']'}, got {value}")
 
 
+def _planner(args: argparse.Namespace) -> PlannerSettings:
+    """The ``--plan-*`` options, checked (ConfigError naming the option)."""
+    for name, value, low in (("--plan-ttft-slo-ms", args.plan_ttft_slo_ms, 0.0),
+                             ("--plan-tie", args.plan_tie, 0.0),
+                             ("--plan-explore-every", args.plan_explore_every, 0),
+                             ("--plan-warmup", args.plan_warmup, 0)):
+        if not low <= value <= 1e9:  # also refuses nan
+            raise ConfigError(f"{name}: must be in [{low}, 1e9], got {value}")
+    if not 0 < args.plan_half_life <= 1e6:
+        raise ConfigError(f"--plan-half-life: must be in (0, 1e6], got {args.plan_half_life}")
+    return PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms, tie=args.plan_tie,
+                           warmup=args.plan_warmup, explore_every=args.plan_explore_every,
+                           half_life=args.plan_half_life)
+
+
 def _scenario(args: argparse.Namespace, profile: Profile,
               rate: float | None) -> tuple[Workload, Fleetspec]:
     sc = profile.scenario
-    for name in ("prefills", "decodes", "requests"):
+    for name in ("decodes", "requests"):
         _positive(getattr(args, name), "--" + name)
     for name, value, bound in (("--prefills", args.prefills, _MAX_ENGINES),
                                ("--decodes", args.decodes, _MAX_ENGINES),
@@ -223,14 +258,23 @@ def _scenario(args: argparse.Namespace, profile: Profile,
                         arrival=args.arrival or (sc.arrival if sc else "poisson"),
                         seed=args.seed if args.seed is not None else (sc.seed if sc else 0))
     spec = Fleetspec(
-        prefills=pick(args.prefills, "prefills", "--prefills") if sc else (args.prefills or 1),
+        prefills=pick(args.prefills, "prefills", "--prefills") if sc else (
+            1 if args.prefills is None else args.prefills),
         decodes=pick(args.decodes, "decodes", "--decodes") if sc else (args.decodes or 1),
         prefix_hit=args.prefix_hit if args.prefix_hit is not None else (
             sc.prefix_hit if sc else 0.0),
         fragmentation=args.fragmentation if args.fragmentation is not None else (
             sc.fragmentation if sc else None),
-        push_headroom=args.push_headroom, warmup=args.warmup)
+        push_headroom=args.push_headroom, warmup=args.warmup, planner=_planner(args))
     return workload, spec
+
+
+def _check_fleet(spec: Fleetspec, modes: Sequence[str]) -> None:
+    """A fleet without P runs only local and plan."""
+    needs_p = [m for m in modes if m not in NO_P_MODES]
+    if spec.prefills == 0 and needs_p:
+        raise ConfigError(f"--prefills 0: only --mode {' or '.join(NO_P_MODES)} run without a "
+                          f"P engine, not {', '.join(needs_p)}")
 
 
 def _fmt(d: dict[str, float], key: str, nd: int = 1) -> str:
@@ -241,17 +285,23 @@ def _fmt(d: dict[str, float], key: str, nd: int = 1) -> str:
 def _summary_rows(rows: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "fleet", "rate", "done", "TTFT p50", "p90", "p99", "mean",
                "TPOT p50", "p90", "p99", "mean", "hand-off p50", "req/s", "bench req/s",
-               "auto chose"]
+               "chose"]
     out = []
     for s in rows:
-        chose = ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items())) if s.mode == "auto" \
-            else ""
+        chose = _chose(s)
         out.append([s.mode, f"{s.prefills}P{s.decodes}D", f"{s.rate:g}", str(s.completed),
                     _fmt(s.ttft, "p50"), _fmt(s.ttft, "p90"), _fmt(s.ttft, "p99"),
                     _fmt(s.ttft, "mean"), _fmt(s.tpot, "p50", 2), _fmt(s.tpot, "p90", 2),
                     _fmt(s.tpot, "p99", 2), _fmt(s.tpot, "mean", 2), _fmt(s.handoff, "p50"),
                     f"{s.throughput:.2f}", f"{s.bench_throughput:.2f}", chose or "-"])
     return headers, out
+
+
+def _chose(s: Summary) -> str:
+    """How auto or the planner chose (``local 250, pull 20, push 30``); empty otherwise."""
+    if s.mode not in ("auto", "plan"):
+        return ""
+    return ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items()))
 
 
 def _describe(profile: Profile, workload: Workload, spec: Fleetspec) -> str:
@@ -268,13 +318,15 @@ def _run(args: argparse.Namespace) -> int:
     profile = _profile(args)
     workload, spec = _scenario(args, profile, args.rate)
     modes = _modes(args.mode)
+    _check_fleet(spec, modes)
     rows: list[Summary] = []
     if args.trace is not None:
         specs = load_trace(args.trace)
         rate = len(specs) / max(specs[-1].arrival, 1e-9)
         for mode in modes:
-            fleet = simulate(profile, specs, mode, spec.prefills, spec.decodes, spec.prefix_hit,
-                             spec.fragmentation, spec.push_headroom)
+            m = replace(spec, mode=mode)
+            fleet = simulate(profile, specs, mode, m.p_engines, spec.decodes, spec.prefix_hit,
+                             spec.fragmentation, spec.push_headroom, spec.planner)
             check_invariants(fleet)
             rows.append(summarize(fleet, rate, spec.warmup))
     else:
@@ -293,7 +345,9 @@ def _sweep(args: argparse.Namespace) -> int:
     profile = _profile(args)
     rates = parse_rates(args.rates)
     workload, spec = _scenario(args, profile, rates[0])
-    rows = sweep(profile, workload, spec, rates, _modes(args.mode))
+    modes = _modes(args.mode)
+    _check_fleet(spec, modes)
+    rows = sweep(profile, workload, spec, rates, modes)
     if args.json:
         print(json.dumps([s.to_dict() for s in rows], indent=2))
     else:
@@ -333,8 +387,12 @@ def _size(args: argparse.Namespace) -> int:
         rows.append([a.mode, "none" if c is None else f"{c.prefills}P{c.decodes}D",
                      "-" if c is None else _fmt(c.ttft, key),
                      "-" if c is None else _fmt(c.tpot, key, 2),
-                     "-" if c is None else f"{c.throughput:.2f}", str(len(a.tried))])
-    _table(["mode", "fleet", f"TTFT {key}", f"TPOT {key}", "req/s", "fleets tried"], rows)
+                     "-" if c is None else f"{c.throughput:.2f}", str(len(a.tried)),
+                     ("" if c is None else _chose(c)) or "-"])
+    _table(["mode", "fleet", f"TTFT {key}", f"TPOT {key}", "req/s", "fleets tried", "chose"],
+           rows)
+    if any(a.chosen is not None and a.chosen.prefills == 0 for a in answers):
+        print("0P: D engines alone meet the SLO (each prefills its own requests; no P needed)")
     return _no_fleet(answers, args.max_engines)
 
 

@@ -20,6 +20,16 @@ from the next one (its first step computes the last prompt token and yields toke
 idle when KV lands notices it ``idle_wake_s`` later. Every step gives each running request one
 token; a request that has its ``output_len`` tokens leaves and frees its blocks.
 
+D alone (``local``, :meth:`DecodeEngine.submit` of a request whose ``mode`` is ``local``): D
+prefills the request itself. Admitted like any other (its blocks, FCFS), it then takes chunks of
+the step's token budget (P's ``max_batched_tokens`` less one token per decoding request, as
+vLLM's chunked prefill mixes prefill chunks into decode steps; at most ``max_num_seqs``
+requests prefill or decode at once), costed with the profile's *prefill* per-token and
+attention terms on top of the decode step (plus P's ``step_base_s`` when nothing decodes), so
+its prefill slows every decoding request's step. Its prompt tokens D holds already
+(``cached_len``) are not computed. The step that runs its last chunk yields its first token;
+it decodes from the next step. No connector work, no transfer.
+
 KV blocks are conserved: ``free + held == capacity`` at every step (checked; a breach is a
 :class:`~kvbridge.tools.simulate.events.SimulationError`). A step's cost is wall time on a dedicated
 core, or CPU work on the engine's pinned :class:`~kvbridge.tools.simulate.cpu.Task` when the engine
@@ -51,7 +61,8 @@ class SimRequest:
     id: int
     spec: RequestSpec
     compute_len: int
-    """Prompt tokens P computes (the rest hit P's prefix cache; at least one token)."""
+    """Prompt tokens the prefilling engine computes (P's, or D's for ``local``: the rest hit
+    its prefix cache; at least one token)."""
     mode: str = ""
     reason: str = ""
     p: int = -1
@@ -79,6 +90,13 @@ class SimRequest:
     t_seen_last: float | None = None
     seen: int = 0
     finishes: int = 0
+    t_proxy: float | None = None
+    """The request reached the proxy (where the proxy's TTFT clock starts)."""
+    moved: int = -1
+    """Prompt tokens the hand-off moves (-1: the whole prompt; the planner's partial receive
+    moves only the tokens D lacks)."""
+    plan: object | None = None
+    """``plan`` mode: the :class:`~kvbridge.proxy.planner.Plan` the request was dispatched by."""
 
     @property
     def cached_len(self) -> int:
@@ -209,10 +227,16 @@ class DecodeEngine:
 
     def __init__(self, loop: EventLoop, index: int, cost: DecodeCost, shape: ModelShape,
                  admit: Callable[[float, SimRequest], float], on_loop_done: Hook,
-                 on_finish: Hook, on_token: Hook | None = None) -> None:
+                 on_finish: Hook, on_token: Hook | None = None,
+                 prefill: PrefillCost | None = None) -> None:
         self.loop, self.index, self.cost, self.shape = loop, index, cost, shape
         self.admit, self.on_loop_done, self.on_finish = admit, on_loop_done, on_finish
         self.on_token = on_token
+        self.on_first: Hook | None = None
+        """Called with the first token of every request (the planner learns from it)."""
+        self.prefill = prefill
+        """What D's own prefill costs (``local`` requests); None: D takes no local request."""
+        self.prefilling: list[SimRequest] = []
         self.cpu: Task | None = None
         self.kv = _Pool(f"D{index}", cost.kv_capacity_tokens, shape.block_size)
         self.waiting: deque[SimRequest] = deque()
@@ -231,6 +255,8 @@ class DecodeEngine:
         if self.shape.blocks(r.spec.prompt_len + r.spec.output_len) > self.kv.total:
             raise SimulationError(f"a {r.spec.prompt_len}+{r.spec.output_len}-token request "
                                   f"needs more blocks than D's KV pool holds ({self.kv.total})")
+        if r.mode == "local" and self.prefill is None:
+            raise SimulationError(f"D{self.index} has no prefill cost for a local request")
         r.t_d_recv = t
         self.waiting.append(r)
         if not self.busy:
@@ -257,54 +283,105 @@ class DecodeEngine:
         while self.waiting:
             r = self.waiting[0]
             need = self.shape.blocks(r.spec.prompt_len + r.spec.output_len)
-            if need > self.kv.free:
+            local = r.mode == "local"
+            if need > self.kv.free or (local and len(self.running) + len(self.prefilling)
+                                       >= self.cost.max_num_seqs):
                 break
             self.waiting.popleft()
             self.kv.take(need)
             r.d_blocks = need
             r.t_d_admit = t
-            self.awaiting.add(r)
             cost = self.admit(t, r)
             onloop += cost
+            if local:
+                r.t_ready = t
+                self.prefilling.append(r)
+                continue
+            self.awaiting.add(r)
             self.loop.at(t + onloop, self.on_loop_done, r)
         while self.ready and len(self.running) < self.cost.max_num_seqs:
             r = self.ready.popleft()
             r.t_ready = t
             self.running.append(r)
             self.context += r.spec.prompt_len
-        if not self.running and onloop == 0.0:
+        chunks = self._chunks()
+        if not self.running and not chunks and onloop == 0.0:
             self.busy = False
             return
         forward = self.cost.step_time(len(self.running), self.context)
+        forward += self._prefill_time(chunks)
         dt = max(onloop, forward) if self.cost.async_overlap else onloop + forward
         self.busy = True
         self.busy_s += dt
         self.onloop_s += onloop
         self.steps += 1
         if self.cpu is not None:
-            self.cpu.submit(t, dt, self._end)
+            self.cpu.submit(t, dt, self._end, chunks)
         else:
-            self.loop.at(t + dt, self._end)
+            self.loop.at(t + dt, self._end, chunks)
 
-    def _end(self, t: float) -> None:
+    def _chunks(self) -> list[tuple[SimRequest, int]]:
+        """This step's prefill chunks of local requests, FCFS within the token budget left
+        after one token per decoding request."""
+        if not self.prefilling or self.prefill is None:
+            return []
+        budget = self.prefill.max_batched_tokens - len(self.running)
+        out: list[tuple[SimRequest, int]] = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(r.compute_len - r.prefilled, budget)
+            out.append((r, n))
+            budget -= n
+        return out
+
+    def _prefill_time(self, chunks: list[tuple[SimRequest, int]]) -> float:
+        """What the chunks add to the step: P's per-token and attention costs, and P's fixed
+        step cost only when no decode runs in the step (else the decode step pays it)."""
+        if not chunks or self.prefill is None:
+            return 0.0
+        tokens = sum(n for _, n in chunks)
+        attn = sum(n * (r.cached_len + r.prefilled) + n * n / 2 for r, n in chunks)
+        full = self.prefill.step_time(tokens, attn)
+        return full if not self.running else full - self.prefill.step_base_s
+
+    def _end(self, t: float, chunks: list[tuple[SimRequest, int]]) -> None:
+        done: list[SimRequest] = []
+        for r, n in chunks:
+            r.prefilled += n
+            if r.prefilled >= r.compute_len:
+                self.prefilling.remove(r)
+                done.append(r)
         still: list[SimRequest] = []
         for r in self.running:
-            r.generated += 1
-            self.context += 1
-            if r.generated == 1:
-                r.t_first = t
-            if self.on_token is not None:
-                self.on_token(t, r)
-            if r.generated >= r.spec.output_len:
-                self.context -= r.spec.prompt_len + r.generated
-                self.kv.give(r.d_blocks)
-                r.d_blocks = 0
-                r.t_finish = t
-                r.finishes += 1
-                self.on_finish(t, r)
-            else:
+            if self._token(t, r):
+                still.append(r)
+        for r in done:  # the last chunk's step yields the first token
+            self.context += r.spec.prompt_len
+            if self._token(t, r):
                 still.append(r)
         self.running = still
         self.ready.extend(self.landed)
         self.landed = []
         self._start(t)
+
+    def _token(self, t: float, r: SimRequest) -> bool:
+        """``r`` got a token at ``t``; whether it goes on decoding (else it left, its blocks
+        freed)."""
+        r.generated += 1
+        self.context += 1
+        if r.generated == 1:
+            r.t_first = t
+            if self.on_first is not None:
+                self.on_first(t, r)
+        if self.on_token is not None:
+            self.on_token(t, r)
+        if r.generated < r.spec.output_len:
+            return True
+        self.context -= r.spec.prompt_len + r.generated
+        self.kv.give(r.d_blocks)
+        r.d_blocks = 0
+        r.t_finish = t
+        r.finishes += 1
+        self.on_finish(t, r)
+        return False

@@ -24,7 +24,22 @@ push
     thread (FIFO) or inline on its loop; the WRITE holds the NICs; D learns it landed
     ``push.notify_s`` later; P frees its blocks when the WRITE is done.
 
-A transfer moves the whole prompt's KV (a prefix hit on P saves P's compute, not the hand-off).
+local (D alone)
+    client → proxy → the least-loaded D, which prefills the request itself (chunks mixed into its
+    decode steps, :mod:`kvbridge.tools.simulate.engines`) and decodes it. No P, no hand-off.
+plan
+    the proxy's own planner (:class:`kvbridge.proxy.planner.Planner`) chooses local, push or
+    pull per request from the same :class:`~kvbridge.proxy.planner.Features` the proxy builds
+    (tokens to compute, tokens to move, tokens D holds, requests in flight on the engine that
+    would prefill: the least-loaded D for local, the least-loaded P for a hand-off), the request
+    goes down that path, and D's first token teaches the planner the request's TTFT as the proxy
+    measures it (proxy receive → first token out: D's first token + ``proxy.stream_s``). P and D
+    are placed least-loaded: the simulated engines have no per-engine prefix state to rank by.
+
+In pull, push and auto a transfer moves the whole prompt's KV (a prefix hit on P saves P's
+compute, not the hand-off). In local and plan, ``prefix_hit`` is the share of every prompt that
+*each* engine, P and D, holds already (a shared system prompt, say): D alone computes only the
+rest, and a planned hand-off moves only the rest (the connector's partial receive).
 Descriptors per rank: ``layers * kv_planes * runs``, ``runs`` from the profile's fragmentation.
 
 The proxy admits at most ``proxy.<mode>_max_in_flight`` requests of a mode per D engine between
@@ -41,6 +56,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvbridge.host.placement import fleet_cores
+from kvbridge.proxy.planner import Features, Path, Plan, Planner, PlannerSettings
 from kvbridge.proxy.routing import Engine, Pool, ProxyMode, Role, decide
 from kvbridge.tools.simulate.cpu import CpuPool, Task
 from kvbridge.tools.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
@@ -50,24 +66,37 @@ from kvbridge.tools.simulate.workload import RequestSpec
 
 __all__ = ["MODES", "Fleet", "simulate"]
 
-MODES: tuple[str, ...] = ("pull", "push", "auto")
+MODES: tuple[str, ...] = ("pull", "push", "auto", "local", "plan")
+"""The modes the simulator runs (the proxy's ``--mode``)."""
+NO_P_MODES: tuple[str, ...] = ("local", "plan")
+"""Modes that can run without a P engine (plan then only has D alone to choose)."""
 
 
 class Fleet:
-    """``prefills`` P and ``decodes`` D engines serving in ``mode`` (pull | push | auto)."""
+    """``prefills`` P and ``decodes`` D engines serving in ``mode`` (one of :data:`MODES`);
+    ``planner``: the settings of plan mode's planner (default: the proxy's defaults).
+
+    Raises :class:`SimulationError` for an unknown mode (naming ``--mode``), no D, no P in a
+    mode that needs one, or a ``prefix_hit`` outside [0, 1)."""
 
     def __init__(self, profile: Profile, prefills: int, decodes: int, mode: str,
                  prefix_hit: float = 0.0, fragmentation: float | None = None,
-                 push_headroom: int | None = None) -> None:
-        if prefills < 1 or decodes < 1:
-            raise SimulationError("a fleet needs at least one P and one D engine")
+                 push_headroom: int | None = None,
+                 planner: PlannerSettings | None = None) -> None:
+        if mode not in MODES:
+            raise SimulationError(f"--mode: the simulator runs {', '.join(MODES)}; not "
+                                  f"{mode!r}")
+        if decodes < 1 or prefills < (0 if mode in NO_P_MODES else 1):
+            raise SimulationError("a fleet needs at least one D engine, and one P engine "
+                                  f"unless it runs {' or '.join(NO_P_MODES)} (got "
+                                  f"{prefills}P{decodes}D in {mode})")
         if not 0.0 <= prefix_hit < 1.0:
             raise SimulationError(f"prefix_hit must be in [0, 1), got {prefix_hit!r}")
         self.profile = profile
-        if mode not in ("pull", "push", "auto"):
-            raise SimulationError(f"the simulator runs pull, push or auto, not {mode!r} (the "
-                                  "planner's local and plan modes are not simulated yet)")
         self.mode = ProxyMode(mode)
+        self.planner = Planner(planner) if self.mode is ProxyMode.PLAN else None
+        self.d_holds = mode in NO_P_MODES
+        """D holds the ``prefix_hit`` share of every prompt (local, plan: module docstring)."""
         self.prefix_hit = prefix_hit
         self.fragmentation = profile.fragmentation if fragmentation is None else fragmentation
         self.headroom = profile.proxy.push_headroom if push_headroom is None else push_headroom
@@ -76,9 +105,14 @@ class Fleet:
         self.prefills = [PrefillEngine(self.loop, i, profile.prefill, shape, self._kv_ready)
                          for i in range(prefills)]
         self.decodes = [DecodeEngine(self.loop, i, profile.decode, shape, self._d_admit,
-                                     self._d_loop_done, self._finished)
+                                     self._d_loop_done, self._finished,
+                                     prefill=profile.prefill)
                         for i in range(decodes)]
-        self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)])
+        if self.planner is not None:
+            for d in self.decodes:
+                d.on_first = self._observe
+        self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)],
+                          empty_ok=True)  # local and plan may run without a P
         self.dpool = Pool(Role.DECODE, [f"sim-d{i}:1" for i in range(decodes)])
         self.p_threads = [Server() for _ in range(prefills)]
         self.d_threads = [Server() for _ in range(decodes)]
@@ -88,9 +122,9 @@ class Fleet:
         px = profile.proxy
         # per D engine: a fleet of n D engines admits n times as many (see ProxyCost)
         self.limits = {"pull": px.pull_max_in_flight * decodes,
-                       "push": px.push_max_in_flight * decodes}
-        self.in_flight = {"pull": 0, "push": 0}
-        self.gate_queue: dict[str, deque[SimRequest]] = {"pull": deque(), "push": deque()}
+                       "push": px.push_max_in_flight * decodes, "local": 0}
+        self.in_flight = {"pull": 0, "push": 0, "local": 0}
+        self.gate_queue: dict[str, deque[SimRequest]] = {m: deque() for m in self.in_flight}
         self.cpu: CpuPool | None = None
         self.tasks: dict[str, Task] = {}
         if profile.cpu is not None:
@@ -99,9 +133,14 @@ class Fleet:
     def _share_cores(self, c: CpuCost) -> None:
         """Engines pinned as ``kvbridge bench serve --fleet`` pins them
         (:func:`kvbridge.host.placement.fleet_cores`: P and D engines on disjoint cores; 1P1D and
-        2P2D on two cores: every P on core 0, every D on core 1); the front ends float."""
+        2P2D on two cores: every P on core 0, every D on core 1; without a P, the D engines
+        round-robin over every core); the front ends float."""
         self.cpu = CpuPool(self.loop, c.cores, c.background)
-        p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills), len(self.decodes))
+        if self.prefills:
+            p_cores, d_cores = fleet_cores(range(c.cores), len(self.prefills),
+                                           len(self.decodes))
+        else:
+            p_cores, d_cores = [], [i % c.cores for i in range(len(self.decodes))]
         pinned: list[tuple[str, PrefillEngine | DecodeEngine, int]] = [
             *(("P", e, p_cores[i]) for i, e in enumerate(self.prefills)),
             *(("D", e, d_cores[i]) for i, e in enumerate(self.decodes))]
@@ -151,8 +190,15 @@ class Fleet:
                   self.profile.proxy.client_s, self._at_proxy, r)
 
     def _at_proxy(self, t: float, r: SimRequest) -> None:
-        decision = decide(self.mode, self.dpool, self.headroom)
-        r.mode, r.reason = decision.mode.value, decision.reason
+        r.t_proxy = t
+        if self.planner is not None:
+            r.plan = plan = self.planner.choose(self._features(r))
+            r.mode, r.reason = plan.path.value, plan.why
+            if plan.path is not Path.LOCAL:
+                r.moved = round(plan.features[plan.path].move)
+        else:
+            decision = decide(self.mode, self.dpool, self.headroom)
+            r.mode, r.reason = decision.mode.value, decision.reason
         limit = self.limits[r.mode]
         if limit and self.in_flight[r.mode] >= limit:
             self.gate_queue[r.mode].append(r)
@@ -165,6 +211,12 @@ class Fleet:
         r.t_admitted = t
         cpu = self.profile.cpu
         work = cpu.proxy_request_s if cpu else 0.0
+        if r.mode == "local":
+            d = self.dpool.pick(t)
+            d.acquire()
+            r.d = self._index(self.dpool, d)
+            self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
+            return
         if r.mode == "push":
             d = self.dpool.pick(t)
             d.acquire()
@@ -177,6 +229,31 @@ class Fleet:
         r.p = self._index(self.ppool, p)
         self._hop(t, "proxy", 0.0 if r.mode == "push" else work, self._leg_s(r), self._p_api,
                   r)
+
+    # -- plan --------------------------------------------------------------------------------
+
+    def _features(self, r: SimRequest) -> dict[Path, Features]:
+        """Each possible path's features, as :meth:`kvbridge.proxy.planning.Planning.plan`
+        builds them: local on the least-loaded D; push and pull with the least-loaded P, when
+        the fleet has one. Every engine holds the same leading share of the prompt."""
+        prompt = r.spec.prompt_len
+        held = float(prompt - r.compute_len)
+        d_queue = min(e.in_flight for e in self.dpool.engines)
+        out = {Path.LOCAL: Features(float(r.compute_len), 0.0, held, float(d_queue))}
+        if self.ppool.engines:
+            p_queue = min(e.in_flight for e in self.ppool.engines)
+            out[Path.PUSH] = out[Path.PULL] = Features(float(r.compute_len), prompt - held,
+                                                       held, float(p_queue))
+        return out
+
+    def _observe(self, t: float, r: SimRequest) -> None:
+        """D's first token of ``r``: the planner learns the TTFT the proxy would measure."""
+        if self.planner is None or not isinstance(r.plan, Plan) or r.t_proxy is None:
+            return
+        ttft_ms = (t + self.profile.proxy.stream_s - r.t_proxy) * 1000.0
+        self.planner.observe(r.plan, Path(r.mode), ttft_ms)
+
+    # -- legs ----------------------------------------------------------------------------------
 
     def _p_api(self, t: float, r: SimRequest) -> None:
         cpu = self.profile.cpu
@@ -222,8 +299,10 @@ class Fleet:
         if self.profile.cpu is not None:
             self.tasks[f"D{r.d} connector"].submit(t, self.profile.cpu.d_engine_request_s,
                                                    _nothing, r)
+        if r.mode == "local":
+            return 0.0
         shape = self.profile.model
-        r.ndesc = shape.descriptors(r.spec.prompt_len, self.fragmentation)
+        r.ndesc = shape.descriptors(self._moved(r), self.fragmentation)
         if r.mode == "push":
             return self.profile.push.register_s
         pull = self.profile.pull
@@ -240,10 +319,15 @@ class Fleet:
         elif self.profile.pull.on_d_loop:
             self._post_read(t, r)
 
+    @staticmethod
+    def _moved(r: SimRequest) -> int:
+        """Prompt tokens the hand-off moves."""
+        return r.spec.prompt_len if r.moved < 0 else r.moved
+
     def _post_read(self, t: float, r: SimRequest) -> None:
         r.t_posted = t
         link, shape = self.profile.link, self.profile.model
-        service = link.service("read", shape.rank_bytes(r.spec.prompt_len), r.ndesc)
+        service = link.service("read", shape.rank_bytes(self._moved(r)), r.ndesc)
         done = reserve(self.p_nics[r.p], self.d_nics[r.d], t, service, link.latency_s)
         self.loop.at(done, self._read_done, r)
 
@@ -269,7 +353,7 @@ class Fleet:
     def _write(self, t: float, r: SimRequest) -> None:
         r.t_posted = t
         link, shape = self.profile.link, self.profile.model
-        service = link.service("write", shape.rank_bytes(r.spec.prompt_len), r.ndesc)
+        service = link.service("write", shape.rank_bytes(self._moved(r)), r.ndesc)
         done = reserve(self.p_nics[r.p], self.d_nics[r.d], t, service, link.latency_s)
         self.loop.at(done, self._p_free, r)
         self.loop.at(done + self.profile.push.notify_s, self._write_landed, r)
@@ -327,8 +411,11 @@ def _nothing(t: float, r: SimRequest) -> None:
 
 def simulate(profile: Profile, specs: Sequence[RequestSpec], mode: str, prefills: int = 1,
              decodes: int = 1, prefix_hit: float = 0.0, fragmentation: float | None = None,
-             push_headroom: int | None = None) -> Fleet:
-    """Run one scenario to the end; the fleet (its requests, engines and counters)."""
-    fleet = Fleet(profile, prefills, decodes, mode, prefix_hit, fragmentation, push_headroom)
+             push_headroom: int | None = None,
+             planner: PlannerSettings | None = None) -> Fleet:
+    """Run one scenario to the end; the fleet (its requests, engines and counters; in plan
+    mode ``fleet.planner`` as it ended, each request's ``mode`` the path it took)."""
+    fleet = Fleet(profile, prefills, decodes, mode, prefix_hit, fragmentation, push_headroom,
+                  planner)
     fleet.run(specs)
     return fleet

@@ -7,9 +7,9 @@ D's first step with the request (the same cut as ``kvbridge bench e2e``). :func:
 gives p50/p90/p99 and means in milliseconds, the completion rate (completions per second between
 the first and the last completion: the offered rate when the fleet keeps up, its capacity when it
 does not), ``vllm bench serve``'s request throughput (completed requests / time from the start
-to the last token at the client, the "req/s" it prints), how auto chose, and the engines' and
-processes' utilisation. :func:`check_invariants` is what the
-tests assert after every run.
+to the last token at the client, the "req/s" it prints), how auto or the planner chose, and the
+engines' and processes' utilisation. A ``local`` request (D alone) has no hand-off figure.
+:func:`check_invariants` is what the tests assert after every run.
 """
 
 from __future__ import annotations
@@ -134,8 +134,10 @@ def check_invariants(fleet: Fleet) -> None:
     for r in fleet.requests:
         if r.finishes != 1 or r.t_finish is None or r.t_first is None:
             raise SimulationError(f"request {r.id} finished {r.finishes} times")
-        order = [r.spec.arrival, r.t_p_recv, r.t_kv_ready, r.t_landed, r.t_ready, r.t_first,
-                 r.t_finish]
+        order = ([r.spec.arrival, r.t_d_recv, r.t_ready, r.t_first, r.t_finish]
+                 if r.mode == "local" else  # D alone: no P, no hand-off
+                 [r.spec.arrival, r.t_p_recv, r.t_kv_ready, r.t_landed, r.t_ready, r.t_first,
+                  r.t_finish])
         if any(t is None for t in order):
             raise SimulationError(f"request {r.id}: a step never happened: {order}")
         times = [t for t in order if t is not None]

@@ -7,6 +7,11 @@
   TTFT and TPOT percentiles meet the SLOs at a rate, searched in order of total engines;
   :func:`why_none` says what stood in the way when there is none.
 
+In ``local`` mode a fleet is D engines only (a P would sit idle): sizes start at one D. In
+``plan`` mode every split from 0 P up is tried, so the answer may be D alone (``0P``) when D
+prefilling for itself meets the SLO at the rate; with P engines the planner sends each request
+down the path it measures cheapest. Pull, push and auto need a P: their sizes start at 1P1D.
+
 *Meeting* an SLO: the chosen percentile of TTFT (and of TPOT, when given) is within the SLO, and
 the fleet keeps up (its completion rate is at least ``keep_up`` of the arrival rate the run
 drew), so an overloaded fleet whose queue simply had no time to grow in a short run does not
@@ -19,7 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.simulate.fleet import MODES, simulate
+from kvbridge.proxy.planner import PlannerSettings
+from kvbridge.tools.simulate.fleet import MODES, NO_P_MODES, simulate
 from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
 from kvbridge.tools.simulate.profile import Profile
 from kvbridge.tools.simulate.workload import Workload, generate
@@ -38,6 +44,13 @@ class Fleetspec:
     fragmentation: float | None = None
     push_headroom: int | None = None
     warmup: float = 0.0
+    planner: PlannerSettings | None = None
+    """plan mode: the planner's settings (None: the proxy's defaults)."""
+
+    @property
+    def p_engines(self) -> int:
+        """The P engines the fleet runs with: none for ``local`` (D alone uses no P)."""
+        return 0 if self.mode == "local" else self.prefills
 
 
 @dataclass(frozen=True)
@@ -70,8 +83,8 @@ class Sizing:
 
 def run_one(profile: Profile, workload: Workload, spec: Fleetspec) -> Summary:
     """Simulate one scenario to the end and summarise it."""
-    fleet = simulate(profile, generate(workload), spec.mode, spec.prefills, spec.decodes,
-                     spec.prefix_hit, spec.fragmentation, spec.push_headroom)
+    fleet = simulate(profile, generate(workload), spec.mode, spec.p_engines, spec.decodes,
+                     spec.prefix_hit, spec.fragmentation, spec.push_headroom, spec.planner)
     check_invariants(fleet)
     return summarize(fleet, workload.rate, spec.warmup)
 
@@ -106,16 +119,20 @@ def size_fleet(profile: Profile, workload: Workload, spec: Fleetspec, slo: Slo,
     """The fewest engines (P + D) meeting ``slo`` at ``workload.rate`` in ``spec.mode``.
 
     Fleets are tried by total size, smallest first; within a size every P/D split is tried and
-    the one with the lowest TTFT at the SLO's percentile wins. Stops at the first size with an
-    answer, or after ``max_engines`` engines (then ``chosen`` is None).
+    the one with the lowest TTFT at the SLO's percentile wins (fewer P on a tie). Stops at the
+    first size with an answer, or after ``max_engines`` engines (then ``chosen`` is None).
+    ``local`` tries D-only fleets from one D; ``plan`` every split from 0 P and one D; the
+    others from 1P1D (module docstring).
     """
     if max_engines < 2:
         raise ConfigError("--max-engines: must be at least 2 (one P and one D)")
     tried: list[Summary] = []
     key = f"p{slo.percentile}"
-    for total in range(2, max_engines + 1):
+    no_p = spec.mode in NO_P_MODES
+    for total in range(1 if no_p else 2, max_engines + 1):
         ok: list[Summary] = []
-        for p in range(1, total):
+        splits = [0] if spec.mode == "local" else range(0 if no_p else 1, total)
+        for p in splits:
             s = run_one(profile, workload, replace(spec, prefills=p, decodes=total - p))
             tried.append(s)
             if progress is not None:

@@ -93,7 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before each policy, wait at most this long for the engines to be idle")
     p.add_argument("--engine-spin-ms", type=float, default=2.0,
                    help="KVBRIDGE_ENGINE_SPIN_MS of the engines (negative: vLLM's default)")
-    p.add_argument("--model-dir", type=Path, default=None, help="tiny model directory")
+    p.add_argument("--model", choices=("tiny", "bench"), default="tiny",
+                   help="tiny: the test model (cheap prefill); bench: the ~100 M-parameter bench "
+                   "model, where prefill costs real time and D alone competes with its decodes")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="where the model is built (default: kvbridge's cache directory)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
                    help="write the JSON report (every request's outcome) here")
     p.add_argument("--json", action="store_true", help="print the report as JSON, not tables")
@@ -262,9 +266,9 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
              ) -> Iterator[tuple[str, _Engines, dict[str, Any]]]:
     """Engines and a proxy process, stopped on exit; (proxy URL, hooks, what ran)."""
     from kvbridge.tools.engines import start_servers
-    from kvbridge.tools.tiny_model import build_tiny_model
+    from kvbridge.tools.tiny_model import build_bench_model, build_tiny_model
 
-    model = build_tiny_model(args.model_dir)
+    model = (build_bench_model if args.model == "bench" else build_tiny_model)(args.model_dir)
     config = f"kvbridge-{args.backend}"
     ps, ds = fleet_specs(config, model, out_dir / "logs", args.engine_spin_ms, prefill, decode)
     for e in (*ps, *ds):

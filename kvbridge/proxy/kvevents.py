@@ -51,7 +51,7 @@ import msgspec
 
 from kvbridge.proxy.prefixes import UNIT_TOKENS, Prompt, chain_tokens, unit_key
 
-__all__ = ["DEFAULT_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PAYLOAD", "MEDIA", "EventIndex"]
+__all__ = ["Batch", "DEFAULT_BLOCKS", "MAX_BLOCK_SIZE", "MAX_PAYLOAD", "MEDIA", "EventIndex"]
 
 MEDIA = ("GPU", "CPU", "STORAGE")
 """Media fastest first; :meth:`EventIndex.held` answers under these names."""
@@ -96,13 +96,15 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared", frozen=True):
     pass
 
 
-class _Batch(msgspec.Struct, array_like=True, frozen=True):
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    """One published batch (vLLM's ``KVEventBatch``), as :meth:`EventIndex.decode` reads it."""
+
     ts: float
     events: Annotated[list[_Stored | _Removed | _Cleared], msgspec.Meta(max_length=_MAX_EVENTS)]
     data_parallel_rank: int | None = None
 
 
-_DECODER = msgspec.msgpack.Decoder(_Batch)
+_DECODER = msgspec.msgpack.Decoder(Batch)
 
 
 @dataclass
@@ -140,15 +142,26 @@ class EventIndex:
     def apply(self, payload: bytes) -> bool:
         """Apply one published batch (msgpack); False, and nothing changed, when it is not one.
         Never raises."""
+        batch = self.decode(payload)
+        if batch is None:
+            return False
+        self.apply_batch(batch)
+        return True
+
+    def decode(self, payload: bytes) -> Batch | None:
+        """One published batch, decoded (None, counted, when it is not one). Never raises."""
         if len(payload) > MAX_PAYLOAD:
             self.stats["oversized_batches"] += 1
-            return False
+            return None
         try:
-            batch = _DECODER.decode(payload)
+            return _DECODER.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError,
                 RecursionError, OverflowError):
             self.stats["malformed_batches"] += 1
-            return False
+            return None
+
+    def apply_batch(self, batch: Batch) -> None:
+        """Apply a batch :meth:`decode` returned."""
         self.stats["batches"] += 1
         for event in batch.events:
             if isinstance(event, _Stored):
@@ -157,7 +170,6 @@ class EventIndex:
                 self._removed(event)
             else:
                 self.clear_medium("GPU")
-        return True
 
     def _stored(self, e: _Stored) -> None:
         n = len(e.block_hashes)

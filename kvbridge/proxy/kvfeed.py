@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.kvevents import DEFAULT_BLOCKS, MAX_PAYLOAD, EventIndex
@@ -97,49 +98,76 @@ class KvEventsFeed:
     async def _run(self) -> None:
         while True:
             sock = self.ctx.socket(zmq.SUB)
+            mon: zmq.asyncio.Socket | None = None
             try:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, RCV_HWM)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
                 sock.setsockopt(zmq.SUBSCRIBE, self.key.topic.encode())
+                # a publisher that breaks the protocol (a message over MAXMSGSIZE) is dropped
+                # and not reconnected by ZeroMQ: the monitor says so, and a new socket follows
+                mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 sock.connect(self.key.endpoint)
                 log.info("KV events of %s: subscribed to %s (topic %r)", self.url,
                          self.key.endpoint, self.key.topic)
-                await self._receive(sock)
+                await self._receive(sock, mon)
             except asyncio.CancelledError:
                 raise
+            except ConnectionError as exc:
+                self.stats["disconnects"] += 1
+                log.info("KV events of %s (%s): %s; reconnecting", self.url, self.key.endpoint,
+                         exc)
             except Exception as exc:  # noqa: BLE001 - a feed must never kill the proxy
                 self.stats["errors"] += 1
                 log.warning("KV events of %s (%s): %s; retrying", self.url, self.key.endpoint,
                             exc)
             finally:
+                if mon is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disable_monitor()
+                    mon.close(linger=0)
                 sock.close(linger=0)
             await asyncio.sleep(_RETRY_S)
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+    async def _receive(self, sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
         topic = self.key.topic.encode()
-        n = 0
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         while True:
-            frames: list[bytes] = []
-            more = True
-            while more:  # keep at most three frames of a message; drain the rest
-                frame = await sock.recv(copy=True)
-                if len(frames) < 3:
-                    frames.append(frame)
-                more = bool(sock.getsockopt(zmq.RCVMORE))
-                if more and len(frames) >= 3:
-                    frames.append(b"")  # marks "too many"
-                    while sock.getsockopt(zmq.RCVMORE):
-                        await sock.recv(copy=False)
-                    more = False
-            self._message(frames, topic)
-            n += 1
-            if n % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+            ready = dict(await poller.poll())
+            if mon in ready:
+                event = parse_monitor_message(await mon.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    raise ConnectionError("the publisher disconnected")
+            for _ in range(_YIELD_EVERY):  # then back to the loop: a flood starves nothing
+                try:
+                    frames = await self._recv_message(sock)
+                except zmq.Again:
+                    break
+                self._message(frames, topic)
+
+    @staticmethod
+    async def _recv_message(sock: zmq.asyncio.Socket) -> list[bytes]:
+        """One whole message, its first three frames kept (a fourth, empty, marks more);
+        :class:`zmq.Again` when none is waiting. The frames of a message arrive together."""
+        frames: list[bytes] = []
+        while True:
+            frame = await sock.recv(zmq.NOBLOCK, copy=False)  # done at once: no wait
+            if len(frames) < 3:
+                frames.append(frame.bytes)
+            elif len(frames) == 3:
+                frames.append(b"")
+            if not frame.more:
+                return frames
 
     def _message(self, frames: list[bytes], topic: bytes) -> None:
         if len(frames) != 3 or frames[0] != topic or len(frames[1]) != 8:
             self.stats["bad_messages"] += 1
+            return
+        batch = self.index.decode(frames[2])
+        if batch is None:
+            self.stats["bad_batches"] += 1
             return
         seq = int.from_bytes(frames[1], "big")
         if self.last_seq is not None:
@@ -149,10 +177,8 @@ class KvEventsFeed:
             elif seq != self.last_seq + 1:
                 self.stats["gaps"] += 1
         self.last_seq = seq
-        if self.index.apply(frames[2]):
-            self.stats["batches"] += 1
-        else:
-            self.stats["bad_batches"] += 1
+        self.index.apply_batch(batch)
+        self.stats["batches"] += 1
 
 
 def feed_key(e: Engine) -> FeedKey | None:

@@ -35,8 +35,9 @@ Rules (each skip is counted in :attr:`EventIndex.stats`, never raised):
   count ≠ hashes × block size, a block size outside [1, :data:`MAX_BLOCK_SIZE`]) is dropped
   (``malformed_events``).
 
-Bounded: at most ``capacity`` blocks per engine (least recently stored or removed forgotten
-first). Not thread-safe: the proxy's event loop owns it.
+Bounded: at most ``capacity`` blocks and ``8 × capacity`` unit names per engine (least recently
+stored forgotten first: large blocks hold more units). Not thread-safe: the proxy's event loop
+owns it.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ class EventIndex:
             self._blocks.move_to_end(h)
             self.stats["blocks_stored"] += 1
             parent = block
-        while len(self._blocks) > self.capacity:
+        while len(self._blocks) > self.capacity or len(self._units) > self.capacity * 8:
             old, gone = self._blocks.popitem(last=False)
             self._drop_units(old, gone)
             self.stats["blocks_evicted"] += 1

@@ -180,3 +180,11 @@ def test_memory_is_bounded_by_the_capacity() -> None:
     assert ix.held(prompt_of(body(last), chat=False))["GPU"] == 319.0
     with pytest.raises(ValueError):
         EventIndex(MODEL, capacity=0)
+
+
+def test_large_blocks_are_bounded_by_their_units_too() -> None:
+    ix = EventIndex(MODEL, capacity=4)  # at most 32 unit names
+    for r in range(10):
+        ix.apply(batch(stored([b"big%d" % r], None, [r] * 256, bs=256)))  # 16 units each
+    assert len(ix._units) <= 32 and ix.size() == 2
+    assert ix.held(prompt_of(body([9] * 257), chat=False))["GPU"] == 256.0

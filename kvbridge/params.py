@@ -69,6 +69,16 @@ BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=1 << 26)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
 Text = Annotated[str, msgspec.Meta(max_length=2048)]
+#: A KV-events publisher an engine reports: ``tcp://HOST:PORT``, HOST a name or an address the
+#: proxy can reach (no ``*`` wildcard: :meth:`TransferParams.__post_init__` also refuses
+#: ``0.0.0.0``, ``::`` and port 0).
+EventsAddress = Annotated[
+    str,
+    msgspec.Meta(max_length=300,
+                 pattern=r"^tcp://(\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}\Z"),
+]
+#: A ZeroMQ topic of vLLM's KV events (printable ASCII, may be empty).
+EventsTopic = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[ -~]*\Z")]
 
 
 class PeerRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -124,6 +134,18 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """D leg: ``false`` — this engine's offload tiers serve nothing of this request, the prefill
     engine sends every block D lacks in its prefix cache (the router's choice when reading them
     is slower than moving them); absent or ``true``: tiers serve what they hold."""
+    kvbridge_kv_events: EventsAddress | None = None
+    """Probe answer: where the engine publishes vLLM's KV events (its ZeroMQ PUB socket,
+    ``tcp://HOST:PORT`` on the host it advertises); absent when it publishes none."""
+    kvbridge_kv_events_topic: EventsTopic | None = None
+    """Probe answer: the topic of those events (vLLM's ``kv_events_config.topic``; absent: "")."""
+
+    def __post_init__(self) -> None:
+        if self.kvbridge_kv_events is not None:
+            host, _, port = self.kvbridge_kv_events[len("tcp://"):].rpartition(":")
+            if host.strip("[]") in ("0.0.0.0", "::", "") or not 1 <= int(port) <= 65535:
+                raise ValueError("kvbridge_kv_events must name a reachable host and a port in "
+                                 f"[1, 65535], got {self.kvbridge_kv_events!r}")
 
     # -- derived ----------------------------------------------------------------------------
 
@@ -249,6 +271,8 @@ def parse(raw: Any) -> TransferParams:
         text = str(exc)
         match = _PATH.search(text)
         key = match.group(1).split("[", 1)[0] if match else ""
+        if not key and text.startswith("kvbridge_kv_events "):  # from __post_init__
+            key = "kvbridge_kv_events"
         key = "remote_block_ids" if key == "remote_block_groups" else key
         where = f"kv_transfer_params.{key}" if key else "kv_transfer_params"
         raise ParamsError(where, _PATH.sub("", text)[:500]) from None

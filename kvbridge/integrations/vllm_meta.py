@@ -130,6 +130,32 @@ def kv_events_enabled(vllm_config: VllmConfig) -> bool:
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
+def kv_events_publisher(vllm_config: VllmConfig) -> tuple[int, str] | None:
+    """``(port, topic)`` of the ZeroMQ PUB socket vLLM binds for its KV events, when a proxy
+    can subscribe to it: events on, publisher ``zmq``, endpoint a wildcard bind
+    ``tcp://*:PORT`` (or ``tcp://[::]:PORT``) with a fixed port (vLLM offsets it by the
+    data-parallel rank, as here). None otherwise: an ``ipc://``/``inproc://`` endpoint, port 0
+    (the OS picks it and vLLM does not say which), or a connect endpoint (vLLM connects out)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    if cfg is None or not getattr(cfg, "enable_kv_cache_events", False):
+        return None
+    if getattr(cfg, "publisher", None) != "zmq":
+        return None
+    endpoint = str(getattr(cfg, "endpoint", "") or "")
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or host not in ("*", "[::]", "::"):
+        return None
+    try:
+        base = int(port)
+    except ValueError:
+        return None
+    pc = getattr(vllm_config, "parallel_config", None)
+    rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    if not 1 <= base + rank <= 65535 or base == 0:
+        return None
+    return base + rank, str(getattr(cfg, "topic", "") or "")
+
+
 def parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:
     """The engine's tensor- and pipeline-parallel sizes."""
     pc = vllm_config.parallel_config

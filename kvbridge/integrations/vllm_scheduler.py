@@ -29,6 +29,7 @@ from kvbridge.integrations.vllm_meta import (
     KVBridgeWorkerMeta,
     identity_digest,
     kv_events_enabled,
+    kv_events_publisher,
     model_identity,
 )
 from kvbridge.offload.book import OffloadBook
@@ -75,6 +76,7 @@ class SchedulerSide:
         self.book = HandoffBook(config, engine_id, block_size=block_size, tp_size=tp_size,
                                 groups=groups, null_block=NULL_BLOCK if groups else None)
         self.groups = groups
+        self.book.kv_events = kv_events_publisher(vllm_config)  # reported to probes
         #: the tiers' KV events in vLLM's format (vLLM publishes them; None: events off)
         self.events = (TierEventBook(block_size)
                        if kv_events_enabled(vllm_config) and config.offload_config().enabled

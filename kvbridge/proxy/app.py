@@ -56,6 +56,7 @@ from kvbridge.proxy.discovery import Resolver, from_settings
 from kvbridge.proxy.dispatch import Dispatcher
 from kvbridge.proxy.failures import LegFailed
 from kvbridge.proxy.flight import Flight, FlightLog, safe_request_id
+from kvbridge.proxy.kvfeed import EnginePrefixes
 from kvbridge.proxy.members import NoEngine
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.planning import SLO_HEADER, requested_slo
@@ -121,6 +122,12 @@ class ProxyServer:
         self.discovery = from_settings(settings, self.fleet, self.metrics, resolver)
         self._salt = (TenantSalt(settings.salt_header, settings.control_secret or "")
                       if settings.salt_header else None)
+        #: the engines' KV events (kvbridge.proxy.kvfeed), with --kv-events: the planner's
+        #: prefix index answers from them where an engine publishes
+        self.prefixes: EnginePrefixes | None = None
+        if settings.kv_events:
+            self.prefixes = EnginePrefixes(self.fleet)
+            self.dispatcher.planning.index = self.prefixes
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -166,6 +173,8 @@ class ProxyServer:
             await self.fleet.learn_capacities()  # before the first request is admitted
         if self.discovery is not None:
             self._spawn(self.discovery.run())
+        if self.prefixes is not None:
+            self._spawn(self.prefixes.run())
 
     async def stop(self) -> None:
         """Stop serving, cancel background work and close every upstream connection."""
@@ -176,6 +185,8 @@ class ProxyServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.prefixes is not None:
+            await self.prefixes.close()  # its sockets, before the loop goes
         await self.admin.close()  # its notices probe through the fleet's session
         await self.fleet.close()
         await self.dispatcher.close()

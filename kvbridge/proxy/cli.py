@@ -207,6 +207,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--kv-admission queue: longest wait for credit before a 503 (default 30)",
     )
     parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="place requests by the prefixes the engines report in their KV events (engines "
+             "started with a zmq --kv-events-config name the publisher in their probe); "
+             "engines without fall back to what the proxy sent where",
+    )
+    parser.add_argument(
         "--otlp-traces-endpoint",
         default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
         metavar="URL",
@@ -245,6 +252,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         kv_credit_fraction=args.kv_credit_fraction,
         kv_queue=args.kv_queue,
         kv_queue_s=args.kv_queue_s,
+        kv_events=args.kv_events,
         prefill_dns=args.prefill_dns,
         decode_dns=args.decode_dns,
         engines_file=args.engines_file,

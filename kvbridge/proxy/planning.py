@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from kvbridge.proxy.kvfeed import EnginePrefixes
 from kvbridge.proxy.members import Engine, NoEngine, Role
 from kvbridge.proxy.planner import QUEUE, Features, Path, Plan, Planner, PlannerSettings
 from kvbridge.proxy.pool import Fleet
@@ -77,13 +78,25 @@ class Planning:
             call.prompt = prompt_of(body, chat)
         return call.prompt
 
+    def _held(self, url: str, prompt: Prompt) -> tuple[float, float, float]:
+        """Tokens of ``prompt`` the engine holds: (prefix cache or unknown where, host-memory
+        tier, disk or remote tier) — by medium when its KV events say (``--kv-events``)."""
+        if isinstance(self.index, EnginePrefixes):
+            m = self.index.held_by_medium(url, prompt)
+            return (m.get("GPU", 0.0) + m.get("unknown", 0.0), m.get("CPU", 0.0),
+                    m.get("STORAGE", 0.0))
+        return self.index.held(url, prompt), 0.0, 0.0
+
     def _features(self, prompt: Prompt, p: Engine | None, d: Engine
                   ) -> dict[Path, Features]:
-        held_d = self.index.held(d.url, prompt)
-        out = {Path.LOCAL: Features(prompt.tokens - held_d, 0.0, held_d, d.in_flight)}
+        cached, cpu, storage = self._held(d.url, prompt)
+        held_d = cached + cpu + storage
+        out = {Path.LOCAL: Features(prompt.tokens - held_d, 0.0, cached, d.in_flight,
+                                    cpu=cpu, storage=storage)}
         if p is not None:
-            held_p = self.index.held(p.url, prompt)
-            f = Features(prompt.tokens - held_p, prompt.tokens - held_d, held_d, p.in_flight)
+            held_p = sum(self._held(p.url, prompt))
+            f = Features(prompt.tokens - held_p, prompt.tokens - held_d, cached, p.in_flight,
+                         cpu=cpu, storage=storage)
             out[Path.PUSH] = out[Path.PULL] = f
         return out
 
@@ -107,7 +120,7 @@ class Planning:
         """The order of prefill engines for a hand-off on ``path`` (lower is better): the
         path's estimate with that P's own prefix hit and queue."""
         def rank(p: Engine) -> float:
-            held_p = self.index.held(p.url, prompt)
+            held_p = sum(self._held(p.url, prompt))
             return self.planner.estimate(
                 path, Features(prompt.tokens - held_p, prompt.tokens, 0.0, p.in_flight))
 

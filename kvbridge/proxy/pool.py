@@ -32,6 +32,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -81,6 +82,9 @@ class Fleet:
                                    settings.kv_credit_fraction, settings.kv_queue,
                                    settings.kv_queue_s)
         metrics.watch_credit(self.admission)
+        #: called (on the event loop) with an engine whose probe was learnt or dropped, or that
+        #: was removed: the KV-events feeds (kvbridge.proxy.kvfeed) follow probes through it
+        self.probe_listener: Callable[[Engine], None] | None = None
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -177,6 +181,7 @@ class Fleet:
                 raise LegFailed(502, why, "probe_failed", cause=cause) from exc
             self._probe_backoff.pop(e.url, None)
             e.probe = info
+            self._probe_changed(e)
             log.info(
                 "%s %s: engine_id=%s control=%s:%d tp=%d generation=%s kvbridge=%s",
                 e.role.value,
@@ -242,6 +247,11 @@ class Fleet:
         if e.probe is not None:
             e.probe = None
             self.metrics.probe_dropped(reason)
+            self._probe_changed(e)
+
+    def _probe_changed(self, e: Engine) -> None:
+        if self.probe_listener is not None:
+            self.probe_listener(e)
 
     def note_generation(self, e: Engine, answer: TransferParams) -> None:
         """Drop ``e``'s cached probe when ``answer`` shows that the engine restarted, or that
@@ -366,6 +376,7 @@ class Fleet:
         self._probe_locks.pop(e.url, None)
         self._probe_backoff.pop(e.url, None)
         self.admission.set_capacity(e.url, None)
+        self._probe_changed(e)
         log.warning("%s engine %s removed", e.role.value, e.url)
         return e
 

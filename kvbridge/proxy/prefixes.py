@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_UNITS", "UNIT_BYTES", "UNIT_TOKENS", "Prompt", "PrefixIndex", "prompt_of"]
+__all__ = ["MAX_UNITS", "UNIT_BYTES", "UNIT_TOKENS", "Prompt", "PrefixIndex", "chain_tokens",
+           "prompt_of", "unit_key"]
 
 UNIT_TOKENS = 16
 """Token ids per unit of a token-id prompt (vLLM's smallest usual block size)."""
@@ -51,6 +52,9 @@ class Prompt:
     units: tuple[bytes, ...]
     unit_tokens: float
     """Tokens one unit stands for (:data:`UNIT_TOKENS`, or :data:`UNIT_BYTES` / 4 for text)."""
+    token_ids: bool = False
+    """Whether the units are of token ids (:func:`chain_tokens` names them alike): only such
+    a prompt can be matched against the engines' KV events."""
 
 
 def _chain(data: bytes, step: int, key: bytes) -> tuple[bytes, ...]:
@@ -65,6 +69,27 @@ def _chain(data: bytes, step: int, key: bytes) -> tuple[bytes, ...]:
 def _key(model: object, salt: object) -> bytes:
     text = json.dumps([str(model), None if salt is None else str(salt)])
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+
+
+def unit_key(model: str, salt: str | None) -> bytes:
+    """The key that names the units of a request for ``model`` with ``cache_salt`` ``salt``
+    (what :func:`prompt_of` keys a request body's units with)."""
+    return _key(model, salt)
+
+
+def chain_tokens(token_ids: Sequence[int], key: bytes, prev: bytes = b"") -> tuple[bytes, ...]:
+    """The names of the whole :data:`UNIT_TOKENS`-token units of ``token_ids``, continuing the
+    chain whose last unit is named ``prev`` (``b""``: the prompt's start), as
+    :func:`prompt_of` names a token-id prompt's units: ``chain_tokens(ids[:32], k)`` then
+    ``chain_tokens(ids[32:64], k, last)`` equals ``chain_tokens(ids[:64], k)``. A trailing
+    part unit is not named; no :data:`MAX_UNITS` bound (the caller bounds ``token_ids``)."""
+    step = UNIT_TOKENS * 8
+    data = _token_ids_unbounded(token_ids)
+    out: list[bytes] = []
+    for start in range(0, len(data) // step * step, step):
+        prev = hashlib.blake2b(prev + data[start:start + step], digest_size=8, key=key).digest()
+        out.append(prev)
+    return tuple(out)
 
 
 def prompt_of(body: Mapping[str, Any], chat: bool) -> Prompt:
@@ -87,12 +112,16 @@ def prompt_of(body: Mapping[str, Any], chat: bool) -> Prompt:
         return _text(prompt, key)
     if isinstance(prompt, list):
         ids = _token_ids(prompt)
-        return Prompt(float(len(prompt)), _chain(ids, UNIT_TOKENS * 8, key), float(UNIT_TOKENS))
+        return Prompt(float(len(prompt)), _chain(ids, UNIT_TOKENS * 8, key), float(UNIT_TOKENS),
+                      token_ids=True)
     return Prompt(0.0, (), float(UNIT_TOKENS))
 
 
 def _token_ids(prompt: Sequence[Any]) -> bytes:
-    head = prompt[: MAX_UNITS * UNIT_TOKENS]
+    return _token_ids_unbounded(prompt[: MAX_UNITS * UNIT_TOKENS])
+
+
+def _token_ids_unbounded(head: Sequence[Any]) -> bytes:
     return b"".join((t & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little") if isinstance(t, int) else
                     b"\xff" * 8 for t in head)
 

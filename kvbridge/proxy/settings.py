@@ -101,6 +101,10 @@ class ProxySettings:
     """``--kv-queue``: most requests waiting for credit at once (``queue``)."""
     kv_queue_s: float = 30.0
     """``--kv-queue-s``: longest a request waits for credit before its 503 (``queue``)."""
+    kv_events: bool = False
+    """``--kv-events``: subscribe to the KV events of every engine whose probe names a
+    publisher (``kvbridge_kv_events``) and place requests by what the engines really hold
+    (:mod:`kvbridge.proxy.kvfeed`); the engines are probed, decode engines too."""
     otlp_traces_endpoint: str | None = None
     """``--otlp-traces-endpoint URL`` (vLLM's flag; default
     ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``): export OpenTelemetry spans of every request there

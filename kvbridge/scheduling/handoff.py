@@ -180,6 +180,9 @@ class HandoffBook:
         self._named: LookupBuffer[str, None] = LookupBuffer(
             "named transfers", REMEMBERED_TRANSFERS, overflow=Overflow.EVICT_LRU)
         self._plan = StepPlan()
+        #: ``(port, topic)`` of the engine's KV-events PUB socket, reported in probe answers
+        #: (``kvbridge_kv_events``) on the host the ranks advertise; None: none to report
+        self.kv_events: tuple[int, str] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -199,6 +202,19 @@ class HandoffBook:
             kvbridge_block_size=self.block_size, kvbridge_version=__version__,
             kvbridge_identity=self.identity)
         return to_wire(params)
+
+    def probe_params(self) -> dict[str, Any]:
+        """A probe's answer: :meth:`address_params`, plus where this engine publishes its KV
+        events (``kvbridge_kv_events`` = ``tcp://HOST:PORT`` with HOST rank 0's advertised
+        host, and ``kvbridge_kv_events_topic``) when it does."""
+        params = self.address_params()
+        if params and self.kv_events is not None:
+            host = self.ranks[0].address.removeprefix("tcp://").rsplit(":", 1)[0]
+            port, topic = self.kv_events
+            params["kvbridge_kv_events"] = f"tcp://{host}:{port}"
+            if topic:
+                params["kvbridge_kv_events_topic"] = topic
+        return params
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -460,7 +476,7 @@ class HandoffBook:
         params = req.params
         assert params is not None
         if params.kvbridge_probe:
-            return False, self.address_params() or None
+            return False, self.probe_params() or None
         if req.recv:
             if req.recving:
                 self._plan.cancel_recvs.append(req.transfer_id)

@@ -609,6 +609,45 @@ def test_decode_leg_whose_peers_do_not_match_the_engine_tp_is_served_locally() -
     assert book.matched_tokens("d1", 40, 0) == (0, False)
 
 
+def test_probe_reports_the_kv_events_publisher_on_the_advertised_host() -> None:
+    book = _book("prefill-0")
+    book.kv_events = (5557, "kv")
+    book.on_new_request("q1", {"kvbridge_probe": True}, [1, 2, 3])
+    _, answer = book.finished("q1", True, [], 3)
+    params = parse(answer)
+    assert params.kvbridge_kv_events == "tcp://127.0.0.1:5557"
+    assert params.kvbridge_kv_events_topic == "kv"
+    six = _book("prefill-6", ranks=False)
+    six.set_ranks([RankAddress("tcp://[::1]:7100", "g6")])
+    six.kv_events = (6000, "")
+    assert six.probe_params()["kvbridge_kv_events"] == "tcp://[::1]:6000"
+    assert "kvbridge_kv_events_topic" not in six.probe_params()  # "" is the default
+    # a hand-off answer does not carry it: only the probe reports it
+    book.on_new_request("r1", {"do_remote_decode": True, "transfer_id": "t1"}, PROMPT)
+    _, answer = book.finished("r1", True, P_BLOCKS, len(PROMPT))
+    assert answer is not None and "kvbridge_kv_events" not in answer
+
+
+def test_kv_events_publisher_is_reported_only_when_a_proxy_can_subscribe() -> None:
+    from types import SimpleNamespace as NS
+
+    from kvbridge.integrations.vllm_meta import kv_events_publisher
+
+    def cfg(endpoint: str, publisher: str = "zmq", on: bool = True, rank: int = 0,
+            topic: str = "kv") -> Any:
+        return NS(kv_events_config=NS(enable_kv_cache_events=on, publisher=publisher,
+                                      endpoint=endpoint, topic=topic),
+                  parallel_config=NS(data_parallel_rank=rank))
+
+    assert kv_events_publisher(cfg("tcp://*:5557")) == (5557, "kv")
+    assert kv_events_publisher(cfg("tcp://*:5557", rank=2)) == (5559, "kv")  # as vLLM offsets
+    assert kv_events_publisher(cfg("tcp://[::]:5557", topic="")) == (5557, "")
+    for bad in (cfg("tcp://*:0"), cfg("tcp://*:5557", on=False), cfg("tcp://*:5557", "null"),
+                cfg("ipc:///tmp/kv"), cfg("tcp://10.0.0.9:5557"), cfg("tcp://*:x"),
+                NS(kv_events_config=None)):
+        assert kv_events_publisher(bad) is None
+
+
 def test_tensor_parallel_decode_leg_needs_every_ranks_address() -> None:
     book = _book("decode-0", tp=2)
     book.on_new_request("d1", _pull_leg(tp_size=2), PROMPT)

@@ -20,12 +20,12 @@ LAYERS = (
     ("app",),
     ("admin", "discovery", "dispatch"),
     ("planning",),
-    ("relay",),
+    ("relay", "kvfeed"),
     ("pool",),
     ("failures", "metrics", "notices", "reasons", "tenants", "flight",
      "tracing"),
     ("settings",),
-    ("routing", "credit", "planner"),
+    ("routing", "credit", "planner", "kvevents"),
     ("members", "prefixes"),
 )
 

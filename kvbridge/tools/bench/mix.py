@@ -107,6 +107,8 @@ class Outcome:
     text: str = ""
     path: str | None = None
     """``path`` of the ``X-KVBridge-Plan`` answer header, when there was one."""
+    plan: str | None = None
+    """The whole ``X-KVBridge-Plan`` header (estimates, why), when there was one."""
     mismatch: bool | None = None
     """Output differs from the reference's (None: no reference, or either side failed)."""
 
@@ -150,7 +152,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: MixRequest, po
                                 json=request_body(req, salt, model),
                                 headers={MODE_HEADER: policy},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            out.path = parse_plan_header(resp.headers.get(PLAN_HEADER)).get("path") or None
+            out.plan = resp.headers.get(PLAN_HEADER)
+            out.path = parse_plan_header(out.plan).get("path") or None
             if resp.status != 200:
                 body = (await resp.read())[:300].decode("utf-8", "replace")
                 raise ValueError(f"HTTP {resp.status}: {body}")

@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,6 +52,7 @@ __all__ = [
     "free_port",
     "VllmServer",
     "start_servers",
+    "signals_unwind",
     "stop_all",
 ]
 
@@ -462,3 +463,23 @@ def start_servers(
             with contextlib.suppress(Exception):
                 s.stop()
         raise
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every finally: engines are stopped
+
+
+@contextlib.contextmanager
+def signals_unwind() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise SystemExit, so the ``finally`` blocks of a bench
+    stop the engines it started (the old handlers come back on exit; a no-op off the main
+    thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,6 +52,7 @@ from kvbridge.tools.bench.mix import (
 )
 from kvbridge.tools.bench.mix_workload import DEFAULT_SHARES, generate_trace, parse_shares
 from kvbridge.tools.bench.serve_settings import fleet_name, parse_fleet, parse_rates
+from kvbridge.tools.engines import signals_unwind
 
 __all__ = ["add_arguments", "cli_main", "parse_max_tokens", "proxy_mode"]
 
@@ -139,23 +139,6 @@ def _check(args: argparse.Namespace) -> dict[str, Any]:
                              max_tokens=max_tokens) for r in rates]  # fmt: skip
     return {"policies": parse_policies(args.policies), "fleet": parse_fleet(args.fleet),
             "traces": traces, "shares": shares, "max_tokens": max_tokens}
-
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every finally: engines are stopped
-
-
-@contextlib.contextmanager
-def _signals_unwind() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def _say(msg: str) -> None:
@@ -345,7 +328,7 @@ def run_mix(args: argparse.Namespace, say: Callable[[str], None] = _say) -> dict
                 say=say))  # fmt: skip
             save()
 
-    with _signals_unwind():
+    with signals_unwind():
         if args.proxy is not None:
             rates(args.proxy, None)
         else:

@@ -56,13 +56,10 @@ the figures and table :mod:`~kvbridge.tools.bench.serve_results`'s and the plots
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -90,6 +87,7 @@ from kvbridge.tools.bench.serve_settings import (
     parse_setups,
     setup_group,
 )
+from kvbridge.tools.engines import signals_unwind
 
 __all__ = ["add_arguments", "cli_main", "settings_from_args"]
 
@@ -175,24 +173,6 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     )
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every finally: engines are stopped
-
-
-@contextlib.contextmanager
-def _signals_unwind() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise SystemExit (so finally blocks stop the engines) while inside."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
 def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: bool,
                   results: Path | None = None) -> None:
     if as_json:
@@ -237,7 +217,7 @@ def cli_main(args: argparse.Namespace) -> int:
     out = (settings.out or Path(tempfile.mkdtemp(prefix="kvbridge-bench-serve-"))).resolve()
     settings = replace(settings, out=out)
     print(f"kvbridge bench serve: results and logs in {out}", file=sys.stderr, flush=True)
-    with _signals_unwind():
+    with signals_unwind():
         report = run_serve_bench(settings, out, progress_bar=not args.no_progress)
     plots = write_plots(report, out) if settings.plots else []
     _print_report(report, plots, args.json)

@@ -40,7 +40,7 @@ thread-safe (one event loop).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvbridge.tools.simulate.cpu import Task
@@ -52,6 +52,18 @@ __all__ = ["SimRequest", "PrefillEngine", "DecodeEngine"]
 
 Hook = Callable[[float, "SimRequest"], None]
 """A callback of the engines: ``hook(t, request)``, the way :meth:`EventLoop.at` calls."""
+
+
+def _chunks(reqs: Iterable[SimRequest], budget: int) -> list[tuple[SimRequest, int]]:
+    """Chunked prefill: each request's next chunk, in order, until ``budget`` tokens are used."""
+    out: list[tuple[SimRequest, int]] = []
+    for r in reqs:
+        if budget <= 0:
+            break
+        n = min(r.compute_len - r.prefilled, budget)
+        out.append((r, n))
+        budget -= n
+    return out
 
 
 @dataclass(eq=False)
@@ -175,14 +187,8 @@ class PrefillEngine:
             onloop += cost
             self.loop.at(t + onloop, fn, r)
         self.jobs = []
-        budget = self.cost.max_batched_tokens
-        batch: list[tuple[SimRequest, int]] = []
-        for r in self.running:
-            if budget <= 0:
-                break
-            n = min(r.compute_len - r.prefilled, budget)
-            batch.append((r, n))
-            budget -= n
+        batch = _chunks(self.running, self.cost.max_batched_tokens)
+        budget = self.cost.max_batched_tokens - sum(n for _, n in batch)
         while self.waiting and budget > 0:
             r = self.waiting[0]
             need = self.shape.blocks(r.spec.prompt_len)
@@ -325,15 +331,7 @@ class DecodeEngine:
         after one token per decoding request."""
         if not self.prefilling or self.prefill is None:
             return []
-        budget = self.prefill.max_batched_tokens - len(self.running)
-        out: list[tuple[SimRequest, int]] = []
-        for r in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(r.compute_len - r.prefilled, budget)
-            out.append((r, n))
-            budget -= n
-        return out
+        return _chunks(self.prefilling, self.prefill.max_batched_tokens - len(self.running))
 
     def _prefill_time(self, chunks: list[tuple[SimRequest, int]]) -> float:
         """What the chunks add to the step: P's per-token and attention costs, and P's fixed

@@ -90,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cheapest path meeting it wins (default 0: none, the fastest path wins)",
     )
     parser.add_argument(
+        "--plan-tpot-slo-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="plan: the decode engines' TPOT SLO; while a D's recent TPOT is within 15%% of "
+        "it, a request whose prefill would stall D's decodes is not served by D alone "
+        "(default 0: no guard)",
+    )
+    parser.add_argument(
         "--plan-tie",
         type=float,
         default=0.1,
@@ -258,7 +267,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         engines_file=args.engines_file,
         discovery_interval_s=args.discovery_interval,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
-        plan=PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms, tie=args.plan_tie,
+        plan=PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms,
+                             tpot_slo_ms=args.plan_tpot_slo_ms, tie=args.plan_tie,
                              explore_every=args.plan_explore_every),
     )
 

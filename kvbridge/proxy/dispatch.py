@@ -259,6 +259,7 @@ class Dispatcher:
             tid = new_transfer_id()
             att.p, att.tid = p, tid
             call.flight.attempt(ProxyMode.PULL.value, tid, p.url)
+            self.planning.prefilling(call, p)
             try:
                 answer = await self.relay.prefill_leg(
                     p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
@@ -312,6 +313,7 @@ class Dispatcher:
         self._record(decision, call)
         tid = att.tid = new_transfer_id()
         att.probe = info
+        self.planning.prefilling(call, p)
         call.flight.attempt(ProxyMode.PUSH.value, tid, p.url, d.url)
         p_leg = att.p_leg = asyncio.ensure_future(
             self.relay.prefill_leg(
@@ -349,6 +351,7 @@ class Dispatcher:
         d = att.d = self._pick_decode(call)
         d.acquire()
         call.flight.attempt(ProxyMode.LOCAL.value, "", "", d.url)
+        self.planning.prefilling(call, d)
         d_open = asyncio.ensure_future(self.relay.open(d, path, body, call))
         legs: list[tuple[Engine, TransferParams | None]] = [(d, None)]
         try:

@@ -29,11 +29,11 @@ sends it all (``Plan.d_tiers`` False, ``tiers=off`` in the header, ``kvbridge_ti
 D's params) — chosen when the path's own cost model says reading the tier is slower than moving
 the tokens, e.g. a disk tier that slowed down.
 
-The choice (:meth:`Planner.choose`): with a TTFT SLO, the paths whose estimate meets it are the
-candidates and the one that leaves P free (``local``) wins among them, else the fastest meeting
-it (``why=slo``); when none meets it, the fastest (``why=slo_missed``). Without an SLO, the
-fastest, except that ``local`` wins when it is within ``tie`` of the fastest (``why=tie``: it
-leaves P free for others); otherwise ``why=fastest``. The estimates of every path go into the
+The choice (:meth:`Planner.choose`): the fastest path, except that ``local`` wins when it is
+within ``tie`` of the fastest (``why=tie``: it leaves P free for others); otherwise
+``why=fastest``, or ``why=slo_missed`` when even the fastest is expected to miss the request's
+TTFT SLO. The caller may leave ``local`` out of the candidates (the proxy does when D's decodes
+are at their TPOT SLO: :mod:`kvbridge.proxy.planning`). The estimates of every path go into the
 :class:`Plan`, which the proxy returns as the ``X-KVBridge-Plan`` header.
 
 Plain data and arithmetic (numpy for a 4x4 solve): no I/O, no aiohttp. Not thread-safe: the
@@ -73,31 +73,39 @@ class Features:
     """Prompt tokens the chosen D holds already in its prefix cache (or, when the proxy cannot
     tell where, anywhere) and reuses."""
     queue: float
-    """Requests in flight on the engine that prefills (D for ``local``, P otherwise)."""
+    """Prompt tokens already sent to the engine that prefills (D for ``local``, P otherwise)
+    and not yet past their first token: the prefill work ahead of this one."""
     cpu: float = 0.0
     """Prompt tokens the chosen D holds only in a host-memory tier (KV events' medium CPU)."""
     storage: float = 0.0
     """Prompt tokens the chosen D holds only in a disk or remote tier (medium STORAGE)."""
+    decodes: float = 0.0
+    """``local``: requests in flight on D, whose decode steps D's prefill shares."""
 
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.compute / 1000.0, self.move / 1000.0, self.held / 1000.0,
-                         self.queue, self.cpu / 1000.0, self.storage / 1000.0])
+                         self.queue / 1000.0, self.cpu / 1000.0, self.storage / 1000.0,
+                         self.decodes])
 
 
 #: Prior coefficients (ms): fixed cost, per 1000 computed tokens, per 1000 moved tokens, per 1000
-#: held tokens, per queued request, per 1000 tokens from a host-memory tier, per 1000 from a disk
-#: or remote tier. Only the first few decisions of a path lean on them, and a coefficient no
-#: recent observation informs drifts back to its prior: reading a tier is assumed cheaper than
-#: moving the tokens from P, so a tier found slow is tried again once its slow observations
-#: have aged out.
+#: held tokens, per 1000 prefill tokens queued ahead, per 1000 tokens from a host-memory tier, per
+#: 1000 from a disk or remote tier, per request decoding on D (D alone). Only the first few
+#: decisions of a path lean on them, and a coefficient no recent observation informs drifts back
+#: to its prior: reading a tier is assumed cheaper than moving the tokens from P, so a tier found
+#: slow is tried again once its slow observations have aged out.
 _PRIORS: dict[Path, tuple[float, ...]] = {
-    Path.LOCAL: (10.0, 100.0, 0.0, 2.0, 10.0, 2.0, 5.0),
-    Path.PUSH: (20.0, 100.0, 10.0, 2.0, 10.0, 2.0, 5.0),
-    Path.PULL: (30.0, 100.0, 10.0, 2.0, 10.0, 2.0, 5.0),
+    Path.LOCAL: (10.0, 100.0, 0.0, 2.0, 100.0, 2.0, 5.0, 5.0),
+    Path.PUSH: (20.0, 100.0, 10.0, 2.0, 100.0, 2.0, 5.0, 0.0),
+    Path.PULL: (30.0, 100.0, 10.0, 2.0, 100.0, 2.0, 5.0, 0.0),
 }
-_FEATURES = 7
-#: Index of the per-queued-request coefficient in a cost model's ``coef``.
+_FEATURES = 8
+#: Index of the per-1000-queued-tokens coefficient in a cost model's ``coef``.
 QUEUE = 4
+#: Index of the per-1000-computed-tokens coefficient in a cost model's ``coef``.
+COMPUTE = 1
+#: Index of the per-decoding-request coefficient (D alone) in a cost model's ``coef``.
+DECODES = 7
 
 
 def kind_of(features: Mapping[Path, Features]) -> tuple[int, int, int]:
@@ -165,9 +173,12 @@ class PlannerSettings:
 
     ttft_slo_ms: float = 0.0
     """Default TTFT SLO (ms) of a request without the ``X-KVBridge-TTFT-SLO-Ms`` header; 0:
-    none (the fastest path wins)."""
+    none. A plan expected to miss it says ``why=slo_missed``."""
+    tpot_slo_ms: float = 0.0
+    """TPOT SLO (ms) of the decode engines' streams; 0: none. While a D's recent TPOT is near
+    it, requests whose prefill would stall D's decodes are not served by D alone."""
     tie: float = 0.1
-    """Without an SLO, ``local`` wins when its estimate is within this share of the fastest."""
+    """``local`` wins when its estimate is within this share of the fastest."""
     warmup: int = 3
     """Observations of a path before its estimate is trusted."""
     explore_every: int = 16
@@ -190,6 +201,8 @@ class Plan:
     features: Mapping[Path, Features] = field(default_factory=dict)
     d_tiers: bool = True
     """A hand-off: whether D's offload tiers load what they hold (False: P sends it all)."""
+    guard: str = ""
+    """Why a path was left out of the candidates (``tpot``: D's decodes at their TPOT SLO)."""
 
     def header(self) -> str:
         """The ``X-KVBridge-Plan`` value: ``path=push; est_ms=41.0; local=80.2; push=41.0;
@@ -200,6 +213,8 @@ class Plan:
         parts += [f"{p.value}={self.estimates[p]:.1f}" for p in Path if p in self.estimates]
         if not self.d_tiers:
             parts.append("tiers=off")
+        if self.guard:
+            parts.append(f"guard={self.guard}")
         parts.append(f"why={self.why}")
         return "; ".join(parts)
 
@@ -247,7 +262,8 @@ class Planner:
         for p, f in features.items():
             if p is Path.LOCAL or f.cpu + f.storage <= 0:
                 continue
-            alt = Features(f.compute, f.move + f.cpu + f.storage, f.held, f.queue)
+            alt = Features(f.compute, f.move + f.cpu + f.storage, f.held, f.queue,
+                           decodes=f.decodes)
             if self.estimate(p, alt) < self.estimate(p, f):
                 out[p] = alt
                 off.add(p)
@@ -270,13 +286,8 @@ class Planner:
             return min((p for p in est if p is not best), key=lambda p: seen[p.value]), "explore"
         slo = s.ttft_slo_ms if slo_ms is None else slo_ms
         fastest = min(est, key=lambda p: (est[p], p is not Path.LOCAL))
-        if slo > 0:
-            meeting = [p for p in est if est[p] <= slo]
-            if not meeting:
-                return fastest, "slo_missed"
-            if Path.LOCAL in meeting:
-                return Path.LOCAL, "slo"
-            return min(meeting, key=lambda p: est[p]), "slo"
+        if slo > 0 and est[fastest] > slo:
+            return fastest, "slo_missed"
         if (fastest is not Path.LOCAL and Path.LOCAL in est
                 and est[Path.LOCAL] <= est[fastest] * (1.0 + s.tie)):
             return Path.LOCAL, "tie"
@@ -303,7 +314,8 @@ class Planner:
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         """Each path's coefficients and observation count (for ``/admin`` and tests)."""
         names = ("base_ms", "ms_per_1k_compute", "ms_per_1k_move", "ms_per_1k_held",
-                 "ms_per_queued", "ms_per_1k_cpu_tier", "ms_per_1k_storage_tier")
+                 "ms_per_1k_queued", "ms_per_1k_cpu_tier", "ms_per_1k_storage_tier",
+                 "ms_per_decoding")
         return {p.value: {"observations": m.count,
                           **{n: round(float(c), 3) for n, c in zip(names, m.coef, strict=True)}}
                 for p, m in self.models.items()}

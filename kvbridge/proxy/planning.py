@@ -20,12 +20,22 @@ Runs on the proxy's event loop; not thread-safe. No I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvbridge.proxy.kvfeed import EnginePrefixes
 from kvbridge.proxy.members import Engine, NoEngine, Role
-from kvbridge.proxy.planner import QUEUE, Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.planner import (
+    COMPUTE,
+    DECODES,
+    QUEUE,
+    Features,
+    Path,
+    Plan,
+    Planner,
+    PlannerSettings,
+)
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.prefixes import PrefixIndex, Prompt, prompt_of
 from kvbridge.proxy.relay import Call
@@ -69,8 +79,39 @@ class Planning:
 
     def __init__(self, fleet: Fleet, settings: PlannerSettings) -> None:
         self.fleet = fleet
+        self.settings = settings
         self.planner = Planner(settings)
         self.index = PrefixIndex()
+        #: per engine URL: prompt tokens sent to it to prefill and not yet past their first token
+        self.pending: dict[str, float] = {}
+        #: per decode engine URL: its streams' recent TPOT (ms, an EWMA of finished requests)
+        self.tpot: dict[str, float] = {}
+
+    def prefilling(self, call: Call, e: Engine) -> None:
+        """``e`` is to prefill ``call``'s prompt (less what it holds): counted in its queue
+        until the request's first token or its end."""
+        if call.prompt is None:
+            return
+        tokens = max(0.0, call.prompt.tokens - sum(self._held(e.url, call.prompt)))
+        self.pending[e.url] = self.pending.get(e.url, 0.0) + tokens
+
+        def done() -> None:
+            left = self.pending.get(e.url, 0.0) - tokens
+            if left > 0.5:
+                self.pending[e.url] = left
+            else:
+                self.pending.pop(e.url, None)
+
+        call.on_first_token.append(done)
+
+    def _guarded(self, d: Engine, local: Features) -> bool:
+        """D alone is left out: D's recent TPOT is within 15 % of the TPOT SLO, and this
+        prefill would take more than half a TPOT SLO of D's time (its measured cost)."""
+        slo = self.settings.tpot_slo_ms
+        if slo <= 0 or self.tpot.get(d.url, 0.0) < 0.85 * slo:
+            return False
+        per_token = max(0.0, float(self.planner.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
+        return local.compute * per_token > 0.5 * slo
 
     def prompt(self, call: Call, body: Mapping[str, Any], chat: bool) -> Prompt:
         """The request's prompt, computed once per request."""
@@ -91,27 +132,31 @@ class Planning:
                   ) -> dict[Path, Features]:
         cached, cpu, storage = self._held(d.url, prompt)
         held_d = cached + cpu + storage
-        out = {Path.LOCAL: Features(prompt.tokens - held_d, 0.0, cached, d.in_flight,
-                                    cpu=cpu, storage=storage)}
+        out = {Path.LOCAL: Features(prompt.tokens - held_d, 0.0, cached,
+                                    self.pending.get(d.url, 0.0), cpu=cpu, storage=storage,
+                                    decodes=d.in_flight)}
         if p is not None:
             held_p = sum(self._held(p.url, prompt))
-            f = Features(prompt.tokens - held_p, prompt.tokens - held_d, cached, p.in_flight,
-                         cpu=cpu, storage=storage)
+            f = Features(prompt.tokens - held_p, prompt.tokens - held_d, cached,
+                         self.pending.get(p.url, 0.0), cpu=cpu, storage=storage)
             out[Path.PUSH] = out[Path.PULL] = f
         return out
 
     def decode_rank(self, path: Path, prompt: Prompt, p: Engine | None = None
                     ) -> Callable[[Engine], float]:
         """The order of decode engines for ``path`` (lower is better): the path's estimate
-        with that D, plus, for a hand-off, D's own queue at the cost of a queued request on D
-        (for ``local`` the queue is in the estimate already)."""
+        with that D, plus, for a hand-off, D's own load at D alone's cost of the requests
+        decoding there and the prefill work queued there (for ``local`` both are in the
+        estimate already)."""
         model = self.planner.models
 
         def rank(d: Engine) -> float:
             f = self._features(prompt, p, d)
             est = self.planner.estimate(path, f.get(path, f[Path.LOCAL]))
             if path is not Path.LOCAL:
-                est += max(0.0, float(model[Path.LOCAL].coef[QUEUE])) * d.in_flight
+                coef = model[Path.LOCAL].coef
+                est += (max(0.0, float(coef[DECODES])) * d.in_flight
+                        + max(0.0, float(coef[QUEUE])) * self.pending.get(d.url, 0.0) / 1000)
             return est
 
         return rank
@@ -122,7 +167,8 @@ class Planning:
         def rank(p: Engine) -> float:
             held_p = sum(self._held(p.url, prompt))
             return self.planner.estimate(
-                path, Features(prompt.tokens - held_p, prompt.tokens, 0.0, p.in_flight))
+                path, Features(prompt.tokens - held_p, prompt.tokens, 0.0,
+                               self.pending.get(p.url, 0.0)))
 
         return rank
 
@@ -138,7 +184,14 @@ class Planning:
             raise NoEngine(Role.DECODE, self.fleet.decodes.engines)
         p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL],
                   self.prefill_rank(Path.PUSH, prompt))
-        plan = self.planner.choose(self._features(prompt, p, d), call.slo_ms)
+        features = self._features(prompt, p, d)
+        guard = ""
+        if len(features) > 1 and self._guarded(d, features[Path.LOCAL]):
+            guard = "tpot"
+            features.pop(Path.LOCAL)
+        plan = self.planner.choose(features, call.slo_ms)
+        if guard:
+            plan = dataclasses.replace(plan, guard=guard)
         call.plan = plan
         call.reply_headers["X-KVBridge-Plan"] = plan.header()
         return plan
@@ -165,6 +218,10 @@ class Planning:
             return
         if flight.decode:
             self.index.record(flight.decode, prompt)
+            if call.stream and call.events >= 3 and call.last_at > call.first_at:
+                tpot = 1000.0 * (call.last_at - call.first_at) / (call.events - 1)
+                old = self.tpot.get(flight.decode)
+                self.tpot[flight.decode] = tpot if old is None else 0.7 * old + 0.3 * tpot
         if flight.prefill:
             self.index.record(flight.prefill, prompt)
         plan = call.plan

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -120,6 +121,25 @@ class Call:
     """The planner's plan for the request (:mod:`kvbridge.proxy.planner`), once made."""
     reply_headers: dict[str, str] = field(default_factory=dict)
     """Headers the client's answer carries besides D's (``X-KVBridge-Plan``)."""
+    events: int = 0
+    """SSE data events relayed to the client (about one per token), ``[DONE]`` left out."""
+    first_at: float = 0.0
+    last_at: float = 0.0
+    """When (monotonic) the first and the last of them went out."""
+    on_first_token: list[Callable[[], None]] = field(default_factory=list)
+    """Called once, when the first token goes out or the request ends without one (the
+    planner's count of prefill work in flight on an engine)."""
+
+    def first_token(self) -> None:
+        """The first token (or, not streamed, the whole answer) is going out now."""
+        self.flight.mark("first_token")
+        self.first_at = self.last_at = time.monotonic()
+        self._fire()
+
+    def _fire(self) -> None:
+        hooks, self.on_first_token = self.on_first_token, []
+        for hook in hooks:
+            hook()
 
     def hold(self, e: Engine) -> None:
         """Count a hand-off on ``e`` until the request ends (once per engine)."""
@@ -130,6 +150,7 @@ class Call:
     def release_held(self) -> None:
         """The request ended: nothing it handed off is served any more, and its KV credit is
         free again."""
+        self._fire()
         for e in self.held:
             e.unhold()
         self.held.clear()
@@ -385,7 +406,7 @@ class Relay:
                         p_leg.cancel()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 if resp.status < 400:
-                    call.flight.mark("first_token")  # the whole answer: its first token too
+                    call.first_token()  # the whole answer: its first token too
                 error = None if resp.status < 400 else f"decode answered {resp.status}"
                 return web.Response(body=raw, status=resp.status,
                                     headers={**call.reply_headers, "Content-Type": ctype,
@@ -416,8 +437,12 @@ class Relay:
                     log.info("%s client went away; closing the decode stream", call.rid)
                     return out
                 if chunk is first:
-                    call.flight.mark("first_token")
+                    call.first_token()
                     self.metrics.observe_ttft(call.mode, time.monotonic() - call.t0)
+                n = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+                if n > 0:
+                    call.events += n
+                    call.last_at = time.monotonic()
                 try:
                     chunk = await self._next_chunk(d, resp)
                 except LegFailed as exc:  # headers are gone: report in-band, like vLLM does

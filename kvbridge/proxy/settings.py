@@ -162,6 +162,9 @@ class ProxySettings:
         if not 0 <= plan.ttft_slo_ms < math.inf:
             raise ConfigError("--plan-ttft-slo-ms must be >= 0 (0: none) and finite, got "
                               f"{plan.ttft_slo_ms}")
+        if not 0 <= plan.tpot_slo_ms < math.inf:
+            raise ConfigError("--plan-tpot-slo-ms must be >= 0 (0: none) and finite, got "
+                              f"{plan.tpot_slo_ms}")
         if not 0 <= plan.tie <= 10:
             raise ConfigError(f"--plan-tie must be in [0, 10], got {plan.tie}")
         if not 0 <= plan.explore_every <= 1_000_000:

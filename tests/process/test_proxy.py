@@ -2266,3 +2266,33 @@ async def test_plan_sends_a_prompt_to_the_p_that_computed_its_prefix(
         prompt = prompt + [900 + turn] * 30
         assert await push(prompt) == first
     assert {await push([7000 + i] * 50) for i in range(4)} == {"p1", "p2"}  # cold: by load
+
+
+async def test_plan_keeps_long_prefills_off_a_d_whose_decodes_are_at_their_tpot_slo(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """D streams a token every 50 ms, over a 40 ms TPOT SLO: once the proxy has measured that,
+    a prompt whose prefill would take D more than half the SLO is handed off (guard=tpot),
+    while a short one still goes to D alone; the prefill work the planner counts per engine
+    is back to nothing when the requests are done."""
+    from kvbridge.proxy.planner import PlannerSettings
+    p = await engines("prefill", prefill_delay=0.01)
+    d = await engines("decode", local_per_token=0.0005, handoff_delay=0.03, chunk_delay=0.05)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PLAN,
+                          plan=PlannerSettings(tpot_slo_ms=40.0, explore_every=0))
+    url = proxy.url + "/v1/completions"
+
+    async def ask(tokens: int, seed: int) -> dict[str, str]:
+        body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True}
+        async with client.post(url, json=body) as r:
+            assert r.status == 200
+            await r.read()
+            return plan_of(r.headers)
+
+    for seed in range(9):  # every path measured (warm-up), D's TPOT too
+        await ask(10 if seed % 2 else 400, seed)
+    planning = proxy.dispatcher.planning
+    assert planning.tpot[d.url] > 40.0
+    long, short = await ask(400, 100), await ask(10, 101)
+    assert long["path"] in ("push", "pull") and long.get("guard") == "tpot", long
+    assert short["path"] == "local" and "guard" not in short, short
+    assert planning.pending == {}

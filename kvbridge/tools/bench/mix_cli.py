@@ -197,8 +197,8 @@ class _ProxyProcess:
     behind the load generator, bunching streamed tokens). Log in ``log_path``."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], mode: str,
-                 log_path: Path) -> None:
-        self.args = ["--prefill", *prefill, "--decode", *decode, "--mode", mode]
+                 log_path: Path, extra: Sequence[str] = ()) -> None:
+        self.args = ["--prefill", *prefill, "--decode", *decode, "--mode", mode, *extra]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -262,8 +262,11 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path
         _say(f"starting {fleet_name(prefill, decode)} {config} engines (logs in {out_dir})")
         start_servers([*ps, *ds], timeout=args.start_timeout)
         # the engines' ports are known once they started
+        # the planner is told the SLOs the goodput column counts (an operator tells it theirs)
+        slos = (["--plan-ttft-slo-ms", str(args.ttft_slo_ms),
+                 "--plan-tpot-slo-ms", str(args.tpot_slo_ms)] if mode == "plan" else [])
         proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
-                              out_dir / "logs" / "proxy.log")
+                              out_dir / "logs" / "proxy.log", slos)
         url = proxy.start(timeout=60.0)
         info = {"engines": config, "proxy_mode": mode, "logs": str(out_dir / "logs")}
         yield url, _Engines(ps, ds, url, args), info

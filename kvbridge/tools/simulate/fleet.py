@@ -108,6 +108,10 @@ class Fleet:
                                      self._d_loop_done, self._finished,
                                      prefill=profile.prefill)
                         for i in range(decodes)]
+        #: the planner's queue feature: prompt tokens sent to each engine (by URL) to prefill
+        #: whose first token has not come yet; per request id, its share
+        self._pending: dict[str, float] = {}
+        self._pending_of: dict[int, tuple[str, float]] = {}
         if self.planner is not None:
             for d in self.decodes:
                 d.on_first = self._observe
@@ -215,6 +219,7 @@ class Fleet:
             d = self.dpool.pick(t)
             d.acquire()
             r.d = self._index(self.dpool, d)
+            self._prefilling(r, d.url)
             self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
             return
         if r.mode == "push":
@@ -227,8 +232,14 @@ class Fleet:
         p = self.ppool.pick(t)
         p.acquire()
         r.p = self._index(self.ppool, p)
+        self._prefilling(r, p.url)
         self._hop(t, "proxy", 0.0 if r.mode == "push" else work, self._leg_s(r), self._p_api,
                   r)
+
+    def _prefilling(self, r: SimRequest, url: str) -> None:
+        if self.planner is not None:
+            self._pending[url] = self._pending.get(url, 0.0) + r.compute_len
+            self._pending_of[r.id] = (url, float(r.compute_len))
 
     # -- plan --------------------------------------------------------------------------------
 
@@ -238,16 +249,20 @@ class Fleet:
         the fleet has one. Every engine holds the same leading share of the prompt."""
         prompt = r.spec.prompt_len
         held = float(prompt - r.compute_len)
-        d_queue = min(e.in_flight for e in self.dpool.engines)
-        out = {Path.LOCAL: Features(float(r.compute_len), 0.0, held, float(d_queue))}
+        d = min(self.dpool.engines, key=lambda e: e.in_flight)
+        out = {Path.LOCAL: Features(float(r.compute_len), 0.0, held,
+                                    self._pending.get(d.url, 0.0), decodes=d.in_flight)}
         if self.ppool.engines:
-            p_queue = min(e.in_flight for e in self.ppool.engines)
+            p_queue = min(self._pending.get(e.url, 0.0) for e in self.ppool.engines)
             out[Path.PUSH] = out[Path.PULL] = Features(float(r.compute_len), prompt - held,
-                                                       held, float(p_queue))
+                                                       held, p_queue)
         return out
 
     def _observe(self, t: float, r: SimRequest) -> None:
         """D's first token of ``r``: the planner learns the TTFT the proxy would measure."""
+        url, tokens = self._pending_of.pop(r.id, ("", 0.0))
+        if url:
+            self._pending[url] = max(0.0, self._pending.get(url, 0.0) - tokens)
         if self.planner is None or not isinstance(r.plan, Plan) or r.t_proxy is None:
             return
         ttft_ms = (t + self.profile.proxy.stream_s - r.t_proxy) * 1000.0

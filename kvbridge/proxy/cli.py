@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="MS",
-        help="plan: the decode engines' TPOT SLO; while a D's recent TPOT is within 15%% of "
+        help="plan: the decode engines' TPOT SLO; while a D's recent TPOT is past 75%% of "
         "it, a request whose prefill would stall D's decodes is not served by D alone "
         "(default 0: no guard)",
     )

@@ -74,6 +74,11 @@ def _best(engines: Sequence[Engine], avoid: Collection[str],
     return min(candidates, key=rank, default=None)
 
 
+TPOT_GUARD = 0.75
+"""The share of the TPOT SLO a D's measured TPOT may reach before long prefills leave it: a mean
+of the last requests' TPOTs at 75 % of the SLO already has a tail past it."""
+
+
 class Planning:
     """The planner and prefix index of one proxy (module docstring)."""
 
@@ -105,10 +110,10 @@ class Planning:
         call.on_first_token.append(done)
 
     def _guarded(self, d: Engine, local: Features) -> bool:
-        """D alone is left out: D's recent TPOT is within 15 % of the TPOT SLO, and this
-        prefill would take more than half a TPOT SLO of D's time (its measured cost)."""
+        """D alone is left out: D's recent TPOT is past :data:`TPOT_GUARD` of the TPOT SLO, and
+        this prefill would take more than half a TPOT SLO of D's time (its measured cost)."""
         slo = self.settings.tpot_slo_ms
-        if slo <= 0 or self.tpot.get(d.url, 0.0) < 0.85 * slo:
+        if slo <= 0 or self.tpot.get(d.url, 0.0) < TPOT_GUARD * slo:
             return False
         per_token = max(0.0, float(self.planner.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
         return local.compute * per_token > 0.5 * slo

@@ -121,6 +121,7 @@ class Subscriber:
         self._sock.setsockopt(zmq.LINGER, 0)
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.events: list[Any] = []
+        self.payloads: list[bytes] = []  # as they came: what a proxy's feed decodes itself
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -138,6 +139,7 @@ class Subscriber:
             batch = decoder.decode(payload)
             with self._lock:
                 self.events.extend(batch.events)
+                self.payloads.append(payload)
 
     def taken(self) -> list[Any]:
         with self._lock:
@@ -265,6 +267,38 @@ def test_kv_events_name_every_tier_store_and_eviction_with_vllms_hashes(
                 for h in e.block_hashes}
     assert ours(BlockStored, "disk") and set(ours(BlockStored, "disk")) <= vllm_own
     assert stats.get("kv_events_unknown", 0) == 0
+
+
+def test_the_planner_sees_where_a_prefix_is_from_the_engines_events(
+        engine: Engine, subscriber: Subscriber) -> None:
+    """The proxy's event index (what the planner asks where a prefix's KV is), fed the very
+    batches this engine published: a new prompt is held in vLLM's cache (GPU); once that cache
+    is dropped, the same prompt is held in the host-memory tier (CPU) — the tier's LookupBuffer,
+    seen through its events — and under another tenant's salt, nowhere."""
+    from kvbridge.proxy.kvevents import EventIndex
+    from kvbridge.proxy.prefixes import prompt_of
+
+    prompt = random_prompts(1, 200, seed=93)[0]  # 6 whole blocks
+    start = len(subscriber.payloads)
+    stored = engine.stats().get("offload_stored_blocks_dram", 0)
+    engine.reference(prompt)
+    engine.settle("offload_stored_blocks_dram", stored + 6)
+    engine.run(PROMPTS[0])  # a step after the store: its events reach vLLM's publisher
+    engine.reset()  # vLLM's own cache dropped: AllBlocksCleared
+    engine.run(PROMPTS[0])
+    body = {"model": "tiny", "prompt": prompt}
+    held: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        index = EventIndex("tiny")
+        for payload in subscriber.payloads[start:]:
+            index.apply(payload)
+        held = index.held(prompt_of(body, chat=False))
+        if held.get("CPU", 0) == 6 * 32:
+            break
+        time.sleep(0.5)
+    assert held == {"GPU": 0, "CPU": 6 * 32, "STORAGE": 0}, (held, index.stats)
+    assert sum(index.held(prompt_of({**body, "cache_salt": "other"}, chat=False)).values()) == 0
 
 
 def test_restart_keeps_the_disk_tier_and_corruption_is_recomputed(engine: Engine) -> None:

@@ -114,8 +114,10 @@ class LoopContext(Protocol):
     @property
     def fences(self) -> FenceOwner: ...
 
-    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
-        """Record a timing event of a transfer."""
+    def mark(self, transfer_id: str, event: str, when: float | None = None,
+             mono_ns: int | None = None) -> None:
+        """Record a timing event of a transfer (now, at wall time ``when``, or at
+        ``time.monotonic_ns()`` value ``mono_ns``)."""
 
     def count(self, name: str, mode: str, peer: Peer | None = None, *,
               stats: bool = True) -> None:

@@ -303,10 +303,12 @@ class TransferLoop(PeerEvents):
         under the GIL: each value is one the loop thread really held)."""
         return dict(self.stats)
 
-    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
-        """Record a timing event of a transfer (now, or at wall time ``when``) in the flight
-        recorder; it keeps the last 1024 transfers."""
-        self.recorder.mark(transfer_id, event, when)
+    def mark(self, transfer_id: str, event: str, when: float | None = None,
+             mono_ns: int | None = None) -> None:
+        """Record a timing event of a transfer (now, at wall time ``when``, or at
+        ``time.monotonic_ns()`` value ``mono_ns``) in the flight recorder; it keeps the last
+        1024 transfers."""
+        self.recorder.mark(transfer_id, event, when, mono_ns)
 
     def drain(self) -> Results:
         """Return and clear what finished since the last call."""

@@ -433,7 +433,7 @@ class PushSource:
             if prep is not None and len(todo) != len(core.layout.planes):
                 prep.discard()  # built for every plane, and only some are ready
                 prep = None
-            posted_at = time.time()  # before the post: a transport may copy inside it
+            posted_at = time.monotonic_ns()  # before the post: a transport may copy inside it
             try:
                 if prep is not None:
                     handle = prep.post()
@@ -446,7 +446,7 @@ class PushSource:
             core.watch_handle(handle)
             t.handles.append(handle)
             t.nbytes += handle.nbytes
-            core.mark(out.tid, "write_posted", posted_at)
+            core.mark(out.tid, "write_posted", mono_ns=posted_at)
             if len(t.handles) == 1:
                 core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,
                                 lambda: self._write_timeout(out, t))

@@ -79,8 +79,12 @@ class Recorder:
     def __len__(self) -> int:
         return len(self._records)
 
-    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
-        """Record ``event`` of ``transfer_id`` now (or at wall time ``when``, seconds)."""
+    def mark(self, transfer_id: str, event: str, when: float | None = None,
+             mono_ns: int | None = None) -> None:
+        """Record ``event`` of ``transfer_id`` now, or at wall time ``when`` (seconds, an event
+        another process stamped), or at ``time.monotonic_ns()`` value ``mono_ns`` (an event this
+        process stamped before marking it: on the same clock as "now", so it orders exactly
+        against the events marked now)."""
         now = time.monotonic_ns()
         tid, event = transfer_id[:MAX_ID], event[:MAX_ID]
         ended: list[tuple[str, float]] = []
@@ -97,7 +101,12 @@ class Recorder:
                 return
             # an event stamped elsewhere happened before it is marked: never after "now" (a
             # float wall time of ~1.8e9 s carries ~0.2 us of rounding, the anchor as much)
-            t = now if when is None else min(now, rec.mono0 + int(when * 1e9) - rec.wall0)
+            if mono_ns is not None:
+                t = min(now, mono_ns)
+            elif when is not None:
+                t = min(now, rec.mono0 + int(when * 1e9) - rec.wall0)
+            else:
+                t = now
             rec.events[event] = t
             if self.on_phase is not None:
                 for phase, start in _ENDING.get(event, ()):

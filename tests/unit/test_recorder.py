@@ -62,6 +62,21 @@ def test_wall_times_come_from_one_anchor_plus_the_monotonic_clock() -> None:
     assert got["b"] - got["a"] >= 0.019
 
 
+def test_a_monotonic_stamp_orders_exactly_against_marks_made_now() -> None:
+    """An event stamped on this process's monotonic clock before later marks stays before
+    them (a wall-clock stamp, converted through the anchor, could land microseconds after)."""
+    rec = Recorder(8)
+    rec.mark("t", "kv_ready")
+    before = time.monotonic_ns()
+    rec.mark("t", "ready_seen")
+    rec.mark("t", "write_posted", mono_ns=before)
+    rec.mark("t", "future", mono_ns=time.monotonic_ns() + 10**12)  # never after "now"
+    events = rec.get("t")
+    assert events is not None
+    assert events["kv_ready"] <= events["write_posted"] <= events["ready_seen"]
+    assert events["future"] <= time.time() + 0.001
+
+
 def test_a_phase_reaches_the_histogram_sink_once_when_its_end_is_marked() -> None:
     seen: list[tuple[str, float]] = []
     r = Recorder(on_phase=lambda name, s: seen.append((name, s)))

@@ -140,7 +140,8 @@ class FakeLoop:
         return False
 
     # the loop's own services
-    def mark(self, transfer_id: str, event: str, when: float | None = None) -> None:
+    def mark(self, transfer_id: str, event: str, when: float | None = None,
+             mono_ns: int | None = None) -> None:
         self.marks.append((transfer_id, event))
 
     def count(self, name: str, mode: str, peer: Peer | None = None, *,

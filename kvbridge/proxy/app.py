@@ -251,12 +251,12 @@ class ProxyServer:
 
         try:
             requested = requested_mode(request.headers)
+        except ValueError as exc:
+            return self._bad_header(exc, MODE_HEADER)
+        try:
             slo_ms = requested_slo(request.headers)
         except ValueError as exc:
-            self.metrics.error("bad_request")
-            self.metrics.request_done("none", "client_error")
-            header = MODE_HEADER if str(exc).startswith(MODE_HEADER) else SLO_HEADER
-            return _error(400, str(exc), "invalid_request_error", header)
+            return self._bad_header(exc, SLO_HEADER)
 
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         # the client's id when it is safe to key a record and echo, else the proxy's own
@@ -311,6 +311,12 @@ class ProxyServer:
                 call.trace.finish(call.mode, call.outcome, flight.tid, flight.retries)
             self.metrics.request_done(call.mode, call.outcome)
             self.metrics.observe_duration(call.mode, time.monotonic() - t0)
+
+    def _bad_header(self, exc: ValueError, header: str) -> web.Response:
+        """A request header the proxy reads holds no valid value: 400 naming it."""
+        self.metrics.error("bad_request")
+        self.metrics.request_done("none", "client_error")
+        return _error(400, str(exc), "invalid_request_error", header)
 
     # ---------------------------------------------------------------- other endpoints
 

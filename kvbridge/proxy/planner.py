@@ -32,8 +32,12 @@ the tokens, e.g. a disk tier that slowed down.
 The choice (:meth:`Planner.choose`): the fastest path, except that ``local`` wins when it is
 within ``tie`` of the fastest (``why=tie``: it leaves P free for others); otherwise
 ``why=fastest``, or ``why=slo_missed`` when even the fastest is expected to miss the request's
-TTFT SLO. The caller may leave ``local`` out of the candidates (the proxy does when D's decodes
-are at their TPOT SLO: :mod:`kvbridge.proxy.planning`). The estimates of every path go into the
+TTFT SLO. The **TPOT guard** leaves ``local`` out of the candidates first: with a TPOT SLO
+(``tpot_slo_ms``), while the chosen D's measured TPOT (``d_tpot_ms``, an average of its recent
+streams, :func:`smoothed_tpot`) is past :data:`TPOT_GUARD` of it, a request whose prefill would
+take D more than half an SLO (at ``local``'s learnt cost per token) is handed off
+(``guard=tpot``); the proxy (:mod:`kvbridge.proxy.planning`) and the simulator
+(``kvbridge simulate --mode plan``) both decide through it. The estimates of every path go into the
 :class:`Plan`, which the proxy returns as the ``X-KVBridge-Plan`` header.
 
 Plain data and arithmetic (numpy for a 4x4 solve): no I/O, no aiohttp. Not thread-safe: the
@@ -50,7 +54,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["CostModel", "Features", "Path", "Plan", "Planner", "PlannerSettings", "kind_of"]
+__all__ = ["TPOT_GUARD", "CostModel", "Features", "Path", "Plan", "Planner", "PlannerSettings",
+           "kind_of", "smoothed_tpot"]
 
 
 class Path(enum.StrEnum):
@@ -106,6 +111,16 @@ QUEUE = 4
 COMPUTE = 1
 #: Index of the per-decoding-request coefficient (D alone) in a cost model's ``coef``.
 DECODES = 7
+
+TPOT_GUARD = 0.75
+"""The share of the TPOT SLO a D's measured TPOT may reach before long prefills leave it: a mean
+of the last requests' TPOTs at 75 % of the SLO already has a tail past it."""
+
+
+def smoothed_tpot(old: float | None, tpot_ms: float) -> float:
+    """A D's measured TPOT (ms) once one more of its streams ended with ``tpot_ms``: an
+    exponential average of its last streams (``old`` None: the first)."""
+    return tpot_ms if old is None else 0.7 * old + 0.3 * tpot_ms
 
 
 def kind_of(features: Mapping[Path, Features]) -> tuple[int, int, int]:
@@ -235,22 +250,40 @@ class Planner:
     def estimate(self, path: Path, f: Features) -> float:
         return self.models[path].predict(f)
 
+    def guarded(self, local: Features, d_tpot_ms: float | None) -> bool:
+        """The TPOT guard: D alone is left out when D's measured TPOT ``d_tpot_ms`` is past
+        :data:`TPOT_GUARD` of the TPOT SLO and this prefill (``local.compute`` tokens at
+        ``local``'s learnt cost per token) would take D more than half an SLO."""
+        slo = self.settings.tpot_slo_ms
+        if slo <= 0 or d_tpot_ms is None or d_tpot_ms < TPOT_GUARD * slo:
+            return False
+        per_token = max(0.0, float(self.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
+        return local.compute * per_token > 0.5 * slo
+
     def choose(self, features: Mapping[Path, Features], slo_ms: float | None = None, *,
-               dry_run: bool = False) -> Plan:
+               d_tpot_ms: float | None = None, dry_run: bool = False) -> Plan:
         """The path for a request whose possible paths (those with an engine to take them) have
-        ``features``; ``slo_ms`` overrides the default SLO (0: none). Counts as one decision,
-        unless ``dry_run``: then nothing is counted and nothing explored (what would it choose
-        now?). A hand-off whose D holds part of the prompt in its tiers is planned with D's
-        tiers off (P sends those tokens too) when that is expected to be faster."""
+        ``features``; ``slo_ms`` overrides the default SLO (0: none); ``d_tpot_ms``: the
+        measured TPOT of the D ``local`` would use (None: not measured), for the TPOT guard
+        (:meth:`guarded`: ``local`` left out, ``guard=tpot`` in the plan, when another path is
+        possible). Counts as one decision, unless ``dry_run``: then nothing is counted and
+        nothing explored (what would it choose now?). A hand-off whose D holds part of the
+        prompt in its tiers is planned with D's tiers off (P sends those tokens too) when that
+        is expected to be faster."""
         if not features:
             raise ValueError("no path to choose from")
+        guard = ""
+        if (len(features) > 1 and Path.LOCAL in features
+                and self.guarded(features[Path.LOCAL], d_tpot_ms)):
+            features = {p: f for p, f in features.items() if p is not Path.LOCAL}
+            guard = "tpot"
         if not dry_run:
             self._decisions += 1
         kind = kind_of(features)
         features, off = self._tier_variants(features)
         est = {p: self.estimate(p, f) for p, f in features.items()}
         path, why = self._pick(kind, est, slo_ms, dry_run)
-        return Plan(path, why, est, features, d_tiers=path not in off)
+        return Plan(path, why, est, features, d_tiers=path not in off, guard=guard)
 
     def _tier_variants(self, features: Mapping[Path, Features]
                        ) -> tuple[dict[Path, Features], set[Path]]:

@@ -20,14 +20,12 @@ Runs on the proxy's event loop; not thread-safe. No I/O.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvbridge.proxy.kvfeed import EnginePrefixes
 from kvbridge.proxy.members import Engine, NoEngine, Role
 from kvbridge.proxy.planner import (
-    COMPUTE,
     DECODES,
     QUEUE,
     Features,
@@ -35,6 +33,7 @@ from kvbridge.proxy.planner import (
     Plan,
     Planner,
     PlannerSettings,
+    smoothed_tpot,
 )
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.prefixes import PrefixIndex, Prompt, prompt_of
@@ -74,11 +73,6 @@ def _best(engines: Sequence[Engine], avoid: Collection[str],
     return min(candidates, key=rank, default=None)
 
 
-TPOT_GUARD = 0.75
-"""The share of the TPOT SLO a D's measured TPOT may reach before long prefills leave it: a mean
-of the last requests' TPOTs at 75 % of the SLO already has a tail past it."""
-
-
 class Planning:
     """The planner and prefix index of one proxy (module docstring)."""
 
@@ -108,15 +102,6 @@ class Planning:
                 self.pending.pop(e.url, None)
 
         call.on_first_token.append(done)
-
-    def _guarded(self, d: Engine, local: Features) -> bool:
-        """D alone is left out: D's recent TPOT is past :data:`TPOT_GUARD` of the TPOT SLO, and
-        this prefill would take more than half a TPOT SLO of D's time (its measured cost)."""
-        slo = self.settings.tpot_slo_ms
-        if slo <= 0 or self.tpot.get(d.url, 0.0) < TPOT_GUARD * slo:
-            return False
-        per_token = max(0.0, float(self.planner.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
-        return local.compute * per_token > 0.5 * slo
 
     def prompt(self, call: Call, body: Mapping[str, Any], chat: bool) -> Prompt:
         """The request's prompt, computed once per request."""
@@ -190,13 +175,8 @@ class Planning:
         p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL],
                   self.prefill_rank(Path.PUSH, prompt))
         features = self._features(prompt, p, d)
-        guard = ""
-        if len(features) > 1 and self._guarded(d, features[Path.LOCAL]):
-            guard = "tpot"
-            features.pop(Path.LOCAL)
-        plan = self.planner.choose(features, call.slo_ms)
-        if guard:
-            plan = dataclasses.replace(plan, guard=guard)
+        # the TPOT guard (Planner.guarded): D alone left out while D's streams are slow
+        plan = self.planner.choose(features, call.slo_ms, d_tpot_ms=self.tpot.get(d.url))
         call.plan = plan
         call.reply_headers["X-KVBridge-Plan"] = plan.header()
         return plan
@@ -225,8 +205,7 @@ class Planning:
             self.index.record(flight.decode, prompt)
             if call.stream and call.events >= 3 and call.last_at > call.first_at:
                 tpot = 1000.0 * (call.last_at - call.first_at) / (call.events - 1)
-                old = self.tpot.get(flight.decode)
-                self.tpot[flight.decode] = tpot if old is None else 0.7 * old + 0.3 * tpot
+                self.tpot[flight.decode] = smoothed_tpot(self.tpot.get(flight.decode), tpot)
         if flight.prefill:
             self.index.record(flight.prefill, prompt)
         plan = call.plan

@@ -8,7 +8,16 @@ import random
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.proxy.planner import CostModel, Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.planner import (
+    TPOT_GUARD,
+    CostModel,
+    Features,
+    Path,
+    Plan,
+    Planner,
+    PlannerSettings,
+    smoothed_tpot,
+)
 from kvbridge.proxy.planning import SLO_HEADER, requested_slo
 from kvbridge.proxy.routing import MODE_HEADER, ProxyMode, requested_mode
 from kvbridge.proxy.settings import ProxySettings
@@ -168,6 +177,39 @@ def test_d_alone_wins_a_near_tie() -> None:
     plan = planner.choose(feats(200))
     assert plan.estimates[Path.LOCAL] > plan.estimates[Path.PUSH]
     assert plan.path is Path.LOCAL and plan.why == "tie"
+
+
+def test_the_tpot_guard_keeps_long_prefills_off_a_slow_d() -> None:
+    """With a TPOT SLO of 40 ms, while D's TPOT is past 30 ms (75 %), a prompt D alone would
+    take more than 20 ms to prefill (here 0.2 ms per token: over 100 tokens) is handed off,
+    ``guard=tpot`` in its plan; a short one stays; under the guard, or without an SLO or a
+    measure, D alone is weighed as usual."""
+    planner = Planner(PlannerSettings(explore_every=0, tpot_slo_ms=40.0))
+    for _ in range(12):
+        run(planner, 80)
+        run(planner, 400)
+    slow = TPOT_GUARD * 40.0
+    assert planner.choose(feats(80), dry_run=True).path is Path.LOCAL
+    assert planner.guarded(feats(150)[Path.LOCAL], slow)
+    assert not planner.guarded(feats(80)[Path.LOCAL], slow)
+    guarded = planner.choose(feats(150), d_tpot_ms=slow)
+    assert guarded.path is not Path.LOCAL and guarded.guard == "tpot"
+    assert Path.LOCAL not in guarded.estimates and "guard=tpot" in guarded.header()
+    short = planner.choose(feats(80), d_tpot_ms=100.0)
+    assert short.path is Path.LOCAL and short.guard == ""
+    for tpot in (None, slow - 0.1):
+        assert planner.choose(feats(150), d_tpot_ms=tpot).guard == ""
+    # no SLO, or nothing but D alone to choose: no guard
+    plain = Planner(PlannerSettings(explore_every=0))
+    plain.models = planner.models
+    assert plain.choose(feats(150), d_tpot_ms=1e6).guard == ""
+    only = planner.choose({Path.LOCAL: feats(150)[Path.LOCAL]}, d_tpot_ms=1e6)
+    assert only.path is Path.LOCAL and only.guard == ""
+
+
+def test_a_d_tpot_is_smoothed_over_its_last_streams() -> None:
+    assert smoothed_tpot(None, 20.0) == 20.0
+    assert smoothed_tpot(20.0, 30.0) == pytest.approx(23.0)
 
 
 def test_the_plan_header_names_every_estimate() -> None:

@@ -1,7 +1,8 @@
 """The simulator's D alone (``local``) and planner (``plan``) modes: local's TTFT has no hand-off
 term, the proxy's real planner chooses local for short prompts at a low rate and hands long
 prompts off under load, its goodput keeps up with the best fixed mode, runs are deterministic,
-sizing may answer D alone, and bad modes are refused naming the flag. Pure; a few seconds."""
+the proxy's TPOT guard keeps long prefills off a D whose decodes are slow, sizing may answer D
+alone, and bad modes are refused naming the flag. Pure; a few seconds."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.proxy.planner import TPOT_GUARD, Plan, PlannerSettings
 from kvbridge.proxy.planner import Path as PlanPath
-from kvbridge.proxy.planner import Plan
 from kvbridge.tools import cli
 from kvbridge.tools.simulate.events import SimulationError
 from kvbridge.tools.simulate.fleet import Fleet, simulate
@@ -137,6 +138,40 @@ def test_plan_goodput_is_at_least_the_best_fixed_mode(host: Profile, rate: float
     assert plan >= 0.95 * max(fixed.values()), (plan, fixed)
 
 
+def test_plan_applies_the_proxys_tpot_guard(host: Profile) -> None:
+    """Long prompts at 10 req/s: D alone's prefills push D's decodes' TPOT past 75 % of an 8 ms
+    SLO, and the proxy's guard (the same :meth:`Planner.choose`) hands long prompts off — only
+    while D's measured TPOT is past it; the TPOT on D drops. Without the SLO: no guard."""
+    specs = _specs(10, Lengths(500, 4000), n=200, output=Lengths(32, 96))
+    plain = _run(host, specs, "plan")
+    assert summarize(plain, 10).guarded == 0
+    assert not any(isinstance(r.plan, Plan) and r.plan.guard for r in plain.requests)
+
+    fleet = Fleet(host, 1, 1, "plan", planner=PlannerSettings(tpot_slo_ms=8.0))
+    assert fleet.planner is not None
+    choose, seen = fleet.planner.choose, []
+
+    def recording(*args: object, **kw: object) -> Plan:
+        plan = choose(*args, **kw)  # type: ignore[arg-type]
+        seen.append((kw["d_tpot_ms"], plan))
+        return plan
+
+    fleet.planner.choose = recording  # type: ignore[method-assign]
+    fleet.run(specs)
+    check_invariants(fleet)
+    guarded = [(tpot, plan) for tpot, plan in seen if plan.guard]
+    assert summarize(fleet, 10).guarded == len(guarded) >= 20
+    for tpot, plan in guarded:
+        assert plan.guard == "tpot" and plan.path is not PlanPath.LOCAL
+        assert isinstance(tpot, float) and tpot >= TPOT_GUARD * 8.0
+    assert not any(plan.guard for tpot, plan in seen
+                   if tpot is None or tpot < TPOT_GUARD * 8.0)
+    local_with, local_without = (Counter(r.mode for r in f.requests)["local"]
+                                 for f in (fleet, plain))
+    assert local_with < local_without
+    assert summarize(fleet, 10).tpot["p90"] < summarize(plain, 10).tpot["p90"]
+
+
 def test_plan_is_deterministic_for_a_seed(host: Profile) -> None:
     def trace(seed: int) -> list[tuple[str, str, float | None]]:
         fleet = _run(host, _specs(12, Lengths(100, 5000), n=200, seed=seed), "plan")
@@ -193,6 +228,7 @@ def _dedicated(tmp: Path) -> str:
     (["run", "--mode", "pull,local", "--prefills", "0"], "--prefills 0"),
     (["run", "--mode", "plan", "--plan-tie", "-1"], "--plan-tie"),
     (["run", "--mode", "plan", "--plan-half-life", "0"], "--plan-half-life"),
+    (["run", "--mode", "plan", "--plan-tpot-slo-ms", "-1"], "--plan-tpot-slo-ms"),
     (["sweep", "--rates", "1", "--mode", "push", "--prefills", "0"], "--prefills 0"),
 ])
 def test_cli_refuses_bad_plan_options(capsys: pytest.CaptureFixture[str], args: list[str],
@@ -212,7 +248,12 @@ def test_cli_run_and_size_local_and_plan(capsys: pytest.CaptureFixture[str],
     assert code == 0
     assert [(r["mode"], r["prefills"], r["completed"]) for r in rows] == [
         ("local", 0, 60), ("plan", 1, 60)]
-    assert sum(rows[1]["chosen"].values()) == 60
+    assert sum(rows[1]["chosen"].values()) == 60 and rows[1]["guarded"] == 0
+    code = cli.main(["simulate", "run", "--profile", profile, "--mode", "plan", "--requests",
+                     "200", "--rate", "10", "--prompt-len", "500-4000", "--output-len", "32-96",
+                     "--plan-tpot-slo-ms", "8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "; guard " in out, out
     code = cli.main(["simulate", "size", "--profile", profile, "--mode", "plan", "--rate", "2",
                      "--requests", "100", "--prompt-len", "100-400", "--ttft-slo", "200",
                      "--max-engines", "3"])

@@ -110,6 +110,10 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     pl.add_argument("--plan-ttft-slo-ms", type=float, default=d.ttft_slo_ms, metavar="MS",
                     help="the planner's TTFT SLO: of the paths expected to meet it, D alone "
                          "wins; 0: none, the fastest path wins")
+    pl.add_argument("--plan-tpot-slo-ms", type=float, default=None, metavar="MS",
+                    help="the TPOT guard's SLO: while a D's measured TPOT is past 75%% of it, "
+                         "a prompt that would take D over half of it is not left to D alone "
+                         "(default: none; in size, --tpot-slo)")
     pl.add_argument("--plan-tie", type=float, default=d.tie, metavar="F",
                     help="without an SLO, D alone wins within this share of the fastest path")
     pl.add_argument("--plan-explore-every", type=int, default=d.explore_every, metavar="N",
@@ -213,7 +217,11 @@ def _fraction(value: float | None, option: str, below_one: bool = False) -> None
 
 def _planner(args: argparse.Namespace) -> PlannerSettings:
     """The ``--plan-*`` options, checked (ConfigError naming the option)."""
+    tpot = getattr(args, "plan_tpot_slo_ms", None)
+    if tpot is None:
+        tpot = getattr(args, "tpot_slo", None) or 0.0  # size: the SLO it sizes for
     for name, value, low in (("--plan-ttft-slo-ms", args.plan_ttft_slo_ms, 0.0),
+                             ("--plan-tpot-slo-ms", tpot, 0.0),
                              ("--plan-tie", args.plan_tie, 0.0),
                              ("--plan-explore-every", args.plan_explore_every, 0),
                              ("--plan-warmup", args.plan_warmup, 0)):
@@ -221,8 +229,9 @@ def _planner(args: argparse.Namespace) -> PlannerSettings:
             raise ConfigError(f"{name}: must be in [{low}, 1e9], got {value}")
     if not 0 < args.plan_half_life <= 1e6:
         raise ConfigError(f"--plan-half-life: must be in (0, 1e6], got {args.plan_half_life}")
-    return PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms, tie=args.plan_tie,
-                           warmup=args.plan_warmup, explore_every=args.plan_explore_every,
+    return PlannerSettings(ttft_slo_ms=args.plan_ttft_slo_ms, tpot_slo_ms=tpot,
+                           tie=args.plan_tie, warmup=args.plan_warmup,
+                           explore_every=args.plan_explore_every,
                            half_life=args.plan_half_life)
 
 
@@ -301,7 +310,8 @@ def _chose(s: Summary) -> str:
     """How auto or the planner chose (``local 250, pull 20, push 30``); empty otherwise."""
     if s.mode not in ("auto", "plan"):
         return ""
-    return ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items()))
+    chose = ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items()))
+    return chose + (f"; guard {s.guarded}" if s.guarded else "")
 
 
 def _describe(profile: Profile, workload: Workload, spec: Fleetspec) -> str:

@@ -35,6 +35,10 @@ plan
     goes down that path, and D's first token teaches the planner the request's TTFT as the proxy
     measures it (proxy receive → first token out: D's first token + ``proxy.stream_s``). P and D
     are placed least-loaded: the simulated engines have no per-engine prefix state to rank by.
+    With a TPOT SLO (:attr:`PlannerSettings.tpot_slo_ms`) the proxy's TPOT guard applies
+    (:meth:`Planner.guarded`): each D's TPOT is measured from its closed streams as the proxy
+    measures it (first → last token, :func:`~kvbridge.proxy.planner.smoothed_tpot` over its
+    streams), and while it is past the guard a long prefill is not left to D alone.
 
 In pull, push and auto a transfer moves the whole prompt's KV (a prefix hit on P saves P's
 compute, not the hand-off). In local and plan, ``prefix_hit`` is the share of every prompt that
@@ -56,7 +60,14 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvbridge.host.placement import fleet_cores
-from kvbridge.proxy.planner import Features, Path, Plan, Planner, PlannerSettings
+from kvbridge.proxy.planner import (
+    Features,
+    Path,
+    Plan,
+    Planner,
+    PlannerSettings,
+    smoothed_tpot,
+)
 from kvbridge.proxy.routing import Engine, Pool, ProxyMode, Role, decide
 from kvbridge.tools.simulate.cpu import CpuPool, Task
 from kvbridge.tools.simulate.engines import DecodeEngine, Hook, PrefillEngine, SimRequest
@@ -112,6 +123,8 @@ class Fleet:
         #: whose first token has not come yet; per request id, its share
         self._pending: dict[str, float] = {}
         self._pending_of: dict[int, tuple[str, float]] = {}
+        #: the TPOT guard's measure: per D engine URL, its streams' TPOT (ms, smoothed)
+        self.tpot: dict[str, float] = {}
         if self.planner is not None:
             for d in self.decodes:
                 d.on_first = self._observe
@@ -196,7 +209,9 @@ class Fleet:
     def _at_proxy(self, t: float, r: SimRequest) -> None:
         r.t_proxy = t
         if self.planner is not None:
-            r.plan = plan = self.planner.choose(self._features(r))
+            d = self._local_d()
+            r.plan = plan = self.planner.choose(self._features(r, d),
+                                                d_tpot_ms=self.tpot.get(d.url))
             r.mode, r.reason = plan.path.value, plan.why
             if plan.path is not Path.LOCAL:
                 r.moved = round(plan.features[plan.path].move)
@@ -243,13 +258,16 @@ class Fleet:
 
     # -- plan --------------------------------------------------------------------------------
 
-    def _features(self, r: SimRequest) -> dict[Path, Features]:
+    def _local_d(self) -> Engine:
+        """The D the planner weighs D alone on: the least loaded."""
+        return min(self.dpool.engines, key=lambda e: e.in_flight)
+
+    def _features(self, r: SimRequest, d: Engine) -> dict[Path, Features]:
         """Each possible path's features, as :meth:`kvbridge.proxy.planning.Planning.plan`
-        builds them: local on the least-loaded D; push and pull with the least-loaded P, when
-        the fleet has one. Every engine holds the same leading share of the prompt."""
+        builds them: local on ``d``; push and pull with the least-loaded P, when the fleet
+        has one. Every engine holds the same leading share of the prompt."""
         prompt = r.spec.prompt_len
         held = float(prompt - r.compute_len)
-        d = min(self.dpool.engines, key=lambda e: e.in_flight)
         out = {Path.LOCAL: Features(float(r.compute_len), 0.0, held,
                                     self._pending.get(d.url, 0.0), decodes=d.in_flight)}
         if self.ppool.engines:
@@ -413,7 +431,15 @@ class Fleet:
             self._stream_closed(t, r)
 
     def _stream_closed(self, t: float, r: SimRequest) -> None:
-        self.dpool.engines[r.d].release()
+        d = self.dpool.engines[r.d]
+        d.release()
+        if self.planner is not None and r.spec.output_len >= 3:
+            # the proxy's TPOT measure: first → last token it relayed, per token after the first
+            first = r.t_seen_first if r.t_seen_first is not None else r.t_first
+            last = r.t_seen_last if r.t_seen_last is not None else r.t_finish
+            if first is not None and last is not None and last > first:
+                tpot = 1000.0 * (last - first) / (r.spec.output_len - 1)
+                self.tpot[d.url] = smoothed_tpot(self.tpot.get(d.url), tpot)
         self.in_flight[r.mode] -= 1
         waiting = self.gate_queue[r.mode]
         if waiting:

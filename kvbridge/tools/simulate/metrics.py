@@ -50,6 +50,8 @@ class Summary:
     utilisation: dict[str, float] = field(default_factory=dict)
     bench_throughput: float = 0.0
     """``vllm bench serve``'s req/s: completed / (start → last token at the client)."""
+    guarded: int = 0
+    """plan: decisions the TPOT guard kept from D alone (``guard=tpot``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "prefills": self.prefills, "decodes": self.decodes,
@@ -57,6 +59,7 @@ class Summary:
                 "tpot_ms": self.tpot, "handoff_ms": self.handoff,
                 "throughput": self.throughput, "offered": self.offered,
                 "bench_throughput": self.bench_throughput, "chosen": self.chosen,
+                "guarded": self.guarded,
                 "utilisation": self.utilisation}
 
 
@@ -126,6 +129,7 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
         throughput=(len(finishes) - 1) / span if span > 0 else 0.0,
         offered=(len(arrivals) - 1) / window if window > 0 else rate,
         chosen=dict(Counter(r.mode for r in measured)), utilisation=util,
+        guarded=sum(1 for r in measured if getattr(r.plan, "guard", "")),
         bench_throughput=len(reqs) / last_seen if last_seen > 0 else 0.0)
 
 

@@ -23,7 +23,8 @@ import pytest
 from aiohttp import web
 
 from kvbridge.tools.bench.mix import MODE_HEADER, PLAN_HEADER, cache_salt, format_rate, run_rate
-from kvbridge.tools.bench.mix_workload import generate_trace
+from kvbridge.tools.bench.mix_tier import SlowTier, flips
+from kvbridge.tools.bench.mix_workload import DISK_SHARES, generate_trace
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,6 +43,8 @@ class FakeServer:
         self.seen: list[dict[str, Any]] = []
         self.corrupt: tuple[str, tuple[int, ...]] | None = None
         self.refuse: tuple[str, tuple[int, ...]] | None = None
+        self.tiers_off = False
+        """plan answers say ``tiers=off`` (a planner that left a slow tier out)."""
         self.in_flight = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -59,7 +62,8 @@ class FakeServer:
         headers = {"Content-Type": "text/event-stream"}
         if policy == "plan":
             path = "local" if len(prompt) < 100 else "push"
-            headers[PLAN_HEADER] = f"path={path}; est_ms=1.5;local=1.5 ; why=fastest"
+            off = "tiers=off; " if self.tiers_off else ""
+            headers[PLAN_HEADER] = f"path={path}; est_ms=1.5;local=1.5 ; {off}why=fastest"
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         self.in_flight += 1
@@ -158,6 +162,34 @@ def test_every_policy_replays_the_trace_and_one_spoilt_answer_is_counted(
 
     text = format_rate(entry)
     assert "mismatch" in text and "ref" in text
+
+
+def test_on_send_runs_before_each_request_in_order_and_the_flips_are_read_back(
+        fake: FakeServer) -> None:
+    """The slow-tier schedule's hook runs once per request, in trace order, before the request
+    reaches the server; a server whose plans leave the tier out exactly while it is slow gives
+    a flip at the window's first disk request and back at the first one after it."""
+    trace = generate_trace(40, RATE, SEED, shares=DISK_SHARES)
+    slow = SlowTier(10, 800.0, 15)
+    sent: list[tuple[int, int]] = []
+
+    def on_send(index: int) -> None:
+        sent.append((index, len(fake.seen)))  # before the request reached the server
+        if slow.delay_before(index) is not None:
+            fake.tiers_off = slow.slow(index)
+
+    entry = run_rate(fake.url, trace, ["plan"], ttft_slo_ms=5000, tpot_slo_ms=1000,
+                     on_send=on_send)
+    assert [i for i, _ in sent] == list(range(40))
+    assert all(seen <= i for i, seen in sent)
+    got = flips(entry["policies"][0]["requests"], slow)
+    disk = [r.index for r in trace.requests if r.klass == "disk"]
+    first_slow = next(i for i in disk if i >= 10)
+    first_after = next(i for i in disk if i >= 25)
+    assert got["flip_after"] == {"class_requests": 1, "requests": first_slow - 10 + 1,
+                                 "index": first_slow}
+    assert got["back_after"] == {"class_requests": 1, "requests": first_after - 25 + 1,
+                                 "index": first_after}
 
 
 def test_the_command_against_a_running_proxy_reports_and_exits(fake: FakeServer,

@@ -90,3 +90,19 @@ def test_tables_use_the_shared_printer() -> None:
     assert "local 100%" in text and "ref" in text and "error: boom" in text
     g = format_goodput({"rates": [entry, {**entry, "rate": 4.0}]})
     assert "2 req/s" in g and "4 req/s" in g and "1.00" in g
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--disk-tier", "--proxy", "http://127.0.0.1:9"], "--disk-tier"),
+    (["--slow-tier-at", "5"], "--slow-tier-at needs --disk-tier"),
+    (["--shares", "short=1,disk=1"], "the disk class needs --disk-tier"),
+    (["--disk-tier", "--slow-tier-at", "5", "--slow-tier-ms", "0"], "--slow-tier-ms"),
+    (["--disk-tier", "--slow-tier-at", "5", "--slow-tier-for", "0"], "--slow-tier-for"),
+])
+def test_disk_tier_flags_are_checked_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    from kvbridge.tools import cli
+
+    code = cli.main(["bench", "mix", "--num-requests", "4", *extra])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kvbridge.errors import ConfigError
@@ -9,10 +11,13 @@ from kvbridge.tools.bench.mix_workload import (
     CHAT_MAX_LEN,
     CLASSES,
     DEFAULT_SHARES,
+    DISK_PREFIX_LEN,
+    DISK_SHARES,
     LONG_LEN,
     MAX_MODEL_LEN,
     SHORT_LEN,
     SYSTEM_LEN,
+    TAIL_LEN,
     WARM_WINDOW,
     class_counts,
     generate_trace,
@@ -47,8 +52,8 @@ def test_arrivals_are_poisson_at_the_rate() -> None:
 def test_classes_come_in_their_expected_shares() -> None:
     t = generate_trace(2000, 4.0, seed=11)
     counts = t.counts()
-    assert list(counts) == list(CLASSES)
-    for k in CLASSES:
+    assert list(counts) == [k for k in CLASSES if k != "disk"]  # disk only with a share
+    for k in counts:
         assert counts[k] / 2000 == pytest.approx(DEFAULT_SHARES[k], abs=0.04), k
 
 
@@ -56,9 +61,9 @@ def test_a_short_trace_has_its_shares_exactly() -> None:
     assert generate_trace(40, 2.0, seed=0).counts() == {"short": 10, "long": 6, "chat": 10,
                                                          "system": 8, "warm_d": 6}
     assert class_counts(3, DEFAULT_SHARES) == {"short": 1, "long": 0, "chat": 1, "system": 1,
-                                               "warm_d": 0}
+                                               "warm_d": 0, "disk": 0}
     assert sum(class_counts(7, DEFAULT_SHARES).values()) == 7
-    assert min(class_counts(5, DEFAULT_SHARES).values()) == 1
+    assert min(v for k, v in class_counts(5, DEFAULT_SHARES).items() if k != "disk") == 1
     for n in range(1, 12):
         for seed in range(5):
             t = generate_trace(n, 2.0, seed=seed, shares={"short": 1.0, "warm_d": 3.0})
@@ -122,7 +127,7 @@ def test_shares_select_the_classes() -> None:
     t = generate_trace(100, 4.0, seed=1, shares=parse_shares("long=1,warm_d=1"))
     assert set(t.counts()) == {"long", "warm_d"}
     assert parse_shares("short=1,long=3") == {"short": 0.25, "long": 0.75, "chat": 0.0,
-                                               "system": 0.0, "warm_d": 0.0}
+                                               "system": 0.0, "warm_d": 0.0, "disk": 0.0}
 
 
 @pytest.mark.parametrize(("kwargs", "flag"), [
@@ -138,6 +143,7 @@ def test_shares_select_the_classes() -> None:
     ({"shares": {"nope": 1.0}}, "--shares"),
     ({"shares": {"short": 0.0}}, "--shares"),
     ({"shares": {"warm_d": 1.0}}, "--shares"),
+    ({"shares": {"warm_d": 1.0, "disk": 1.0}}, "--shares"),
 ])
 def test_bad_arguments_name_the_flag(kwargs: dict[str, object], flag: str) -> None:
     args: dict[str, object] = {"num_requests": 10, "rate": 2.0, "seed": 0, **kwargs}
@@ -149,3 +155,34 @@ def test_bad_arguments_name_the_flag(kwargs: dict[str, object], flag: str) -> No
 def test_bad_shares_name_the_flag(text: str) -> None:
     with pytest.raises(ConfigError, match="--shares"):
         parse_shares(text)
+
+
+def test_a_trace_without_disk_is_the_one_from_before_the_class() -> None:
+    """The digest of ``generate_trace(60, 3.0, seed=5)`` before the disk class existed: recorded
+    runs stay reproducible."""
+    t = generate_trace(60, 3.0, seed=5)
+    rows = [(r.klass, r.arrival_s, r.prompt, r.max_tokens) for r in t.requests]
+    assert hashlib.sha256(repr(rows).encode()).hexdigest() == (
+        "94adb3fa0dfb900b64e07c49014ae82a2efab76db5fcb131acef15fcee5863ea")
+    assert t.tier_prefixes() == []
+
+
+def test_disk_requests_each_have_a_prefix_of_their_own() -> None:
+    t = generate_trace(200, 4.0, seed=2, shares=DISK_SHARES)
+    disk = [r for r in t.requests if r.klass == "disk"]
+    assert len(disk) == 60 and t.counts()["disk"] == 60
+    prefixes = t.tier_prefixes()
+    assert [i for i, _ in prefixes] == [r.index for r in disk]
+    assert all(len(p) == DISK_PREFIX_LEN == r.tier_prefix
+               for (_, p), r in zip(prefixes, disk, strict=True))
+    assert len({p for _, p in prefixes}) == len(disk)  # no two share a prefix
+    for r in disk:
+        assert TAIL_LEN[0] <= len(r.prompt) - DISK_PREFIX_LEN <= TAIL_LEN[1]
+        assert all(NUM_SPECIAL_TOKENS <= i < VOCAB_SIZE for i in r.prompt)
+    # nothing else starts with a disk prefix: only D's tier can hold it
+    others = [r.prompt for r in t.requests if r.klass != "disk"]
+    assert not any(o[:DISK_PREFIX_LEN] == p for o in others for _, p in prefixes)
+    assert all(r.tier_prefix == 0 for r in t.requests if r.klass != "disk")
+    assert generate_trace(200, 4.0, seed=2, shares=DISK_SHARES) == t
+    assert generate_trace(200, 4.0, seed=3, shares=DISK_SHARES).tier_prefixes() != prefixes
+    assert sum(DISK_SHARES.values()) == pytest.approx(1.0)

@@ -176,9 +176,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, req: MixRequest, po
 
 
 async def replay(url: str, trace: MixTrace, policy: str, salt: str, *, model: str = "tiny",
-                 timeout: float = 120.0) -> tuple[list[Outcome], float]:
+                 timeout: float = 120.0, on_send: Callable[[int], None] | None = None
+                 ) -> tuple[list[Outcome], float]:
     """Every request of ``trace`` at its arrival offset; (outcomes in trace order, wall seconds
-    from the first send to the last answer)."""
+    from the first send to the last answer). ``on_send(index)`` runs just before each request
+    is sent, in the order they are sent (e.g. to slow a tier from request N on)."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -188,6 +190,8 @@ async def replay(url: str, trace: MixTrace, policy: str, salt: str, *, model: st
 
         async def at_offset(req: MixRequest) -> Outcome:
             await asyncio.sleep(max(0.0, start + req.arrival_s - loop.time()))
+            if on_send is not None:
+                on_send(req.index)
             return await send_one(session, url, req, policy, salt, model=model, timeout=timeout)
 
         outcomes = await asyncio.gather(*(at_offset(r) for r in trace.requests))
@@ -294,12 +298,14 @@ Hook = Callable[[str], "Mapping[str, Any] | None"]
 def run_rate(url: str, trace: MixTrace, policies: Sequence[str], *, ttft_slo_ms: float,
              tpot_slo_ms: float, model: str = "tiny", timeout: float = 120.0,
              before: Hook | None = None, after: Hook | None = None,
+             on_send: Callable[[int], None] | None = None,
              say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Replay ``trace`` once per policy (``local`` first, when asked); the rate's report entry.
 
     ``before(policy)`` runs before a policy's replay, ``after(policy)`` after it; what either
     returns is merged into that policy's entry (e.g. ``{"p_requests": 0}``). A policy whose
-    hook raises is reported with its ``error`` and the next policy runs.
+    hook raises is reported with its ``error`` and the next policy runs. ``on_send``: see
+    :func:`replay` (every policy's replay).
     """
     order = parse_policies(",".join(policies))
     reference: dict[int, Outcome] = {}
@@ -312,7 +318,7 @@ def run_rate(url: str, trace: MixTrace, policies: Sequence[str], *, ttft_slo_ms:
                 run.update(before(policy) or {})
             say(f"{policy} at {trace.rate:g} req/s: {len(trace.requests)} requests -> {url}")
             outcomes, wall = asyncio.run(replay(url, trace, policy, salt, model=model,
-                                                timeout=timeout))
+                                                timeout=timeout, on_send=on_send))
             if after is not None:
                 run.update(after(policy) or {})
         except Exception as exc:  # noqa: BLE001 - report this policy failed, run the next

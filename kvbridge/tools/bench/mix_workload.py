@@ -17,10 +17,13 @@ replays the very same prompts. Each request is tagged with its class:
 ``system``    the one shared ~300-token system prompt, then a unique 8–32-token tail
 ``warm_d``    the whole prompt of one of the last :data:`WARM_WINDOW` earlier requests (of another
               class), then an 8–32-token new tail: a prefix D saw shortly before
+``disk``      a prefix of :data:`DISK_PREFIX_LEN` tokens that D holds only in its disk tier, then
+              an 8–32-token tail: every ``disk`` request has a prefix of its own
+              (``tier_prefix`` tokens, :meth:`MixTrace.tier_prefixes`), which the replay puts
+              into D's tier before the run and drops from vLLM's own prefix cache; generated
+              only with a share (``kvbridge bench mix --disk-tier``), from a random stream of
+              its own, so a trace without it is the same as before the class existed
 ============  ==================================================================================
-
-A ``disk`` class (a prefix in D's disk tier) is not generated: the engines of ``bench mix`` run
-without an offload tier.
 
 Arrival offsets are a Poisson process: exponential gaps of mean 1 drawn from the seed, divided
 by the rate; the classes come in exactly their shares (:func:`class_counts`) in a seeded
@@ -39,12 +42,19 @@ from dataclasses import dataclass, field
 from kvbridge.errors import ConfigError
 from kvbridge.tools.tiny_model import NUM_SPECIAL_TOKENS, VOCAB_SIZE
 
-__all__ = ["CLASSES", "DEFAULT_SHARES", "MAX_MODEL_LEN", "WARM_WINDOW", "MixRequest", "MixTrace",
-           "class_counts", "generate_trace", "parse_shares"]
+__all__ = ["CLASSES", "DEFAULT_SHARES", "DISK_PREFIX_LEN", "DISK_SHARES", "MAX_MODEL_LEN",
+           "WARM_WINDOW", "MixRequest", "MixTrace", "class_counts", "generate_trace",
+           "parse_shares"]
 
-CLASSES: tuple[str, ...] = ("short", "long", "chat", "system", "warm_d")
+CLASSES: tuple[str, ...] = ("short", "long", "chat", "system", "warm_d", "disk")
 DEFAULT_SHARES: Mapping[str, float] = {"short": 0.25, "long": 0.15, "chat": 0.25,
                                        "system": 0.20, "warm_d": 0.15}
+DISK_SHARES: Mapping[str, float] = {**{k: 0.7 * v for k, v in DEFAULT_SHARES.items()},
+                                    "disk": 0.3}
+"""The shares with a disk tier (``--disk-tier`` without ``--shares``): 30 % ``disk``."""
+DISK_PREFIX_LEN = 256
+"""A ``disk`` request's prefix in D's tier: 8 whole blocks of 32 tokens (16 of the proxy's
+16-token units)."""
 MAX_MODEL_LEN = 1024
 """The engines' ``--max-model-len`` (:data:`kvbridge.tools.engines.BASE_ARGS`)."""
 WARM_WINDOW = 8
@@ -76,6 +86,8 @@ class MixRequest:
     turn: int | None = None
     prefix_of: int | None = None
     """warm_d: the index of the earlier request whose prompt this one starts with."""
+    tier_prefix: int = 0
+    """disk: the first this many prompt tokens are put into D's disk tier before the replay."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,10 @@ class MixTrace:
         """Requests per class, in :data:`CLASSES` order (classes with none left out)."""
         c = Counter(r.klass for r in self.requests)
         return {k: c[k] for k in CLASSES if c[k]}
+
+    def tier_prefixes(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(index, prefix) of every request whose prefix D's tier must hold before the replay."""
+        return [(r.index, r.prompt[: r.tier_prefix]) for r in self.requests if r.tier_prefix]
 
     @property
     def duration_s(self) -> float:
@@ -145,8 +161,9 @@ class _Builder:
     """The state of one trace being drawn: open conversations, the latest prompts."""
 
     def __init__(self, rng: random.Random, vocab_size: int, max_tokens: tuple[int, int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, disk_rng: random.Random) -> None:
         self.rng = rng
+        self.disk_rng = disk_rng
         self.vocab = vocab_size
         self.max_tokens = max_tokens
         self.limit = max_model_len - max_tokens[1]
@@ -159,6 +176,12 @@ class _Builder:
         return self.rng.randint(*bounds)
 
     def request(self, index: int, klass: str, arrival: float) -> MixRequest:
+        if klass == "disk":  # its own random stream: the other classes' draws stay as they were
+            mt = self.disk_rng.randint(*self.max_tokens)
+            prompt = (_tokens(self.disk_rng, DISK_PREFIX_LEN, self.vocab)
+                      + _tokens(self.disk_rng, self.disk_rng.randint(*TAIL_LEN), self.vocab))
+            return MixRequest(index, klass, arrival, tuple(prompt), mt,
+                              tier_prefix=DISK_PREFIX_LEN)
         mt = self._n(self.max_tokens)
         conv = turn = prefix_of = None
         if klass == "short":
@@ -222,14 +245,15 @@ def generate_trace(num_requests: int, rate: float, seed: int, *,
     norm = _normalised(DEFAULT_SHARES if shares is None else shares)
     rng = random.Random(seed)
     arrivals = random.Random(seed * 7919 + 1)  # the gaps apart: shares do not move arrivals
-    builder = _Builder(rng, vocab_size, (lo, hi), max_model_len)
-    if [k for k in CLASSES if norm[k] > 0] == ["warm_d"]:
-        raise ConfigError("--shares: warm_d alone has nothing to repeat; give another class a "
-                          "share")
+    builder = _Builder(rng, vocab_size, (lo, hi), max_model_len,
+                       random.Random(seed * 104_729 + 7))
+    if {k for k in CLASSES if norm[k] > 0} - {"disk"} == {"warm_d"}:
+        raise ConfigError("--shares: warm_d alone has nothing to repeat (disk prompts are not "
+                          "repeated); give another class a share")
     order = class_counts(num_requests, norm)
     classes = [k for k in CLASSES for _ in range(order[k])]
     rng.shuffle(classes)
-    first = next(i for i, k in enumerate(classes) if k != "warm_d")
+    first = next((i for i, k in enumerate(classes) if k not in ("warm_d", "disk")), 0)
     classes[0], classes[first] = classes[first], classes[0]
     out: list[MixRequest] = []
     t = 0.0

@@ -296,7 +296,7 @@ class _Tier:
             want[d] += len(prefix) // 32  # whole blocks (--block-size 32)
         stored = 0
         for c, b, w in zip(self.ctl, before, want, strict=True):
-            got = wait_stats(c, key, b + w, timeout=60.0).get(key, 0) - b
+            got = wait_stats(c, key, b + w, timeout=20.0).get(key, 0) - b
             if got < w:
                 _say(f"{policy}: D's tier stored {got} of {w} blocks of the disk prefixes")
             stored += got

@@ -6,14 +6,20 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.tools.bench.soak_card import (
+    CONNECTORS,
+    DEFAULT_FAULTS,
     ENGINES,
+    FAULTS,
     ROLLING_ORDER,
     SCHEDULED,
+    TIERS,
     Outcome,
     Window,
+    applicable,
     card,
     card_rows,
     reason,
+    repeat_of,
     rolling,
     schedule,
 )
@@ -28,8 +34,27 @@ def test_a_seed_gives_one_schedule_within_the_run_and_its_quiet_ends() -> None:
     assert {f.kind for f in a} <= set(SCHEDULED)
     for f in a:
         assert (f.target == "proxy") == (f.kind == "proxy")
-        assert f.target in (*ENGINES, "proxy")
-        assert (2 <= f.hold_s <= 12) if f.kind == "stop" else f.hold_s == 0
+        assert (f.target == TIERS) == (f.kind == "slow_disk")
+        assert f.target in (*ENGINES, "proxy", TIERS)
+        if f.kind == "stop":
+            assert 2 <= f.hold_s <= 12 and f.delay_ms == 0
+        elif f.kind == "slow_disk":
+            assert 10 <= f.hold_s <= 40 and 300 <= f.delay_ms <= 1500
+        else:
+            assert f.hold_s == 0 and f.delay_ms == 0
+
+
+def test_adding_the_slow_disk_fault_left_the_other_kinds_schedules_as_they_were() -> None:
+    """A soak without ``slow_disk`` draws what it drew before the fault existed (seed 5's
+    30-minute card of 2026-12-05 began with these), so recorded runs can be re-run."""
+    old = schedule(5, 1800, DEFAULT_FAULTS)
+    assert [(f.at_s, f.kind, f.target) for f in old[:4]] == [
+        (20.0, "drain", "D0"), (64.9, "kill", "D1"), (109.3, "stop", "P0"),
+        (137.1, "proxy", "proxy")] and len(old) == 47
+    assert all(f.kind != "slow_disk" for f in schedule(5, 1800, DEFAULT_FAULTS))
+    assert "slow_disk" not in DEFAULT_FAULTS and set(DEFAULT_FAULTS) < set(FAULTS)
+    slow = [f for f in schedule(2, 1800, ["slow_disk", "kill"]) if f.kind == "slow_disk"]
+    assert slow and len({f.delay_ms for f in slow}) > 1  # a seeded delay per fault
 
 
 def test_only_enabled_faults_are_scheduled_and_a_moment_less_fault_schedules_nothing() -> None:
@@ -38,6 +63,29 @@ def test_only_enabled_faults_are_scheduled_and_a_moment_less_fault_schedules_not
     assert schedule(3, 40, SCHEDULED) == []  # shorter than warm-up plus the quiet tail
     with pytest.raises(ValueError, match="unknown faults"):
         schedule(3, 600, ["meteor"])
+
+
+def test_vllm_nixl_takes_only_the_faults_that_apply_to_it() -> None:
+    assert applicable("kvbridge", FAULTS) == list(FAULTS)
+    assert applicable("vllm-nixl", ["kill", "stop", "drain", "proxy"]) == list(CONNECTORS[
+        "vllm-nixl"])
+    for bad in ("transfer_error", "slow_disk"):
+        with pytest.raises(ValueError, match=f"{bad} do not apply to --connector vllm-nixl"):
+            applicable("vllm-nixl", ["kill", bad])
+    with pytest.raises(ValueError, match="unknown connector"):
+        applicable("lmcache", ["kill"])
+    with pytest.raises(ValueError, match="unknown faults"):
+        applicable("kvbridge", ["meteor"])
+
+
+def test_repeats_are_seeded_earlier_requests_and_none_without_a_share() -> None:
+    assert [repeat_of(1, i, 0.0) for i in range(50)] == [None] * 50
+    picks = [repeat_of(1, i, 0.3) for i in range(2000)]
+    assert picks == [repeat_of(1, i, 0.3) for i in range(2000)]
+    assert picks != [repeat_of(2, i, 0.3) for i in range(2000)]
+    assert picks[0] is None and all(j is None or 0 <= j < i for i, j in enumerate(picks))
+    assert 500 < sum(j is not None for j in picks) < 700  # about 30 %
+    assert all(repeat_of(1, i, 1.0) is not None for i in range(1, 20))
 
 
 def test_a_rolling_upgrade_drains_every_engine_once_prefill_first_no_other_fault() -> None:
@@ -89,6 +137,16 @@ def test_the_card_counts_failures_wrong_outputs_leaks_and_splits_ttft_by_fault_w
     assert rows["blocks leaked (must be 0)"] == "P0 0, D1 2"
     assert rows["  failed: connection reset"] == "1"
     assert rows["TTFT p99 faults / quiet"] == "3.01"
+
+
+def test_an_engine_that_cannot_say_what_it_holds_is_not_measurable_not_zero() -> None:
+    outcomes = [_o(0, 0, 1), Outcome(1, False, 64, 8, 2, 3, 200, correct=True, repeat_of=0)]
+    c = card(outcomes, [], {"P0": None, "P1": None, "D0": 0, "D1": 1})
+    assert (c["repeats"], c["leaked_total"], c["leaked_unmeasured"]) == (1, 1, ["P0", "P1"])
+    rows = dict((r[0], r[1]) for r in card_rows(c))
+    assert rows["blocks leaked (must be 0)"] == ("P0 not measurable, P1 not measurable, D0 0, "
+                                                 "D1 1")
+    assert rows["requests sent"] == "2 (1 re-sent an earlier prompt)"
 
 
 def test_an_empty_run_has_a_card() -> None:

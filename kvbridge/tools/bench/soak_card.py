@@ -19,17 +19,31 @@ from typing import Any
 
 from kvbridge.tools.report import percentile
 
-__all__ = ["ENGINES", "FAULTS", "ROLLING_ORDER", "SCHEDULED", "Fault", "Outcome", "Window", "card",
-           "card_rows", "reason", "rolling", "schedule"]
+__all__ = ["CONNECTORS", "DEFAULT_FAULTS", "ENGINES", "FAULTS", "ROLLING_ORDER", "SCHEDULED",
+           "TIERS", "Fault", "Outcome", "Window", "applicable", "card", "card_rows", "reason",
+           "repeat_of", "rolling", "schedule"]
 
 ENGINES = ("P0", "P1", "D0", "D1")
-SCHEDULED = ("kill", "stop", "drain", "proxy")
+SCHEDULED = ("kill", "stop", "drain", "proxy", "slow_disk")
 """Faults injected at a moment: SIGKILL of an engine (restarted at its port), SIGSTOP of an
 engine for a few seconds then SIGCONT, drain + remove + restart + add of an engine through the
-proxy's admin API, SIGKILL of the proxy (restarted at its port)."""
+proxy's admin API, SIGKILL of the proxy (restarted at its port), and ``slow_disk``: every
+engine's ``slow_disk`` offload tier reads slowly (``delay_ms`` per read) for ``hold_s``, then
+fast again (target ``tiers``: the delay file every engine's tier reads)."""
 FAULTS = (*SCHEDULED, "transfer_error")
 """``transfer_error`` is not a moment: P1 and D1 run the fault-injecting transport wrapper for
 the whole soak, failing a seeded share of their transfers."""
+DEFAULT_FAULTS = ("kill", "stop", "drain", "proxy", "transfer_error")
+"""The faults of a soak that names none: all but ``slow_disk``, which changes the engines (an
+offload tier, a small vLLM KV cache) and the load (repeated prompts), so it is asked for."""
+TIERS = "tiers"
+"""The target of a ``slow_disk`` fault: the tiers of every engine at once."""
+CONNECTORS: dict[str, tuple[str, ...]] = {
+    "kvbridge": FAULTS,
+    "vllm-nixl": ("kill", "stop", "drain", "proxy"),
+}
+"""The faults that apply to each connector the soak can run: vLLM's own ``NixlConnector`` has
+no kvbridge transport to wrap (``transfer_error``) and no kvbridge offload tier (``slow_disk``)."""
 ROLLING_ORDER = ("P0", "P1", "D0", "D1")
 """A rolling upgrade replaces the prefill engines first, then the decode engines."""
 
@@ -37,37 +51,75 @@ ROLLING_ORDER = ("P0", "P1", "D0", "D1")
 @dataclass(frozen=True)
 class Fault:
     """One scheduled fault: ``at_s`` after the load started, of ``kind`` on ``target`` (an
-    engine name, or ``proxy``); ``hold_s`` is how long a SIGSTOP lasts (0 otherwise)."""
+    engine name, ``proxy`` or :data:`TIERS`); ``hold_s`` is how long a SIGSTOP or a slow disk
+    lasts (0 otherwise), ``delay_ms`` the slow disk's delay per read (0 otherwise)."""
 
     at_s: float
     kind: str
     target: str
     hold_s: float = 0.0
+    delay_ms: float = 0.0
+
+
+def applicable(connector: str, kinds: Sequence[str]) -> list[str]:
+    """``kinds`` checked against what applies to ``connector`` (:data:`CONNECTORS`); ValueError
+    naming the connector and the faults that do not apply."""
+    if connector not in CONNECTORS:
+        raise ValueError(f"unknown connector {connector!r}; known: {', '.join(CONNECTORS)}")
+    unknown = sorted(set(kinds) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    refused = [k for k in kinds if k not in CONNECTORS[connector]]
+    if refused:
+        raise ValueError(f"faults {', '.join(refused)} do not apply to --connector {connector} "
+                         f"(it takes {', '.join(CONNECTORS[connector])})")
+    return list(kinds)
+
+
+def repeat_of(seed: int, i: int, share: float) -> int | None:
+    """Whether request ``i`` of the load re-sends an earlier request's prompt, and whose: with
+    probability ``share`` (from ``seed`` and ``i`` alone, so the rest of the load is drawn as
+    without repeats) one of requests ``0 … i-1`` uniformly, else None. A repeat of a repeat is
+    resolved by the caller (the prompt is the first one's)."""
+    if share <= 0 or i <= 0:
+        return None
+    rng = random.Random(f"{seed}-repeat-{i}")
+    return rng.randrange(i) if rng.random() < share else None
 
 
 def schedule(seed: int, duration_s: float, kinds: Sequence[str], *, warmup_s: float = 20.0,
              gap_s: tuple[float, float] = (25.0, 50.0), stop_s: tuple[float, float] = (2.0, 12.0),
+             slow_s: tuple[float, float] = (10.0, 40.0),
+             slow_ms: tuple[float, float] = (300.0, 1500.0),
              quiet_tail_s: float = 30.0) -> list[Fault]:
     """The faults of a soak of ``duration_s`` seconds, from ``seed``: the first after
     ``warmup_s``, then one every ``gap_s`` (uniform), none in the last ``quiet_tail_s``; each of
     a kind drawn from ``kinds`` (those of :data:`SCHEDULED`; others are ignored) on a target
-    drawn among those it applies to. The same arguments give the same list. The injector runs
+    drawn among those it applies to (a ``slow_disk`` lasts ``slow_s`` with a delay of ``slow_ms``
+    per read, both uniform). The same arguments give the same list, and a set of kinds without
+    ``slow_disk`` gives the list it gave before that fault existed. The injector runs
     them in order, one at a time: one whose moment came while the previous one was still
     recovering starts late (the card records when each really ran)."""
     unknown = set(kinds) - set(FAULTS)
     if unknown:
         raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
-    if not 0 < gap_s[0] <= gap_s[1] or not 0 <= stop_s[0] <= stop_s[1]:
-        raise ValueError(f"bad ranges: gap_s {gap_s}, stop_s {stop_s}")
+    if not 0 < gap_s[0] <= gap_s[1] or not 0 <= stop_s[0] <= stop_s[1] \
+            or not 0 <= slow_s[0] <= slow_s[1] or not 0 <= slow_ms[0] <= slow_ms[1]:
+        raise ValueError(f"bad ranges: gap_s {gap_s}, stop_s {stop_s}, slow_s {slow_s}, "
+                         f"slow_ms {slow_ms}")
     usable = [k for k in SCHEDULED if k in kinds]
     rng = random.Random(seed)
     out: list[Fault] = []
     at = warmup_s
     while usable and at <= duration_s - quiet_tail_s:
         kind = rng.choice(usable)
-        target = "proxy" if kind == "proxy" else rng.choice(ENGINES)
-        hold = round(rng.uniform(*stop_s), 1) if kind == "stop" else 0.0
-        out.append(Fault(round(at, 1), kind, target, hold))
+        if kind == "slow_disk":  # its own draws: the other kinds' schedules stay as they were
+            out.append(Fault(round(at, 1), kind, TIERS, round(rng.uniform(*slow_s), 1),
+                             float(round(rng.uniform(*slow_ms)))))
+        else:
+            target = "proxy" if kind == "proxy" else rng.choice(ENGINES)
+            hold = round(rng.uniform(*stop_s), 1) if kind == "stop" else 0.0
+            out.append(Fault(round(at, 1), kind, target, hold))
         at += rng.uniform(*gap_s)
     return out
 
@@ -98,7 +150,8 @@ class Window:
 class Outcome:
     """One request: when it was sent and answered (soak clock, s), HTTP status (200, the
     error's status, or 0 when none came), ``why`` it failed (``""`` when it did not), TTFT of a
-    stream (s), and whether its output equals the single-engine reference (None: unchecked)."""
+    stream (s), whether its output equals the single-engine reference (None: unchecked), and
+    the request whose prompt it re-sent (``repeat_of``; None: a prompt never sent before)."""
 
     i: int
     stream: bool
@@ -110,6 +163,7 @@ class Outcome:
     why: str = ""
     ttft: float | None = None
     correct: bool | None = None
+    repeat_of: int | None = None
     tokens: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -158,11 +212,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 2)
 
 
-def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mapping[str, int],
-         *, settle_s: float = 5.0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The report card: requests sent, ok, failed (by reason, and how many while a fault was
-    open), wrong outputs (ok but not the reference: must be 0), unchecked outputs, transfers
-    still held per engine after the run (``pending``: must be 0), the longest a failed request
+def card(outcomes: Sequence[Outcome], windows: Sequence[Window],
+         pending: Mapping[str, int | None], *, settle_s: float = 5.0,
+         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report card: requests sent (and how many re-sent an earlier prompt), ok, failed (by
+    reason, and how many while a fault was open), wrong outputs (ok but not the reference: must
+    be 0), unchecked outputs, transfers still held per engine after the run (``pending``: must
+    be 0; None where the engine cannot say, e.g. vLLM's own connector: listed in
+    ``leaked_unmeasured``, never counted as 0 nor as a leak), the longest a failed request
     took to fail, TTFT p50/p99 of streams that overlapped a fault window (its end plus
     ``settle_s``) vs the others with the ratio of their p99s (``ttft_p99_ratio``, faults over
     quiet: the rolling upgrade's bar is 2), and the faults by kind. ``extra`` is merged in as is."""
@@ -175,6 +232,7 @@ def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mappin
     p99_f, p99_q = percentile(ttft_f, 99), percentile(ttft_q, 99)
     out: dict[str, Any] = {
         "sent": len(outcomes),
+        "repeats": sum(1 for o in outcomes if o.repeat_of is not None),
         "ok": len(ok),
         "failed": len(failed),
         "failed_during_faults": sum(1 for o in failed if _in_window(o, windows, settle_s)),
@@ -183,7 +241,8 @@ def card(outcomes: Sequence[Outcome], windows: Sequence[Window], pending: Mappin
         "wrong_requests": [o.i for o in ok if o.correct is False],
         "unchecked": sum(1 for o in ok if o.correct is None),
         "leaked": dict(pending),
-        "leaked_total": sum(pending.values()),
+        "leaked_total": sum(v for v in pending.values() if v is not None),
+        "leaked_unmeasured": [k for k, v in pending.items() if v is None],
         "longest_failure_s": round(max((o.end - o.start for o in failed), default=0.0), 2),
         "ttft_faults_ms": {"n": len(ttft_f), "p50": _ms(percentile(ttft_f, 50)),
                            "p99": _ms(p99_f)},
@@ -202,12 +261,15 @@ def card_rows(c: Mapping[str, Any]) -> list[list[str]]:
     def ttft(d: Mapping[str, Any]) -> str:
         return f"p50 {d['p50']} / p99 {d['p99']} ms (n={d['n']})"
 
-    rows = [["requests sent", str(c["sent"])], ["ok", str(c["ok"])],
+    sent = str(c["sent"]) + (f" ({c['repeats']} re-sent an earlier prompt)"
+                             if c.get("repeats") else "")
+    rows = [["requests sent", sent], ["ok", str(c["ok"])],
             ["failed", f"{c['failed']} ({c['failed_during_faults']} while a fault was open)"]]
     rows += [[f"  failed: {why}", str(n)] for why, n in c["failed_by_reason"].items()]
     rows += [["wrong outputs (must be 0)", str(c["wrong"])],
              ["unchecked outputs", str(c["unchecked"])],
-             ["blocks leaked (must be 0)", ", ".join(f"{k} {v}" for k, v in c["leaked"].items())],
+             ["blocks leaked (must be 0)", ", ".join(
+                 f"{k} {'not measurable' if v is None else v}" for k, v in c["leaked"].items())],
              ["longest time to fail", f"{c['longest_failure_s']} s"],
              ["TTFT during faults", ttft(c["ttft_faults_ms"])],
              ["TTFT quiet", ttft(c["ttft_quiet_ms"])],

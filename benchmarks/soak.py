@@ -62,19 +62,30 @@ from typing import Any
 from kvbridge.host.placement import fleet_cores
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
+from kvbridge.tools import prom
 from kvbridge.tools.bench.soak_card import (
+    CONNECTORS,
+    DEFAULT_FAULTS,
     ENGINES,
     FAULTS,
     Fault,
     Outcome,
     Window,
+    applicable,
     card,
     card_rows,
     reason,
+    repeat_of,
     rolling,
     schedule,
 )
-from kvbridge.tools.client import complete, output_token_ids, reset_prefix_cache, stream_complete
+from kvbridge.tools.client import (
+    complete,
+    engine_stats,
+    output_token_ids,
+    reset_prefix_cache,
+    stream_complete,
+)
 from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient, AdminError
 from kvbridge.tools.report import print_table
@@ -85,6 +96,13 @@ GREEDY = {"ignore_eos": True}
 LENGTHS = (64, 150, 300)
 MAX_TOKENS = (8, 16, 32)
 CLIENT_TIMEOUT_S = 180.0
+TIER_KV_CACHE_BYTES = 8 * 2**20
+"""vLLM's KV cache per engine when the engines run the slow tier (256 blocks of the tiny model,
+about 60 s of one engine's share of the load at 1.5 req/s, and more than 8 running requests of
+the longest kind need): prompts sent a minute earlier have left vLLM's prefix cache, so a repeat
+is looked up in the tier (the default 256 MiB would hold a whole short soak)."""
+REPEAT_SHARE = 0.3
+"""Share of requests that re-send an earlier prompt when ``slow_disk`` is on (else 0)."""
 
 
 def _faulty_backend_path(where: Path) -> str:
@@ -115,6 +133,11 @@ class Fleet:
         atexit.register(self.stop_proxy)  # engines have their own (kvbridge.tools.engines)
         self.lock = threading.Lock()  # the injector and the final checks, never both at once
         self.starts = {n: 0 for n in ENGINES}  # per engine: its n-th process draws its own fails
+        self.vllm = args.connector == "vllm-nixl"  # vLLM's own NixlConnector, as shipped
+        self.tiers = "slow_disk" in args.faults
+        self.delay_file = out / "slow_disk_delay_ms"  # every engine's slow tier reads this
+        self.delay_file.write_text("0\n")
+        self.vllm_after: dict[str, dict[str, Any]] = {}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.http[name]}"
@@ -125,6 +148,15 @@ class Fleet:
 
     def engine(self, name: str) -> VllmServer:
         role = "kv_producer" if name.startswith("P") else "kv_consumer"
+        log = self.logs / f"{name}-{time.monotonic_ns()}.log"
+        if self.vllm:  # as tests/engines/test_vllm_stock_nixl.py runs it (tools.bench.fleet)
+            return VllmServer(
+                self.model, name=name, port=self.http[name], cpu_bind=self.cores[name],
+                kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": role,
+                                    "kv_buffer_device": "cpu"},
+                env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1",
+                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.ctl[name])},
+                extra_args=["--block-size", "32"], log_path=log)
         extra: dict[str, Any] = {
             "backend": self.args.backend, "lease_s": LEASE_S, "heartbeat_s": 1,
             "push_timeout_s": 60, "prefill_wait_s": 60, "control_timeout_s": 5,
@@ -138,11 +170,16 @@ class Fleet:
             extra.update(backend="faulty", backend_options={"inner": self.args.backend,
                                                             "faults": {"fail": fail}})
             env["PYTHONPATH"] = _faulty_backend_path(self.out / "plugin")
+        args = ["--block-size", "32"]
+        if self.tiers:  # its own directory, kept across restarts; the delay file is shared
+            extra["offload"] = {"tiers": [{
+                "name": "slow_disk", "path": str(self.out / "tiers" / name),
+                "capacity_bytes": "256MiB", "delay_file": str(self.delay_file)}]}
+            args += ["--kv-cache-memory-bytes", str(TIER_KV_CACHE_BYTES)]
         kv = {"kv_connector": "KVBridgeConnector", "kv_role": role, "engine_id": f"soak-{name}",
               "kv_connector_extra_config": extra}
         return VllmServer(self.model, name=name, port=self.http[name], kv_transfer_config=kv,
-                          cpu_bind=self.cores[name], env=env, extra_args=["--block-size", "32"],
-                          log_path=self.logs / f"{name}-{time.monotonic_ns()}.log")
+                          cpu_bind=self.cores[name], env=env, extra_args=args, log_path=log)
 
     def start(self) -> None:
         self.engines = {n: self.engine(n) for n in ENGINES}
@@ -150,7 +187,7 @@ class Fleet:
         self.start_proxy()
 
     def start_proxy(self) -> None:
-        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", "auto",
+        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", "pull" if self.vllm else "auto",
                "--prefill", self.url("P0"), self.url("P1"),
                "--decode", self.url("D0"), self.url("D1"),
                "--port", str(self.proxy_port), "--health-interval", "0.5", "--timeout", "120"]
@@ -206,7 +243,11 @@ class Fleet:
         assert pid is not None
         os.killpg(pid, sig)
 
-    def pending(self, name: str) -> int:
+    def pending(self, name: str) -> int | None:
+        """Transfers the engine holds (leases, registrations); None for vLLM's own connector,
+        which answers no ``StatsQuery``: its /metrics are read instead (:meth:`vllm_metrics`)."""
+        if self.vllm:
+            return None
         client = engine_client(30.0)
         try:
             reply = client.request(f"tcp://127.0.0.1:{self.ctl[name]}", StatsQuery())
@@ -215,16 +256,58 @@ class Fleet:
         assert isinstance(reply, StatsReply)
         return int(reply.pending)
 
+    def vllm_metrics(self, name: str) -> dict[str, float | None]:
+        """What vLLM's own /metrics say the engine holds: requests running and waiting, and its
+        KV cache in use (0 to 1; blocks of finished requests that vLLM keeps cached count as
+        free)."""
+        text = prom.fetch(self.url(name), 10)
+        return {"running": prom.value(text, "vllm:num_requests_running"),
+                "waiting": prom.value(text, "vllm:num_requests_waiting"),
+                "kv_cache_usage": prom.value(text, "vllm:kv_cache_usage_perc")}
+
     def wait_idle(self, names: tuple[str, ...] = ENGINES, timeout: float = LEASE_S + 30
-                  ) -> dict[str, int]:
+                  ) -> dict[str, int | None]:
         """What each engine of ``names`` still holds, once none holds anything (or when
-        ``timeout`` ran out)."""
+        ``timeout`` ran out). vLLM's own engines: None each (not measurable), after waiting
+        until their /metrics show nothing running and no KV in use (kept in ``vllm_after``)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = {n: self.pending(n) for n in names}
-            if not any(left.values()) or time.monotonic() >= deadline:
-                return left
+            if self.vllm:
+                seen: dict[str, dict[str, Any]] = {}
+                for n in names:
+                    try:
+                        seen[n] = self.vllm_metrics(n)
+                    except Exception as exc:  # noqa: BLE001 - an engine that cannot answer
+                        seen[n] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                self.vllm_after.update(seen)
+                busy = any(m.get("error") or any(v for k, v in m.items() if k != "error")
+                           for m in seen.values())
+                if not busy or time.monotonic() >= deadline:
+                    return {n: None for n in names}
+            else:
+                left = {n: self.pending(n) for n in names}
+                if not any(left.values()) or time.monotonic() >= deadline:
+                    return left
             time.sleep(0.5)
+
+    def set_delay(self, ms: float) -> None:
+        """Every engine's slow tier reads ``ms`` per read from now (within its 100 ms re-check)."""
+        tmp = self.delay_file.with_suffix(".tmp")
+        tmp.write_text(f"{ms:g}\n")
+        os.replace(tmp, self.delay_file)  # a new inode: the tiers see the change at once
+
+    def tier_counts(self) -> dict[str, int]:
+        """Over the engines now running: blocks read from the slow tier, tier lookups that
+        timed out (a miss: recomputed), loads that failed."""
+        keys = {"offload_hit_blocks_slow_disk": "read", "offload_lookup_timeouts": "timeouts",
+                "offload_load_failed": "failed"}
+        out = dict.fromkeys(keys.values(), 0)
+        for n in ENGINES:
+            with contextlib.suppress(Exception):  # an engine restarting: counted when back
+                stats = engine_stats(f"tcp://127.0.0.1:{self.ctl[n]}", 10)
+                for k, short in keys.items():
+                    out[short] += int(stats.get(k, 0))
+        return out
 
     def close(self) -> None:
         self.stop_proxy()
@@ -257,7 +340,9 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
         admin.drain(url)
         row = admin.wait_drained(url, 120)
         took = time.monotonic() - t0 - start
-        held = fleet.wait_idle((name,))[name]  # a drained engine holds nothing a lease later
+        held: Any = fleet.wait_idle((name,))[name]  # a drained engine holds nothing a lease later
+        if held is None:  # vLLM's own: what its /metrics say
+            held = fleet.vllm_after.get(name)
         note = f"{row['state']} after {took:.1f} s, then holding {held}"
         admin.remove(url, force=row["state"] != "drained")
         fleet.engines[name].stop()
@@ -266,6 +351,17 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
     elif fault.kind == "proxy":
         fleet.stop_proxy(signal.SIGKILL)
         fleet.start_proxy()
+    elif fault.kind == "slow_disk":
+        before = fleet.tier_counts()
+        fleet.set_delay(fault.delay_ms)
+        try:
+            time.sleep(fault.hold_s)
+        finally:
+            fleet.set_delay(0)
+        after = fleet.tier_counts()
+        note = (f"{fault.delay_ms:g} ms per read for {fault.hold_s:.1f} s: "
+                + ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+                + " (blocks read from the slow tiers, lookups timed out, loads failed)")
     else:
         raise ValueError(fault.kind)
     fleet.wait_whole(120)
@@ -273,9 +369,9 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
 
 
 def send(url: str, i: int, prompt: list[int], stream: bool, max_tokens: int,
-         t0: float) -> Outcome:
+         t0: float, repeats: int | None = None) -> Outcome:
     start = time.monotonic() - t0
-    o = Outcome(i, stream, len(prompt), max_tokens, round(start, 3), 0.0, 0)
+    o = Outcome(i, stream, len(prompt), max_tokens, round(start, 3), 0.0, 0, repeat_of=repeats)
     try:
         if stream:
             res = stream_complete(url, prompt, max_tokens, None, GREEDY, timeout=CLIENT_TIMEOUT_S)
@@ -302,9 +398,12 @@ def prompt_of(seed: int, i: int, length: int) -> list[int]:
 def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: Callable[[], float],
          ex: cf.ThreadPoolExecutor) -> list[cf.Future[Outcome]]:
     """Send the seeded Poisson stream until ``until()`` (soak clock, asked before each
-    request); the futures of every request."""
+    request); the futures of every request. With ``--repeat-share`` a seeded share re-sends
+    the prompt of an earlier request (:func:`~kvbridge.tools.bench.soak_card.repeat_of`; the
+    first sender's prompt and length, the rest drawn as usual)."""
     rng = random.Random(args.seed)
     futures: list[cf.Future[Outcome]] = []
+    first: list[tuple[int, int]] = []  # per request: whose prompt it sends, of what length
     at = 0.0
     while True:
         at += rng.expovariate(args.rate)
@@ -315,8 +414,11 @@ def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: Callable[[], 
         if delay > 0:
             time.sleep(delay)
         i = len(futures)
-        futures.append(ex.submit(send, fleet.proxy_url, i, prompt_of(args.seed, i, length),
-                                 stream, max_tokens, t0))
+        j = repeat_of(args.seed, i, args.repeat_share)
+        first.append((i, length) if j is None else first[j])
+        src, length = first[i]
+        futures.append(ex.submit(send, fleet.proxy_url, i, prompt_of(args.seed, src, length),
+                                 stream, max_tokens, t0, None if src == i else src))
 
 
 def check(fleet: Fleet, args: argparse.Namespace, outcomes: list[Outcome]) -> None:
@@ -326,7 +428,8 @@ def check(fleet: Fleet, args: argparse.Namespace, outcomes: list[Outcome]) -> No
         reset_prefix_cache(fleet.url("P1"))
 
     def ref(o: Outcome) -> None:
-        out = output_token_ids(complete(fleet.url("P1"), prompt_of(args.seed, o.i, o.prompt_len),
+        src = o.i if o.repeat_of is None else o.repeat_of
+        out = output_token_ids(complete(fleet.url("P1"), prompt_of(args.seed, src, o.prompt_len),
                                         o.max_tokens, extra=GREEDY, timeout=120))
         o.correct = out == o.tokens
 
@@ -347,6 +450,34 @@ def injected_failures(logs: Path) -> int:
     return len(ids)
 
 
+_EXCEPTION = re.compile(r"^(?:\S+ )?[\w.]*(?:Error|Exception|Interrupt)\b.*")
+
+
+def log_errors(logs: Path) -> list[dict[str, Any]]:
+    """Per engine log (vLLM's, a crash's traceback included) that holds a Python traceback:
+    its path, how many, and the last exception line (what a crash or a failed request died of)."""
+    found = []
+    for path in sorted(logs.glob("[PD]*.log")):
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+        n = sum("Traceback (most recent call last)" in line for line in lines)
+        if n:
+            last = next((m.group(0)[:300] for line in reversed(lines)
+                         for m in [_EXCEPTION.search(line.strip())] if m), "")
+            found.append({"log": str(path), "tracebacks": n, "last": last})
+    return found
+
+
+def exited(fleet: Fleet) -> dict[str, dict[str, Any]]:
+    """The engines whose process ended on its own (a crash: the soak restarts those it kills)."""
+    out = {}
+    for name, server in fleet.engines.items():
+        proc = getattr(server, "proc", None)
+        if proc is not None and proc.poll() is not None:
+            out[name] = {"returncode": proc.returncode, "log": str(server.log_path)}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or tempfile.mkdtemp(prefix="kvbridge-soak-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +489,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     windows: list[Window] = []
     errors: list[str] = []
     outcomes: list[Outcome] = []
+    pending: dict[str, int | None] = {}
+    crashed: dict[str, dict[str, Any]] = {}
+    tiers: dict[str, int] = {}
     try:
         fleet.start()
         t0 = time.monotonic()
@@ -398,12 +532,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         chaos.join()
         with fleet.lock:
+            crashed = exited(fleet)
             pending = fleet.wait_idle()
+            if fleet.tiers:
+                tiers = fleet.tier_counts()
             check(fleet, args, outcomes)
     finally:
         fleet.close()
     result = card(outcomes, windows, pending, extra={
-        "argv": sys.argv, "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
+        "argv": sys.argv, "connector": args.connector,
+        "backend": "vLLM's NixlConnector" if fleet.vllm else args.backend,
+        "minutes": args.minutes, "seed": args.seed, "repeat_share": args.repeat_share,
+        "slow_tier_after_run": tiers or None,
+        "vllm_metrics_after_run": fleet.vllm_after or None,
+        "engines_exited": crashed, "engine_log_errors": log_errors(out / "logs"),
+        "logs": str(out / "logs"),
         "rate": args.rate, "faults_enabled": args.faults, "rolling": args.rolling,
         "quiet_s": args.quiet_s if args.rolling else None, "load_s": round(end[0], 1),
         "fail_share": args.fail_share,
@@ -413,8 +556,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(out / "requests.jsonl", "w") as f:
         for o in outcomes:
             f.write(json.dumps({k: v for k, v in asdict(o).items() if k != "tokens"}) + "\n")
-    print_table(["item", "value"], [*card_rows(result), [
-        "transfers failed on purpose", str(result["transfers_failed_injected"])]])
+    extra_rows = [["transfers failed on purpose", str(result["transfers_failed_injected"])]]
+    if tiers:
+        extra_rows.append(["slow tier, engines running at the end",
+                           ", ".join(f"{k} {v}" for k, v in tiers.items())])
+    for name, m in fleet.vllm_after.items():
+        extra_rows.append([f"vLLM /metrics after the run: {name}", json.dumps(m)])
+    for name, c in crashed.items():
+        extra_rows.append([f"engine exited on its own: {name}",
+                           f"rc {c['returncode']}, {c['log']}"])
+    for e in result["engine_log_errors"]:
+        extra_rows.append([f"tracebacks: {Path(e['log']).name}",
+                           f"{e['tracebacks']}: {e['last']}"])
+    print_table(["item", "value"], [*card_rows(result), *extra_rows])
     for e in errors:
         print(f"injector stopped: {e}")
     return result
@@ -425,10 +579,19 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0,
                     help="how long the load runs (with --rolling: at most)")
     ap.add_argument("--seed", type=int, default=1, help="seeds the load and the fault schedule")
-    ap.add_argument("--backend", default="shm", choices=("shm", "nixl"), help="KV transport")
+    ap.add_argument("--connector", default="kvbridge", choices=tuple(CONNECTORS),
+                    help="the engines' KV connector: kvbridge's, or vLLM's own NixlConnector "
+                         "as shipped (behind the same proxy, in pull mode; faults: "
+                         f"{', '.join(CONNECTORS['vllm-nixl'])})")
+    ap.add_argument("--backend", default="shm", choices=("shm", "nixl"),
+                    help="KV transport (--connector kvbridge)")
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
-    ap.add_argument("--faults", default=",".join(FAULTS),
-                    help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--faults", default=None,
+                    help=f"comma-separated, of {', '.join(FAULTS)} (default: "
+                         f"{','.join(DEFAULT_FAULTS)}, those that apply to the connector)")
+    ap.add_argument("--repeat-share", type=float, default=None,
+                    help="share of requests that re-send an earlier prompt (default "
+                         f"{REPEAT_SHARE} with slow_disk, so the tiers are read; else 0)")
     ap.add_argument("--fail-share", type=float, default=0.05,
                     help="transfer_error: share of P1's and D1's transfers that fail")
     ap.add_argument("--out", default=None, help="directory for card.json, requests and logs")
@@ -439,11 +602,19 @@ def main() -> int:
                     help="--rolling: seconds of steady load before the first step and after "
                          "the last")
     args = ap.parse_args()
+    if args.faults is None:
+        args.faults = ",".join(f for f in DEFAULT_FAULTS if f in CONNECTORS[args.connector])
     args.faults = [] if args.rolling else [f for f in args.faults.split(",") if f]
-    if not set(args.faults) <= set(FAULTS) or args.rate <= 0 or args.minutes <= 0 \
-            or args.quiet_s < 0:
-        ap.error(f"--faults: of {', '.join(FAULTS)}; --rate and --minutes: positive; "
-                 "--quiet-s: not negative")
+    try:
+        applicable(args.connector, args.faults)
+    except ValueError as exc:
+        ap.error(f"--faults: {exc}")
+    if args.repeat_share is None:
+        args.repeat_share = REPEAT_SHARE if "slow_disk" in args.faults else 0.0
+    if args.rate <= 0 or args.minutes <= 0 or args.quiet_s < 0 \
+            or not 0 <= args.repeat_share <= 1:
+        ap.error("--rate and --minutes: positive; --quiet-s: not negative; --repeat-share: "
+                 "0 to 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)
     clean = not result["wrong"] and not result["leaked_total"] and not result["injector_errors"]

@@ -1,7 +1,8 @@
 """A chaos soak: a 2P2D fleet under steady load while faults are injected, every answer checked.
 
     PYTHONPATH=.:backends .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 \
-        [--backend shm|nixl] [--rate 1.5] [--faults kill,stop,drain,proxy,transfer_error] \
+        [--connector kvbridge|vllm-nixl] [--backend shm|nixl] [--rate 1.5] \
+        [--faults kill,stop,drain,proxy,transfer_error[,slow_disk]] [--repeat-share 0.3] \
         [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75]]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
@@ -22,6 +23,27 @@ port. Then, for ``--minutes``:
   ``transfer_error`` is not a moment: P1 and D1 run the fault-injecting transport wrapper
   (:class:`kvbridge.testing.faults.FaultyBackend` around the chosen backend), failing a seeded
   ``--fail-share`` of their transfers for the whole run.
+- ``slow_disk`` (asked for by name; not in the default set): every engine runs one offload tier,
+  ``slow_disk`` (:mod:`kvbridge.testing.slow_tier`, a ``disk`` tier whose reads sleep for the
+  delay its ``delay_file`` holds), in a directory of its own under ``DIR/tiers`` that a
+  restarted engine finds again, all reading one delay file ``DIR/slow_disk_delay_ms``; vLLM's KV
+  cache is cut to 8 MiB (256 blocks) so that a prompt sent a minute earlier has left vLLM's
+  prefix cache and is looked up in the tier. The fault writes a seeded 300-1500 ms into the
+  delay file for a seeded 10-40 s, then 0; its window is while the delay is in force, and its
+  note counts the blocks read from the slow tiers meanwhile (``offload_hit_blocks_slow_disk``),
+  lookups that timed out (a miss, recomputed) and failed loads. Prompts are otherwise never
+  repeated, so with ``slow_disk`` a seeded ``--repeat-share`` (default 0.3) of requests re-send
+  an earlier request's prompt (:func:`~kvbridge.tools.bench.soak_card.repeat_of`); without it
+  the load is what it always was.
+
+``--connector vllm-nixl`` runs the same card against vLLM's own ``NixlConnector`` as shipped
+(P ``kv_producer``, D ``kv_consumer``, ``kv_buffer_device`` cpu, each engine's NIXL side
+channel at a fixed port), behind the same proxy in ``--mode pull``. Faults that apply: ``kill``,
+``stop``, ``drain``, ``proxy`` (``transfer_error`` and ``slow_disk`` are kvbridge's transport
+wrapper and tier: refused). vLLM's engines answer no ``StatsQuery``, so their leaks are "not
+measurable"; what their /metrics say after the run (requests running and waiting, KV cache in
+use) is on the card instead. For either connector the card lists engines that exited on their
+own and every engine log holding a Python traceback (path, count, last exception line).
 
 ``--rolling`` is a measured rolling upgrade instead (issue 28): no faults but a ``drain`` of every
 engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`), one at a time, the
@@ -30,7 +52,8 @@ load goes on for another ``--quiet-s`` after the last (``--minutes`` is then its
 The card's "during faults" are the upgrade's windows, "quiet" the steady state around them.
 
 At the end it waits until no engine holds a transfer (at most a lease and 30 s), reads what each
-still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0), computes the
+still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0; vLLM's engines: its
+/metrics, see above), computes the
 references and prints the report card (:func:`~kvbridge.tools.bench.soak_card.card`); the card
 and every request go to ``DIR/card.json`` and ``DIR/requests.jsonl``, the logs to ``DIR/logs``.
 Exit status 0 when the card is clean (no wrong output, nothing leaked; with ``--rolling`` no
@@ -450,20 +473,21 @@ def injected_failures(logs: Path) -> int:
     return len(ids)
 
 
-_EXCEPTION = re.compile(r"^(?:\S+ )?[\w.]*(?:Error|Exception|Interrupt)\b.*")
+_EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)\b.*")
 
 
 def log_errors(logs: Path) -> list[dict[str, Any]]:
     """Per engine log (vLLM's, a crash's traceback included) that holds a Python traceback:
-    its path, how many, and the last exception line (what a crash or a failed request died of)."""
+    its path, how many, and the last exception line (what a crash or a failed request died of).
+    Read before the soak stops the engines (their shutdown logs tracebacks of its own)."""
     found = []
     for path in sorted(logs.glob("[PD]*.log")):
         with open(path, errors="replace") as f:
             lines = f.read().splitlines()
         n = sum("Traceback (most recent call last)" in line for line in lines)
         if n:
-            last = next((m.group(0)[:300] for line in reversed(lines)
-                         for m in [_EXCEPTION.search(line.strip())] if m), "")
+            last = next((m.group(0)[:300] for line in reversed(lines)  # past vLLM's "…] "
+                         for m in [_EXCEPTION.match(line.rsplit("] ", 1)[-1].strip())] if m), "")
             found.append({"log": str(path), "tracebacks": n, "last": last})
     return found
 
@@ -491,6 +515,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outcomes: list[Outcome] = []
     pending: dict[str, int | None] = {}
     crashed: dict[str, dict[str, Any]] = {}
+    log_errs: list[dict[str, Any]] = []
     tiers: dict[str, int] = {}
     try:
         fleet.start()
@@ -537,6 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if fleet.tiers:
                 tiers = fleet.tier_counts()
             check(fleet, args, outcomes)
+            log_errs = log_errors(out / "logs")
     finally:
         fleet.close()
     result = card(outcomes, windows, pending, extra={
@@ -545,7 +571,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": args.minutes, "seed": args.seed, "repeat_share": args.repeat_share,
         "slow_tier_after_run": tiers or None,
         "vllm_metrics_after_run": fleet.vllm_after or None,
-        "engines_exited": crashed, "engine_log_errors": log_errors(out / "logs"),
+        "engines_exited": crashed, "engine_log_errors": log_errs,
         "logs": str(out / "logs"),
         "rate": args.rate, "faults_enabled": args.faults, "rolling": args.rolling,
         "quiet_s": args.quiet_s if args.rolling else None, "load_s": round(end[0], 1),

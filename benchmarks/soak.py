@@ -43,7 +43,11 @@ channel at a fixed port), behind the same proxy in ``--mode pull``. Faults that 
 wrapper and tier: refused). vLLM's engines answer no ``StatsQuery``, so their leaks are "not
 measurable"; what their /metrics say after the run (requests running and waiting, KV cache in
 use) is on the card instead. For either connector the card lists engines that exited on their
-own and every engine log holding a Python traceback (path, count, last exception line).
+own and every engine log holding a Python traceback (path, count, last exception line), the
+WARNING and ERROR lines each engine logged after start-up (folded and counted,
+:mod:`kvbridge.tools.bench.soak_logs`), and for every wrong output the log lines that name its
+request: each request carries ``X-Request-Id: soak-s<seed>-<i>``, which the proxy passes on
+and vLLM puts in its own request ids.
 
 ``--rolling`` is a measured rolling upgrade instead (issue 28): no faults but a ``drain`` of every
 engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`), one at a time, the
@@ -86,6 +90,7 @@ from kvbridge.host.placement import fleet_cores
 from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools import prom
+from kvbridge.tools.bench import soak_logs
 from kvbridge.tools.bench.soak_card import (
     CONNECTORS,
     DEFAULT_FAULTS,
@@ -124,6 +129,9 @@ TIER_KV_CACHE_BYTES = 8 * 2**20
 about 60 s of one engine's share of the load at 1.5 req/s, and more than 8 running requests of
 the longest kind need): prompts sent a minute earlier have left vLLM's prefix cache, so a repeat
 is looked up in the tier (the default 256 MiB would hold a whole short soak)."""
+ADMIN_TIMEOUT_S = 60.0
+"""How long the injector waits for one answer of the proxy's /admin: a proxy starved of CPU (four
+vLLM NixlConnector engines busy-polling two cores) took over 10 s to answer."""
 REPEAT_SHARE = 0.3
 """Share of requests that re-send an earlier prompt when ``slow_disk`` is on (else 0)."""
 
@@ -234,7 +242,7 @@ class Fleet:
             proc.wait(5)
 
     def admin(self) -> AdminClient:
-        return AdminClient(self.proxy_url, timeout_s=10)
+        return AdminClient(self.proxy_url, timeout_s=ADMIN_TIMEOUT_S)
 
     def states(self) -> dict[str, str]:
         rows = self.admin().engines()
@@ -284,9 +292,9 @@ class Fleet:
         KV cache in use (0 to 1; blocks of finished requests that vLLM keeps cached count as
         free)."""
         text = prom.fetch(self.url(name), 10)
-        return {"running": prom.value(text, "vllm:num_requests_running"),
-                "waiting": prom.value(text, "vllm:num_requests_waiting"),
-                "kv_cache_usage": prom.value(text, "vllm:kv_cache_usage_perc")}
+        return {"running": prom.total(text, "vllm:num_requests_running"),
+                "waiting": prom.total(text, "vllm:num_requests_waiting"),
+                "kv_cache_usage": prom.total(text, "vllm:kv_cache_usage_perc")}
 
     def wait_idle(self, names: tuple[str, ...] = ENGINES, timeout: float = LEASE_S + 30
                   ) -> dict[str, int | None]:
@@ -391,19 +399,27 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
     return Window(fault.kind, name, round(start, 2), round(time.monotonic() - t0, 2), note)
 
 
+def rid_of(seed: int, i: int) -> str:
+    """The ``X-Request-Id`` of request ``i``: the proxy passes it on and vLLM's request ids
+    contain it, so every log line about the request can be found (:func:`soak_logs.lines_of`)."""
+    return f"soak-s{seed}-{i}"
+
+
 def send(url: str, i: int, prompt: list[int], stream: bool, max_tokens: int,
-         t0: float, repeats: int | None = None) -> Outcome:
+         t0: float, repeats: int | None = None, rid: str = "") -> Outcome:
     start = time.monotonic() - t0
     o = Outcome(i, stream, len(prompt), max_tokens, round(start, 3), 0.0, 0, repeat_of=repeats)
+    headers = {"X-Request-Id": rid} if rid else None
     try:
         if stream:
-            res = stream_complete(url, prompt, max_tokens, None, GREEDY, timeout=CLIENT_TIMEOUT_S)
+            res = stream_complete(url, prompt, max_tokens, None, GREEDY, timeout=CLIENT_TIMEOUT_S,
+                                  headers=headers)
             o.tokens, o.ttft = res.token_ids, res.ttft
             if len(res.token_ids) != max_tokens:
                 o.why = f"stream ended after {len(res.token_ids)} of {max_tokens} tokens"
         else:
             o.tokens = output_token_ids(complete(url, prompt, max_tokens, extra=GREEDY,
-                                                 timeout=CLIENT_TIMEOUT_S)) or []
+                                                 timeout=CLIENT_TIMEOUT_S, headers=headers)) or []
         o.status = 200
     except EngineError as exc:
         o.status = exc.status or 0
@@ -441,7 +457,8 @@ def load(fleet: Fleet, args: argparse.Namespace, t0: float, until: Callable[[], 
         first.append((i, length) if j is None else first[j])
         src, length = first[i]
         futures.append(ex.submit(send, fleet.proxy_url, i, prompt_of(args.seed, src, length),
-                                 stream, max_tokens, t0, None if src == i else src))
+                                 stream, max_tokens, t0, None if src == i else src,
+                                 rid_of(args.seed, i)))
 
 
 def check(fleet: Fleet, args: argparse.Namespace, outcomes: list[Outcome]) -> None:
@@ -473,25 +490,6 @@ def injected_failures(logs: Path) -> int:
     return len(ids)
 
 
-_EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)\b.*")
-
-
-def log_errors(logs: Path) -> list[dict[str, Any]]:
-    """Per engine log (vLLM's, a crash's traceback included) that holds a Python traceback:
-    its path, how many, and the last exception line (what a crash or a failed request died of).
-    Read before the soak stops the engines (their shutdown logs tracebacks of its own)."""
-    found = []
-    for path in sorted(logs.glob("[PD]*.log")):
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()
-        n = sum("Traceback (most recent call last)" in line for line in lines)
-        if n:
-            last = next((m.group(0)[:300] for line in reversed(lines)  # past vLLM's "…] "
-                         for m in [_EXCEPTION.match(line.rsplit("] ", 1)[-1].strip())] if m), "")
-            found.append({"log": str(path), "tracebacks": n, "last": last})
-    return found
-
-
 def exited(fleet: Fleet) -> dict[str, dict[str, Any]]:
     """The engines whose process ended on its own (a crash: the soak restarts those it kills)."""
     out = {}
@@ -515,7 +513,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outcomes: list[Outcome] = []
     pending: dict[str, int | None] = {}
     crashed: dict[str, dict[str, Any]] = {}
-    log_errs: list[dict[str, Any]] = []
+    found: dict[str, Any] = {}
     tiers: dict[str, int] = {}
     try:
         fleet.start()
@@ -562,7 +560,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if fleet.tiers:
                 tiers = fleet.tier_counts()
             check(fleet, args, outcomes)
-            log_errs = log_errors(out / "logs")
+            wrong = [o.i for o in outcomes if o.correct is False]
+            found = {"engine_log_errors": soak_logs.tracebacks(out / "logs"),
+                     "engine_log_warnings": soak_logs.warnings(out / "logs"),
+                     "wrong_in_logs": {str(i): lines for i, lines in soak_logs.lines_of(
+                         out / "logs", [rid_of(args.seed, i) for i in wrong]).items()}}
     finally:
         fleet.close()
     result = card(outcomes, windows, pending, extra={
@@ -571,7 +573,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": args.minutes, "seed": args.seed, "repeat_share": args.repeat_share,
         "slow_tier_after_run": tiers or None,
         "vllm_metrics_after_run": fleet.vllm_after or None,
-        "engines_exited": crashed, "engine_log_errors": log_errs,
+        "engines_exited": crashed, **found,
         "logs": str(out / "logs"),
         "rate": args.rate, "faults_enabled": args.faults, "rolling": args.rolling,
         "quiet_s": args.quiet_s if args.rolling else None, "load_s": round(end[0], 1),
@@ -591,9 +593,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, c in crashed.items():
         extra_rows.append([f"engine exited on its own: {name}",
                            f"rc {c['returncode']}, {c['log']}"])
-    for e in result["engine_log_errors"]:
+    for e in result.get("engine_log_errors", []):
         extra_rows.append([f"tracebacks: {Path(e['log']).name}",
                            f"{e['tracebacks']}: {e['last']}"])
+    for e in result.get("engine_log_warnings", []):
+        top = e["lines"][0]
+        extra_rows.append([f"warnings: {Path(e['log']).name}",
+                           f"{top['count']} x {top['level']} {top['message'][:90]}"
+                           + (f" (+{len(e['lines']) - 1} more kinds)" if len(e["lines"]) > 1
+                              else "")])
+    for rid, lines in result.get("wrong_in_logs", {}).items():
+        extra_rows.append([f"wrong output {rid}: {len(lines)} log lines",
+                           lines[0][:160] if lines else "none names it"])
     print_table(["item", "value"], [*card_rows(result), *extra_rows])
     for e in errors:
         print(f"injector stopped: {e}")

@@ -533,23 +533,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.rolling:
                     end[0] = min(duration, time.monotonic() - t0 + args.quiet_s)
 
-        doing = [""]  # the fault being injected, for the card when the end does not wait for it
+        doing: list[Any] = [None, 0.0]  # the fault being injected and when: for the card when
+        # the end does not wait for it
+        gave_up = threading.Event()  # set when it did not: the injector then records nothing
 
         def run_plan() -> None:
             for fault in plan:
                 if stop.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
                     return
                 began = time.monotonic() - t0
-                doing[0] = f"{fault.kind} {fault.target} (since {began:.1f} s)"
+                doing[:] = [fault, began]
                 print(f"[{began:6.1f} s] {fault.kind} {fault.target}", file=sys.stderr,
                       flush=True)
                 try:
                     with fleet.lock:
-                        windows.append(inject(fleet, fault, t0))
+                        window = inject(fleet, fault, t0)
+                    if gave_up.is_set():  # the card has its window already
+                        return
+                    windows.append(window)
                     print(f"[{time.monotonic() - t0:6.1f} s] whole again {windows[-1].note}",
                           file=sys.stderr, flush=True)
                 except Exception as exc:  # noqa: BLE001 - a fault the fleet did not recover from
                     why = f"{type(exc).__name__}: {exc}"[:2000]
+                    if gave_up.is_set():
+                        return
                     errors.append(f"{fault.kind} {fault.target}: {why}")
                     windows.append(Window(fault.kind, fault.target, round(began, 2),
                                           round(time.monotonic() - t0, 2), "not recovered"))
@@ -564,8 +571,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         chaos.join(END_WAIT_S)  # a restart still going on is not waited for past this
         if chaos.is_alive():
-            errors.append(f"{doing[0]}: still going {END_WAIT_S:.0f} s after the load ended; "
-                          "the final checks ran without waiting for it (no window)")
+            gave_up.set()
+            fault, began = doing
+            errors.append(f"{fault.kind} {fault.target} (since {began:.1f} s): still going "
+                          f"{END_WAIT_S:.0f} s after the load ended; the final checks ran "
+                          "without waiting for it")
+            windows.append(Window(fault.kind, fault.target, round(began, 2),
+                                  round(time.monotonic() - t0, 2), "not recovered by the end"))
         locked = fleet.lock.acquire(timeout=1.0 if chaos.is_alive() else -1)
         try:
             crashed = exited(fleet)

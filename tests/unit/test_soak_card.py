@@ -18,6 +18,8 @@ from kvbridge.tools.bench.soak_card import (
     applicable,
     card,
     card_rows,
+    code_rows,
+    code_version,
     reason,
     repeat_of,
     rolling,
@@ -154,3 +156,27 @@ def test_an_empty_run_has_a_card() -> None:
     assert (c["sent"], c["wrong"], c["leaked_total"], c["longest_failure_s"]) == (0, 0, 0, 0.0)
     assert c["ttft_quiet_ms"]["p50"] is None and c["ttft_p99_ratio"] is None
     assert card_rows(c)[-1] == ["faults injected", "none"]
+
+
+def test_an_upgrade_across_versions_runs_the_old_code_only_in_the_initial_fleet() -> None:
+    assert [code_version(n, "from", "to") for n in (1, 2, 3)] == ["from", "to", "to"]
+    assert [code_version(n, None, "to") for n in (1, 2)] == ["to", "to"]
+    with pytest.raises(ValueError, match="count from 1"):
+        code_version(0, "from", "to")
+
+
+def test_the_card_names_both_commits_and_what_each_engine_ran() -> None:
+    old = {"label": "from", "commit": "d9975cdf73fe0000", "subject": "2026-12-05 README",
+           "path": "/tmp/old", "dirty": False}
+    new = {"label": "to", "commit": "4f25fb71566c0000", "subject": "docs", "path": "/tmp/new",
+           "dirty": True}
+    code = {"from": old, "to": new, "engines": {"P0": ["from", "to"], "D1": ["from"]},
+            "mapped": {"P0": [["/tmp/old"], ["/tmp/new"]], "D1": [[]]}}
+    rows = dict(map(tuple, code_rows(code)))
+    assert rows["code before (initial fleet)"].startswith("d9975cdf73 (2026-12-05 README)")
+    assert "uncommitted" in rows["code after (successors, proxy)"]
+    assert rows["  P0 ran"] == "d9975cdf73 -> 4f25fb7156 (mapped: /tmp/old -> /tmp/new)"
+    assert rows["  D1 ran"] == "d9975cdf73 (mapped: ?)"
+    assert code_rows({"from": None, "to": new, "engines": {"P0": ["to"]}}) == []
+    c = card([], [], {}, extra={"code": code})
+    assert ["code before (initial fleet)", rows["code before (initial fleet)"]] in card_rows(c)

@@ -20,8 +20,8 @@ from typing import Any
 from kvbridge.tools.report import percentile
 
 __all__ = ["CONNECTORS", "DEFAULT_FAULTS", "ENGINES", "FAULTS", "ROLLING_ORDER", "SCHEDULED",
-           "TIERS", "Fault", "Outcome", "Window", "applicable", "card", "card_rows", "reason",
-           "repeat_of", "rolling", "schedule"]
+           "TIERS", "Fault", "Outcome", "Window", "applicable", "card", "card_rows", "code_rows",
+           "code_version", "reason", "repeat_of", "rolling", "schedule"]
 
 ENGINES = ("P0", "P1", "D0", "D1")
 SCHEDULED = ("kill", "stop", "drain", "proxy", "slow_disk")
@@ -132,6 +132,41 @@ def rolling(warmup_s: float, order: Sequence[str] = ROLLING_ORDER) -> list[Fault
     if warmup_s < 0 or len(set(order)) != len(order) or not set(order) <= set(ENGINES):
         raise ValueError(f"bad rolling upgrade: warmup_s {warmup_s}, order {list(order)}")
     return [Fault(round(warmup_s, 1), "drain", name) for name in order]
+
+
+def code_version(start: int, old: str | None, new: str) -> str:
+    """Which kvbridge the ``start``-th process of an engine runs (1: the initial fleet's, 2 and
+    up: its successors'): with a rolling upgrade from an older checkout (``old``, the soak's
+    ``--from-code``) the initial fleet runs ``old`` and every successor ``new``, the tree the
+    soak and its proxy run; without one, ``new`` throughout."""
+    if start < 1:
+        raise ValueError(f"an engine's starts count from 1, got {start}")
+    return old if old is not None and start == 1 else new
+
+
+def code_rows(code: Mapping[str, Any]) -> list[list[str]]:
+    """The card's rows on the code that ran: ``code`` is ``{"from": {...} | None, "to": {...},
+    "engines": {name: [label, ...]}, "mapped": {name: [[dir, ...], ...]}}``, each version
+    ``{"label", "commit", "subject", "path", "dirty"}``, each engine's labels those of its
+    processes in order and ``mapped`` the checkouts each process was seen running (optional);
+    no rows without a ``from`` (every engine ran the soak's own tree)."""
+    old, new = code.get("from"), code["to"]
+    if not old:
+        return []
+
+    def version(v: Mapping[str, Any]) -> str:
+        dirty = " + uncommitted changes" if v.get("dirty") else ""
+        return f"{v['commit'][:10]}{dirty} ({v.get('subject', '')[:60]}) at {v['path']}"
+
+    commits = {v["label"]: v["commit"][:10] for v in (old, new)}
+    rows = [["code before (initial fleet)", version(old)],
+            ["code after (successors, proxy)", version(new)]]
+    mapped = code.get("mapped") or {}
+    for name, labels in code.get("engines", {}).items():
+        ran = " -> ".join(commits.get(label, label) for label in labels)
+        seen = " -> ".join(", ".join(dirs) or "?" for dirs in mapped.get(name, []))
+        rows.append([f"  {name} ran", ran + (f" (mapped: {seen})" if seen else "")])
+    return rows
 
 
 @dataclass(frozen=True)
@@ -275,4 +310,6 @@ def card_rows(c: Mapping[str, Any]) -> list[list[str]]:
              ["TTFT quiet", ttft(c["ttft_quiet_ms"])],
              ["TTFT p99 faults / quiet", str(c.get("ttft_p99_ratio"))],
              ["faults injected", ", ".join(f"{k} {v}" for k, v in c["faults"].items()) or "none"]]
+    if c.get("code"):
+        rows += code_rows(c["code"])
     return rows

@@ -3,7 +3,7 @@
     PYTHONPATH=.:backends .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 \
         [--connector kvbridge|vllm-nixl] [--backend shm|nixl] [--rate 1.5] \
         [--faults kill,stop,drain,proxy,transfer_error[,slow_disk]] [--repeat-share 0.3] \
-        [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75]]
+        [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75] [--from-code DIR]]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
 and control port, so a restarted engine keeps its address) and one kvbridge proxy in auto mode,
@@ -54,6 +54,14 @@ engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`), one
 first after ``--quiet-s`` of steady load, each step starting when the fleet is whole again; the
 load goes on for another ``--quiet-s`` after the last (``--minutes`` is then its upper bound).
 The card's "during faults" are the upgrade's windows, "quiet" the steady state around them.
+With ``--from-code DIR`` the upgrade changes version: the initial fleet's engines import kvbridge
+from ``DIR``, a checkout of another commit (``git worktree add --detach DIR REV``, then in it
+``python setup.py -q build_ext --inplace`` and ``python setup.py -q egg_info``, for shm's range
+copy and the entry points), through ``PYTHONPATH`` and their working directory as
+``kvbridge bench handoff --against code`` runs them; every successor, the proxy and the
+references run this tree. Before anything starts, each version's imports are checked in the
+environment its engines get (kvbridge, shm's range copy and the ``shm`` backend must come from
+its checkout); the card names both commits and which code each engine's processes ran.
 
 At the end it waits until no engine holds a transfer (at most a lease and 30 s), reads what each
 still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0; vLLM's engines: its
@@ -91,6 +99,7 @@ from kvbridge.messages import StatsQuery, StatsReply
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools import prom
 from kvbridge.tools.bench import soak_logs
+from kvbridge.tools.bench.handshake import code_path
 from kvbridge.tools.bench.soak_card import (
     CONNECTORS,
     DEFAULT_FAULTS,
@@ -102,6 +111,7 @@ from kvbridge.tools.bench.soak_card import (
     applicable,
     card,
     card_rows,
+    code_version,
     reason,
     repeat_of,
     rolling,
@@ -137,6 +147,44 @@ END_WAIT_S = 60.0
 restarting on a starved host can take minutes) before its final checks."""
 REPEAT_SHARE = 0.3
 """Share of requests that re-send an earlier prompt when ``slow_disk`` is on (else 0)."""
+THIS_CODE = Path(__file__).resolve().parent.parent
+"""The checkout this soak runs from: the code of the proxy and of every engine's successor."""
+_IMPORTS = """
+import importlib, json, kvbridge
+from kvbridge import registry
+copy = importlib.import_module("kvbridge.transports.shm._rangecopy")
+shm = importlib.import_module(registry.load_class("shm").__module__)
+print(json.dumps({"kvbridge": kvbridge.__file__, "rangecopy": copy.__file__,
+                  "shm": shm.__file__}))
+"""
+"""Run in an engine's environment: where its kvbridge, shm's range copy and backend come from."""
+
+
+def _git(code: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(code), *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+
+
+def code_info(label: str, code: Path, env: dict[str, str], cwd: Path | None) -> dict[str, Any]:
+    """One kvbridge version of the soak: its checkout's commit, subject and whether it has
+    uncommitted changes to tracked files, and where an engine started with ``env`` in ``cwd``
+    imports kvbridge, shm's range copy and the ``shm`` backend from (RuntimeError when any of
+    them is not under ``code``: the engines would not run the version the card names)."""
+    full = {**os.environ, **env}
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], env=full, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode:
+        raise RuntimeError(f"{code}: kvbridge does not import in the engines' environment: "
+                           f"{proc.stderr.strip()[-1500:]}")
+    imports = json.loads(proc.stdout.strip().splitlines()[-1])
+    outside = {k: v for k, v in imports.items() if not Path(v).resolve().is_relative_to(code)}
+    if outside:
+        raise RuntimeError(f"{code}: the engines would import {outside} from elsewhere (is "
+                           "shm's range copy built there, and egg_info run?)")
+    return {"label": label, "path": str(code), "commit": _git(code, "rev-parse", "HEAD"),
+            "subject": _git(code, "log", "-1", "--format=%ad %s", "--date=iso"),
+            "dirty": bool(_git(code, "status", "--porcelain", "--untracked-files=no")),
+            "imports": imports}
 
 
 def _faulty_backend_path(where: Path) -> str:
@@ -149,6 +197,25 @@ def _faulty_backend_path(where: Path) -> str:
     (dist / "entry_points.txt").write_text(
         "[kvbridge.backends]\nfaulty = kvbridge.testing.faults:FaultyBackend\n")
     return os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def mapped_code(pgid: int) -> list[str]:
+    """The checkouts whose shm range copy (``…/kvbridge/transports/shm/_rangecopy*.so``) the
+    processes of process group ``pgid`` have mapped: the code an engine really runs, read from
+    ``/proc`` (empty until a transfer loaded it, or where ``/proc`` cannot say)."""
+    found: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if "/_rangecopy" in path:
+                    found.add(path.split("/kvbridge/transports/shm/")[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
 
 
 class Fleet:
@@ -172,6 +239,26 @@ class Fleet:
         self.delay_file = out / "slow_disk_delay_ms"  # every engine's slow tier reads this
         self.delay_file.write_text("0\n")
         self.vllm_after: dict[str, dict[str, Any]] = {}
+        self.old_code: Path | None = args.from_code  # the initial fleet's kvbridge, if not ours
+        self.ran: dict[str, list[str]] = {n: [] for n in ENGINES}  # code label per process
+        self.mapped: dict[str, list[list[str]]] = {n: [] for n in ENGINES}  # seen per process
+
+    def see_code(self, name: str) -> None:
+        """Record which checkout's code the engine's running process has mapped."""
+        pid = self.engines[name].pid
+        if pid is not None:
+            self.mapped[name].append(mapped_code(pid))
+
+    def code_env(self, label: str, env: dict[str, str]) -> Path | None:
+        """Make ``env`` import the kvbridge of version ``label`` (``from``: ``--from-code``,
+        before anything else on ``PYTHONPATH``; ``to``: this tree, as inherited); the working
+        directory its engine needs (``python -m`` imports from there first)."""
+        if label != "from":
+            return None
+        assert self.old_code is not None
+        env["PYTHONPATH"] = code_path(self.old_code,
+                                      env.get("PYTHONPATH", os.environ.get("PYTHONPATH")))
+        return self.old_code
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.http[name]}"
@@ -183,6 +270,7 @@ class Fleet:
     def engine(self, name: str) -> VllmServer:
         role = "kv_producer" if name.startswith("P") else "kv_consumer"
         log = self.logs / f"{name}-{time.monotonic_ns()}.log"
+        self.starts[name] += 1  # this engine's n-th process
         if self.vllm:  # as tests/engines/test_vllm_stock_nixl.py runs it (tools.bench.fleet)
             return VllmServer(
                 self.model, name=name, port=self.http[name], cpu_bind=self.cores[name],
@@ -198,7 +286,6 @@ class Fleet:
         env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2",
                "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache, before the references
         if "transfer_error" in self.args.faults and name in ("P1", "D1"):
-            self.starts[name] += 1
             rng = random.Random(f"{self.args.seed}-{name}-{self.starts[name]}")
             fail = [n for n in range(1, 5001) if rng.random() < self.args.fail_share]
             extra.update(backend="faulty", backend_options={"inner": self.args.backend,
@@ -212,8 +299,12 @@ class Fleet:
             args += ["--kv-cache-memory-bytes", str(TIER_KV_CACHE_BYTES)]
         kv = {"kv_connector": "KVBridgeConnector", "kv_role": role, "engine_id": f"soak-{name}",
               "kv_connector_extra_config": extra}
+        label = code_version(self.starts[name], "from" if self.old_code else None, "to")
+        self.ran[name].append(label)
+        cwd = self.code_env(label, env)
         return VllmServer(self.model, name=name, port=self.http[name], kv_transfer_config=kv,
-                          cpu_bind=self.cores[name], env=env, extra_args=args, log_path=log)
+                          cpu_bind=self.cores[name], env=env, extra_args=args, log_path=log,
+                          cwd=cwd)
 
     def start(self) -> None:
         self.engines = {n: self.engine(n) for n in ENGINES}
@@ -382,6 +473,7 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
             held = fleet.vllm_after.get(name)
         note = f"{row['state']} after {took:.1f} s, then holding {held}"
         admin.remove(url, force=row["state"] != "drained")
+        fleet.see_code(name)
         fleet.engines[name].stop()
         fleet.restart(name)
         admin.add("prefill" if name.startswith("P") else "decode", url)
@@ -514,6 +606,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = rolling(args.quiet_s) if args.rolling else schedule(args.seed, duration, args.faults)
     end = [duration]  # when the load stops (soak clock); a rolling upgrade's is set when done
     fleet = Fleet(args, out)
+    code: dict[str, Any] = {"from": None, "engines": fleet.ran, "mapped": fleet.mapped}
+    for label, where in (("to", THIS_CODE), ("from", args.from_code)):
+        if where is not None:  # checked before anything starts
+            env: dict[str, str] = {}
+            cwd = fleet.code_env(label, env)
+            code[label] = code_info(label, where, env, cwd)
+            print(f"code {label}: {code[label]['commit'][:10]} {code[label]['subject']}",
+                  file=sys.stderr, flush=True)
     windows: list[Window] = []
     errors: list[str] = []
     outcomes: list[Outcome] = []
@@ -581,6 +681,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         locked = fleet.lock.acquire(timeout=1.0 if chaos.is_alive() else -1)
         try:
             crashed = exited(fleet)
+            for name in ENGINES:
+                fleet.see_code(name)
             pending = fleet.wait_idle()
             if fleet.tiers:
                 tiers = fleet.tier_counts()
@@ -597,7 +699,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         fleet.close()
     result = card(outcomes, windows, pending, extra={
-        "argv": sys.argv, "connector": args.connector,
+        "argv": sys.argv, "connector": args.connector, "code": code,
         "backend": "vLLM's NixlConnector" if fleet.vllm else args.backend,
         "minutes": args.minutes, "seed": args.seed, "repeat_share": args.repeat_share,
         "slow_tier_after_run": tiers or None,
@@ -664,6 +766,11 @@ def main() -> int:
     ap.add_argument("--rolling", action="store_true",
                     help="a rolling upgrade instead of faults: drain and replace P0, P1, D0, D1 "
                          "one at a time, with no other fault (transfer_error neither)")
+    ap.add_argument("--from-code", type=Path, default=None, metavar="DIR",
+                    help="--rolling: the initial fleet's engines import kvbridge from DIR, a "
+                         "checkout of another commit with shm's range copy built in place and "
+                         "egg_info run; every successor runs this tree (an upgrade across "
+                         "versions)")
     ap.add_argument("--quiet-s", type=float, default=75.0,
                     help="--rolling: seconds of steady load before the first step and after "
                          "the last")
@@ -675,6 +782,12 @@ def main() -> int:
         applicable(args.connector, args.faults)
     except ValueError as exc:
         ap.error(f"--faults: {exc}")
+    if args.from_code is not None:
+        args.from_code = args.from_code.resolve()
+        if not args.rolling or args.connector != "kvbridge":
+            ap.error("--from-code: only with --rolling and --connector kvbridge")
+        if not (args.from_code / "kvbridge").is_dir():
+            ap.error(f"--from-code {args.from_code}: no kvbridge package there")
     if args.repeat_share is None:
         args.repeat_share = REPEAT_SHARE if "slow_disk" in args.faults else 0.0
     if args.rate <= 0 or args.minutes <= 0 or args.quiet_s < 0 \

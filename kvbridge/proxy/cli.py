@@ -75,18 +75,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=[m.value for m in ProxyMode],
+        choices=ProxyMode.names(),
         default="auto",
-        help="push, pull, auto (push or pull per request from live load), local (D alone, no "
-        "P) or plan (the planner: local, push or pull per request by measured cost); a "
-        "request's X-KVBridge-Mode header overrides it (default auto)",
+        help="auto (the planner: local, push or pull per request by measured cost; plan is "
+        "another name of it), push, pull, headroom (push or pull per request from live load: "
+        "what auto was before the planner) or local (D alone, no P); a request's "
+        "X-KVBridge-Mode header overrides it (default auto)",
     )
     parser.add_argument(
         "--plan-ttft-slo-ms",
         type=float,
         default=0.0,
         metavar="MS",
-        help="plan: the TTFT SLO of a request without an X-KVBridge-TTFT-SLO-Ms header; the "
+        help="auto: the TTFT SLO of a request without an X-KVBridge-TTFT-SLO-Ms header; the "
         "cheapest path meeting it wins (default 0: none, the fastest path wins)",
     )
     parser.add_argument(
@@ -94,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="MS",
-        help="plan: the decode engines' TPOT SLO; while a D's recent TPOT is past 75%% of "
+        help="auto: the decode engines' TPOT SLO; while a D's recent TPOT is past 75%% of "
         "it, a request whose prefill would stall D's decodes is not served by D alone "
         "(default 0: no guard)",
     )
@@ -103,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         metavar="F",
-        help="plan: without an SLO, D alone wins when its estimate is within this share of "
+        help="auto: without an SLO, D alone wins when its estimate is within this share of "
         "the fastest path's, leaving P free (default 0.1)",
     )
     parser.add_argument(
@@ -111,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         metavar="N",
-        help="plan: one decision in N of a kind (prompt size, share held by D) goes to the "
+        help="auto: one decision in N of a kind (prompt size, share held by D) goes to the "
         "path other than the cheapest measured longest ago for that kind, so each path's "
         "cost for requests like it stays current (default 16; 0: never)",
     )
@@ -122,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="auto: push while some D has fewer than N requests in flight",
+        help="headroom: push while some D has fewer than N requests in flight",
     )
     parser.add_argument(
         "--timeout",

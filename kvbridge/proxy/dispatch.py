@@ -14,8 +14,8 @@ Contract:
   pull before D was sent anything); a P is acquired while its leg runs.
 - push: if the P leg fails before D's first byte reached the client, the D leg is closed at once
   and the client gets a 502 (a P 4xx keeps its status: the request itself was bad). If D fails,
-  the client gets D's error and the P leg is closed. In ``auto``, a P that cannot be probed makes
-  the request a pull (to another P when there is one).
+  the client gets D's error and the P leg is closed. In ``auto`` (the planner) and ``headroom``, a
+  P that cannot be probed makes the request a pull (to another P when there is one).
 - A P answer whose ``kvbridge_generation`` differs from the cached probe's drops that probe (P
   restarted; the next push re-probes). A push whose D leg fails before any byte reached the
   client, when P's answer or a re-probe shows a new generation, is retried once as a pull.
@@ -114,7 +114,7 @@ class Dispatcher:
         forced: Decision | None = None
         reuse: Attempt | None = None
         mode = call.requested or self.settings.mode
-        if ProxyMode.PLAN in (mode, self.settings.mode):  # the planner sees every request
+        if ProxyMode.AUTO in (mode, self.settings.mode):  # the planner sees every request
             self.planning.prompt(call, body, chat=path.endswith("/chat/completions"))
         while True:
             call.attempt = Attempt()
@@ -167,9 +167,9 @@ class Dispatcher:
             return resp
 
     def _decide(self, mode: ProxyMode, call: Call) -> Decision:
-        """The concrete mode of the next dispatch: the planner's in ``plan`` mode, else
+        """The concrete mode of the next dispatch: the planner's in ``auto`` mode, else
         :func:`decide`'s (whose path the planner then records, to learn from it)."""
-        if mode is ProxyMode.PLAN:
+        if mode is ProxyMode.AUTO:
             assert call.prompt is not None
             plan = self.planning.plan(call, call.prompt)
             return Decision(ProxyMode(plan.path.value), plan.why)
@@ -302,7 +302,7 @@ class Dispatcher:
             info = await self.fleet.probe(p)
         except LegFailed as exc:
             d.release()
-            if (call.requested or self.settings.mode) not in (ProxyMode.AUTO, ProxyMode.PLAN):
+            if (call.requested or self.settings.mode) not in (ProxyMode.AUTO, ProxyMode.HEADROOM):
                 raise exc.within("", []) from None
             call.tried[Role.PREFILL].add(p.url)  # the fallback pull goes to another P if any
             self._record(Decision(ProxyMode.PULL, "no_probe"), call)

@@ -6,7 +6,9 @@ proxies in one process (tests, one per mode) never collide. Used from the proxy'
 
 - ``requests_total{mode,outcome}`` — finished client requests; ``mode`` is the mode used
   (push | pull | none when rejected before routing), ``outcome`` one of :data:`OUTCOMES`.
-- ``mode_decisions_total{configured,chosen,reason}`` — every routing decision (auto's choice).
+- ``mode_decisions_total{configured,chosen,reason}`` — every routing decision: the planner's
+  (``configured="auto"``, also for ``plan``), headroom's, or a mode fixed by ``--mode`` or the
+  header.
 - ``in_flight{engine,role}`` — the proxy's open requests per engine (gauge, read at scrape).
 - ``engine_up{engine,role}`` — 1 while the engine is in rotation, 0 while it is out (gauge).
 - ``engine_requests_total{engine,role}``, ``engine_errors_total{engine,role}`` — per engine.
@@ -130,7 +132,8 @@ class ProxyMetrics:
 
         self._requests = counter("requests", "Client requests by mode used and outcome.",
                                  ("mode", "outcome"))
-        self._decisions = counter("mode_decisions", "Routing decisions (auto: push or pull).",
+        self._decisions = counter("mode_decisions",
+                                  "Routing decisions (auto: the planner; headroom: push or pull).",
                                   ("configured", "chosen", "reason"))
         self._errors = counter("errors", "Failures by kind.", ("kind",))
         self._retries = counter("retries", "Dispatches made again after an engine failed one, "

@@ -326,7 +326,7 @@ class Fleet:
     async def _handshake(self, e: Engine) -> bool:
         """Whether ``e`` may take requests: always for a D and for a pull-only proxy; a P of a
         proxy that pushes needs its probe (a P that answers without kvbridge's parameters is no
-        kvbridge engine: it joins, and auto mode pulls from it)."""
+        kvbridge engine: it joins, and auto and headroom modes pull from it)."""
         if e.role is Role.DECODE or self.settings.mode is ProxyMode.PULL:
             return True
         self._probe_backoff.pop(e.url, None)

@@ -14,9 +14,11 @@ answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.m
   prefill and gets P's returned params as P gave them, once parsed and checked.
 - push: D is picked *first*; P and D are dispatched concurrently with one ``transfer_id``; D's
   params name P's control address, learnt beforehand by a probe (:func:`probe_body`).
-- auto: push when some D has headroom (in-flight below ``push_headroom``), else pull.
+- auto (``plan`` is its other name): the planner (:mod:`kvbridge.proxy.planner`) chooses local,
+  push or pull per request.
+- headroom: push when some D has headroom (in-flight below ``push_headroom``), else pull (what
+  ``auto`` was before the planner).
 - local: D alone, no P: the request goes to a D without ``kv_transfer_params``.
-- plan: the planner (:mod:`kvbridge.proxy.planner`) chooses local, push or pull per request.
 - any request may name its own mode in the ``X-KVBridge-Mode`` header (:func:`requested_mode`).
 - fleets (xPyD): every role is a :class:`Pool`; picks skip engines out of rotation
   (:meth:`Engine.mark_down`, health checks) and, for a retry, engines the request already
@@ -87,15 +89,30 @@ PROBE_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 
 
 class ProxyMode(enum.StrEnum):
-    """How the proxy serves a request: the connector's pull | push | auto, plus ``local`` (D
-    alone: no P, no hand-off) and ``plan`` (the planner chooses local, push or pull per request,
-    :mod:`kvbridge.proxy.planner`)."""
+    """How the proxy serves a request: ``pull`` or ``push`` (a hand-off in that mode), ``auto``
+    (the planner chooses local, push or pull per request, :mod:`kvbridge.proxy.planner`),
+    ``headroom`` (push or pull by the decode engines' load: :func:`decide`) or ``local`` (D
+    alone: no P, no hand-off).
+
+    ``plan`` is another name of ``auto``: ``ProxyMode("plan")`` and ``ProxyMode.PLAN`` are
+    :attr:`AUTO`, so a ``--mode plan`` proxy and an ``X-KVBridge-Mode: plan`` request are the
+    planner's and counted as ``configured="auto"``."""
 
     PULL = "pull"
     PUSH = "push"
     AUTO = "auto"
+    HEADROOM = "headroom"
     LOCAL = "local"
-    PLAN = "plan"
+    PLAN = "auto"  # an alias: the planner's name before it became auto
+
+    @classmethod
+    def _missing_(cls, value: object) -> ProxyMode | None:
+        return cls.AUTO if value == "plan" else None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every value ``--mode`` and :data:`MODE_HEADER` accept, ``plan`` included."""
+        return [m.value for m in cls] + ["plan"]
 
     @property
     def transfer(self) -> TransferMode:
@@ -119,7 +136,7 @@ def requested_mode(headers: Mapping[str, str]) -> ProxyMode | None:
         return ProxyMode(raw.strip().lower())
     except ValueError:
         raise ValueError(f"{MODE_HEADER} must be one of "
-                         f"{', '.join(m.value for m in ProxyMode)}, got {raw[:40]!r}") from None
+                         f"{', '.join(ProxyMode.names())}, got {raw[:40]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -131,9 +148,9 @@ class Decision:
 
 
 def decide(mode: ProxyMode, decodes: Pool, push_headroom: int) -> Decision:
-    """Choose push, pull or local for one request (``plan`` is the planner's: not here).
+    """Choose push, pull or local for one request (``auto`` is the planner's: not here).
 
-    ``push``, ``pull`` and ``local`` are returned as configured. ``auto`` pushes when the
+    ``push``, ``pull`` and ``local`` are returned as configured. ``headroom`` pushes when the
     least-loaded D has fewer than ``push_headroom`` requests in flight (committing D early costs
     nothing when D is idle, and push takes coordination off the critical path); when every D is
     that busy it pulls, because placing the request on whichever D frees up first after prefill
@@ -145,8 +162,8 @@ def decide(mode: ProxyMode, decodes: Pool, push_headroom: int) -> Decision:
         return Decision(ProxyMode.PULL)
     if mode is ProxyMode.LOCAL:
         return Decision(ProxyMode.LOCAL)
-    if mode is ProxyMode.PLAN:
-        raise ValueError("plan mode is decided by the planner (kvbridge.proxy.planner)")
+    if mode is ProxyMode.AUTO:
+        raise ValueError("auto mode is decided by the planner (kvbridge.proxy.planner)")
     if decodes.least_in_flight() < push_headroom:
         return Decision(ProxyMode.PUSH, "headroom")
     return Decision(ProxyMode.PULL, "busy")
@@ -200,7 +217,7 @@ def plan_retry(mode: ProxyMode, role: Role, cause: Cause, *, retries: int, max_r
       lease, or P may have died under D's READ): a fresh dispatch on engines not tried yet,
       either role (P may be the one to blame).
     """
-    if mode in (ProxyMode.AUTO, ProxyMode.PLAN):
+    if mode in (ProxyMode.AUTO, ProxyMode.HEADROOM):
         raise ValueError("plan_retry needs the concrete mode of the failed dispatch")
     if retries >= max_retries or cause not in RETRYABLE:
         return None
@@ -286,7 +303,7 @@ def validate_request(body: Any, chat: bool) -> RequestProblem | None:
 
 def prefill_body(body: Mapping[str, Any], transfer_id: str, mode: ProxyMode) -> dict[str, Any]:
     """The one-token, non-streaming copy of ``body`` that P prefills (the original is untouched)."""
-    transfer = mode.transfer  # a ValueError for auto, plan or local
+    transfer = mode.transfer  # a ValueError for auto, headroom or local
     out = copy.deepcopy(dict(body))
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:

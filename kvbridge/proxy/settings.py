@@ -112,7 +112,7 @@ class ProxySettings:
 
     plan: PlannerSettings = PlannerSettings()
     """The planner's knobs (``--plan-ttft-slo-ms``, ``--plan-tie``, ``--plan-explore-every``):
-    used by requests in ``plan`` mode (:mod:`kvbridge.proxy.planner`)."""
+    used by requests in ``auto`` mode, the planner (:mod:`kvbridge.proxy.planner`)."""
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for the first value no proxy can run with."""

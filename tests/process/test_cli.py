@@ -387,6 +387,26 @@ def test_log_level_is_taken_in_any_case_after_the_proxy_command_too() -> None:
             parser.parse_args([*argv, "--log-level", "loud"])
         assert info.value.code == 2
 
+
+def test_proxy_mode_auto_is_the_planner_by_default_plan_its_other_name() -> None:
+    pytest.importorskip("aiohttp")
+    from kvbridge.proxy import cli as proxy_cli
+    from kvbridge.proxy.routing import ProxyMode
+
+    engines = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    parser = proxy_cli.build_parser()
+
+    def mode(*extra: str) -> ProxyMode:
+        return proxy_cli.settings_from_args(parser.parse_args([*engines, *extra])).mode
+
+    assert mode() is ProxyMode.AUTO  # the default: the planner
+    assert mode("--mode", "plan") is ProxyMode.AUTO
+    assert mode("--mode", "headroom") is ProxyMode.HEADROOM  # what auto was before the planner
+    assert {mode("--mode", m) for m in ("pull", "push", "local")} == {
+        ProxyMode.PULL, ProxyMode.PUSH, ProxyMode.LOCAL}
+    with pytest.raises(SystemExit):
+        parser.parse_args([*engines, "--mode", "planner"])
+
 def test_lazy_command_missing_module_gives_clear_message(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -567,15 +567,16 @@ async def test_push_mode_with_dead_prefill_is_502(engines: Any, proxies: Any, cl
     assert proxy.decodes.engines[0].in_flight == 0
 
 
-# ------------------------------------------------------------------------------ auto
+# -------------------------------------------------------------------------- headroom
 
 
-async def test_auto_switches_push_to_pull_under_load(
+async def test_headroom_switches_push_to_pull_under_load(
     engines: Any, proxies: Any, client: Any
 ) -> None:
+    """headroom: the rule auto was before the planner, unchanged."""
     p = await engines("prefill")
     d = await engines("decode", chunks=3, chunk_delay=0.5)
-    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO, push_headroom=1)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.HEADROOM, push_headroom=1)
     await proxy.discover()
 
     first = asyncio.ensure_future(post_stream(client, proxy.url, {**COMPLETION, "stream": True}))
@@ -590,24 +591,24 @@ async def test_auto_switches_push_to_pull_under_load(
     modes = [s.body["kv_transfer_params"]["transfer_mode"] for s in p.requests()]
     assert modes == ["push", "pull", "push"]
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="push",
+    assert prom.value(text, P + "mode_decisions_total", configured="headroom", chosen="push",
                       reason="headroom") == 2
-    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="pull",
+    assert prom.value(text, P + "mode_decisions_total", configured="headroom", chosen="pull",
                       reason="busy") == 1
 
 
-async def test_auto_falls_back_to_pull_without_probe(
+async def test_headroom_falls_back_to_pull_without_probe(
     engines: Any, proxies: Any, client: Any
 ) -> None:
     p = await engines("prefill", no_params=True)  # a P without the connector: probe fails
     d = await engines("decode")
-    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.HEADROOM)
     status, answer = await post(client, proxy.url + "/v1/completions", COMPLETION)
     # the fallback pull then finds no kv_transfer_params in P's answer: a named 502
     assert status == 502 and "KVBridgeConnector" in answer["error"]["message"]
     assert d.requests() == []
     text = (await (await client.get(proxy.url + "/metrics")).read()).decode()
-    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="pull",
+    assert prom.value(text, P + "mode_decisions_total", configured="headroom", chosen="pull",
                       reason="no_probe") == 1
     # a failed probe is not repeated for every request (back-off of cooldown_s)
     status, _ = await post(client, proxy.url + "/v1/completions", COMPLETION)
@@ -1150,7 +1151,8 @@ async def fleet(engines: Any, n_p: int = 2, n_d: int = 2, p: dict[str, Any] | No
     return ps, ds
 
 
-@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH, ProxyMode.AUTO])
+# headroom, not auto: the planner may serve a request by D alone, and this needs every P used
+@pytest.mark.parametrize("mode", [ProxyMode.PULL, ProxyMode.PUSH, ProxyMode.HEADROOM])
 async def test_fleet_spreads_requests_over_every_engine(
     engines: Any, proxies: Any, client: Any, mode: ProxyMode
 ) -> None:
@@ -2183,6 +2185,34 @@ async def test_the_mode_header_overrides_the_proxy_mode_and_bad_headers_are_refu
     assert status == 200
 
 
+async def test_auto_is_the_planner_plan_its_other_name_and_headroom_the_old_rule(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """auto is the planner: its answers carry X-KVBridge-Plan. A request asking for plan or auto
+    is the planner's, counted as configured="auto" either way; one asking for headroom gets the
+    load rule (D idle: push), counted as configured="headroom"."""
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxySettings([], []).mode)  # the default
+    url = proxy.url + "/v1/completions"
+    planned = []
+    for mode in (None, "plan", "Auto"):
+        headers = {} if mode is None else {"X-KVBridge-Mode": mode}
+        async with client.post(url, json={**COMPLETION, "stream": True}, headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+            planned.append(plan_of(r.headers))
+    assert all(x["path"] in ("local", "push", "pull") and x["why"] != "requested"
+               for x in planned), planned
+    async with client.post(url, json=COMPLETION, headers={"X-KVBridge-Mode": "headroom"}) as r:
+        assert r.status == 200
+        assert plan_of(r.headers)["why"] == "requested"  # the planner watched, did not choose
+    assert p.requests()[-1].body["kv_transfer_params"]["transfer_mode"] == "push"
+    text = await (await client.get(proxy.url + "/metrics")).text()
+    assert prom.value(text, P + "mode_decisions_total", configured="headroom", chosen="push",
+                      reason="headroom") == 1
+    assert prom.total(text, P + "mode_decisions_total", configured="auto") == 3
+    assert "configured=\"plan\"" not in text
+
+
 def plan_of(headers: Any) -> dict[str, str]:
     return dict(part.split("=", 1) for part in headers["X-KVBridge-Plan"].split("; "))
 
@@ -2193,7 +2223,7 @@ async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
     path was measured, a 10-token prompt stays on D and a 400-token one is handed off."""
     p = await engines("prefill", prefill_delay=0.01)
     d = await engines("decode", local_per_token=0.0005, handoff_delay=0.03)
-    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PLAN)
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO)
     url = proxy.url + "/v1/completions"
 
     async def ask(tokens: int, seed: int) -> dict[str, str]:
@@ -2211,7 +2241,7 @@ async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
     assert long["path"] in ("push", "pull"), long
     assert float(long["local"]) > float(long[long["path"]]), long
     text = await (await client.get(proxy.url + "/metrics")).text()
-    assert prom.value(text, P + "mode_decisions_total", configured="plan", chosen="local",
+    assert prom.value(text, P + "mode_decisions_total", configured="auto", chosen="local",
                       reason="fastest") >= 1
     status, snap = await admin(client, proxy, "GET", "/admin/plan", token=LOCAL_TOKEN)
     assert status == 200 and snap["paths"]["local"]["observations"] >= 3, snap
@@ -2224,7 +2254,7 @@ async def test_plan_places_a_prompt_on_the_d_that_holds_it_and_never_by_another_
         engines: Any, proxies: Any, client: Any) -> None:
     p = await engines("prefill")
     d1, d2 = await engines("decode"), await engines("decode")
-    proxy = await proxies([p.url], [d1.url, d2.url], mode=ProxyMode.PLAN)
+    proxy = await proxies([p.url], [d1.url, d2.url], mode=ProxyMode.AUTO)
     url = proxy.url + "/v1/completions"
     history = list(range(1, 200))
 
@@ -2250,7 +2280,7 @@ async def test_plan_sends_a_prompt_to_the_p_that_computed_its_prefix(
         engines: Any, proxies: Any, client: Any) -> None:
     p1, p2 = await engines("prefill"), await engines("prefill")
     d = await engines("decode")
-    proxy = await proxies([p1.url, p2.url], [d.url], mode=ProxyMode.PLAN)
+    proxy = await proxies([p1.url, p2.url], [d.url], mode=ProxyMode.AUTO)
     prompt = list(range(1, 300))
 
     async def push(tokens: list[int]) -> str:
@@ -2277,7 +2307,7 @@ async def test_plan_keeps_long_prefills_off_a_d_whose_decodes_are_at_their_tpot_
     from kvbridge.proxy.planner import PlannerSettings
     p = await engines("prefill", prefill_delay=0.01)
     d = await engines("decode", local_per_token=0.0005, handoff_delay=0.03, chunk_delay=0.05)
-    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PLAN,
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode("plan"),  # auto's other name
                           plan=PlannerSettings(tpot_slo_ms=40.0, explore_every=0))
     url = proxy.url + "/v1/completions"
 

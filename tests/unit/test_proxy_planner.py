@@ -250,7 +250,9 @@ def test_bad_planner_settings_name_their_flag(kw: dict[str, float], flag: str) -
 def test_the_mode_and_slo_headers() -> None:
     assert requested_mode({}) is None
     assert requested_mode({MODE_HEADER: " Local "}) is ProxyMode.LOCAL
-    assert requested_mode({MODE_HEADER: "plan"}) is ProxyMode.PLAN
+    assert requested_mode({MODE_HEADER: "plan"}) is ProxyMode.AUTO  # plan: auto's other name
+    assert requested_mode({MODE_HEADER: "AUTO"}) is ProxyMode.AUTO
+    assert requested_mode({MODE_HEADER: "Headroom"}) is ProxyMode.HEADROOM
     for bad in ("", "nixl", "push;pull", "x" * 10_000, "PUSH\x00"):
         with pytest.raises(ValueError, match=MODE_HEADER):
             requested_mode({MODE_HEADER: bad})

@@ -197,8 +197,9 @@ def test_plan_retry_budget_and_modes() -> None:
                       **args) == Retry("prefill_failed")
     assert plan_retry(ProxyMode.PULL, Role.PREFILL, Cause.BROKEN, retries=0, max_retries=0,
                       **args) is None
-    with pytest.raises(ValueError, match="concrete"):
-        plan_retry(ProxyMode.AUTO, Role.PREFILL, Cause.BROKEN, retries=0, max_retries=1, **args)
+    for mode in (ProxyMode.AUTO, ProxyMode.HEADROOM):
+        with pytest.raises(ValueError, match="concrete"):
+            plan_retry(mode, Role.PREFILL, Cause.BROKEN, retries=0, max_retries=1, **args)
 
 
 def test_decide_fixed_modes_ignore_load() -> None:
@@ -209,15 +210,31 @@ def test_decide_fixed_modes_ignore_load() -> None:
     assert decide(ProxyMode.PULL, p, 4) == Decision(ProxyMode.PULL, "configured")
 
 
-def test_decide_auto_pushes_with_headroom_pulls_when_busy() -> None:
+def test_decide_headroom_pushes_with_headroom_pulls_when_busy() -> None:
     p = pool(2)
     p.engines[0].in_flight = 4
     p.engines[1].in_flight = 3
-    assert decide(ProxyMode.AUTO, p, 4) == Decision(ProxyMode.PUSH, "headroom")
+    assert decide(ProxyMode.HEADROOM, p, 4) == Decision(ProxyMode.PUSH, "headroom")
     p.engines[1].in_flight = 4
-    assert decide(ProxyMode.AUTO, p, 4) == Decision(ProxyMode.PULL, "busy")
-    assert decide(ProxyMode.AUTO, p, 5).mode is ProxyMode.PUSH
-    assert decide(ProxyMode.AUTO, p, 0).mode is ProxyMode.PULL  # headroom 0: auto = pull
+    assert decide(ProxyMode.HEADROOM, p, 4) == Decision(ProxyMode.PULL, "busy")
+    assert decide(ProxyMode.HEADROOM, p, 5).mode is ProxyMode.PUSH
+    assert decide(ProxyMode.HEADROOM, p, 0).mode is ProxyMode.PULL  # headroom 0: always pull
+
+
+def test_decide_leaves_auto_to_the_planner() -> None:
+    """auto is the planner's (kvbridge.proxy.planner), not a load rule; plan is its other name."""
+    for mode in (ProxyMode.AUTO, ProxyMode.PLAN, ProxyMode("plan")):
+        with pytest.raises(ValueError, match="planner"):
+            decide(mode, pool(1), 4)
+
+
+def test_plan_is_another_name_of_auto() -> None:
+    assert ProxyMode("plan") is ProxyMode.AUTO and ProxyMode.PLAN is ProxyMode.AUTO
+    assert ProxyMode("headroom") is ProxyMode.HEADROOM
+    assert [m.value for m in ProxyMode] == ["pull", "push", "auto", "headroom", "local"]
+    assert ProxyMode.names() == ["pull", "push", "auto", "headroom", "local", "plan"]
+    with pytest.raises(ValueError):
+        ProxyMode("planner")
 
 
 def test_transfer_ids_are_fresh() -> None:
@@ -261,8 +278,9 @@ def test_prefill_body(mode: ProxyMode) -> None:
 def test_prefill_body_adds_no_max_completion_tokens_and_rejects_auto() -> None:
     out = prefill_body({"prompt": "x"}, "xfer-2", ProxyMode.PULL)
     assert out["max_tokens"] == 1 and "max_completion_tokens" not in out
-    with pytest.raises(ValueError):
-        prefill_body({"prompt": "x"}, "xfer-2", ProxyMode.AUTO)
+    for mode in (ProxyMode.AUTO, ProxyMode.HEADROOM, ProxyMode.LOCAL):
+        with pytest.raises(ValueError):
+            prefill_body({"prompt": "x"}, "xfer-2", mode)
 
 
 PROBE_ANSWER = {

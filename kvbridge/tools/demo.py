@@ -6,8 +6,8 @@ What it does (docs/demo.md has the expected output):
 2. Starts one prefill engine P (``kv_producer``, pinned to core 0) and one decode engine D
    (``kv_consumer``, pinned to core 1), both running KVBridgeConnector with ``--backend``,
    concurrently, printing the elapsed time while they start (about a minute).
-3. Starts three kvbridge proxies in this process (modes pull, push and auto, ports chosen by the
-   OS) in front of P and D.
+3. Starts one kvbridge proxy per mode in this process (pull, push and auto, the planner, unless
+   ``--modes`` says otherwise, e.g. adds headroom; ports chosen by the OS) in front of P and D.
 4. For each mode: one warm-up request, ``--requests`` sequential requests, then ``--requests``
    requests with ``--concurrency`` in flight; every request streams greedy output (``ignore_eos``)
    so time to first token and time per output token are measured at the client. Every mode uses
@@ -53,7 +53,8 @@ __all__ = ["add_arguments", "main", "cli_main"]
 
 log = logging.getLogger("kvbridge.tools.demo")
 
-MODES = ("pull", "push", "auto")
+MODES = ("pull", "push", "auto", "headroom")
+DEFAULT_MODES = ("pull", "push", "auto")
 _P_ENGINE_ID = "demo-prefill"
 _D_ENGINE_ID = "demo-decode"
 
@@ -83,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output tokens per request (default 32)",
     )  # fmt: skip
     parser.add_argument(
-        "--modes", nargs="+", choices=MODES, default=list(MODES),
-        help="proxy modes to exercise (default: pull push auto)",
+        "--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+        help="proxy modes to exercise: pull, push, auto (the planner: D alone, push or pull "
+        "per request), headroom (push or pull by D's load) (default: pull push auto)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     parser.add_argument(
@@ -172,7 +174,7 @@ def _proxies(p_url: str, d_url: str, modes: Sequence[str], timeout_s: float) -> 
 
 
 def _decisions(proxies: Any, mode: str) -> dict[str, int]:
-    """How many requests the proxy of *mode* sent by push and by pull (auto's choices)."""
+    """How many requests the proxy of *mode* sent by each path (auto's or headroom's choices)."""
     out: dict[str, int] = {}
 
     async def read() -> None:
@@ -402,9 +404,10 @@ def _run(args: argparse.Namespace, work: Path) -> bool:
                         f"      {mode:<4} {name:<10} {len(idx)} requests in "
                         f"{time.monotonic() - t0:5.1f} s" + (f", {errors} failed" if errors else "")
                     )
-                if mode == "auto":
+                if mode in ("auto", "headroom"):
                     chosen = _decisions(proxies, mode)
-                    _say("      auto chose: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
+                    _say(f"      {mode} chose: "
+                         + ", ".join(f"{k} {v}" for k, v in sorted(chosen.items())))
 
         _say(f"[5/5] single-engine reference: {len(prompts)} greedy requests straight to P")
         refs = _reference(p.url, prompts, args)

@@ -27,8 +27,10 @@ class ProxyThread:
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
                  modes: Sequence[str] = ("pull", "push", "auto"), **settings: Any) -> None:
-        self._settings = [ProxySettings(prefill=list(prefill), decode=list(decode),
-                                        mode=ProxyMode(m), port=0, **settings) for m in modes]
+        # keyed by the name asked for: ``plan`` is ``auto``'s other name, yet its own proxy
+        self._settings = [(m, ProxySettings(prefill=list(prefill), decode=list(decode),
+                                            mode=ProxyMode(m), port=0, **settings))
+                          for m in modes]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvbridge-proxies",
                                         daemon=True)
@@ -37,11 +39,11 @@ class ProxyThread:
 
     def start(self, timeout: float = 30.0) -> ProxyThread:
         self._thread.start()
-        for s in self._settings:
+        for name, s in self._settings:
             server = ProxyServer(s)
             asyncio.run_coroutine_threadsafe(server.start(), self._loop).result(timeout)
-            self.servers[s.mode.value] = server
-            self.urls[s.mode.value] = server.url
+            self.servers[name] = server
+            self.urls[name] = server.url
         return self
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:

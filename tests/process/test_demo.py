@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 import sys
 import textwrap
@@ -144,11 +145,27 @@ def test_demo_pass(
     for mode in ("pull", "push", "auto"):
         for phase in ("warm-up", "sequential", "concurrent"):
             assert f"{mode:<4}  {phase}" in out, out
-    assert "auto chose: push" in out
+    # auto is the planner: every one of its 7 requests went down some path (D alone included)
+    chose = re.search(r"auto chose: (.*)", out)
+    assert chose, out
+    counts = dict(part.rsplit(" ", 1) for part in chose.group(1).split(", "))
+    assert set(counts) <= {"local", "push", "pull"} and sum(map(int, counts.values())) == 7, out
     assert "TTFT p50 ms" in out and "shutting down" in out
     pids = _engine_pids(work)
     assert len(pids) == 2 and _all_gone(pids)
     assert (work / "prefill.log").exists()  # --work-dir given: never deleted
+
+
+def test_demo_headroom_mode(
+    fake_python: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--modes headroom: the rule auto was before the planner; 2 in flight is under the default
+    --push-headroom of 4, so every request is pushed."""
+    rc = demo.main(_args(fake_python, model_dir, tmp_path / "work", "--modes", "headroom"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS: 7/7 outputs equal the single-engine reference" in out
+    assert "headroom chose: push 7" in out, out
 
 
 def test_demo_reports_mismatch(

@@ -99,7 +99,9 @@ def test_prompts_are_fresh_per_phase_and_shared_across_configurations() -> None:
     s = BenchSettings(prompt_len=50)
     seq_pull = workload_prompts(s, "pull", "seq", 5)
     assert seq_pull == workload_prompts(s, "pull", "seq", 5)  # same for every configuration
-    others = [workload_prompts(s, m, ph, 5) for m in ("pull", "push", "auto")
+    # headroom (auto before the planner) keeps auto's slot: its prompts are those of old runs
+    assert workload_prompts(s, "headroom", "seq", 5) == workload_prompts(s, "auto", "seq", 5)
+    others = [workload_prompts(s, m, ph, 5) for m in ("pull", "push", "headroom")
               for ph in ("warmup", "seq", "conc", "proxy-seq")]
     flat = [tuple(p) for group in others for p in group]
     assert len(set(flat)) == len(flat), "a prompt repeats: a prefix-cache hit would flatter"
@@ -228,7 +230,7 @@ def test_summary_ratios_and_table() -> None:
                   cpu_d=2.0, xfer_avg_ms=4.0, xfer_count=3, checked=2, matched=2)
     push = _phase("kvbridge-shm", "push", "seq", [0.1, 0.2, 0.15], 0.005,
                   handoffs=[0.002, 0.004, 0.003], checked=2, matched=1)
-    auto = _phase("kvbridge-shm", "auto", "c8", [1.0], 0.02)
+    auto = _phase("kvbridge-shm", "headroom", "c8", [1.0], 0.02)
     auto.records.append(RequestRecord(index=1, mode="pull", ok=False, error="boom"))
     auto.records[0].mode = "push"
     auto.error = "1 failed, first: boom"
@@ -254,7 +256,7 @@ def test_summary_ratios_and_table() -> None:
     assert " n/a " in base_line and "MATCH 2/2" in base_line and " 4.0 " in base_line
     push_line = next(ln for ln in lines if " push " in ln and " seq " in ln)
     assert "3.0/3.8" in push_line and "0.50" in push_line
-    assert any("auto(pull:1/push:1)" in ln for ln in lines)
+    assert any("headroom(pull:1/push:1)" in ln for ln in lines)
     assert "errors:" in text and "boom" in text
 
 

@@ -5,7 +5,7 @@ Contract: :class:`Pair` is a started (P, D) engine pair with what the drivers ne
 proxy, each returning a :class:`~kvbridge.tools.bench.e2e_report.RequestRecord` and never
 raising (a failed request is a result). vLLM's NIXL connectors get their stock protocols
 (:func:`vllm_pull_params`, :func:`vllm_push_params`); kvbridge gets the proxy's own request
-bodies and, for ``auto``, the proxy's own decision (:class:`DecodeLoad` over
+bodies and, for ``headroom``, the proxy's own decision (:class:`DecodeLoad` over
 :func:`kvbridge.proxy.routing.decide`). Blocking; thread-safe where the e2e bench sends waves
 of requests at once (``Pair.load`` is shared under a lock). :func:`connect`,
 :func:`control_addresses` and :func:`control_stats` reach the kvbridge engines' control
@@ -49,7 +49,7 @@ GREEDY = {"ignore_eos": True}
 
 class DecodeLoad:
     """Requests in flight at D, seen the way the proxy sees them: one
-    :class:`~kvbridge.proxy.routing.Pool` of the pair's D, so that ``auto`` decides with the
+    :class:`~kvbridge.proxy.routing.Pool` of the pair's D, so that ``headroom`` decides with the
     proxy's own :func:`~kvbridge.proxy.routing.decide` (the dispatcher's threads share it, under
     a lock)."""
 
@@ -58,12 +58,12 @@ class DecodeLoad:
         self.pool = Pool(Role.DECODE, [d_url])
 
     def choose(self, mode: str, headroom: int) -> tuple[str, bool]:
-        """``(mode to run, reserved)``: ``auto`` becomes what the proxy would pick now; a push it
-        picked is counted at once (``reserved``), so that concurrent decisions see it."""
-        if mode != "auto":
+        """``(mode to run, reserved)``: ``headroom`` becomes what the proxy would pick now; a push
+        it picked is counted at once (``reserved``), so that concurrent decisions see it."""
+        if mode != "headroom":
             return mode, False
         with self._lock:
-            chosen = decide(ProxyMode.AUTO, self.pool, headroom).mode.value
+            chosen = decide(ProxyMode.HEADROOM, self.pool, headroom).mode.value
             if chosen == "push":
                 self.pool.engines[0].acquire()
             return chosen, chosen == "push"

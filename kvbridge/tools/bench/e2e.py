@@ -9,8 +9,8 @@ workload, and is stopped before the next one starts (also on error or Ctrl-C):
                     ``max_tokens=1``, then D with P's returned params)
 ``vllm-nixl-push``  vLLM's ``NixlPushConnector``, its stock protocol (same ``X-Request-Id`` on
                     both legs, sent concurrently; D told P's engine id and side-channel port)
-``kvbridge-shm``    ``KVBridgeConnector`` with ``backend: shm``: modes pull, push and auto
-``kvbridge-nixl``   ``KVBridgeConnector`` with ``backend: nixl``: modes pull, push and auto
+``kvbridge-shm``    ``KVBridgeConnector`` with ``backend: shm``: modes pull, push and headroom
+``kvbridge-nixl``   ``KVBridgeConnector`` with ``backend: nixl``: modes pull, push and headroom
 ==================  =========================================================================
 
 Workload per (configuration, mode): one warm-up request, then phase ``seq`` (N requests back to
@@ -18,8 +18,9 @@ back) and phase ``c8`` (waves of 8 concurrent requests); for kvbridge also ``pro
 same kind of sequential requests sent through the real kvbridge proxy
 (:class:`~kvbridge.tools.proxies.ProxyThread`) so its overhead shows. Every request has a
 fresh random-id prompt (no prefix-cache hit anywhere); the prompts depend only on the seed, the
-mode slot (pull / push / auto) and the phase, so vLLM's pull and kvbridge's pull see the very same
-prompts, and likewise for push. D's leg is streamed; greedy, ``ignore_eos``.
+mode slot (pull / push / headroom, the proxy's push-or-pull-by-load rule) and the phase, so vLLM's
+pull and kvbridge's pull see the very same prompts, and likewise for push. D's leg is
+streamed; greedy, ``ignore_eos``.
 
 Measured per phase:
 
@@ -233,7 +234,7 @@ def _modes(config: str) -> list[str]:
         return ["pull"]
     if config == "vllm-nixl-push":
         return ["push"]
-    return ["pull", "push", "auto"]
+    return ["pull", "push", "headroom"]
 
 
 def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
@@ -257,7 +258,7 @@ def run_config(config: str, settings: BenchSettings, model: Path, log_dir: Path,
             from kvbridge.tools.proxies import ProxyThread  # aiohttp: optional and heavy
 
             connect(pair)
-            proxies = ProxyThread([p.url], [d.url],
+            proxies = ProxyThread([p.url], [d.url], modes=_modes(config),
                                   push_headroom=settings.push_headroom).start()
         for mode in _modes(config):
             results += _run_mode(pair, mode, proxies, progress)
@@ -409,7 +410,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", type=int, default=d.check,
                    help="requests per phase compared with single-engine greedy on P")
     p.add_argument("--push-headroom", type=int, default=d.push_headroom,
-                   help="auto: push while fewer than N requests are in flight at D")
+                   help="headroom: push while fewer than N requests are in flight at D")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompts")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds one request may take")

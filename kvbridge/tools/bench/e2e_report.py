@@ -25,7 +25,8 @@ __all__ = ["BASELINE", "BenchSettings", "PhaseResult", "RequestRecord", "TABLE_H
            "summarize", "table_rows", "workload_prompts"]
 
 BASELINE = "vllm-nixl-pull"
-_MODE_SLOT = {"pull": 0, "push": 1, "auto": 2}
+#: ``headroom`` was ``auto`` before the planner took that name (same slot: same prompts)
+_MODE_SLOT = {"pull": 0, "push": 1, "headroom": 2, "auto": 2}
 _PHASE_SLOT = {"warmup": 0, "seq": 1, "conc": 2, "proxy-seq": 3}
 
 
@@ -202,7 +203,7 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     for r in rows:
         mode = r["mode"]
         chosen = r.get("chosen") or {}
-        if mode == "auto" and chosen and set(chosen) != {"auto"}:
+        if mode in ("headroom", "auto") and chosen and set(chosen) != {mode}:
             mode += "(" + "/".join(f"{k}:{v}" for k, v in sorted(chosen.items())) + ")"
         if r.get("handoff_n"):
             handoff = f"{_fmt(r['handoff_p50_ms'], 1)}/{_fmt(r['handoff_p90_ms'], 1)}"

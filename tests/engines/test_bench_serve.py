@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.proxy.routing import ProxyMode
 from kvbridge.tools import cli
 from kvbridge.tools.bench import serve as bs
 from kvbridge.tools.bench.dispatch import vllm_pull_params
@@ -45,6 +46,7 @@ from kvbridge.tools.bench.serve_settings import (
     parse_setups,
     run_seed,
     setup_groups,
+    setup_mode,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -193,9 +195,20 @@ def test_kvbridge_modes_share_one_pair_and_vllm_connectors_get_their_own() -> No
 def test_seeds_pair_the_same_mode_and_never_repeat_on_a_shared_pair() -> None:
     assert run_seed(7, "kvbridge-pull", 1) == run_seed(7, "vllm-nixl-pull", 1)
     assert run_seed(7, "kvbridge-push", 0) == run_seed(7, "vllm-nixl-push", 0)
-    shared = {run_seed(7, s, i) for s in ("kvbridge-pull", "kvbridge-push", "kvbridge-auto")
+    shared = {run_seed(7, s, i) for s in ("kvbridge-pull", "kvbridge-push", "kvbridge-auto",
+                                          "kvbridge-headroom")
               for i in range(MAX_RATES)}
-    assert len(shared) == 3 * MAX_RATES
+    assert len(shared) == 4 * MAX_RATES
+
+
+def test_auto_is_the_planner_and_headroom_the_old_auto() -> None:
+    """kvbridge-auto runs the proxy's auto mode, the planner since issue 30; kvbridge-headroom
+    the load rule auto was before it. The default setups run both, on the kvbridge pair."""
+    assert setup_mode("kvbridge-auto") == "auto" and setup_mode("kvbridge-headroom") == "headroom"
+    assert ProxyMode(setup_mode("kvbridge-auto")) is ProxyMode.AUTO
+    assert {"kvbridge-auto", "kvbridge-headroom"} <= set(bs.settings_from_args(_args()).setups)
+    assert setup_groups(("kvbridge-auto", "kvbridge-headroom")) == [
+        ("kvbridge", ("kvbridge-auto", "kvbridge-headroom"))]
 
 
 def test_bench_serve_command_asks_for_what_is_parsed(tmp_path: Path) -> None:

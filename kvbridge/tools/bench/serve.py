@@ -1,17 +1,19 @@
 """``kvbridge bench serve``: vLLM's own ``vllm bench serve`` load at several request rates,
-against kvbridge's three modes and vLLM's two NIXL connectors.
+against kvbridge's proxy modes and vLLM's two NIXL connectors.
 
 Setups (``--setups``, default all):
 
-==================  =========================================================================
-``kvbridge-pull``   ``KVBridgeConnector`` (``--backend``, default ``nixl``) behind the kvbridge
-``kvbridge-push``   proxy in mode pull / push / auto (:class:`~kvbridge.tools.proxies.
-``kvbridge-auto``   ProxyThread`); the three modes share one engine pair
-``vllm-nixl-pull``  vLLM's ``NixlConnector`` behind :mod:`kvbridge.tools.bench.proxy` speaking its
-                    stock protocol (P leg with ``max_tokens=1``, then D with P's params)
-``vllm-nixl-push``  vLLM's ``NixlPushConnector`` behind :mod:`kvbridge.tools.bench.proxy` (both legs
-                    at once, same ``X-Request-Id``, D told P's engine id and side-channel port)
-==================  =========================================================================
+=====================  ======================================================================
+``kvbridge-pull``      ``KVBridgeConnector`` (``--backend``, default ``nixl``) behind the
+``kvbridge-push``      kvbridge proxy in mode pull / push / auto (the planner) / headroom (push
+``kvbridge-auto``      or pull by D's load: auto before the planner) (:class:`~kvbridge.tools.
+``kvbridge-headroom``  proxies.ProxyThread`); the kvbridge modes share one engine pair
+``vllm-nixl-pull``     vLLM's ``NixlConnector`` behind :mod:`kvbridge.tools.bench.proxy` speaking
+                       its stock protocol (P leg with ``max_tokens=1``, then D with P's params)
+``vllm-nixl-push``     vLLM's ``NixlPushConnector`` behind :mod:`kvbridge.tools.bench.proxy`
+                       (both legs at once, same ``X-Request-Id``, D told P's engine id and
+                       side-channel port)
+=====================  ======================================================================
 
 Engines are those of ``kvbridge bench e2e`` (:func:`kvbridge.tools.bench.fleet.engine_specs`: the
 tiny model, P pinned to core 0, D to core 1, ``--block-size 32``): one fresh pair per group (the
@@ -30,8 +32,8 @@ bench serve``): random dataset of ``--num-prompts`` prompts of ``--input-len`` t
 ``/v1/completions``, ``--output-len`` tokens with ``--ignore-eos``, Poisson arrivals at the rate,
 no ready-check or warm-up requests of its own (they would repeat the first prompt and hit the
 prefix cache). Its seed is ``--seed + 1000 x slot + rate index``, slot 0 for pull, 1 for push, 2
-for auto: kvbridge's pull and vLLM's pull (likewise push) see the very same prompts and arrival
-times, and no prompt repeats on a shared engine pair.
+for auto, 3 for headroom: kvbridge's pull and vLLM's pull (likewise push) see the very same
+prompts and arrival times, and no prompt repeats on a shared engine pair.
 
 Measured, from ``vllm bench serve``'s result JSON (client side, milliseconds): TTFT p50 / p99
 (request sent to first streamed token, so it includes the P leg and the hand-off), TPOT p50 /
@@ -114,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmups", type=int, default=d.warmups,
                    help="unmeasured requests through each setup's endpoint before its runs")
     p.add_argument("--push-headroom", type=int, default=d.push_headroom,
-                   help="kvbridge-auto: push while fewer than N requests are in flight at D")
+                   help="kvbridge-headroom: push while fewer than N requests are in flight at D")
     p.add_argument("--fleet", default=fleet_name(d.prefill_engines, d.decode_engines),
                    metavar="xPyD", help="kvbridge setups: x prefill and y decode engines behind "
                    "the proxy, e.g. 2P2D (default 1P1D; the vLLM setups run 1P1D only)")
@@ -159,7 +161,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     if (prefill, decode) != (1, 1) and stock:
         raise ConfigError(f"--fleet {fleet_name(prefill, decode)}: {', '.join(stock)} run 1P1D "
                           "only; pick kvbridge setups (--setups kvbridge-pull,kvbridge-push,"
-                          "kvbridge-auto)")
+                          "kvbridge-auto,kvbridge-headroom)")
     return ServeSettings(
         setups=setups, rates=parse_rates(args.rates),
         prefill_engines=prefill, decode_engines=decode,

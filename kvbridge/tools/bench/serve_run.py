@@ -265,7 +265,8 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
 
 def new_report(settings: ServeSettings, out: Path) -> dict[str, Any]:
     return {
-        "kind": RESULTS_KIND, "version": 1,
+        # version 2: kvbridge-auto is the planner (kvbridge-headroom is version 1's kvbridge-auto)
+        "kind": RESULTS_KIND, "version": 2,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "argv": sys.argv,
         "fleet": fleet_name(settings.prefill_engines, settings.decode_engines),

@@ -24,13 +24,13 @@ __all__ = ["BACKENDS", "KVBRIDGE_GROUP", "MAX_RATES", "MODE_SLOT", "SETUP_NAMES"
            "setup_group", "setup_groups", "setup_mode"]
 
 SETUP_NAMES: tuple[str, ...] = ("kvbridge-pull", "kvbridge-push", "kvbridge-auto",
-                                "vllm-nixl-pull", "vllm-nixl-push")
+                                "kvbridge-headroom", "vllm-nixl-pull", "vllm-nixl-push")
 #: kvbridge backends the setups can run on (those :func:`~kvbridge.tools.bench.fleet.engine_specs`
 #: builds)
 BACKENDS: tuple[str, ...] = ("nixl", "shm")
 KVBRIDGE_GROUP = "kvbridge"
 MAX_RATES = 100
-MODE_SLOT = {"pull": 0, "push": 1, "auto": 2}
+MODE_SLOT = {"pull": 0, "push": 1, "auto": 2, "headroom": 3}
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def fleet_name(prefill: int, decode: int) -> str:
 
 
 def setup_mode(setup: str) -> str:
-    """The transfer mode of a setup: ``pull``, ``push`` or ``auto``."""
+    """The proxy mode of a setup: ``pull``, ``push``, ``auto`` (the planner) or ``headroom``."""
     return setup.rsplit("-", 1)[1]
 
 

@@ -51,7 +51,8 @@ def _work(rate: float, n: int = 300, prompt: int = 200, output: int = 16,
 # -- invariants -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "auto"])
+# headroom, not auto (the planner, which may leave a P idle: test_simulate_plan.py)
+@pytest.mark.parametrize("mode", ["pull", "push", "headroom"])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 1)])
 def test_every_request_finishes_once_and_kv_is_conserved(host: Profile, mode: str,
                                                         shape: tuple[int, int]) -> None:
@@ -138,12 +139,24 @@ def test_pull_setup_on_d_loop_slows_decoding_and_off_loop_does_not(seeds: Profil
     assert abs(off.tpot["mean"] - push.tpot["mean"]) < 0.15 * push.tpot["mean"]
 
 
-def test_auto_follows_the_proxys_headroom_rule(host: Profile) -> None:
+def test_headroom_follows_the_proxys_headroom_rule(host: Profile) -> None:
     specs = generate(_work(60, n=200))
-    all_pull = simulate(host, specs, "auto", push_headroom=0)
-    all_push = simulate(host, specs, "auto", push_headroom=10_000)
+    all_pull = simulate(host, specs, "headroom", push_headroom=0)
+    all_push = simulate(host, specs, "headroom", push_headroom=10_000)
     assert {(r.mode, r.reason) for r in all_pull.requests} == {("pull", "busy")}
     assert {(r.mode, r.reason) for r in all_push.requests} == {("push", "headroom")}
+
+
+def test_auto_is_the_planner_and_plan_its_other_name(host: Profile) -> None:
+    """As in the proxy: auto runs the planner (every decision is one of its whys), plan is
+    auto, and the load rule is headroom's."""
+    specs = generate(_work(60, n=100))
+    for mode in ("auto", "plan"):
+        fleet = simulate(host, specs, mode)
+        assert fleet.planner is not None and fleet.mode.value == "auto"
+        assert {r.reason for r in fleet.requests} <= {"warmup", "explore", "recheck", "fastest",
+                                                      "tie", "slo_missed"}
+    assert simulate(host, specs, "headroom").planner is None
 
 
 # -- the seeds' numbers ---------------------------------------------------------------------------

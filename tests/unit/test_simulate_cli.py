@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge.tools import cli
 from kvbridge.tools.simulate.profile import load_profile, profile_to_dict
-from kvbridge.tools.simulate.validate import load_results, validate, within
+from kvbridge.tools.simulate.validate import load_results, setup_mode, validate, within
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +44,9 @@ def test_run_prints_percentiles_per_mode(capsys: pytest.CaptureFixture[str]) -> 
     lines = out.splitlines()
     assert lines[0].startswith("profile host: 1P1D, 60 requests at 20 req/s")
     assert lines[1].split()[:8] == ["mode", "fleet", "rate", "done", "TTFT", "p50", "p90", "p99"]
-    assert [line.split()[0] for line in lines[3:]] == ["pull", "push", "auto", "local", "plan"]
+    # every mode once: plan is auto's other name, not another run
+    assert [line.split()[0] for line in lines[3:]] == ["pull", "push", "auto", "headroom",
+                                                       "local"]
 
 
 def test_run_json_and_fleet_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,6 +211,20 @@ def test_validate_reads_the_fleet_shape(tmp_path: Path) -> None:
     assert [(r.fleet, r.mode) for r in rows] == [("2P2D", "push")]
     assert rows[0].measured["ttft_p50"] == data["rows"][0]["ttft_p50"]
     assert within(rows[0], "ttft_p50", 10.0) is True
+
+
+def test_validate_simulates_a_version_1_auto_row_as_headroom() -> None:
+    """A results file of version 1 was written while auto was the headroom rule: its
+    kvbridge-auto rows are simulated as headroom; from version 2 on, kvbridge-auto is the
+    planner and kvbridge-headroom the rule."""
+    data = load_results(RESULTS)
+    assert data["version"] == 1
+    data["rows"] = [r for r in data["rows"] if r["setup"] == "kvbridge-auto"][:1]
+    assert [r.mode for r in validate(load_profile("host"), data, repeats=1)] == ["headroom"]
+    assert setup_mode("kvbridge-auto") == "auto" and setup_mode("kvbridge-auto", 1) == "headroom"
+    assert setup_mode("kvbridge-headroom") == "headroom" and setup_mode("vllm-nixl") is None
+    data["version"] = 2
+    assert [r.mode for r in validate(load_profile("host"), data, repeats=1)] == ["auto"]
 
 
 def test_published_compares_every_row(capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,7 +92,7 @@ def test_bad_pinning_is_refused() -> None:
 # -- shared cores in the fleet ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "auto"])
+@pytest.mark.parametrize("mode", ["pull", "push", "headroom"])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
 def test_shared_cores_keep_every_invariant(host: Profile, mode: str,
                                            shape: tuple[int, int]) -> None:

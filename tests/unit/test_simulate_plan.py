@@ -247,7 +247,7 @@ def test_cli_run_and_size_local_and_plan(capsys: pytest.CaptureFixture[str],
     rows = json.loads(capsys.readouterr().out)
     assert code == 0
     assert [(r["mode"], r["prefills"], r["completed"]) for r in rows] == [
-        ("local", 0, 60), ("plan", 1, 60)]
+        ("local", 0, 60), ("auto", 1, 60)]  # plan is auto's other name
     assert sum(rows[1]["chosen"].values()) == 60 and rows[1]["guarded"] == 0
     code = cli.main(["simulate", "run", "--profile", profile, "--mode", "plan", "--requests",
                      "200", "--rate", "10", "--prompt-len", "500-4000", "--output-len", "32-96",

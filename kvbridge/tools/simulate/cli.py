@@ -4,7 +4,7 @@ Subcommands (every one takes ``--profile NAME|FILE``, default ``seeds``; workloa
 to the profile's ``scenario``)::
 
     kvbridge simulate run       [--mode all] [--rate R] [--prefills P --decodes D] ...
-                                (--mode local: D alone; --mode plan: the proxy's planner)
+                                (--mode local: D alone; --mode auto: the proxy's planner)
     kvbridge simulate sweep     --rates 1,2,4,8 [--plot FILE] ...   (a PNG only with --plot)
     kvbridge simulate size      --rate R --ttft-slo MS [--tpot-slo MS] [--percentile 90] ...
     kvbridge simulate validate  --results RESULTS.json [--profile host] [--plot FILE]
@@ -30,7 +30,7 @@ from kvbridge.tools.args import DefaultsFormatter, parse_names
 from kvbridge.tools.bench.serve_settings import parse_rates
 from kvbridge.tools.report import print_table
 from kvbridge.tools.simulate import calibrate
-from kvbridge.tools.simulate.fleet import MODES, NO_P_MODES, simulate
+from kvbridge.tools.simulate.fleet import ALIASES, MODES, NO_P_MODES, canonical_mode, simulate
 from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
 from kvbridge.tools.simulate.plots import plot_sweep, plot_validation
 from kvbridge.tools.simulate.profile import (
@@ -79,11 +79,12 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
         return
     g = p.add_argument_group("workload and fleet (defaults: the profile's scenario)")
     g.add_argument("--mode", default="all",
-                   help="comma-separated: pull, push, auto, local (D alone: no P, D prefills "
-                        "itself), plan (the proxy's planner chooses local, push or pull per "
-                        "request by learnt cost), or all")
+                   help="comma-separated: pull, push, auto (the proxy's planner chooses "
+                        "local, push or pull per request by learnt cost; plan is another name "
+                        "of it), headroom (push or pull by D's load: auto before the planner), "
+                        "local (D alone: no P, D prefills itself), or all")
     g.add_argument("--prefills", type=int, default=None,
-                   help="P engines (0 only with --mode local or plan; local always runs "
+                   help="P engines (0 only with --mode local or auto; local always runs "
                         "without one)")
     g.add_argument("--decodes", type=int, default=None, help="D engines")
     g.add_argument("--requests", type=int, default=None, help="requests simulated")
@@ -100,12 +101,12 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     g.add_argument("--fragmentation", type=float, default=None,
                    help="fraction of block boundaries breaking a descriptor run (0..1)")
     g.add_argument("--push-headroom", type=int, default=None,
-                   help="auto: push while the least-loaded D has fewer in flight")
+                   help="headroom: push while the least-loaded D has fewer in flight")
     g.add_argument("--warmup", type=float, default=0.0,
                    help="fraction of the first requests left out of the figures")
     g.add_argument("--seed", type=int, default=None,
                    help="random seed (default: the profile's scenario, else 0)")
-    pl = p.add_argument_group("plan mode: the planner's settings (the proxy's --plan-* flags)")
+    pl = p.add_argument_group("auto mode: the planner's settings (the proxy's --plan-* flags)")
     d = PlannerSettings()
     pl.add_argument("--plan-ttft-slo-ms", type=float, default=d.ttft_slo_ms, metavar="MS",
                     help="the planner's TTFT SLO: of the paths expected to meet it, D alone "
@@ -202,7 +203,8 @@ def _profile(args: argparse.Namespace) -> Profile:
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    return parse_names(text, MODES, "--mode", "mode")
+    names = parse_names(text, (*MODES, *ALIASES), "--mode", "mode")
+    return tuple(dict.fromkeys(canonical_mode(m) for m in names))  # plan is auto
 
 
 def _positive(value: float | int | None, option: str) -> None:
@@ -279,7 +281,7 @@ def _scenario(args: argparse.Namespace, profile: Profile,
 
 
 def _check_fleet(spec: Fleetspec, modes: Sequence[str]) -> None:
-    """A fleet without P runs only local and plan."""
+    """A fleet without P runs only local and auto."""
     needs_p = [m for m in modes if m not in NO_P_MODES]
     if spec.prefills == 0 and needs_p:
         raise ConfigError(f"--prefills 0: only --mode {' or '.join(NO_P_MODES)} run without a "
@@ -307,8 +309,8 @@ def _summary_rows(rows: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
 
 
 def _chose(s: Summary) -> str:
-    """How auto or the planner chose (``local 250, pull 20, push 30``); empty otherwise."""
-    if s.mode not in ("auto", "plan"):
+    """How the planner or headroom chose (``local 250, pull 20, push 30``); empty otherwise."""
+    if canonical_mode(s.mode) not in ("auto", "headroom"):
         return ""
     chose = ", ".join(f"{k} {v}" for k, v in sorted(s.chosen.items()))
     return chose + (f"; guard {s.guarded}" if s.guarded else "")

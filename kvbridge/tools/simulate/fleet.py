@@ -1,7 +1,7 @@
 """A P/D fleet behind the kvbridge proxy: routing, and what each hand-off mode does where.
 
 Routing is the proxy's own code (:mod:`kvbridge.proxy.routing`): the same :class:`Pool` picks
-(least requests in flight, round-robin ties) and :func:`decide` (auto pushes while the
+(least requests in flight, round-robin ties) and :func:`decide` (headroom pushes while the
 least-loaded D has fewer than ``push_headroom`` requests in flight, else pulls). In-flight counts
 move when the real proxy moves them: a P leg from dispatch to P's answer, a D leg from dispatch
 to the end of its stream.
@@ -27,7 +27,7 @@ push
 local (D alone)
     client → proxy → the least-loaded D, which prefills the request itself (chunks mixed into its
     decode steps, :mod:`kvbridge.tools.simulate.engines`) and decodes it. No P, no hand-off.
-plan
+auto (``plan`` is its other name, as in the proxy)
     the proxy's own planner (:class:`kvbridge.proxy.planner.Planner`) chooses local, push or
     pull per request from the same :class:`~kvbridge.proxy.planner.Features` the proxy builds
     (tokens to compute, tokens to move, tokens D holds, requests in flight on the engine that
@@ -40,8 +40,8 @@ plan
     measures it (first → last token, :func:`~kvbridge.proxy.planner.smoothed_tpot` over its
     streams), and while it is past the guard a long prefill is not left to D alone.
 
-In pull, push and auto a transfer moves the whole prompt's KV (a prefix hit on P saves P's
-compute, not the hand-off). In local and plan, ``prefix_hit`` is the share of every prompt that
+In pull, push and headroom a transfer moves the whole prompt's KV (a prefix hit on P saves P's
+compute, not the hand-off). In local and auto, ``prefix_hit`` is the share of every prompt that
 *each* engine, P and D, holds already (a shared system prompt, say): D alone computes only the
 rest, and a planned hand-off moves only the rest (the connector's partial receive).
 Descriptors per rank: ``layers * kv_planes * runs``, ``runs`` from the profile's fragmentation.
@@ -75,17 +75,25 @@ from kvbridge.tools.simulate.events import EventLoop, Nic, Server, SimulationErr
 from kvbridge.tools.simulate.profile import CpuCost, Profile
 from kvbridge.tools.simulate.workload import RequestSpec
 
-__all__ = ["MODES", "Fleet", "simulate"]
+__all__ = ["ALIASES", "MODES", "Fleet", "canonical_mode", "simulate"]
 
-MODES: tuple[str, ...] = ("pull", "push", "auto", "local", "plan")
+MODES: tuple[str, ...] = ("pull", "push", "auto", "headroom", "local")
+"""The proxy's modes: ``auto`` is the planner, ``headroom`` push or pull by D's load."""
+ALIASES: dict[str, str] = {"plan": "auto"}
+"""Other names of a mode, as the proxy takes them."""
 """The modes the simulator runs (the proxy's ``--mode``)."""
-NO_P_MODES: tuple[str, ...] = ("local", "plan")
-"""Modes that can run without a P engine (plan then only has D alone to choose)."""
+NO_P_MODES: tuple[str, ...] = ("local", "auto")
+"""Modes that can run without a P engine (the planner then only has D alone to choose)."""
+
+
+def canonical_mode(mode: str) -> str:
+    """``plan`` → ``auto``; any other name as it is."""
+    return ALIASES.get(mode, mode)
 
 
 class Fleet:
     """``prefills`` P and ``decodes`` D engines serving in ``mode`` (one of :data:`MODES`);
-    ``planner``: the settings of plan mode's planner (default: the proxy's defaults).
+    ``planner``: the settings of auto mode's planner (default: the proxy's defaults).
 
     Raises :class:`SimulationError` for an unknown mode (naming ``--mode``), no D, no P in a
     mode that needs one, or a ``prefix_hit`` outside [0, 1)."""
@@ -94,6 +102,7 @@ class Fleet:
                  prefix_hit: float = 0.0, fragmentation: float | None = None,
                  push_headroom: int | None = None,
                  planner: PlannerSettings | None = None) -> None:
+        mode = canonical_mode(mode)
         if mode not in MODES:
             raise SimulationError(f"--mode: the simulator runs {', '.join(MODES)}; not "
                                   f"{mode!r}")
@@ -105,9 +114,9 @@ class Fleet:
             raise SimulationError(f"prefix_hit must be in [0, 1), got {prefix_hit!r}")
         self.profile = profile
         self.mode = ProxyMode(mode)
-        self.planner = Planner(planner) if self.mode is ProxyMode.PLAN else None
+        self.planner = Planner(planner) if self.mode is ProxyMode.AUTO else None
         self.d_holds = mode in NO_P_MODES
-        """D holds the ``prefix_hit`` share of every prompt (local, plan: module docstring)."""
+        """D holds the ``prefix_hit`` share of every prompt (local, auto: module docstring)."""
         self.prefix_hit = prefix_hit
         self.fragmentation = profile.fragmentation if fragmentation is None else fragmentation
         self.headroom = profile.proxy.push_headroom if push_headroom is None else push_headroom
@@ -129,7 +138,7 @@ class Fleet:
             for d in self.decodes:
                 d.on_first = self._observe
         self.ppool = Pool(Role.PREFILL, [f"sim-p{i}:1" for i in range(prefills)],
-                          empty_ok=True)  # local and plan may run without a P
+                          empty_ok=True)  # local and auto may run without a P
         self.dpool = Pool(Role.DECODE, [f"sim-d{i}:1" for i in range(decodes)])
         self.p_threads = [Server() for _ in range(prefills)]
         self.d_threads = [Server() for _ in range(decodes)]

@@ -7,7 +7,7 @@ D's first step with the request (the same cut as ``kvbridge bench e2e``). :func:
 gives p50/p90/p99 and means in milliseconds, the completion rate (completions per second between
 the first and the last completion: the offered rate when the fleet keeps up, its capacity when it
 does not), ``vllm bench serve``'s request throughput (completed requests / time from the start
-to the last token at the client, the "req/s" it prints), how auto or the planner chose, and the
+to the last token at the client, the "req/s" it prints), how headroom or the planner chose, and the
 engines' and processes' utilisation. A ``local`` request (D alone) has no hand-off figure.
 :func:`check_invariants` is what the tests assert after every run.
 """
@@ -51,7 +51,7 @@ class Summary:
     bench_throughput: float = 0.0
     """``vllm bench serve``'s req/s: completed / (start → last token at the client)."""
     guarded: int = 0
-    """plan: decisions the TPOT guard kept from D alone (``guard=tpot``)."""
+    """auto: decisions the TPOT guard kept from D alone (``guard=tpot``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "prefills": self.prefills, "decodes": self.decodes,

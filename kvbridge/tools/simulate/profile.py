@@ -199,7 +199,7 @@ class ProxyCost:
     stream_s: float
     """D's token → the client (API server + proxy relay)."""
     push_headroom: int = 4
-    """auto: push while the least-loaded D has fewer requests in flight (kvbridge proxy)."""
+    """headroom: push while the least-loaded D has fewer requests in flight (kvbridge proxy)."""
     pull_max_in_flight: int = 0
     """At most this many pull requests per D engine of the fleet between the proxy's admission
     and the client's last token; later ones wait FIFO at the proxy (0: no limit). A limit

@@ -8,9 +8,10 @@
   :func:`why_none` says what stood in the way when there is none.
 
 In ``local`` mode a fleet is D engines only (a P would sit idle): sizes start at one D. In
-``plan`` mode every split from 0 P up is tried, so the answer may be D alone (``0P``) when D
-prefilling for itself meets the SLO at the rate; with P engines the planner sends each request
-down the path it measures cheapest. Pull, push and auto need a P: their sizes start at 1P1D.
+``auto`` mode (the planner; ``plan`` is its other name) every split from 0 P up is tried, so the
+answer may be D alone (``0P``) when D prefilling for itself meets the SLO at the rate; with P
+engines the planner sends each request down the path it measures cheapest. Pull, push and
+headroom need a P: their sizes start at 1P1D.
 
 *Meeting* an SLO: the chosen percentile of TTFT (and of TPOT, when given) is within the SLO, and
 the fleet keeps up (its completion rate is at least ``keep_up`` of the arrival rate the run
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from kvbridge.errors import ConfigError
 from kvbridge.proxy.planner import PlannerSettings
-from kvbridge.tools.simulate.fleet import MODES, NO_P_MODES, simulate
+from kvbridge.tools.simulate.fleet import MODES, NO_P_MODES, canonical_mode, simulate
 from kvbridge.tools.simulate.metrics import Summary, check_invariants, summarize
 from kvbridge.tools.simulate.profile import Profile
 from kvbridge.tools.simulate.workload import Workload, generate
@@ -45,7 +46,7 @@ class Fleetspec:
     push_headroom: int | None = None
     warmup: float = 0.0
     planner: PlannerSettings | None = None
-    """plan mode: the planner's settings (None: the proxy's defaults)."""
+    """auto mode: the planner's settings (None: the proxy's defaults)."""
 
     @property
     def p_engines(self) -> int:
@@ -121,14 +122,14 @@ def size_fleet(profile: Profile, workload: Workload, spec: Fleetspec, slo: Slo,
     Fleets are tried by total size, smallest first; within a size every P/D split is tried and
     the one with the lowest TTFT at the SLO's percentile wins (fewer P on a tie). Stops at the
     first size with an answer, or after ``max_engines`` engines (then ``chosen`` is None).
-    ``local`` tries D-only fleets from one D; ``plan`` every split from 0 P and one D; the
+    ``local`` tries D-only fleets from one D; ``auto`` every split from 0 P and one D; the
     others from 1P1D (module docstring).
     """
     if max_engines < 2:
         raise ConfigError("--max-engines: must be at least 2 (one P and one D)")
     tried: list[Summary] = []
     key = f"p{slo.percentile}"
-    no_p = spec.mode in NO_P_MODES
+    no_p = canonical_mode(spec.mode) in NO_P_MODES
     for total in range(1 if no_p else 2, max_engines + 1):
         ok: list[Summary] = []
         splits = [0] if spec.mode == "local" else range(0 if no_p else 1, total)

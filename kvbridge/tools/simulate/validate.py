@@ -1,7 +1,9 @@
 """Simulated vs measured: replay a ``kvbridge bench serve`` results file through the model.
 
 For every row of the results (one setup at one rate) whose setup the profile models (by default
-the ``kvbridge-pull|push|auto`` setups), the same workload is simulated: ``num_prompts`` arrivals
+the ``kvbridge-pull|push|auto|headroom`` setups; in a results file of version 1, written before
+``auto`` became the planner, ``kvbridge-auto`` is simulated as ``headroom``, what it ran), the
+same workload is simulated: ``num_prompts`` arrivals
 at the row's rate, ``input_len``-token prompts, ``output_len`` output tokens, the fleet shape the
 file records (``settings.prefill_engines`` / ``decode_engines``, 1P1D when absent) and the
 proxy's ``push_headroom``. A row that records its ``vllm bench serve --seed`` (every row
@@ -84,10 +86,14 @@ def load_results(path: Path) -> dict[str, Any]:
     return data
 
 
-def setup_mode(setup: str) -> str | None:
-    """``kvbridge-push`` → ``push``; None for a name without a mode suffix."""
+def setup_mode(setup: str, version: int = 2) -> str | None:
+    """``kvbridge-push`` → ``push``; None for a name without a mode suffix. In a results file of
+    ``version`` 1 ``kvbridge-auto`` ran the headroom rule (auto before the planner): ``headroom``.
+    """
     mode = setup.rsplit("-", 1)[-1]
-    return mode if mode in ("pull", "push", "auto") else None
+    if mode == "auto" and version < 2:
+        return "headroom"
+    return mode if mode in ("pull", "push", "auto", "headroom") else None
 
 
 def _int_setting(settings: Mapping[str, Any], key: str, default: int) -> int:
@@ -116,12 +122,15 @@ def validate(profile: Profile, results: Mapping[str, Any], setup_prefix: str = "
     if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
         raise ConfigError(f"--results: settings.push_headroom must be an integer >= 0, "
                           f"got {headroom!r}")
+    version = results.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ConfigError(f"--results: version must be an integer, got {version!r}")
     out: list[ValidationRow] = []
     for row in results["rows"]:
         if not isinstance(row, Mapping):
             raise ConfigError("--results: every row must be an object")
         setup, rate = row.get("setup"), row.get("rate")
-        mode = setup_mode(setup) if isinstance(setup, str) else None
+        mode = setup_mode(setup, version) if isinstance(setup, str) else None
         if (mode is None or not isinstance(setup, str) or not setup.startswith(setup_prefix)
                 or isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0
                 or not row.get("completed")):

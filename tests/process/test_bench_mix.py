@@ -60,7 +60,7 @@ class FakeServer:
         if self.refuse == (policy, prompt):
             return web.json_response({"error": {"message": "busy"}}, status=503)
         headers = {"Content-Type": "text/event-stream"}
-        if policy == "plan":
+        if policy == "auto":
             path = "local" if len(prompt) < 100 else "push"
             off = "tiers=off; " if self.tiers_off else ""
             headers[PLAN_HEADER] = f"path={path}; est_ms=1.5;local=1.5 ; {off}why=fastest"
@@ -125,10 +125,10 @@ def test_every_policy_replays_the_trace_and_one_spoilt_answer_is_counted(
     spoilt = trace.requests[5]
     fake.corrupt = ("push", spoilt.prompt)
     fake.refuse = ("pull", trace.requests[2].prompt)
-    entry = run_rate(fake.url, trace, ["push", "pull", "local", "plan"], ttft_slo_ms=5000,
+    entry = run_rate(fake.url, trace, ["push", "pull", "local", "auto"], ttft_slo_ms=5000,
                      tpot_slo_ms=1000)
     runs = {r["policy"]: r for r in entry["policies"]}
-    assert [r["policy"] for r in entry["policies"]] == ["local", "push", "pull", "plan"]
+    assert [r["policy"] for r in entry["policies"]] == ["local", "push", "pull", "auto"]
 
     # the very same prompts, with each policy's header and salt, and nothing else
     for policy in runs:
@@ -144,7 +144,7 @@ def test_every_policy_replays_the_trace_and_one_spoilt_answer_is_counted(
         assert {r["class"]: r["count"] for r in run["rows"][:-1]} == counts
         assert _whole(run)["count"] == N
         assert len(run["requests"]) == N
-    local, push, pull, plan = (_whole(runs[p]) for p in ("local", "push", "pull", "plan"))
+    local, push, pull, plan = (_whole(runs[p]) for p in ("local", "push", "pull", "auto"))
     assert local["mismatches"] is None and local["failures"] == 0
     assert push["mismatches"] == 1 and push["failures"] == 0
     bad = [r for r in runs["push"]["rows"] if r["mismatches"]]
@@ -178,7 +178,7 @@ def test_on_send_runs_before_each_request_in_order_and_the_flips_are_read_back(
         if slow.delay_before(index) is not None:
             fake.tiers_off = slow.slow(index)
 
-    entry = run_rate(fake.url, trace, ["plan"], ttft_slo_ms=5000, tpot_slo_ms=1000,
+    entry = run_rate(fake.url, trace, ["auto"], ttft_slo_ms=5000, tpot_slo_ms=1000,
                      on_send=on_send)
     assert [i for i, _ in sent] == list(range(40))
     assert all(seen <= i for i, seen in sent)
@@ -195,13 +195,13 @@ def test_on_send_runs_before_each_request_in_order_and_the_flips_are_read_back(
 def test_the_command_against_a_running_proxy_reports_and_exits(fake: FakeServer,
                                                                tmp_path: Path) -> None:
     trace = generate_trace(12, RATE, SEED)
-    fake.corrupt = ("auto", trace.requests[3].prompt)
+    fake.corrupt = ("headroom", trace.requests[3].prompt)
     out = tmp_path / "mix.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "kvbridge", "bench", "mix", "--proxy", fake.url,
-         "--policies", "auto,local", "--rates", f"{RATE:g},{2 * RATE:g}", "--num-requests",
+         "--policies", "headroom,local", "--rates", f"{RATE:g},{2 * RATE:g}", "--num-requests",
          "12", "--seed", str(SEED), "--out", str(out)],
         capture_output=True, text=True, timeout=45, env=env)
     assert proc.returncode == 1, proc.stderr  # one mismatch: not clean
@@ -209,7 +209,7 @@ def test_the_command_against_a_running_proxy_reports_and_exits(fake: FakeServer,
     report = json.loads(out.read_text())
     assert [e["rate"] for e in report["rates"]] == [RATE, 2 * RATE]
     for entry in report["rates"]:
-        assert [r["policy"] for r in entry["policies"]] == ["local", "auto"]
+        assert [r["policy"] for r in entry["policies"]] == ["local", "headroom"]
         assert _whole(entry["policies"][1])["mismatches"] == 1
     assert len(fake.seen) == 2 * 2 * 12
     assert fake.in_flight == 0

@@ -29,8 +29,10 @@ def test_plan_header_is_read_leniently() -> None:
 
 
 def test_policies_put_the_reference_first_and_refuse_unknown_ones() -> None:
-    assert parse_policies("push,pull,local,plan") == ("local", "push", "pull", "plan")
+    assert parse_policies("push,pull,local,auto") == ("local", "push", "pull", "auto")
     assert parse_policies(" auto , auto,push") == ("auto", "push")
+    # plan is auto's other name (the planner): one policy, one run; headroom is the old auto
+    assert parse_policies("plan,headroom,auto") == ("auto", "headroom")
     for bad in ("", "push,teleport"):
         with pytest.raises(ConfigError, match="--policies"):
             parse_policies(bad)
@@ -82,7 +84,7 @@ def test_summary_counts_slo_mismatches_failures_and_paths() -> None:
 def test_tables_use_the_shared_printer() -> None:
     rows = summarize([_ok(0, "short", 0.1, 0.2, [1, 2], "local")], 1.0, 500, 500)
     entry = {"rate": 2.0, "policies": [{"policy": "local", "rows": rows, "p_requests": 0.0},
-                                       {"policy": "plan", "rows": rows},
+                                       {"policy": "auto", "rows": rows},
                                        {"policy": "push", "error": "boom"}]}
     text = format_rate(entry)
     lines = text.splitlines()

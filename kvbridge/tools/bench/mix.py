@@ -48,7 +48,9 @@ __all__ = ["MODE_HEADER", "PLAN_HEADER", "POLICIES", "Outcome", "cache_salt", "f
            "format_rate", "mark_mismatches", "parse_plan_header", "parse_policies",
            "replay", "request_body", "run_rate", "summarize"]
 
-POLICIES: tuple[str, ...] = ("push", "pull", "local", "auto", "plan")
+POLICIES: tuple[str, ...] = ("push", "pull", "local", "headroom", "auto")
+"""The proxy's modes as policies: ``auto`` is the planner, ``headroom`` push or pull by D's load
+(auto before the planner); ``plan``, auto's other name, is taken as ``auto``."""
 REFERENCE = "local"
 MODE_HEADER = "X-KVBridge-Mode"
 PLAN_HEADER = "X-KVBridge-Plan"
@@ -56,8 +58,9 @@ PLAN_HEADER = "X-KVBridge-Plan"
 
 def parse_policies(text: str) -> tuple[str, ...]:
     """``"push,local"`` → the policies, duplicates removed, ``local`` first when present (it is
-    the reference of the others); ConfigError naming ``--policies`` for an unknown one."""
-    names = [w.strip() for w in text.split(",") if w.strip()]
+    the reference of the others), ``plan`` read as ``auto`` (one policy, one run); ConfigError
+    naming ``--policies`` for an unknown one."""
+    names = ["auto" if w.strip() == "plan" else w.strip() for w in text.split(",") if w.strip()]
     bad = [n for n in names if n not in POLICIES]
     if bad or not names:
         raise ConfigError(f"--policies: {', '.join(bad) or 'none given'}; choose from "

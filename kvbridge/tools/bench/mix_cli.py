@@ -1,5 +1,6 @@
 """``kvbridge bench mix``: one seeded mixed workload, replayed identically under each hand-off
-policy (``push``, ``pull``, ``local`` = D alone, ``auto``, ``plan``) through one proxy.
+policy (``push``, ``pull``, ``local`` = D alone, ``headroom``, ``auto`` = the planner) through one
+proxy.
 
 The trace is :func:`~kvbridge.tools.bench.mix_workload.generate_trace`'s (classes ``short``,
 ``long``, ``chat``, ``system``, ``warm_d``; Poisson arrivals); the replay, the comparison with the
@@ -9,10 +10,10 @@ policy in ``X-KVBridge-Mode``; the proxy answers with ``X-KVBridge-Plan`` when i
 Without ``--proxy`` the command starts the tiny model's engines
 (:func:`~kvbridge.tools.bench.fleet.fleet_specs`, ``kvbridge-<backend>``, ``--fleet xPyD``) with
 ``VLLM_SERVER_DEV_MODE=1`` and one kvbridge proxy process in front of them (``python -m
-kvbridge.proxy``, mode ``plan`` when this kvbridge has it, else ``auto``; its own process, so
-it never shares the load generator's GIL). Before each policy it waits until the engines are
-idle, drops every engine's prefix cache (``POST /reset_prefix_cache``) and sends ``--warmups``
-unmeasured requests with that policy; around the replay it reads the P engines'
+kvbridge.proxy``, mode ``auto``, the planner, which so learns from every policy's requests; its
+own process, so it never shares the load generator's GIL). Before each policy it waits until the
+engines are idle, drops every engine's prefix cache (``POST /reset_prefix_cache``) and sends
+``--warmups`` unmeasured requests with that policy; around the replay it reads the P engines'
 ``vllm:request_success_total``, so the table's ``P reqs`` says how many requests P finished
 during the policy (``local`` must show 0: D alone). Everything it started is stopped when it
 returns, fails, is interrupted (Ctrl-C) or gets SIGTERM/SIGHUP. With ``--proxy URL`` nothing is
@@ -156,10 +157,8 @@ def parse_max_tokens(text: str) -> tuple[int, int]:
 
 
 def proxy_mode() -> str:
-    """``plan`` when this kvbridge's proxy has the planner, else ``auto``."""
-    from kvbridge.proxy.routing import ProxyMode
-
-    return "plan" if "plan" in {m.value for m in ProxyMode} else "auto"
+    """The started proxy's ``--mode``: ``auto``, the planner (it sees every request)."""
+    return "auto"
 
 
 def _check(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,7 +380,7 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path,
         # the engines' ports are known once they started
         # the planner is told the SLOs the goodput column counts (an operator tells it theirs)
         slos = (["--plan-ttft-slo-ms", str(args.ttft_slo_ms),
-                 "--plan-tpot-slo-ms", str(args.tpot_slo_ms)] if mode == "plan" else [])
+                 "--plan-tpot-slo-ms", str(args.tpot_slo_ms)] if mode == "auto" else [])
         if tier is not None:
             slos.append("--kv-events")
         proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
@@ -433,7 +432,7 @@ def _print(report: Mapping[str, Any]) -> None:
         print(f"\nrate {entry['rate']:g} req/s ({counts})")
         print(format_rate(entry))
         for run in entry["policies"]:
-            if run.get("slow_tier") and run["policy"] == "plan":
+            if run.get("slow_tier") and run["policy"] in ("auto", "plan"):  # plan: old reports
                 print()
                 print(format_flips(run["slow_tier"], run["policy"]))
     if len(report["rates"]) > 1:

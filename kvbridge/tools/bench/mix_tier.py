@@ -137,7 +137,7 @@ def _share(values: list[bool | None]) -> str:
     return f"{sum(known)}/{len(known)}" if known else "-"
 
 
-def format_flips(summary: Mapping[str, Any], policy: str = "plan", window: int = 0) -> str:
+def format_flips(summary: Mapping[str, Any], policy: str = "auto", window: int = 0) -> str:
     """A few lines: the flip counts, then the class's requests (index, slow or not, choice,
     why, TTFT); ``window`` > 0 keeps only those within that many trace requests of the
     injection's start and end."""

@@ -1,7 +1,7 @@
 """Kill one engine of a 2P2D fleet in the middle of a ``vllm bench serve`` run, per mode.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fleet_faults.py [--backend shm] \
-        [--modes pull,push,auto] [--roles prefill,decode] [--rate 4] [--num-prompts 48] \
+        [--modes pull,push,headroom] [--roles prefill,decode] [--rate 4] [--num-prompts 48] \
         [--kill-at 0.3] [--input-len 200] [--output-len 32] [--out DIR]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model
@@ -46,7 +46,10 @@ from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.report import print_table
 from kvbridge.tools.tiny_model import build_tiny_model
 
-MODES = ("pull", "push", "auto")
+# headroom (push or pull by D's load: auto before the planner) by default: every request is a
+# hand-off, so a killed P holds some; auto (the planner) may serve requests by D alone
+MODES = ("pull", "push", "headroom", "auto")
+DEFAULT_MODES = ("pull", "push", "headroom")
 
 
 def _retries(url: str) -> dict[str, float]:
@@ -178,7 +181,7 @@ def table_row(r: dict[str, Any]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="shm", choices=("shm", "nixl"))
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
     ap.add_argument("--roles", default="prefill,decode")
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--num-prompts", type=int, default=48)
@@ -191,7 +194,7 @@ def main() -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     args.roles = [r for r in args.roles.split(",") if r]
     if not set(args.modes) <= set(MODES) or not set(args.roles) <= {"prefill", "decode"}:
-        ap.error("--modes: pull, push, auto; --roles: prefill, decode")
+        ap.error(f"--modes: {', '.join(MODES)}; --roles: prefill, decode")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run(args)
     return 0

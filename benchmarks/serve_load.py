@@ -1,8 +1,8 @@
 """``vllm bench serve`` through the kvbridge proxy, per mode, to catch freezes under load.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_load.py [--backend nixl] \
-        [--modes pull,push,auto] [--runs 3] [--spin-ms 2|off] [--rate 8] [--num-prompts 40] \
-        [--input-len 200] [--output-len 16] [--out DIR]
+        [--modes pull,push,auto,headroom] [--runs 3] [--spin-ms 2|off] [--rate 8] \
+        [--num-prompts 40] [--input-len 200] [--output-len 16] [--out DIR]
 
 Starts one P and one D ``vllm serve`` engine on the tiny random-weight model
 (:func:`kvbridge.tools.tiny_model.build_tiny_model`; P on core 0, D on core 1, ``--block-size 32``,
@@ -48,7 +48,7 @@ from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.report import print_table
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
-MODES = ("pull", "push", "auto")
+MODES = ("pull", "push", "auto", "headroom")  # auto: the planner; headroom: auto before it
 BACKENDS = ("shm", "nixl", "mooncake", "compose")
 
 
@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--members", default="shm,nixl",
                    help="compose backend: comma-separated members, in order")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
-                   "pull,push,auto")
+                   "pull,push,auto,headroom")
     p.add_argument("--runs", type=int, default=3, help="bench serve runs per mode")
     p.add_argument("--spin-ms", default="2",
                    help="KVBRIDGE_ENGINE_SPIN_MS for the engines; 'off' leaves it unset")
@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-s", type=float, default=5.0,
                    help="before the load, measure engine CPU over this many seconds idle and "
                    "with D waiting for a push that never comes (0: skip)")
-    p.add_argument("--push-headroom", type=int, default=4, help="auto proxy: push headroom")
+    p.add_argument("--push-headroom", type=int, default=4, help="headroom proxy: push headroom")
     p.add_argument("--seed", type=int, default=0, help="run i of a mode uses seed + i")
     p.add_argument("--freeze-ratio", type=float, default=3.0,
                    help="verdict freeze when TTFT p99 > this x TTFT p50 ...")

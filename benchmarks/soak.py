@@ -6,7 +6,8 @@
         [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75] [--from-code DIR]]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
-and control port, so a restarted engine keeps its address) and one kvbridge proxy in auto mode,
+and control port, so a restarted engine keeps its address) and one kvbridge proxy in headroom
+mode (push or pull by D's load: auto before the planner, so every request is a hand-off),
 as its own process (``python -m kvbridge.proxy``) so that it can be killed and restarted at its
 port. Then, for ``--minutes``:
 
@@ -312,7 +313,9 @@ class Fleet:
         self.start_proxy()
 
     def start_proxy(self) -> None:
-        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", "pull" if self.vllm else "auto",
+        # headroom, not auto (the planner): every request hands off, so the faults hit transfers
+        mode = "pull" if self.vllm else "headroom"
+        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", mode,
                "--prefill", self.url("P0"), self.url("P1"),
                "--decode", self.url("D0"), self.url("D1"),
                "--port", str(self.proxy_port), "--health-interval", "0.5", "--timeout", "120"]

@@ -293,8 +293,8 @@ def add_bench_parser(subparsers: Any) -> None:
         "e2e",
         help="end to end on real vLLM engines: kvbridge vs vLLM's NIXL connectors",
         description="Run the same seeded workload through vLLM's NixlConnector (pull), "
-        "NixlPushConnector and KVBridgeConnector (shm, nixl; pull, push, auto), each on a fresh "
-        "pair of real vLLM engines, and print one table: TTFT, TPOT, hand-off time, CPU "
+        "NixlPushConnector and KVBridgeConnector (shm, nixl; pull, push, headroom), each on a "
+        "fresh pair of real vLLM engines, and print one table: TTFT, TPOT, hand-off time, CPU "
         "seconds per engine, output check, ratios to vLLM's pull. Takes ~15-20 minutes.",
     )
     bench_e2e.add_arguments(e)
@@ -341,10 +341,10 @@ def add_bench_parser(subparsers: Any) -> None:
         "connectors (real engines; JSON results and PNG plots)",
         description="Put vLLM's own `vllm bench serve` load (random dataset, streamed "
         "/v1/completions, --ignore-eos) at each of --rates through kvbridge's proxy (pull, push, "
-        "auto) and through a stock-protocol proxy in front of vLLM's NixlConnector and "
-        "NixlPushConnector, one fresh engine pair per group; print TTFT/TPOT/E2E per (setup, "
-        "rate), write results.json and bench_serve.png (TTFT p50, TTFT p99, TPOT p50 vs rate) "
-        "to --out. --plot-only RESULTS_JSON redraws the plots without running anything.",
+        "auto = the planner, headroom) and through a stock-protocol proxy in front of vLLM's "
+        "NixlConnector and NixlPushConnector, one fresh engine pair per group; print TTFT/TPOT/E2E "
+        "per (setup, rate), write results.json and bench_serve.png (TTFT p50, TTFT p99, TPOT p50 "
+        "vs rate) to --out. --plot-only RESULTS_JSON redraws the plots without running anything.",
     )
     bench_serve.add_arguments(v)
     v.set_defaults(func=bench_serve.cli_main)
@@ -352,7 +352,8 @@ def add_bench_parser(subparsers: Any) -> None:
     m = sub.add_parser(
         "mix",
         help="one seeded mixed workload (short, long, chat, system prompt, warm D prefix) "
-        "replayed under each hand-off policy (push, pull, local, auto, plan) through the proxy",
+        "replayed under each hand-off policy (push, pull, local, headroom, auto = the planner) "
+        "through the proxy",
         description="Generate one seeded trace of /v1/completions requests in classes short, "
         "long, chat, system and warm_d with Poisson arrivals, and replay it identically at each "
         "of --rates once per policy (X-KVBridge-Mode header, a cache_salt per policy), local "
@@ -472,7 +473,8 @@ LAZY_COMMANDS: tuple[LazyCommand, ...] = (
     LazyCommand(
         "proxy",
         "kvbridge.proxy.cli",
-        "run the disaggregated prefill/decode router (push | pull | auto)",
+        "run the disaggregated prefill/decode router (auto = the planner | push | pull | headroom "
+        "| local)",
         "pip install 'kvbridge[proxy]'",
     ),
     LazyCommand(

@@ -89,10 +89,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "transfers.", "ops",
                   (Query(_rate("vllm:kvbridge_transfers_total", f"{_PEER}, outcome"),
                          "{{mode}} {{backend}} {{peer}} {{outcome}}"),)),
-        PanelSpec("Auto's choices", "What --mode auto chose, and why.", "ops",
-                  (Query(_rate("kvbridge_proxy_mode_decisions_total", "chosen, reason",
-                               '{configured="auto"}'), "{{chosen}} ({{reason}})",
-                         sparse="only a proxy running --mode auto decides"),)),
+        PanelSpec("The planner's and headroom's choices",
+                  "What auto (the planner; plan is its other name) and headroom (push or pull "
+                  "by D's load) chose, and why; a request's X-KVBridge-Mode counts under the "
+                  "mode it named.", "ops",
+                  (Query(_rate("kvbridge_proxy_mode_decisions_total",
+                               "configured, chosen, reason", '{configured=~"auto|headroom"}'),
+                         "{{configured}}: {{chosen}} ({{reason}})",
+                         sparse="only requests in auto or headroom mode are decided"),)),
     )),
     ("TTFT phases", (
         PanelSpec("TTFT at the proxy", "Time to the first streamed byte, p50 and p99.", "s",

@@ -9,7 +9,7 @@ instead of passing unnoticed. Prompt lengths include the window's edge (``T - 1 
 multiple of 32), where vLLM's recomputation of a loaded prompt's last token would read such a
 block.
 
-D's greedy output must equal a single engine's, in pull, push and auto mode, with a partial
+D's greedy output must equal a single engine's, in pull, push and headroom mode, with a partial
 prefix hit on D, and exactly the blocks D lacks must move (bytes checked against the group
 rule computed here). A plain D (``--disable-hybrid-kv-cache-manager``: one group) refuses a
 hybrid P's hand-off with a message naming the groups. Three engines start once for the module
@@ -115,7 +115,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
     proxies: list[ProxyThread] = []
     try:
         start_servers([p, d, plain], timeout=900)
-        proxies.append(ProxyThread([p.url], [d.url], push_headroom=2).start())
+        proxies.append(ProxyThread([p.url], [d.url], modes=("pull", "push", "headroom"),
+                                   push_headroom=2).start())
         proxies.append(ProxyThread([p.url], [plain.url], modes=("pull", "push")).start())
         yield Hybrid(p, d, plain, proxies[0], proxies[1], {})
     finally:
@@ -137,10 +138,11 @@ def _moved(before: dict[str, int], after: dict[str, int]) -> int:
 
 
 #: longer than the window; 176 and 208 put the window's edge on a block boundary
-LENGTHS = {"pull": [100, 176, 300], "push": [150, 208, 257], "auto": [176, 200]}
+LENGTHS = {"pull": [100, 176, 300], "push": [150, 208, 257], "headroom": [176, 200]}
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "auto"])
+# headroom, not auto: every request must hand off (the planner may choose D alone)
+@pytest.mark.parametrize("mode", ["pull", "push", "headroom"])
 def test_decode_output_equals_a_single_engines(hybrid: Hybrid, mode: str) -> None:
     prompts = [random_prompts(1, n, seed=100 + n)[0] for n in LENGTHS[mode]]
     refs = [hybrid.reference(p) for p in prompts]

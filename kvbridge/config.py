@@ -144,6 +144,11 @@ class Config:
     """Digest every hand-off where its KV was computed and check it where it lands (XXH3-128
     per 256 KiB of each part, :mod:`kvbridge.scheduling.digests`); a mismatch fails the receive.
     Host-memory KV caches only: a CUDA KV cache is not digested."""
+    flight_recorder: bool = True
+    """Keep each hand-off's timestamps on this engine (kvbridge.scheduling.recorder): what
+    ``kvbridge why``, ``vllm:kvbridge_phase_seconds`` and the hand-off spans (with vLLM's
+    ``--otlp-traces-endpoint``) are made of. Off: none of the three has this engine's part;
+    the cost it saves is a few microseconds per hand-off step (docs/why.md)."""
     layerwise: bool = False
     """Push: WRITE each layer as soon as the forward pass has written it."""
     idle_wait_ms: float = 20.0

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["KVBridgeMetadata", "KVBridgeHandshake", "KVBridgeWorkerMeta", "model_identity",
-           "identity_digest", "kv_events_enabled", "parallel_sizes"]
+           "identity_digest", "kv_events_enabled", "parallel_sizes", "traces_enabled",
+           "trace_parent"]
 
 
 @dataclass
@@ -128,6 +129,25 @@ def kv_events_enabled(vllm_config: VllmConfig) -> bool:
     """vLLM publishes KV events (``--kv-events-config``): the tiers then add theirs."""
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
+def traces_enabled(vllm_config: VllmConfig) -> bool:
+    """vLLM traces requests (``--otlp-traces-endpoint``): it passes each request's
+    ``traceparent`` to its engine core and sets up OpenTelemetry in every engine process."""
+    cfg = getattr(vllm_config, "observability_config", None)
+    return bool(cfg is not None and getattr(cfg, "otlp_traces_endpoint", None))
+
+
+def trace_parent(request: Any) -> str | None:
+    """A request's ``traceparent`` as vLLM kept it (``Request.trace_headers``), or None."""
+    headers = getattr(request, "trace_headers", None)
+    if not headers:
+        return None
+    try:
+        value = headers.get("traceparent")
+    except Exception:  # noqa: BLE001 - not a mapping: no trace context
+        return None
+    return value if isinstance(value, str) else None
 
 
 def kv_events_publisher(vllm_config: VllmConfig) -> tuple[int, str] | None:

@@ -31,6 +31,8 @@ from kvbridge.integrations.vllm_meta import (
     kv_events_enabled,
     kv_events_publisher,
     model_identity,
+    trace_parent,
+    traces_enabled,
 )
 from kvbridge.offload.book import OffloadBook
 from kvbridge.offload.keys import seed_key
@@ -94,6 +96,10 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self._first_step_due: dict[str, str] = {}
         self._marks: list[tuple[str, str, float]] = []  # for the next plan (timing only)
+        self._recording = config.flight_recorder
+        #: vLLM traces: each hand-off's traceparent goes to the ranks (kvbridge.scheduling.spans)
+        self._tracing = self._recording and traces_enabled(vllm_config)
+        self._traces: list[tuple[str, str]] = []
         self._seen: set[str] = set()
         self._live: dict[str, Request] = {}  # requests with kv_transfer_params, until finished
         self.wake = EngineWake(config.idle_wait_ms)
@@ -138,11 +144,14 @@ class SchedulerSide:
         tiers' share of the ``external`` tokens vLLM allocated (the planner splits them)."""
         req_id = request.request_id
         tid = self.book.transfer_of(req_id) if req_id in self._live else None
-        if tid is not None:  # the flight recorder (timing only): vLLM's queue, on this clock
+        if tid is not None and self._recording:  # the flight recorder: vLLM's queue, here
             arrival = getattr(request, "arrival_time", None)
             if isinstance(arrival, float):
                 self._marks.append((tid, "arrived", arrival))
             self._marks.append((tid, "scheduled", time.time()))
+            parent = trace_parent(request) if self._tracing else None
+            if parent is not None:
+                self._traces.append((tid, parent))
         tables = [list(t) for t in blocks.get_block_ids()] if external else []
         ids = tables[0] if tables else []
         receiving = self.book.receives(req_id)
@@ -176,6 +185,7 @@ class SchedulerSide:
         self.book.stats.update(self.wake.take_counters())
         plan = self.book.take_plan()
         plan.marks, self._marks = self._marks, []
+        plan.traces, self._traces = self._traces, []
         if self._first_step_due:
             now = time.time()
             for req_id in [r for r in self._first_step_due if r in scheduled]:
@@ -260,7 +270,7 @@ class SchedulerSide:
                 self.events.add(meta.tier_events)
         for req_id in output.finished_recving or ():
             tid = self.book.transfer_done(req_id)
-            if tid is not None and req_id in self._live:
+            if tid is not None and req_id in self._live and self._recording:
                 self._first_step_due[req_id] = tid
                 self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():

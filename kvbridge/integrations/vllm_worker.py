@@ -26,6 +26,7 @@ from kvbridge.integrations.vllm_meta import (
     identity_digest,
     kv_events_enabled,
     model_identity,
+    traces_enabled,
 )
 from kvbridge.layout import KVLayout
 from kvbridge.offload.blocks import BlockIO
@@ -34,6 +35,7 @@ from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.scheduling.fences import CudaFence, Fence
 from kvbridge.scheduling.loop import TransferLoop
 from kvbridge.scheduling.rank import RankSide
+from kvbridge.scheduling.spans import HandoffSpans
 from kvbridge.scheduling.wake import WakeSender
 
 if TYPE_CHECKING:
@@ -121,6 +123,8 @@ class WorkerSide:
         except BaseException:
             loop.close()
             raise
+        if config.flight_recorder and traces_enabled(self._vllm_config):
+            loop.trace_spans(HandoffSpans(loop.recorder, self.engine_id, self.rank))
         self.side = RankSide(loop, self._cuda_fence if on_gpu else None, offload)
         loop.on_progress(self._wake.poke)
         rank = self.rank

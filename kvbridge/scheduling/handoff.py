@@ -120,6 +120,8 @@ class StepPlan:
     #: (transfer_id, event, wall time) the scheduler side observed (timing only): on D
     #: ``recv_seen`` (vLLM's scheduler learned the receive finished) and ``first_step``
     marks: list[tuple[str, str, float]] = field(default_factory=list)
+    #: (transfer_id, traceparent) of hand-offs to trace (vLLM traces: kvbridge.scheduling.spans)
+    traces: list[tuple[str, str]] = field(default_factory=list)
     #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
     counters: dict[str, int] = field(default_factory=dict)
     #: tier lookups, loads, releases and stores (kvbridge.offload)

@@ -52,6 +52,7 @@ from kvbridge.scheduling.push import PushSource
 from kvbridge.scheduling.push_wait import PushSink
 from kvbridge.scheduling.recorder import Recorder
 from kvbridge.scheduling.results import Outcomes, ResultBox, Results
+from kvbridge.scheduling.spans import HandoffSpans
 from kvbridge.scheduling.specs import PullSpec, PushSpec, SendPlan
 from kvbridge.transport import MemoryRegion, TransferHandle, Transport
 
@@ -115,7 +116,10 @@ class TransferLoop(PeerEvents):
         self.stats: Counter[str] = Counter()
         self.observe = Observations(self.transport.name)
         #: the flight recorder: per-transfer timestamps (kvbridge.scheduling.recorder)
-        self.recorder = Recorder(1024, on_phase=self.observe.phase)
+        self.recorder = Recorder(1024, on_phase=self.observe.phase,
+                                 enabled=config.flight_recorder)
+        #: the hand-off spans, once :meth:`trace_spans` turned them on (vLLM traces)
+        self.spans: HandoffSpans | None = None
         #: a DrainNotice's action, set by the rank's owner (kvbridge.scheduling.rank)
         self.on_drain: Callable[[], None] | None = None
         self.ended = Outcomes()
@@ -309,6 +313,14 @@ class TransferLoop(PeerEvents):
         ``time.monotonic_ns()`` value ``mono_ns``) in the flight recorder; it keeps the last
         1024 transfers."""
         self.recorder.mark(transfer_id, event, when, mono_ns)
+        if self.spans is not None:
+            self.spans.mark(transfer_id, event)
+
+    def trace_spans(self, spans: HandoffSpans) -> None:
+        """Make a hand-off span of each transfer the scheduler names a ``traceparent`` for
+        (kvbridge.scheduling.spans); call before the first step."""
+        self.spans = spans
+        self.ended.on_record = spans.ended
 
     def drain(self) -> Results:
         """Return and clear what finished since the last call."""

@@ -172,6 +172,9 @@ class RankSide:
             self._stream = LayerStream(layerwise, loop.wake)
             loop.push_layers(self._stream)
         self._prefill_done.extend(plan.prefill_done)
+        if plan.traces and loop.spans is not None:
+            for tid, parent in plan.traces:
+                loop.spans.want(tid, parent)
         for tid, event, when in plan.marks:
             loop.mark(tid, event, when)
         if plan.counters and self.rank == 0:

@@ -15,6 +15,9 @@ anchor plus the monotonic offset. A mark given an explicit wall time (``when``, 
 thread or process stamped with ``time.time()``, e.g. vLLM's ``arrival_time``) is placed on the
 record's monotonic scale through the anchor.
 
+Off (``enabled=False``, the engine's ``flight_recorder`` setting): :meth:`mark` returns at once
+and nothing is recorded, timed or histogrammed.
+
 Bounded: at most ``capacity`` records (the oldest is evicted), at most :data:`MAX_EVENTS`
 events per record (later ones are ignored), the first mark of an event wins, transfer ids and
 event names longer than :data:`MAX_ID` are cut. Thread safety: every method may be called from
@@ -67,10 +70,13 @@ class Recorder:
     """See the module docstring."""
 
     def __init__(self, capacity: int = 1024,
-                 on_phase: Callable[[str, float], None] | None = None) -> None:
+                 on_phase: Callable[[str, float], None] | None = None,
+                 enabled: bool = True) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
+        #: off (the ``flight_recorder`` setting): :meth:`mark` returns at once, nothing is kept
+        self.enabled = enabled
         self.on_phase = on_phase
         self.evicted = 0
         self._lock = threading.Lock()
@@ -85,6 +91,8 @@ class Recorder:
         another process stamped), or at ``time.monotonic_ns()`` value ``mono_ns`` (an event this
         process stamped before marking it: on the same clock as "now", so it orders exactly
         against the events marked now)."""
+        if not self.enabled:
+            return
         now = time.monotonic_ns()
         tid, event = transfer_id[:MAX_ID], event[:MAX_ID]
         ended: list[tuple[str, float]] = []

@@ -42,17 +42,21 @@ class Results:
 
 
 class Outcomes:
-    """How recent transfers ended (transfer_id → text), bounded; loop thread only."""
+    """How recent transfers ended (transfer_id → text), bounded; loop thread only.
+    ``on_record(transfer_id, outcome)``, when set, is told each outcome (it must not raise)."""
 
     def __init__(self, capacity: int = 16384) -> None:
         self.capacity = capacity
         self._items: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.on_record: Callable[[str, str], None] | None = None
 
     def record(self, tid: str, outcome: str) -> None:
         self._items[tid] = outcome[:4000]
         self._items.move_to_end(tid)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
+        if self.on_record is not None:
+            self.on_record(tid, outcome)
 
     def get(self, tid: str) -> str | None:
         return self._items.get(tid)

@@ -2,11 +2,14 @@
 in-process, the client in a process of its own, 20 sequential streamed requests per run.
 
 For every request: ``GET /admin/why/<request-id>`` joins the proxy's, P's and D's records into
-phases that sum to the TTFT the client measured, and the output is the single-engine
-reference. The issue's bounds (2 ms at p50, 5 ms at p99) are what the results page measures
-against; the assertions here are generous (see ``_check_sums``). A delay injected into exactly
-one phase is attributed to that phase: D's transport is the test-only ``faulty`` backend
-wrapping ``shm`` with a 150 ms delay on every transfer D posts, which only a pull has (D's
+phases that sum to the TTFT the client measured, and the output is the single-engine reference.
+Both engines and the proxies trace (vLLM's ``--otlp-traces-endpoint`` and the proxy's, into one
+OTLP/HTTP receiver in this process): one request is one trace holding the proxy's spans, vLLM's
+``llm_request`` on P and D, and kvbridge's ``kvbridge.handoff`` on P and D
+(kvbridge.scheduling.spans). The issue's bounds (2 ms at p50, 5 ms at p99) are what the results
+page measures against; the assertions here are generous (see ``_check_sums``). A delay injected
+into exactly one phase is attributed to that phase: D's transport is the test-only ``faulty``
+backend wrapping ``shm`` with a 150 ms delay on every transfer D posts, which only a pull has (D's
 READ), so every pull's ``wire (READ)`` holds it; and a 100 ms sleep injected in front of the
 proxy's prefill leg lands in the proxy's own first phase.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ import pytest
 from test_vllm_faults import _faulty_backend_path  # the test-only backend, as there
 
 from kvbridge.proxy.relay import Relay
+from kvbridge.testing.otlp import Receiver
 from kvbridge.tools.client import complete, output_token_ids
 from kvbridge.tools.engines import VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient
@@ -41,6 +47,8 @@ MAX_TOKENS = 4
 WIRE_DELAY_S = 0.15
 PROXY_DELAY_S = 0.10
 GREEDY = {"ignore_eos": True}
+#: vLLM's and the proxy's OTLP exporter: HTTP/protobuf, batches sent every 100 ms
+OTLP_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100"}
 P50_BOUND_S = 0.003
 P99_BOUND_S = 0.025
 
@@ -56,22 +64,35 @@ def _kv(role: str, engine_id: str, port: int, faulty: bool) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyThread, str]]:
+def receiver() -> Iterator[Receiver]:
+    """Where the proxy and both engines export their spans (OTLP/HTTP on 127.0.0.1)."""
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          receiver: Receiver) -> Iterator[tuple[ProxyThread, str]]:
     logs = tmp_path_factory.mktemp("recorder")
     model = str(build_tiny_model())
-    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"}
+    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2", **OTLP_ENV}
+    traced = ["--block-size", "32", "--otlp-traces-endpoint", receiver.endpoint]
     p = VllmServer(model, name="prefill", port=free_port(),
                    kv_transfer_config=_kv("kv_producer", "rec-P", free_port(), False),
-                   cpu_bind="0", env=env, extra_args=["--block-size", "32"],
-                   log_path=logs / "prefill.log")
+                   cpu_bind="0", env=env, extra_args=traced, log_path=logs / "prefill.log")
     d = VllmServer(model, name="decode", port=free_port(),
                    kv_transfer_config=_kv("kv_consumer", "rec-D", free_port(), True),
                    cpu_bind="1", env={**env, "PYTHONPATH": _faulty_backend_path(logs / "plugin")},
-                   extra_args=["--block-size", "32"], log_path=logs / "decode.log")
+                   extra_args=traced, log_path=logs / "decode.log")
     proxies: ProxyThread | None = None
     try:
         start_servers([p, d], timeout=600)
-        proxies = ProxyThread([p.url], [d.url], modes=("pull", "push")).start()
+        with pytest.MonkeyPatch.context() as mp:  # the proxies' exporter reads these
+            for k, v in OTLP_ENV.items():
+                mp.setenv(k, v)
+            proxies = ProxyThread([p.url], [d.url], modes=("pull", "push"),
+                                  otlp_traces_endpoint=receiver.endpoint).start()
         yield proxies, d.url
     finally:
         if proxies is not None:
@@ -191,3 +212,55 @@ def test_push_phases_sum_to_client_ttft_and_a_proxy_delay_is_the_proxys(
     phase = "proxy: receive → prefill leg sent"
     assert _attributed(delayed, phase, PROXY_DELAY_S) >= 0.95, [
         w["phases"] for _, w in delayed]
+
+
+#: the steps each side's hand-off span must carry as events, per mode
+_SPAN_EVENTS = {
+    ("push", "prefill"): {"arrived", "scheduled", "kv_ready", "write_posted", "write_done"},
+    ("push", "decode"): {"arrived", "scheduled", "recv_start", "recv_done", "recv_seen",
+                         "first_step"},
+    ("pull", "prefill"): {"arrived", "scheduled", "kv_ready"},
+    ("pull", "decode"): {"arrived", "scheduled", "recv_start", "read_posted", "recv_done",
+                         "recv_seen", "first_step"},
+}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_one_trace_holds_the_proxys_vllms_and_kvbridges_spans(
+        fleet: tuple[ProxyThread, str], receiver: Receiver, mode: str) -> None:
+    proxies, d_url = fleet
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = random_prompts(1, 96, seed=70 + len(mode))[0]
+    ref = output_token_ids(complete(d_url, prompt, MAX_TOKENS, extra=GREEDY))
+    out = complete(proxies.urls[mode], prompt, MAX_TOKENS, extra=GREEDY,
+                   headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert output_token_ids(out) == ref
+
+    def whole(spans: list[dict[str, Any]]) -> bool:
+        names = Counter(s["name"] for s in spans if s["trace_id"] == trace_id)
+        return names["llm_request"] >= 2 and names["kvbridge.handoff"] >= 2 \
+            and names["kvbridge.request"] >= 1
+    spans = [s for s in receiver.wait(whole, 20.0) if s["trace_id"] == trace_id]
+    names = Counter(s["name"] for s in spans)
+    assert names == Counter({"kvbridge.request": 1, "kvbridge.prefill": 1, "kvbridge.decode": 1,
+                             "llm_request": 2, "kvbridge.handoff": 2}), names
+    by = {s["name"]: s for s in spans if s["name"].startswith("kvbridge.") and
+          s["name"] != "kvbridge.handoff"}
+    assert by["kvbridge.request"]["parent"] == client_span
+    tid = by["kvbridge.request"]["attributes"]["kvbridge.transfer_id"]
+    legs = {"prefill": by["kvbridge.prefill"]["span_id"],
+            "decode": by["kvbridge.decode"]["span_id"]}
+    assert {s["parent"] for s in spans if s["name"] == "llm_request"} == set(legs.values())
+    for span in (s for s in spans if s["name"] == "kvbridge.handoff"):
+        attrs, side = span["attributes"], span["attributes"]["kvbridge.side"]
+        assert span["parent"] == legs[side], (side, span, legs)  # a sibling of vLLM's span
+        assert attrs["kvbridge.transfer_id"] == tid and attrs["kvbridge.outcome"] == "done"
+        assert attrs["kvbridge.engine_id"] == {"prefill": "rec-P", "decode": "rec-D"}[side]
+        steps = [name for name, _ in span["events"]]
+        assert _SPAN_EVENTS[(mode, side)] <= set(steps), (mode, side, steps)
+        times = [t for _, t in span["events"]]
+        assert times == sorted(times) and span["start_ns"] == times[0] \
+            and span["end_ns"] == times[-1]
+        assert span["status"] != 2
+        if side == "decode" and mode == "pull":  # the READ's time is the wire phase
+            assert attrs["kvbridge.phase.wire_ms"] >= 0.9 * WIRE_DELAY_S * 1e3

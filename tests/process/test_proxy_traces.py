@@ -6,7 +6,8 @@ vLLM started with ``--otlp-traces-endpoint`` — makes its own ``llm_request`` s
 ``traceparent`` it was sent (OpenTelemetry's W3C propagator, as vLLM uses). The stand-ins are NOT
 vLLM. Spans go to the SDK's in-memory exporter (a proxy in this process), or, for the real
 ``kvbridge proxy`` process, over OTLP/HTTP to a small receiver on 127.0.0.1 that decodes the
-protobuf export requests (opentelemetry-proto) the way a collector does.
+protobuf export requests (opentelemetry-proto) the way a collector does
+(:mod:`kvbridge.testing.otlp`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import aiohttp
@@ -30,6 +29,7 @@ from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.proxy.tracing import parse_traceparent
+from kvbridge.testing.otlp import Receiver
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -228,58 +228,13 @@ async def test_without_tracing_a_valid_client_context_passes_on_as_it_came(
 # ------------------------------------------------------------------ a real process, over OTLP
 
 
-class Receiver:
-    """An OTLP/HTTP trace receiver on 127.0.0.1 (in a thread): decodes every export request."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-
-        spans: list[dict[str, Any]] = []
-        self.spans = spans
-        self.got = threading.Event()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                req = pb.ExportTraceServiceRequest.FromString(raw)
-                for rs in req.resource_spans:
-                    service = next((a.value.string_value for a in rs.resource.attributes
-                                    if a.key == "service.name"), "")
-                    for ss in rs.scope_spans:
-                        for s in ss.spans:
-                            spans.append({"service": service, "name": s.name,
-                                          "trace_id": s.trace_id.hex(),
-                                          "span_id": s.span_id.hex(),
-                                          "parent": s.parent_span_id.hex()})
-                receiver.got.set()
-                out = pb.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        receiver = self
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
     r = Receiver()
     yield r
-    r.server.shutdown()
-    r.server.server_close()
+    r.close()
 
 
 async def test_a_proxy_process_exports_over_otlp_into_the_requests_trace(
@@ -310,7 +265,7 @@ async def test_a_proxy_process_exports_over_otlp_into_the_requests_trace(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    spans = receiver.spans
+    spans = receiver.spans()
     ours = {s["name"]: s for s in spans if s["service"] == "kvbridge-proxy"}
     assert set(ours) == {"kvbridge.request", "kvbridge.prefill", "kvbridge.decode"}, spans
     engines = [s for s in spans if s["name"] == "llm_request"]

@@ -225,6 +225,10 @@ def test_bench_serve_command_asks_for_what_is_parsed(tmp_path: Path) -> None:
     default = bench_serve_command("u", tmp_path, tmp_path, "n", rate=8, num_prompts=1,
                                      input_len=1, output_len=2, seed=0, warmups=2)
     assert "--ready-check-timeout-sec" not in default and "--num-warmups" in default
+    assert "--request-id-prefix" not in default
+    named = bench_serve_command("u", tmp_path, tmp_path, "n", rate=8, num_prompts=1, input_len=1,
+                                output_len=2, seed=0, request_id_prefix="n-")
+    assert named[named.index("--request-id-prefix") + 1] == "n-"
 
 
 # -- result JSON -> rows -> table and plots ------------------------------------------------------
@@ -627,6 +631,9 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
     assert row["completed"] == 4 and row["failed"] == 0 and not row.get("error")
     assert row["idle"] is True
     assert 0 < row["ttft_p50"] <= row["ttft_p99"] and row["tpot_p50"] > 0
+    # every request's flight record, joined by the proxy, was read back by its request id;
+    # the gap to the client's TTFT is what lies outside the proxy (bounded loosely here)
+    assert row["phases_n"] == 4 and 0 <= row["phases_gap_p99"] < 50, row
     assert report["groups"]["kvbridge"]["engines"] == "kvbridge-shm"
     assert "kvbridge-pull" in capsys.readouterr().out
     assert not engines._LIVE, "an engine was left running"

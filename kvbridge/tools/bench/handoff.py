@@ -9,7 +9,9 @@ workers' next step output), or ``nohuge`` with ``KVBRIDGE_HUGE_PAGES=0`` (the KV
 the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
 ``KVBRIDGE_MAP_KV_CACHE=0`` (shm moves KV by cross-memory attach instead of copying through the
 peer's mapped cache: compare the wire time), or ``nodigest`` with ``KVBRIDGE_CHECKSUM=0`` (no
-hand-off digests: what computing and checking them costs), or ``code``: the same
+hand-off digests: what computing and checking them costs), or ``norecorder`` with
+``KVBRIDGE_FLIGHT_RECORDER=0`` (no flight recorder: what recording costs; that pair has no
+step timings, so its hand-off columns are empty), or ``code``: the same
 configuration running the kvbridge of ``--baseline-code``, a checkout of another commit (what a
 change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100
 M-parameter bench model (24 KiB of KV per token) instead of the tiny one, so that a request's
@@ -79,6 +81,7 @@ BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "
                                         "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"},
                                         "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"},
                                         "nodigest": {"KVBRIDGE_CHECKSUM": "0"},
+                                        "norecorder": {"KVBRIDGE_FLIGHT_RECORDER": "0"},
                                         "code": {}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none). ``code``:
 the engines import kvbridge from ``--baseline-code``, a checkout of another commit."""
@@ -397,7 +400,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the baseline pair: nowake (KVBRIDGE_WAKE_ON_ARRIVAL=0), nodirect "
                         "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0), nomap "
                         "(KVBRIDGE_MAP_KV_CACHE=0), nodigest (KVBRIDGE_CHECKSUM=0: no "
-                        "hand-off digests) or code (the code of --baseline-code)")
+                        "hand-off digests), norecorder (KVBRIDGE_FLIGHT_RECORDER=0: no flight "
+                        "recorder; that pair has no step timings) or code (the code of "
+                        "--baseline-code)")
     p.add_argument("--baseline-code", type=Path, default=None,
                    help="with --against code: a checkout of another commit (git worktree add "
                         "DIR COMMIT) whose kvbridge the baseline pair's engines run")

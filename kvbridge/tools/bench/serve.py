@@ -71,6 +71,7 @@ from kvbridge.tools.bench.fleet import PIN_HELP
 from kvbridge.tools.bench.serve_plots import matplotlib_available, write_plots
 from kvbridge.tools.bench.serve_results import (
     RESULTS_FILE,
+    format_phases,
     format_push_pull,
     format_steps,
     format_table,
@@ -191,8 +192,8 @@ def _print_report(report: Mapping[str, Any], plots: Sequence[Path], as_json: boo
           f"{report.get('host', {}).get('loadavg_end')}")
     print()
     print(format_table(report.get("rows") or []))
-    for extra in (format_steps(report.get("rows") or []),
-                  format_push_pull(push_pull(report.get("rows") or []))):
+    rows = report.get("rows") or []
+    for extra in (format_steps(rows), format_phases(rows), format_push_pull(push_pull(rows))):
         if extra:
             print()
             print(extra)

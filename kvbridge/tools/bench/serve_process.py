@@ -23,11 +23,13 @@ __all__ = ["bench_serve_command", "run_bench_process"]
 def bench_serve_command(url: str, model: Path, result_dir: Path, name: str, *, rate: float,
                         num_prompts: int, input_len: int, output_len: int, seed: int,
                         warmups: int = 0, ready_check_s: int | None = None,
+                        request_id_prefix: str | None = None,
                         python: str = sys.executable) -> list[str]:
     """The ``vllm bench serve`` command line of one run (result in ``result_dir/name.json``).
 
     *ready_check_s* None keeps bench serve's default ready check (a request with the first
-    prompt); 0 skips it.
+    prompt); 0 skips it. *request_id_prefix*: request ``i`` is sent with ``X-Request-Id``
+    ``<prefix><i>`` (bench serve's default prefix is random).
     """
     cmd = [
         python, "-m", "kvbridge.integrations.vllm_serve", "bench", "serve",
@@ -43,6 +45,8 @@ def bench_serve_command(url: str, model: Path, result_dir: Path, name: str, *, r
     ]  # fmt: skip
     if ready_check_s is not None:
         cmd += ["--ready-check-timeout-sec", str(ready_check_s)]
+    if request_id_prefix is not None:
+        cmd += ["--request-id-prefix", request_id_prefix]
     return cmd
 
 

@@ -19,8 +19,9 @@ from kvbridge.tools.bench.timings import beyond_wire, handoff_breakdown, handoff
 from kvbridge.tools.report import percentile, table
 
 __all__ = ["PUSH_PULL_BAR", "RESULTS_FILE", "RESULTS_KIND", "SUSTAINED_FRACTION", "TABLE_HEADERS",
-           "finite", "format_push_pull", "format_steps", "format_table", "handoff_summary",
-           "load_results", "push_pull", "result_metrics", "sustained", "table_rows"]
+           "finite", "format_phases", "format_push_pull", "format_steps", "format_table",
+           "handoff_summary", "load_results", "phase_gaps", "push_pull", "result_metrics",
+           "sustained", "table_rows"]
 
 RESULTS_FILE = "results.json"
 RESULTS_KIND = "kvbridge-bench-serve"
@@ -86,6 +87,38 @@ def format_steps(rows: Sequence[Mapping[str, Any]]) -> str:
         f"{k} {v:.1f}" for k, v in r["handoff_steps"].items())
         for r in rows if r.get("handoff_steps")]
     return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
+
+
+def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]]
+               ) -> dict[str, Any]:
+    """How well one run's flight records explain what the client saw: for each successful
+    request ``i`` of ``vllm bench serve``'s result (``--save-detailed``) that the proxy gave a
+    critical path for (``whys[i]``, its ``/admin/why`` answer), ``|sum of phases - TTFT|``.
+    ``phases_n`` requests, the gap's p50/p99/max (ms), and the proxy-side share of the TTFT
+    (``phases_proxy_p50``: sum of phases / client TTFT, median)."""
+    ttfts, errors = result.get("ttfts") or [], result.get("errors") or []
+    gaps, shares = [], []
+    for i, ttft in enumerate(ttfts):
+        why = whys.get(i)
+        good = i >= len(errors) or errors[i] in (None, "")
+        if not good or why is None or finite(ttft) is None or not why.get("phases"):
+            continue
+        total = sum(p["seconds"] for p in why["phases"])
+        gaps.append(abs(total - ttft) * 1000.0)
+        if ttft > 0:
+            shares.append(total / ttft)
+    return {"phases_n": len(gaps), "phases_gap_p50": percentile(gaps, 50),
+            "phases_gap_p99": percentile(gaps, 99), "phases_gap_max": max(gaps, default=None),
+            "phases_proxy_p50": percentile(shares, 50)}
+
+
+def format_phases(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per kvbridge (setup, rate): how far the joined phases are from the client's TTFT."""
+    lines = [f"  {r['setup']} @ {r['rate']:g}: {r['phases_n']} requests, p50 "
+             f"{_f(r.get('phases_gap_p50'), 2)}, p99 {_f(r.get('phases_gap_p99'), 2)}, max "
+             f"{_f(r.get('phases_gap_max'), 2)}" for r in rows if r.get("phases_n")]
+    return "\n".join(["|sum of the flight record's phases - client TTFT| (ms):"] + lines) \
+        if lines else ""
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -29,6 +29,7 @@ from kvbridge.tools.bench.serve_results import (
     RESULTS_FILE,
     RESULTS_KIND,
     handoff_summary,
+    phase_gaps,
     result_metrics,
 )
 from kvbridge.tools.bench.serve_settings import (
@@ -38,12 +39,14 @@ from kvbridge.tools.bench.serve_settings import (
     fleet_name,
     rate_name,
     run_seed,
+    setup_group,
     setup_groups,
     setup_mode,
 )
 from kvbridge.tools.client import stream_complete
 from kvbridge.tools.cpumeter import loadavg
 from kvbridge.tools.engines import EngineError, start_servers
+from kvbridge.tools.fleetctl import AdminClient, AdminError
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
 __all__ = ["engines_idle", "new_report", "run_serve_bench"]
@@ -232,7 +235,7 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
         cmd = bench_serve_command(url, model, out, name, rate=rate,
                                   num_prompts=settings.num_prompts, input_len=settings.input_len,
                                   output_len=settings.output_len, seed=seed, warmups=0,
-                                  ready_check_s=0)
+                                  ready_check_s=0, request_id_prefix=f"{name}-")
         rec.say(f"{setup}: vllm bench serve at {rate:g} req/s ({settings.num_prompts} prompts, "
                 f"seed {seed}) -> {url}")
         row["wall_start"] = time.time()
@@ -250,17 +253,38 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
         row.update(rc=rc, result_file=path.name, log_file=f"{name}.bench.log")
         if rc == 0 and path.is_file():
             try:
-                row.update(result_metrics(json.loads(path.read_text())))
+                result = json.loads(path.read_text())
+                row.update(result_metrics(result))
             except (OSError, ValueError) as exc:
                 row["error"] = f"unreadable result {path.name}: {exc}"
             else:
                 if not row.get("completed"):
                     row["error"] = f"no request completed ({row.get('failed')} failed)"
+                elif setup_group(setup) == KVBRIDGE_GROUP:
+                    row.update(phase_gaps(result, _whys(url, f"{name}-", len(
+                        result.get("ttfts") or []), rec)))
         else:
             why = "timed out" if rc == -1 else f"exit status {rc}"
             row["error"] = f"vllm bench serve {why}; see {name}.bench.log"
         rec.add(row)
         done.add((setup, rate))
+
+
+def _whys(url: str, prefix: str, n: int, rec: _Recorder) -> dict[int, dict[str, Any]]:
+    """The kvbridge proxy's ``/admin/why`` answer of each of a run's ``n`` requests (request
+    ``i``'s id is ``<prefix><i>``); those it no longer or never knew are left out."""
+    try:
+        admin = AdminClient(url, timeout_s=10.0)
+    except AdminError as exc:
+        rec.say(f"no flight records: {exc}")
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for i in range(n):
+        try:
+            out[i] = admin.call("GET", f"/admin/why/{prefix}{i}")
+        except AdminError:
+            continue
+    return out
 
 
 def new_report(settings: ServeSettings, out: Path) -> dict[str, Any]:

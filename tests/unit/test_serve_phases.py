@@ -1,0 +1,39 @@
+"""kvbridge.tools.bench.serve_results.phase_gaps: a ``vllm bench serve`` run's client TTFTs
+against the proxy's joined flight records (``/admin/why``), request by request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.tools.bench.serve_results import format_phases, phase_gaps
+
+
+def _why(*ms: float) -> dict[str, Any]:
+    return {"phases": [{"phase": f"p{i}", "seconds": v / 1000.0} for i, v in enumerate(ms)]}
+
+
+def test_gaps_are_per_request_and_skip_failures_and_unknown_ids() -> None:
+    result = {"ttfts": [0.030, 0.050, 0.020, 0.040, float("nan")],
+              "errors": ["", None, "boom", "", ""]}
+    whys = {0: _why(10, 19), 1: _why(45), 2: _why(20), 4: _why(1)}  # 3: the proxy forgot it
+    out = phase_gaps(result, whys)
+    assert out["phases_n"] == 2  # 2 failed, 3 unknown, 4 has no finite TTFT
+    assert abs(out["phases_gap_max"] - 5.0) < 1e-9
+    assert abs(out["phases_gap_p50"] - 3.0) < 1e-9  # gaps 1 and 5 ms
+    assert 0.9 < out["phases_proxy_p50"] < 1.0
+
+
+def test_a_request_without_a_critical_path_is_left_out() -> None:
+    out = phase_gaps({"ttfts": [0.01], "errors": [""]}, {0: {"phases": []}})
+    assert out["phases_n"] == 0 and out["phases_gap_p99"] is None
+    assert phase_gaps({}, {})["phases_n"] == 0
+
+
+def test_the_report_line_names_each_kvbridge_run() -> None:
+    rows = [{"setup": "kvbridge-push", "rate": 4.0, "phases_n": 32, "phases_gap_p50": 0.91,
+             "phases_gap_p99": 2.5, "phases_gap_max": 3.0},
+            {"setup": "vllm-nixl", "rate": 4.0}]
+    text = format_phases(rows)
+    assert "kvbridge-push @ 4: 32 requests, p50 0.91, p99 2.50, max 3.00" in text
+    assert "vllm-nixl" not in text
+    assert format_phases([{"setup": "vllm-nixl", "rate": 1.0}]) == ""

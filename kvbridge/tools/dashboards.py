@@ -113,6 +113,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                          "transfer {{mode}}"),
                    Query(_quantile(0.99, "kvbridge_proxy_upstream_seconds", "role"),
                          "upstream {{role}}"))),
+        PanelSpec("Hand-off phases (flight recorder)", "Each phase the engines timed on their "
+                  "own clock (docs/why.md), p50 and p99 of each. queue: vLLM's waiting "
+                  "queue; prefill: P's forward; post: KV ready to WRITE posted; wire: the "
+                  "transfer; plan, claim: D's receive set up; notified, first_step: D's "
+                  "scheduler learns and schedules.", "s",
+                  (Query(_quantile(0.5, "vllm:kvbridge_phase_seconds", "phase"), "p50 {{phase}}"),
+                   Query(_quantile(0.99, "vllm:kvbridge_phase_seconds", "phase"),
+                         "p99 {{phase}}"))),
         PanelSpec("Request duration, p99", "Request received to response done, at the proxy.",
                   "s", (Query(_quantile(0.99, "kvbridge_proxy_request_duration_seconds", "mode"),
                               "{{mode}}"),)),

@@ -10,6 +10,10 @@ notification handed to ``send_notification`` or attached to a transfer counts, i
     ``delay`` seconds after submit. The bytes themselves may land earlier (the transfer is posted
     at once, so descriptor errors still raise from ``submit``). Standalone notifications are not
     delayed.
+``post_delay``
+    Every ``submit`` sleeps ``post_delay`` seconds before it posts (a transport slow to build
+    and post its descriptors). Unlike ``delay`` it blocks the caller: the time lands before
+    the transfer is on the wire.
 ``fail`` (n or a collection of n)
     Transfer n is posted *without* its notification and its handle ends FAILED with an error
     naming the injected fault, whatever the inner transport reported. Its bytes may well have
@@ -122,6 +126,7 @@ class FaultyTransport(Transport):
         inner: Transport,
         *,
         delay: float = 0.0,
+        post_delay: float = 0.0,
         fail: int | Iterable[int] | None = None,
         corrupt: int | Iterable[int] | None = None,
         corrupt_offset: int = 0,
@@ -133,6 +138,7 @@ class FaultyTransport(Transport):
         self.inner = inner
         setattr(self, "capabilities", inner.capabilities)  # noqa: B010 - per instance, not class
         self.delay = float(delay)
+        self.post_delay = float(post_delay)
         self.fail = _nths(fail)
         self.corrupt = _nths(corrupt)
         self.corrupt_offset = int(corrupt_offset)
@@ -205,6 +211,8 @@ class FaultyTransport(Transport):
         remote: DescriptorArray,
         notification: bytes | None,
     ) -> TransferHandle:
+        if self.post_delay > 0:
+            time.sleep(self.post_delay)
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"faulty transport {self.agent_name!r} is closed")
@@ -335,7 +343,7 @@ class FaultyTransport(Transport):
 
 
 #: the keyword arguments of :class:`FaultyTransport` that name faults
-FAULTS = frozenset({"delay", "fail", "corrupt", "corrupt_offset", "drop_notification", "stall",
+FAULTS = frozenset({"delay", "post_delay", "fail", "corrupt", "corrupt_offset", "drop_notification", "stall",
                     "stall_add_peer"})
 
 

@@ -17,12 +17,14 @@ proxy's prefill leg lands in the proxy's own first phase.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,7 @@ from test_vllm_faults import _faulty_backend_path  # the test-only backend, as t
 
 from kvbridge.proxy.relay import Relay
 from kvbridge.testing.otlp import Receiver
+from kvbridge.tools import prom
 from kvbridge.tools.client import complete, output_token_ids
 from kvbridge.tools.engines import VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient
@@ -45,6 +48,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 N = 20
 MAX_TOKENS = 4
 WIRE_DELAY_S = 0.15
+POST_DELAY_S = 0.05  # D's transport also takes this long to post each READ
+#: D's KV holds 1,024 tokens (1 KiB of KV per token of the tiny model); a blocker of 700 + 250
+#: tokens leaves no room for another request's 4 blocks of 32 until it finishes
+D_KV_BYTES = 1 << 20
+BLOCKER = (700, 250)
 PROXY_DELAY_S = 0.10
 GREEDY = {"ignore_eos": True}
 #: vLLM's and the proxy's OTLP exporter: HTTP/protobuf, batches sent every 100 ms
@@ -58,7 +66,7 @@ def _kv(role: str, engine_id: str, port: int, faulty: bool) -> dict[str, Any]:
                              "side_channel_port": port}
     if faulty:
         extra.update(backend="faulty", backend_options={
-            "inner": "shm", "faults": {"delay": WIRE_DELAY_S}})
+            "inner": "shm", "faults": {"delay": WIRE_DELAY_S, "post_delay": POST_DELAY_S}})
     return {"kv_connector": "KVBridgeConnector", "kv_role": role, "engine_id": engine_id,
             "kv_connector_extra_config": extra}
 
@@ -84,7 +92,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory,
     d = VllmServer(model, name="decode", port=free_port(),
                    kv_transfer_config=_kv("kv_consumer", "rec-D", free_port(), True),
                    cpu_bind="1", env={**env, "PYTHONPATH": _faulty_backend_path(logs / "plugin")},
-                   extra_args=traced, log_path=logs / "decode.log")
+                   extra_args=[*traced, "--kv-cache-memory-bytes", str(D_KV_BYTES),
+                               "--max-model-len", "1024"],
+                   log_path=logs / "decode.log")
     proxies: ProxyThread | None = None
     try:
         start_servers([p, d], timeout=600)
@@ -175,12 +185,15 @@ def _check_sums(runs: list[tuple[float, dict[str, Any]]]) -> None:
     assert p50 <= P50_BOUND_S and p99 <= P99_BOUND_S, sorted(round(e * 1e3, 2) for e in errors)
 
 
-def _attributed(runs: list[tuple[float, dict[str, Any]]], phase: str, delay: float) -> float:
-    """Share of ``runs`` whose ``phase`` holds the delay and is their longest phase."""
+def _attributed(runs: list[tuple[float, dict[str, Any]]], phase: str, delay: float,
+                longest: bool = True) -> float:
+    """Share of ``runs`` whose ``phase`` holds the delay (and, with ``longest``, is their
+    longest phase)."""
     hit = 0
     for _, why in runs:
         phases = {p["phase"]: p["seconds"] for p in why["phases"]}
-        if phases.get(phase, 0.0) >= 0.9 * delay and max(phases, key=phases.__getitem__) == phase:
+        if phases.get(phase, 0.0) >= 0.9 * delay and (
+                not longest or max(phases, key=phases.__getitem__) == phase):
             hit += 1
     return hit / len(runs)
 
@@ -192,6 +205,10 @@ def test_pull_phases_sum_to_client_ttft_and_the_wire_delay_is_the_reads(
     _check_sums(runs)
     assert _attributed(runs, "wire (READ)", WIRE_DELAY_S) >= 0.95, [
         w["phases"] for _, w in runs]
+    # D's slow post (descriptors built and posted) is D's, between the claim and the READ
+    assert _attributed(runs, "claim, READ posted", POST_DELAY_S, longest=False) >= 0.95, [
+        w["phases"] for _, w in runs]
+    assert _attributed(runs, "wire (READ)", WIRE_DELAY_S + POST_DELAY_S) == 0.0
 
 
 def test_push_phases_sum_to_client_ttft_and_a_proxy_delay_is_the_proxys(
@@ -264,3 +281,31 @@ def test_one_trace_holds_the_proxys_vllms_and_kvbridges_spans(
         assert span["status"] != 2
         if side == "decode" and mode == "pull":  # the READ's time is the wire phase
             assert attrs["kvbridge.phase.wire_ms"] >= 0.9 * WIRE_DELAY_S * 1e3
+
+
+def test_a_full_decode_kv_is_attributed_to_d_admission(fleet: tuple[ProxyThread, str]) -> None:
+    """D's admission: each pull arrives while a request sent to D directly holds nearly all of
+    D's KV (``D_KV_BYTES``), so vLLM keeps the pull waiting until the blocker ends; the wait is
+    ``D admission wait`` and the longest phase, and the output is still right."""
+    proxies, d_url = fleet
+    n = 6
+    prompts = random_prompts(n, 96, seed=9)
+    blockers = random_prompts(n, BLOCKER[0], seed=10)
+    refs = [output_token_ids(complete(d_url, p, MAX_TOKENS, extra=GREEDY)) for p in prompts]
+    runs = []
+    admin = AdminClient(proxies.urls["pull"], timeout_s=30.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+            blocker = pool.submit(complete, d_url, blockers[i], BLOCKER[1], extra=GREEDY)
+            deadline = time.monotonic() + 30
+            while prom.value(prom.fetch(d_url + "/metrics"), "vllm:num_requests_running") != 1:
+                assert time.monotonic() < deadline and not blocker.done(), "no blocker ran"
+                time.sleep(0.02)
+            rid = f"admit-{i}"
+            out = complete(proxies.urls["pull"], prompt, MAX_TOKENS, extra=GREEDY,
+                           headers={"X-Request-Id": rid})
+            assert output_token_ids(out) == ref
+            assert blocker.result(60) is not None
+            runs.append((0.0, admin.call("GET", f"/admin/why/{rid}")))
+    phase = "D admission wait (queue, KV allocation)"
+    assert _attributed(runs, phase, 0.1) == 1.0, [w["phases"] for _, w in runs]

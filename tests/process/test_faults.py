@@ -158,6 +158,18 @@ def test_delay_holds_handle_and_notification(make: Any, peer: PeerProcess) -> No
     assert got == [(pair.local_name, b"late")]
 
 
+def test_post_delay_blocks_the_submit_and_then_runs_the_transfer(make: Any,
+                                                                 peer: PeerProcess) -> None:
+    ft, pair = make(post_delay=0.3)
+    t0 = time.perf_counter()
+    h = _write(pair, [4], [9], b"slow-post")
+    assert time.perf_counter() - t0 >= 0.3  # the caller waited before anything was posted
+    assert ft.wait(h, 10) is HandleState.DONE
+    got, _ = peer.notifications(1, timeout=10)
+    assert got == [(pair.local_name, b"slow-post")]
+    assert ft.injected == []  # a slow post is not a fault of one transfer
+
+
 def test_close_with_delayed_transfers_does_not_hang(make: Any) -> None:
     ft, pair = make(delay=30.0)
     handles = [_write(pair, [k], [k]) for k in range(4)]

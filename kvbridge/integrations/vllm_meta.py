@@ -24,6 +24,7 @@ from kvbridge.fingerprint import checkpoint_digest
 from kvbridge.messages import PROTOCOL_VERSION
 from kvbridge.offload.events import TierEvent
 from kvbridge.scheduling.handoff import StepPlan
+from kvbridge.tracing import parse_traceparent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,7 +140,9 @@ def traces_enabled(vllm_config: VllmConfig) -> bool:
 
 
 def trace_parent(request: Any) -> str | None:
-    """A request's ``traceparent`` as vLLM kept it (``Request.trace_headers``), or None."""
+    """A request's ``traceparent`` as vLLM kept it (``Request.trace_headers``, the client's or
+    the proxy's header), or None when it has none or it is not a valid one (any length: vLLM
+    passes the header on as it came; a valid one is at most 256 characters)."""
     headers = getattr(request, "trace_headers", None)
     if not headers:
         return None
@@ -147,7 +150,7 @@ def trace_parent(request: Any) -> str | None:
         value = headers.get("traceparent")
     except Exception:  # noqa: BLE001 - not a mapping: no trace context
         return None
-    return value if isinstance(value, str) else None
+    return value if parse_traceparent(value) is not None else None
 
 
 def kv_events_publisher(vllm_config: VllmConfig) -> tuple[int, str] | None:

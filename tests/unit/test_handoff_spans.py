@@ -177,3 +177,30 @@ def test_a_traced_push_makes_a_span_on_each_side(local_pd: tuple[LocalAgent, Loc
     d_span = spans[1]
     assert dict(d_span.attributes or {})["kvbridge.side"] == "decode"
     assert d_span.events[-1].name == "first_step"
+
+
+class _Req:
+    def __init__(self, headers: Any) -> None:
+        self.trace_headers = headers
+
+
+class _Cfg:
+    def __init__(self, endpoint: str | None) -> None:
+        self.observability_config = type("O", (), {"otlp_traces_endpoint": endpoint})()
+
+
+@pytest.mark.parametrize(("headers", "want"), [
+    ({"traceparent": PARENT}, PARENT),
+    ({"traceparent": PARENT, "tracestate": "a=b"}, PARENT),
+    (None, None), ({}, None), ({"traceparent": None}, None), ({"traceparent": 7}, None),
+    ({"traceparent": PARENT.upper()}, None), ({"traceparent": PARENT + "-" + "x" * 100_000}, None),
+    ("not a mapping", None), ([("traceparent", PARENT)], None),
+])
+def test_the_scheduler_passes_on_only_a_valid_traceparent(headers: Any, want: str | None) -> None:
+    """What vLLM kept from the request's headers is the client's (or the proxy's): only a
+    valid W3C traceparent goes into the step plan, whatever its size or type."""
+    from kvbridge.integrations.vllm_meta import trace_parent, traces_enabled
+
+    assert trace_parent(_Req(headers)) == want
+    assert traces_enabled(_Cfg("http://127.0.0.1:4317"))
+    assert not traces_enabled(_Cfg(None)) and not traces_enabled(object())

@@ -37,3 +37,17 @@ def test_the_report_line_names_each_kvbridge_run() -> None:
     assert "kvbridge-push @ 4: 32 requests, p50 0.91, p99 2.50, max 3.00" in text
     assert "vllm-nixl" not in text
     assert format_phases([{"setup": "vllm-nixl", "rate": 1.0}]) == ""
+
+
+def test_the_gap_is_split_between_the_client_and_the_proxy_when_clocks_join() -> None:
+    """bench serve's start times are perf_counter values; on one host, with the offset to the
+    wall clock, the gap splits into the way in (send -> the proxy's handler) and the way out."""
+    offset = 1000.0
+    result = {"ttfts": [0.040], "errors": [""], "start_times": [5.0]}
+    why = {**_why(30), "proxy": {"receive": 1005.004, "first_token": 1005.034}}
+    out = phase_gaps(result, {0: why}, offset)
+    assert abs(out["phases_gap_p50"] - 10.0) < 1e-6
+    assert abs(out["phases_before_p50"] - 4.0) < 1e-6 and abs(out["phases_after_p50"] - 6.0) < 1e-6
+    assert "client send -> proxy p50/p99 4.00/4.00" in format_phases(
+        [{"setup": "kvbridge-pull", "rate": 1.0, **out}])
+    assert "phases_before_p50" not in phase_gaps(result, {0: why})  # no offset: no split

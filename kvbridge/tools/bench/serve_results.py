@@ -89,15 +89,21 @@ def format_steps(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(["hand-off steps (median ms):"] + lines) if lines else ""
 
 
-def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]]
-               ) -> dict[str, Any]:
+def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
+               mono_to_wall: float | None = None) -> dict[str, Any]:
     """How well one run's flight records explain what the client saw: for each successful
     request ``i`` of ``vllm bench serve``'s result (``--save-detailed``) that the proxy gave a
     critical path for (``whys[i]``, its ``/admin/why`` answer), ``|sum of phases - TTFT|``.
     ``phases_n`` requests, the gap's p50/p99/max (ms), and the proxy-side share of the TTFT
-    (``phases_proxy_p50``: sum of phases / client TTFT, median)."""
+    (``phases_proxy_p50``: sum of phases / client TTFT, median).
+
+    With ``mono_to_wall`` (``time.time() - time.perf_counter()`` on the host that ran both the
+    client and the proxy: bench serve's ``start_times`` are ``perf_counter`` values), the gap is
+    also split where it lies: ``phases_before_*`` (the client's send to the proxy's handler)
+    and ``phases_after_*`` (the proxy's first write to the client's first token), p50/p99 ms."""
     ttfts, errors = result.get("ttfts") or [], result.get("errors") or []
-    gaps, shares = [], []
+    starts = result.get("start_times") or []
+    gaps, shares, before, after = [], [], [], []
     for i, ttft in enumerate(ttfts):
         why = whys.get(i)
         good = i >= len(errors) or errors[i] in (None, "")
@@ -107,16 +113,32 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]]
         gaps.append(abs(total - ttft) * 1000.0)
         if ttft > 0:
             shares.append(total / ttft)
-    return {"phases_n": len(gaps), "phases_gap_p50": percentile(gaps, 50),
-            "phases_gap_p99": percentile(gaps, 99), "phases_gap_max": max(gaps, default=None),
-            "phases_proxy_p50": percentile(shares, 50)}
+        proxy = why.get("proxy") or {}
+        if mono_to_wall is not None and i < len(starts) and finite(starts[i]) is not None \
+                and "receive" in proxy and "first_token" in proxy:
+            sent = starts[i] + mono_to_wall
+            before.append((proxy["receive"] - sent) * 1000.0)
+            after.append((sent + ttft - proxy["first_token"]) * 1000.0)
+    out = {"phases_n": len(gaps), "phases_gap_p50": percentile(gaps, 50),
+           "phases_gap_p99": percentile(gaps, 99), "phases_gap_max": max(gaps, default=None),
+           "phases_proxy_p50": percentile(shares, 50)}
+    if before:
+        out.update(phases_before_p50=percentile(before, 50),
+                   phases_before_p99=percentile(before, 99),
+                   phases_after_p50=percentile(after, 50), phases_after_p99=percentile(after, 99))
+    return out
 
 
 def format_phases(rows: Sequence[Mapping[str, Any]]) -> str:
     """Per kvbridge (setup, rate): how far the joined phases are from the client's TTFT."""
     lines = [f"  {r['setup']} @ {r['rate']:g}: {r['phases_n']} requests, p50 "
              f"{_f(r.get('phases_gap_p50'), 2)}, p99 {_f(r.get('phases_gap_p99'), 2)}, max "
-             f"{_f(r.get('phases_gap_max'), 2)}" for r in rows if r.get("phases_n")]
+             f"{_f(r.get('phases_gap_max'), 2)}" + (
+                 f"; client send -> proxy p50/p99 {_f(r.get('phases_before_p50'), 2)}/"
+                 f"{_f(r.get('phases_before_p99'), 2)}, proxy first write -> client "
+                 f"{_f(r.get('phases_after_p50'), 2)}/{_f(r.get('phases_after_p99'), 2)}"
+                 if r.get("phases_before_p50") is not None else "")
+             for r in rows if r.get("phases_n")]
     return "\n".join(["|sum of the flight record's phases - client TTFT| (ms):"] + lines) \
         if lines else ""
 

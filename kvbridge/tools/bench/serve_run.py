@@ -261,8 +261,9 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
                 if not row.get("completed"):
                     row["error"] = f"no request completed ({row.get('failed')} failed)"
                 elif setup_group(setup) == KVBRIDGE_GROUP:
-                    row.update(phase_gaps(result, _whys(url, f"{name}-", len(
-                        result.get("ttfts") or []), rec)))
+                    whys = _whys(url, f"{name}-", len(result.get("ttfts") or []), rec)
+                    # bench serve's start_times are perf_counter values of this host
+                    row.update(phase_gaps(result, whys, time.time() - time.perf_counter()))
         else:
             why = "timed out" if rc == -1 else f"exit status {rc}"
             row["error"] = f"vllm bench serve {why}; see {name}.bench.log"

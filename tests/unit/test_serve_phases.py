@@ -51,3 +51,20 @@ def test_the_gap_is_split_between_the_client_and_the_proxy_when_clocks_join() ->
     assert "client send -> proxy p50/p99 4.00/4.00" in format_phases(
         [{"setup": "kvbridge-pull", "rate": 1.0, **out}])
     assert "phases_before_p50" not in phase_gaps(result, {0: why})  # no offset: no split
+
+
+def test_client_nice_is_a_setting_and_zero_leaves_the_thread_alone() -> None:
+    import argparse
+    import os
+
+    from kvbridge.tools.bench import serve as bs
+    from kvbridge.tools.bench.serve_run import _boost
+
+    p = argparse.ArgumentParser()
+    bs.add_arguments(p)
+    assert bs.settings_from_args(p.parse_args(["--client-nice", "-10"])).client_nice == -10
+    assert bs.settings_from_args(p.parse_args([])).client_nice == 0
+    said: list[str] = []
+    rec = type("R", (), {"say": lambda self, m: said.append(m)})()
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    assert _boost(0, rec) == now and said == []  # type: ignore[arg-type]

@@ -124,6 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-spin-ms", type=float, default=d.engine_spin_ms,
                    help="KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM default)")
     p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
+    p.add_argument("--client-nice", type=int, default=d.client_nice, metavar="N",
+                   help="run the proxy and vllm bench serve at niceness N (e.g. -10) while the "
+                   "engines keep theirs, as if the client and the proxy had cores of their own "
+                   "(needs root or CAP_SYS_NICE for N < 0; default 0: unchanged)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds for one warm-up request")
     p.add_argument("--bench-timeout", type=float, default=d.bench_timeout,
@@ -169,7 +173,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, backend=args.backend, warmups=args.warmups,
         push_headroom=args.push_headroom, engine_spin_ms=args.engine_spin_ms,
-        pin_engines=args.pin_engines,
+        pin_engines=args.pin_engines, client_nice=args.client_nice,
         request_timeout=args.request_timeout, bench_timeout=args.bench_timeout,
         start_timeout=args.start_timeout, idle_timeout=args.idle_timeout,
         plots=not args.no_plots, out=args.out, model_dir=args.model_dir,

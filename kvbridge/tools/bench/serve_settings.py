@@ -51,6 +51,8 @@ class ServeSettings:
     #: KVBRIDGE_ENGINE_SPIN_MS for kvbridge's engines (negative: vLLM's default 1 s spin)
     engine_spin_ms: float = 2.0
     pin_engines: bool = False
+    #: niceness of the proxy and the load generator while the engines keep theirs (0: as is)
+    client_nice: int = 0
     request_timeout: float = 120.0
     bench_timeout: float = 600.0
     start_timeout: float = 600.0

@@ -343,8 +343,8 @@ class FaultyTransport(Transport):
 
 
 #: the keyword arguments of :class:`FaultyTransport` that name faults
-FAULTS = frozenset({"delay", "post_delay", "fail", "corrupt", "corrupt_offset", "drop_notification", "stall",
-                    "stall_add_peer"})
+FAULTS = frozenset({"delay", "post_delay", "fail", "corrupt", "corrupt_offset",
+                    "drop_notification", "stall", "stall_add_peer"})
 
 
 class FaultyBackend(FaultyTransport):

@@ -1,13 +1,13 @@
 """A real Prometheus scrapes a real P, D and proxies; every dashboard query returns data.
 
-One P and one D (KVBridgeConnector over shm) and the proxies (pull, push, auto) serve a few
-streamed requests. Debian's ``prometheus`` (scripts/system-deps) then scrapes the engines'
-and the proxies' ``/metrics`` every second with deploy/prometheus/kvbridge-rules.yml loaded.
-Once it holds two scrapes after the last request, every panel query of
-``kvbridge.tools.dashboards`` is evaluated through ``/api/v1/query`` (``$__rate_interval`` as
-1m) and must return data, except the queries whose ``sparse`` says why they may not (labelled
-children created by a first failure); those must still evaluate. Every recording rule returns
-data and no alert fires on the healthy fleet. Every process is stopped, also on failure.
+One P and one D (KVBridgeConnector over shm) and the proxies (pull, push, headroom: each request a
+hand-off) serve a few streamed requests. Debian's ``prometheus`` (scripts/system-deps) then scrapes
+the engines' and the proxies' ``/metrics`` every second with deploy/prometheus/kvbridge-rules.yml
+loaded. Once it holds two scrapes after the last request, every panel query of
+``kvbridge.tools.dashboards`` is evaluated through ``/api/v1/query`` (``$__rate_interval`` as 1m)
+and must return data, except the queries whose ``sparse`` says why they may not (labelled children
+created by a first failure); those must still evaluate. Every recording rule returns data and no
+alert fires on the healthy fleet. Every process is stopped, also on failure.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer
     d = VllmServer(model, name="decode", port=free_port(), cpu_bind="1", env=env,
                    kv_transfer_config=_connector("kv_consumer", "prom-D"),
                    log_path=logs / "decode.log")
-    with serve_pd(p, d, modes=("pull", "push", "auto")) as proxies:
+    with serve_pd(p, d, modes=("pull", "push", "headroom")) as proxies:
         yield p, d, proxies
 
 

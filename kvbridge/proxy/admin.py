@@ -59,7 +59,7 @@ from kvbridge.proxy.flight import FlightLog, critical_path, safe_request_id
 from kvbridge.proxy.members import Admission, Engine, Role, parse_engine_url
 from kvbridge.proxy.notices import DrainNotices, NoticeOutcome
 from kvbridge.proxy.planning import Planning
-from kvbridge.proxy.pool import Fleet
+from kvbridge.proxy.pool import Fleet, read_capped
 from kvbridge.proxy.reasons import ReasonFinder
 
 __all__ = ["AdminApi", "engine_row", "MAX_BODY"]
@@ -186,7 +186,7 @@ class AdminApi:
     async def _add(self, request: web.Request) -> web.StreamResponse:
         if (request.content_length or 0) > MAX_BODY:
             raise _Bad(413, f"the body is over {MAX_BODY} bytes")
-        raw = await request.content.read(MAX_BODY + 1)
+        raw = await read_capped(request.content, MAX_BODY)
         if len(raw) > MAX_BODY:
             raise _Bad(413, f"the body is over {MAX_BODY} bytes")
         try:

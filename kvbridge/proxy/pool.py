@@ -55,13 +55,26 @@ from kvbridge.proxy.routing import (
 )
 from kvbridge.proxy.settings import ProxySettings
 
-__all__ = ["Fleet"]
+__all__ = ["Fleet", "read_capped"]
 
 log = logging.getLogger("kvbridge.proxy")
 
 _MAX_METRICS = 8 << 20
 """Most bytes of an engine's /metrics read to learn its KV capacity."""
 
+
+
+async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole body of ``stream``, or its first ``limit + 1`` bytes when it is longer (so the
+    caller can tell it is over ``limit``). ``StreamReader.read(n)`` alone returns what has
+    arrived so far, which for a body sent in several pieces is only its start."""
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await stream.read(limit + 1 - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
 
 class Fleet:
     """P and D engines of one proxy, with their upstream session, probes and health."""
@@ -208,7 +221,7 @@ class Fleet:
         try:
             async with self.session.get(e.url + "/metrics", timeout=timeout) as r:
                 r.raise_for_status()
-                text = (await r.content.read(_MAX_METRICS)).decode("utf-8", "replace")
+                text = (await read_capped(r.content, _MAX_METRICS)).decode("utf-8", "replace")
             async with self.session.get(e.url + "/v1/models", timeout=timeout) as r:
                 r.raise_for_status()
                 models = await r.json(content_type=None)

@@ -63,7 +63,6 @@ _MAX_METRICS = 8 << 20
 """Most bytes of an engine's /metrics read to learn its KV capacity."""
 
 
-
 async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
     """The whole body of ``stream``, or its first ``limit + 1`` bytes when it is longer (so the
     caller can tell it is over ``limit``). ``StreamReader.read(n)`` alone returns what has
@@ -75,6 +74,7 @@ async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
             break
         buf += chunk
     return bytes(buf)
+
 
 class Fleet:
     """P and D engines of one proxy, with their upstream session, probes and health."""

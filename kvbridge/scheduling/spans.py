@@ -20,9 +20,11 @@ When a rank's part is over:
 Contract:
 
 - :meth:`HandoffSpans.want`, :meth:`HandoffSpans.mark` and :meth:`HandoffSpans.ended` may be
-  called from any thread (one lock); the span is built outside the lock, on the thread that
-  ended it (tens of microseconds; the exporter is vLLM's batch processor, which exports in the
-  background). Export failures are OpenTelemetry's to log; they never touch a transfer.
+  called from any thread (one lock). The thread that ends a part (the transfer loop, or the
+  model-runner thread at ``first_step``) only copies the record and queues it; the span (tens
+  of microseconds) is built on one background thread of its own, started with the first span,
+  and exported by vLLM's batch processor. :meth:`HandoffSpans.flush` waits for what is queued.
+  Export failures are OpenTelemetry's to log; they never touch a transfer.
 - Bounded: at most ``capacity`` transfers wait for their end (the oldest is forgotten, without a
   span): a request vLLM aborted after its receive never gets a ``first_step``.
 - Only transfers the scheduler named are traced; a malformed ``traceparent`` is ignored.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbridge.scheduling.recorder import Recorder, local_phases
@@ -61,6 +64,7 @@ class HandoffSpans:
         self._tracer = tracer
         self._lock = threading.Lock()
         self._wanted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._builder: ThreadPoolExecutor | None = None
 
     def want(self, transfer_id: str, traceparent: str) -> None:
         """Trace ``transfer_id`` under ``traceparent`` (ignored when malformed)."""
@@ -84,23 +88,35 @@ class HandoffSpans:
             return
         self._finish(transfer_id, outcome)
 
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every span queued so far is built and handed to the exporter."""
+        with self._lock:
+            builder = self._builder
+        if builder is not None:
+            builder.submit(lambda: None).result(timeout)
+
     def _receiving(self, transfer_id: str) -> bool:
         events = self.recorder.get(transfer_id)
-        return events is not None and "kv_ready" not in events
+        return events is not None and _side(events) == "decode"
 
     def _finish(self, transfer_id: str, outcome: str) -> None:
         with self._lock:
             parent = self._wanted.pop(transfer_id, None)
-        if parent is None:
+            if parent is not None and self._builder is None:
+                self._builder = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-spans")
+            builder = self._builder
+        if parent is None or builder is None:
             return
-        events = self.recorder.get(transfer_id)
-        if not events:
-            return
+        events = self.recorder.get(transfer_id)  # a copy, as of now
+        if events:
+            builder.submit(self._build, transfer_id, parent, events, outcome)
+
+    def _build(self, tid: str, parent: str, events: dict[str, float], outcome: str) -> None:
         try:
-            self._emit(transfer_id, parent, events, outcome)
+            self._emit(tid, parent, events, outcome)
             self.made += 1
         except Exception:  # noqa: BLE001 - tracing never fails a transfer
-            log.warning("kvbridge: could not make the span of transfer %s", transfer_id[:64],
+            log.warning("kvbridge: could not make the span of transfer %s", tid[:64],
                         exc_info=True)
 
     def _emit(self, tid: str, parent: str, events: dict[str, float], outcome: str) -> None:
@@ -111,9 +127,8 @@ class HandoffSpans:
             self._tracer = trace.get_tracer("kvbridge.engine")
         ctx = TraceContextTextMapPropagator().extract({"traceparent": parent})
         ordered = sorted(events.items(), key=lambda kv: kv[1])
-        side = "prefill" if "kv_ready" in events else "decode"
         attrs: dict[str, Any] = {"kvbridge.transfer_id": tid, "kvbridge.engine_id": self.engine_id,
-                                 "kvbridge.rank": self.rank, "kvbridge.side": side,
+                                 "kvbridge.rank": self.rank, "kvbridge.side": _side(events),
                                  "kvbridge.outcome": outcome[:200]}
         for phase, seconds in local_phases(events).items():
             attrs[f"kvbridge.phase.{phase}_ms"] = round(seconds * 1e3, 3)
@@ -124,6 +139,11 @@ class HandoffSpans:
         if outcome != "done":
             span.set_status(trace.Status(trace.StatusCode.ERROR, outcome[:200]))
         span.end(end_time=_ns(ordered[-1][1]))
+
+
+def _side(events: dict[str, float]) -> str:
+    """Which side of the hand-off a rank's record is: only P marks ``kv_ready``."""
+    return "prefill" if "kv_ready" in events else "decode"
 
 
 def _ns(seconds: float) -> int:

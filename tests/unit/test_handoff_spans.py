@@ -58,6 +58,7 @@ def test_a_prefill_record_becomes_one_span_under_the_requests_traceparent(
     _marked(rec, "t1", P_EVENTS)
     assert exporter.get_finished_spans() == ()
     spans.ended("t1", "done")
+    spans.flush()
     (span,) = exporter.get_finished_spans()
     assert span.name == SPAN_NAME
     assert span.context.trace_id == TRACE_ID and span.parent.span_id == PARENT_SPAN
@@ -72,6 +73,7 @@ def test_a_prefill_record_becomes_one_span_under_the_requests_traceparent(
         assert attrs[f"kvbridge.phase.{phase}_ms"] >= 0.5  # 1 ms between marks
     assert span.status.status_code != StatusCode.ERROR
     spans.ended("t1", "done")
+    spans.flush()
     assert len(exporter.get_finished_spans()) == 1  # once
 
 
@@ -82,10 +84,12 @@ def test_a_decode_span_ends_at_the_first_step_not_at_the_receive(
     spans.want("t2", PARENT)
     _marked(rec, "t2", D_EVENTS)
     spans.ended("t2", "done")  # the KV landed; vLLM has not scheduled the request yet
+    spans.flush()
     assert exporter.get_finished_spans() == ()
     _marked(rec, "t2", ("recv_seen",))
     rec.mark("t2", "first_step")
     spans.mark("t2", "first_step")
+    spans.flush()
     (span,) = exporter.get_finished_spans()
     assert [e.name for e in span.events] == [*D_EVENTS, "recv_seen", "first_step"]
     assert dict(span.attributes or {})["kvbridge.side"] == "decode"
@@ -98,6 +102,7 @@ def test_a_failed_receive_ends_its_span_with_an_error(exporter: InMemorySpanExpo
     spans.want("t3", PARENT)
     _marked(rec, "t3", ("arrived", "scheduled", "recv_start"))
     spans.ended("t3", "failed: checksum mismatch in part 0")
+    spans.flush()
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code == StatusCode.ERROR
     assert "checksum" in (span.status.description or "")
@@ -113,6 +118,7 @@ def test_untraced_or_malformed_transfers_make_no_span(exporter: InMemorySpanExpo
     for tid in ("bad", "never-wanted"):
         _marked(rec, tid, P_EVENTS)
         spans.ended(tid, "done")
+    spans.flush()
     assert exporter.get_finished_spans() == ()
 
 
@@ -124,6 +130,7 @@ def test_waiting_transfers_are_bounded(exporter: InMemorySpanExporter) -> None:
         rec.mark(f"t{i}", "kv_ready")
     for i in range(10):
         spans.ended(f"t{i}", "done")
+    spans.flush()
     assert [dict(s.attributes or {})["kvbridge.transfer_id"]
             for s in exporter.get_finished_spans()] == ["t6", "t7", "t8", "t9"]
 
@@ -137,6 +144,7 @@ def test_a_recorder_turned_off_records_nothing_and_makes_no_span(
     _marked(rec, "t", P_EVENTS)
     spans.ended("t", "done")
     assert rec.get("t") is None and len(rec) == 0 and phases == []
+    spans.flush()
     assert exporter.get_finished_spans() == ()
 
 
@@ -172,6 +180,7 @@ def test_a_traced_push_makes_a_span_on_each_side(local_pd: tuple[LocalAgent, Loc
     assert {"kv_ready", "write_posted", "write_done"} <= {e.name for e in p_span.events}
     d_side.apply(StepPlan(marks=[("t", "recv_seen", time.time()),
                                  ("t", "first_step", time.time())]))
+    d.loop.spans.flush()  # type: ignore[union-attr]
     spans = exporter.get_finished_spans()
     assert len(spans) == 2 and {s.context.trace_id for s in spans} == {TRACE_ID}
     d_span = spans[1]

@@ -199,6 +199,7 @@ class Dispatcher:
             rank=None if prompt is None
             else self.planning.decode_rank(Path(call.attempt.mode.value), prompt, p))
         call.place(d)
+        self.planning.decoding(call, d)
         return d
 
     async def _plan_retry(self, exc: LegFailed, call: Call) -> Retry | None:

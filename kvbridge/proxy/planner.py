@@ -32,13 +32,20 @@ the tokens, e.g. a disk tier that slowed down.
 The choice (:meth:`Planner.choose`): the fastest path, except that ``local`` wins when it is
 within ``tie`` of the fastest (``why=tie``: it leaves P free for others); otherwise
 ``why=fastest``, or ``why=slo_missed`` when even the fastest is expected to miss the request's
-TTFT SLO. The **TPOT guard** leaves ``local`` out of the candidates first: with a TPOT SLO
-(``tpot_slo_ms``), while the chosen D's measured TPOT (``d_tpot_ms``, an average of its recent
-streams, :func:`smoothed_tpot`) is past :data:`TPOT_GUARD` of it, a request whose prefill would
-take D more than half an SLO (at ``local``'s learnt cost per token) is handed off
-(``guard=tpot``); the proxy (:mod:`kvbridge.proxy.planning`) and the simulator
-(``kvbridge simulate --mode plan``) both decide through it. The estimates of every path go into the
-:class:`Plan`, which the proxy returns as the ``X-KVBridge-Plan`` header.
+TTFT SLO. The **TPOT guard** leaves ``local`` out of the candidates first (``guard=tpot``), with a
+TPOT SLO (``tpot_slo_ms``). A prefill on D stalls every stream decoding there for as long as it
+runs, and a stall of *s* ms inside a stream of *n* tokens adds *s / (n - 1)* to its TPOT; so when
+the caller knows the streams decoding on the chosen D (:class:`Stream`: their token budgets and
+TPOTs so far, as the proxy does), ``local`` is left out when its prefill (``local.compute``
+tokens at ``local``'s learnt cost per token) would push one of them past the SLO that the prefill
+work already queued on D would not (:func:`stalled_streams`). And, for the stalls that add up
+where none alone pushes a stream over: while D's measured TPOT (``d_tpot_ms``, an average of its
+recent streams, :func:`smoothed_tpot`) is past :data:`TPOT_GUARD` of the SLO, a prefill that
+would take D more than half an SLO is handed off. (In ``kvbridge simulate``, either rule alone
+lost goodput to the two together on some workload.) The proxy
+(:mod:`kvbridge.proxy.planning`) and the simulator (``kvbridge simulate --mode plan``) both
+decide through it. The estimates of every path go into the :class:`Plan`, which the proxy
+returns as the ``X-KVBridge-Plan`` header.
 
 Plain data and arithmetic (numpy for a 4x4 solve): no I/O, no aiohttp. Not thread-safe: the
 proxy's event loop owns the planner.
@@ -55,7 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["TPOT_GUARD", "CostModel", "Features", "Path", "Plan", "Planner", "PlannerSettings",
-           "kind_of", "smoothed_tpot"]
+           "Stream", "kind_of", "smoothed_tpot", "stalled_streams"]
 
 
 class Path(enum.StrEnum):
@@ -115,6 +122,34 @@ DECODES = 7
 TPOT_GUARD = 0.75
 """The share of the TPOT SLO a D's measured TPOT may reach before long prefills leave it: a mean
 of the last requests' TPOTs at 75 % of the SLO already has a tail past it."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream decoding on a D, as the TPOT guard sees it."""
+
+    tokens: int
+    """The tokens it may produce (its ``max_tokens``): a stall is spread over them."""
+    tpot_ms: float | None = None
+    """Its TPOT so far (ms); None when not measured yet (D's measured TPOT stands in)."""
+
+
+def stalled_streams(streams: Iterable[Stream], ahead_ms: float, prefill_ms: float,
+                    slo_ms: float, d_tpot_ms: float | None) -> int:
+    """How many of ``streams`` a prefill of ``prefill_ms`` on their D would push past the TPOT
+    SLO ``slo_ms``, beyond the ``ahead_ms`` of prefill work already queued there: a stall of
+    *s* ms adds *s / (tokens - 1)* to a stream's TPOT. A stream past the SLO already, or of
+    fewer than 2 tokens, is not counted; one not measured yet is taken at ``d_tpot_ms`` (0 when
+    that is None too)."""
+    count = 0
+    for s in streams:
+        if s.tokens < 2:
+            continue
+        now = s.tpot_ms if s.tpot_ms is not None else (d_tpot_ms or 0.0)
+        before = now + ahead_ms / (s.tokens - 1)
+        if before <= slo_ms < before + prefill_ms / (s.tokens - 1):
+            count += 1
+    return count
 
 
 def smoothed_tpot(old: float | None, tpot_ms: float) -> float:
@@ -250,31 +285,43 @@ class Planner:
     def estimate(self, path: Path, f: Features) -> float:
         return self.models[path].predict(f)
 
-    def guarded(self, local: Features, d_tpot_ms: float | None) -> bool:
-        """The TPOT guard: D alone is left out when D's measured TPOT ``d_tpot_ms`` is past
-        :data:`TPOT_GUARD` of the TPOT SLO and this prefill (``local.compute`` tokens at
-        ``local``'s learnt cost per token) would take D more than half an SLO."""
+    def guarded(self, local: Features, d_tpot_ms: float | None,
+                streams: Iterable[Stream] | None = None) -> bool:
+        """The TPOT guard (module docstring): D alone is left out when this prefill
+        (``local.compute`` tokens at ``local``'s learnt cost per token) would push one of
+        ``streams``, those decoding on D, past the TPOT SLO (:func:`stalled_streams`, after the
+        ``local.queue`` tokens queued ahead of it; not checked when ``streams`` is None), or
+        when D's measured TPOT ``d_tpot_ms`` is past :data:`TPOT_GUARD` of the SLO and the
+        prefill would take D more than half an SLO (many short stalls add up where no single
+        one pushes a stream over)."""
         slo = self.settings.tpot_slo_ms
-        if slo <= 0 or d_tpot_ms is None or d_tpot_ms < TPOT_GUARD * slo:
+        if slo <= 0:
             return False
         per_token = max(0.0, float(self.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
+        if streams is not None and stalled_streams(
+                streams, local.queue * per_token, local.compute * per_token, slo, d_tpot_ms):
+            return True
+        if d_tpot_ms is None or d_tpot_ms < TPOT_GUARD * slo:
+            return False
         return local.compute * per_token > 0.5 * slo
 
     def choose(self, features: Mapping[Path, Features], slo_ms: float | None = None, *,
-               d_tpot_ms: float | None = None, dry_run: bool = False) -> Plan:
+               d_tpot_ms: float | None = None, streams: Iterable[Stream] | None = None,
+               dry_run: bool = False) -> Plan:
         """The path for a request whose possible paths (those with an engine to take them) have
         ``features``; ``slo_ms`` overrides the default SLO (0: none); ``d_tpot_ms``: the
-        measured TPOT of the D ``local`` would use (None: not measured), for the TPOT guard
-        (:meth:`guarded`: ``local`` left out, ``guard=tpot`` in the plan, when another path is
-        possible). Counts as one decision, unless ``dry_run``: then nothing is counted and
-        nothing explored (what would it choose now?). A hand-off whose D holds part of the
+        measured TPOT of the D ``local`` would use (None: not measured) and ``streams`` those
+        decoding on it (None: not known), for the TPOT guard (:meth:`guarded`: ``local`` left
+        out, ``guard=tpot`` in the plan, when another path is possible). Counts as one
+        decision, unless ``dry_run``: then nothing is counted and nothing explored (what would
+        it choose now?). A hand-off whose D holds part of the
         prompt in its tiers is planned with D's tiers off (P sends those tokens too) when that
         is expected to be faster."""
         if not features:
             raise ValueError("no path to choose from")
         guard = ""
         if (len(features) > 1 and Path.LOCAL in features
-                and self.guarded(features[Path.LOCAL], d_tpot_ms)):
+                and self.guarded(features[Path.LOCAL], d_tpot_ms, streams)):
             features = {p: f for p, f in features.items() if p is not Path.LOCAL}
             guard = "tpot"
         if not dry_run:

@@ -11,6 +11,8 @@ prefix index (:mod:`kvbridge.proxy.prefixes`) — to the fleet the dispatcher ro
   planned ones;
 - :meth:`Planning.decode_rank` orders the decode engines for a path: most of the prompt held,
   balanced against load (prefix-aware placement; the tenant's ``cache_salt`` keys the index);
+- :meth:`Planning.decoding` keeps, per decode engine, the requests placed there until they end:
+  the streams the planner's TPOT guard weighs a prefill on that engine against;
 - :meth:`Planning.learn` feeds back the request's TTFT (proxy receive → first token out, streamed
   answers of a first dispatch only: a retry or a whole non-streamed answer would teach the wrong
   cost) and records what the engines now hold.
@@ -33,6 +35,7 @@ from kvbridge.proxy.planner import (
     Plan,
     Planner,
     PlannerSettings,
+    Stream,
     smoothed_tpot,
 )
 from kvbridge.proxy.pool import Fleet
@@ -85,6 +88,10 @@ class Planning:
         self.pending: dict[str, float] = {}
         #: per decode engine URL: its streams' recent TPOT (ms, an EWMA of finished requests)
         self.tpot: dict[str, float] = {}
+        #: per decode engine URL: the requests placed there and not ended (the TPOT guard's
+        #: streams), by ``id(call)``; and where each of them is
+        self.placed: dict[str, dict[int, Call]] = {}
+        self._where: dict[int, str] = {}
 
     def prefilling(self, call: Call, e: Engine) -> None:
         """``e`` is to prefill ``call``'s prompt (less what it holds): counted in its queue
@@ -104,10 +111,41 @@ class Planning:
         call.on_first_token.append(done)
 
     def prompt(self, call: Call, body: Mapping[str, Any], chat: bool) -> Prompt:
-        """The request's prompt, computed once per request."""
+        """The request's prompt, computed once per request (and its ``max_tokens``)."""
         if call.prompt is None:
             call.prompt = prompt_of(body, chat)
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                call.max_tokens = limit
         return call.prompt
+
+    def decoding(self, call: Call, d: Engine) -> None:
+        """``call`` is placed on decode engine ``d`` (a retry may move it): one of the streams
+        the TPOT guard weighs for ``d`` until :meth:`learn` sees it end."""
+        self._leave(call)
+        self.placed.setdefault(d.url, {})[id(call)] = call
+        self._where[id(call)] = d.url
+
+    def _leave(self, call: Call) -> None:
+        url = self._where.pop(id(call), None)
+        if url is not None:
+            calls = self.placed.get(url, {})
+            calls.pop(id(call), None)
+            if not calls:
+                self.placed.pop(url, None)
+
+    def streams(self, url: str) -> list[Stream]:
+        """The streams decoding (or about to) on decode engine ``url``, for the TPOT guard: each
+        request's ``max_tokens`` (those without one are left out: vLLM runs them to the model's
+        length, over which a stall spreads thin) and its TPOT so far once it sent 4 tokens."""
+        out = []
+        for call in self.placed.get(url, {}).values():
+            if call.max_tokens is None:
+                continue
+            tpot = (1000.0 * (call.last_at - call.first_at) / (call.events - 1)
+                    if call.events >= 4 and call.last_at > call.first_at else None)
+            out.append(Stream(call.max_tokens, tpot))
+        return out
 
     def _held(self, url: str, prompt: Prompt) -> tuple[float, float, float]:
         """Tokens of ``prompt`` the engine holds: (prefix cache or unknown where, host-memory
@@ -176,7 +214,8 @@ class Planning:
                   self.prefill_rank(Path.PUSH, prompt))
         features = self._features(prompt, p, d)
         # the TPOT guard (Planner.guarded): D alone left out while D's streams are slow
-        plan = self.planner.choose(features, call.slo_ms, d_tpot_ms=self.tpot.get(d.url))
+        plan = self.planner.choose(features, call.slo_ms, d_tpot_ms=self.tpot.get(d.url),
+                                   streams=self.streams(d.url))
         call.plan = plan
         call.reply_headers["X-KVBridge-Plan"] = plan.header()
         return plan
@@ -199,6 +238,7 @@ class Planning:
     def learn(self, call: Call) -> None:
         """The request ended: teach the planner its TTFT and the index where its KV now is."""
         flight, prompt = call.flight, call.prompt
+        self._leave(call)
         if call.outcome != "ok" or prompt is None:
             return
         if flight.decode:

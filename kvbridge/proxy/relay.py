@@ -119,6 +119,9 @@ class Call:
     looks at this request."""
     plan: Plan | None = None
     """The planner's plan for the request (:mod:`kvbridge.proxy.planner`), once made."""
+    max_tokens: int | None = None
+    """The output tokens the client allows (``max_tokens``), for the planner's TPOT guard;
+    None when the body does not say or no planner looks at the request."""
     reply_headers: dict[str, str] = field(default_factory=dict)
     """Headers the client's answer carries besides D's (``X-KVBridge-Plan``)."""
     events: int = 0

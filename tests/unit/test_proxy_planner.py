@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+from typing import cast
 
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.proxy.members import Engine, Role
 from kvbridge.proxy.planner import (
     TPOT_GUARD,
     CostModel,
@@ -16,9 +18,13 @@ from kvbridge.proxy.planner import (
     Plan,
     Planner,
     PlannerSettings,
+    Stream,
     smoothed_tpot,
+    stalled_streams,
 )
-from kvbridge.proxy.planning import SLO_HEADER, requested_slo
+from kvbridge.proxy.planning import SLO_HEADER, Planning, requested_slo
+from kvbridge.proxy.pool import Fleet
+from kvbridge.proxy.relay import Call
 from kvbridge.proxy.routing import MODE_HEADER, ProxyMode, requested_mode
 from kvbridge.proxy.settings import ProxySettings
 
@@ -262,3 +268,76 @@ def test_the_mode_and_slo_headers() -> None:
     for bad in ("-1", "nan", "inf", "1e9", "fast", "", "9" * 400):
         with pytest.raises(ValueError, match=SLO_HEADER):
             requested_slo({SLO_HEADER: bad})
+
+
+def test_a_stall_is_spread_over_a_streams_tokens() -> None:
+    """A 200 ms prefill on D adds 200 / 32 = 6.25 ms to the TPOT of a 33-token stream: one at
+    35 ms goes past a 40 ms SLO, one at 30 ms does not, one past it already is not counted,
+    nor one of a single token; an unmeasured one is taken at D's TPOT; the work queued ahead
+    is not this prefill's doing."""
+    assert stalled_streams([Stream(33, 35.0)], 0.0, 200.0, 40.0, None) == 1
+    assert stalled_streams([Stream(33, 30.0)], 0.0, 200.0, 40.0, None) == 0
+    assert stalled_streams([Stream(33, 45.0), Stream(1, 39.0)], 0.0, 200.0, 40.0, None) == 0
+    assert stalled_streams([Stream(33), Stream(33)], 0.0, 200.0, 40.0, 35.0) == 2
+    assert stalled_streams([Stream(33)], 0.0, 200.0, 40.0, None) == 0
+    # 160 ms queued ahead bring it to exactly 40 ms: 30 ms more push it over
+    assert stalled_streams([Stream(33, 35.0)], 160.0, 30.0, 40.0, None) == 1
+    assert stalled_streams([Stream(33, 35.0)], 0.0, 30.0, 40.0, None) == 0
+    # already over because of the queue: not this prefill's doing
+    assert stalled_streams([Stream(33, 35.0)], 200.0, 30.0, 40.0, None) == 0
+
+
+def test_the_tpot_guard_weighs_the_streams_decoding_on_d() -> None:
+    """With the streams on D known, D alone is left out when its prefill (0.2 ms per token
+    here) would push one past the SLO — even while D's average TPOT is low — and not when no
+    stream would go over; the average rule still holds on its own."""
+    planner = Planner(PlannerSettings(explore_every=0, tpot_slo_ms=40.0))
+    for _ in range(12):
+        run(planner, 80)
+        run(planner, 400)
+    near = [Stream(33, 35.0)]
+    assert planner.guarded(feats(1000)[Path.LOCAL], 20.0, near)  # 200 ms: +6.25 ms
+    assert not planner.guarded(feats(150)[Path.LOCAL], 20.0, near)  # 30 ms: +0.94 ms
+    assert planner.guarded(feats(150, queue=800)[Path.LOCAL], 20.0, near)  # 160 ms ahead
+    assert not planner.guarded(feats(1000)[Path.LOCAL], 20.0, [])
+    assert not planner.guarded(feats(1000)[Path.LOCAL], 20.0, [Stream(400, 35.0)])
+    plan = planner.choose(feats(1000), d_tpot_ms=20.0, streams=near)
+    assert plan.path is not Path.LOCAL and plan.guard == "tpot"
+    # the average rule: D's TPOT past 75 % of the SLO and a prefill over half an SLO
+    assert planner.guarded(feats(150)[Path.LOCAL], TPOT_GUARD * 40.0, [])
+    assert not Planner(PlannerSettings(explore_every=0)).guarded(feats(1000)[Path.LOCAL],
+                                                                   1e6, near)
+
+
+def test_the_proxy_knows_the_streams_placed_on_each_d() -> None:
+    """:class:`Planning` keeps each request on the D it was placed on (a retry moves it) with
+    its ``max_tokens`` and TPOT so far, until the request ends, whatever its outcome."""
+    planning = Planning(cast(Fleet, None), PlannerSettings(tpot_slo_ms=40.0))
+    d1, d2 = Engine("http://d1", Role.DECODE), Engine("http://d2", Role.DECODE)
+    a = Call(t0=0.0, rid="same", stream=True, headers={})
+    b = Call(t0=0.0, rid="same", stream=True, headers={})  # a client may reuse an id
+    planning.prompt(a, {"prompt": [1, 2, 3], "max_tokens": 64}, chat=False)
+    planning.prompt(b, {"prompt": [1, 2], "max_completion_tokens": 8, "max_tokens": 99},
+                    chat=False)
+    assert (a.max_tokens, b.max_tokens) == (64, 8)
+    for body in ({"prompt": [1]}, {"prompt": [1], "max_tokens": True},
+                 {"prompt": [1], "max_tokens": -3}, {"prompt": [1], "max_tokens": "64"}):
+        c = Call(t0=0.0, rid="c", stream=True, headers={})
+        planning.prompt(c, body, chat=False)
+        assert c.max_tokens is None
+        planning.decoding(c, d1)
+    planning.decoding(a, d1)
+    planning.decoding(b, d1)
+    a.events, a.first_at, a.last_at = 5, 10.0, 10.12  # 30 ms per token after the first
+    streams = planning.streams(d1.url)
+    assert sorted(s.tokens for s in streams) == [8, 64]
+    assert next(s for s in streams if s.tokens == 64).tpot_ms == pytest.approx(30.0)
+    assert next(s for s in streams if s.tokens == 8).tpot_ms is None
+    planning.decoding(b, d2)  # a retry on another D
+    assert [s.tokens for s in planning.streams(d1.url)] == [64]
+    assert [s.tokens for s in planning.streams(d2.url)] == [8]
+    a.outcome = "upstream_error"
+    planning.learn(a)
+    planning.learn(b)
+    assert planning.streams(d1.url) == planning.streams(d2.url) == []
+    assert set(planning.placed) <= {d1.url}  # only the calls without max_tokens are left

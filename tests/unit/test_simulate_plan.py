@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.proxy.planner import TPOT_GUARD, Plan, PlannerSettings
 from kvbridge.proxy.planner import Path as PlanPath
+from kvbridge.proxy.planner import Plan, PlannerSettings
 from kvbridge.tools import cli
 from kvbridge.tools.simulate.events import SimulationError
 from kvbridge.tools.simulate.fleet import Fleet, simulate
@@ -139,9 +139,9 @@ def test_plan_goodput_is_at_least_the_best_fixed_mode(host: Profile, rate: float
 
 
 def test_plan_applies_the_proxys_tpot_guard(host: Profile) -> None:
-    """Long prompts at 10 req/s: D alone's prefills push D's decodes' TPOT past 75 % of an 8 ms
-    SLO, and the proxy's guard (the same :meth:`Planner.choose`) hands long prompts off — only
-    while D's measured TPOT is past it; the TPOT on D drops. Without the SLO: no guard."""
+    """Long prompts at 10 req/s: D alone's prefills would push the streams decoding on D past
+    an 8 ms TPOT SLO, and the proxy's guard (the same :meth:`Planner.choose`, given the streams
+    placed on D) hands those prompts off; the TPOT on D drops. Without the SLO: no guard."""
     specs = _specs(10, Lengths(500, 4000), n=200, output=Lengths(32, 96))
     plain = _run(host, specs, "plan")
     assert summarize(plain, 10).guarded == 0
@@ -153,7 +153,7 @@ def test_plan_applies_the_proxys_tpot_guard(host: Profile) -> None:
 
     def recording(*args: object, **kw: object) -> Plan:
         plan = choose(*args, **kw)  # type: ignore[arg-type]
-        seen.append((kw["d_tpot_ms"], plan))
+        seen.append((kw["streams"], plan))
         return plan
 
     fleet.planner.choose = recording  # type: ignore[method-assign]
@@ -161,11 +161,10 @@ def test_plan_applies_the_proxys_tpot_guard(host: Profile) -> None:
     check_invariants(fleet)
     guarded = [(tpot, plan) for tpot, plan in seen if plan.guard]
     assert summarize(fleet, 10).guarded == len(guarded) >= 20
-    for tpot, plan in guarded:
+    for streams, plan in guarded:
         assert plan.guard == "tpot" and plan.path is not PlanPath.LOCAL
-        assert isinstance(tpot, float) and tpot >= TPOT_GUARD * 8.0
-    assert not any(plan.guard for tpot, plan in seen
-                   if tpot is None or tpot < TPOT_GUARD * 8.0)
+        assert all(s.tokens >= 32 for s in streams)
+    assert any(plan.guard for streams, plan in seen if streams)
     local_with, local_without = (Counter(r.mode for r in f.requests)["local"]
                                  for f in (fleet, plain))
     assert local_with < local_without

@@ -38,7 +38,8 @@ auto (``plan`` is its other name, as in the proxy)
     With a TPOT SLO (:attr:`PlannerSettings.tpot_slo_ms`) the proxy's TPOT guard applies
     (:meth:`Planner.guarded`): each D's TPOT is measured from its closed streams as the proxy
     measures it (first → last token, :func:`~kvbridge.proxy.planner.smoothed_tpot` over its
-    streams), and while it is past the guard a long prefill is not left to D alone.
+    streams), and a prefill that would push one of the streams placed on D past the SLO is
+    not left to D alone.
 
 In pull, push and headroom a transfer moves the whole prompt's KV (a prefix hit on P saves P's
 compute, not the hand-off). In local and auto, ``prefix_hit`` is the share of every prompt that
@@ -66,6 +67,7 @@ from kvbridge.proxy.planner import (
     Plan,
     Planner,
     PlannerSettings,
+    Stream,
     smoothed_tpot,
 )
 from kvbridge.proxy.routing import Engine, Pool, ProxyMode, Role, decide
@@ -134,6 +136,8 @@ class Fleet:
         self._pending_of: dict[int, tuple[str, float]] = {}
         #: the TPOT guard's measure: per D engine URL, its streams' TPOT (ms, smoothed)
         self.tpot: dict[str, float] = {}
+        #: per D engine URL: the requests placed there whose stream has not closed
+        self._placed: dict[str, dict[int, SimRequest]] = {}
         if self.planner is not None:
             for d in self.decodes:
                 d.on_first = self._observe
@@ -219,8 +223,9 @@ class Fleet:
         r.t_proxy = t
         if self.planner is not None:
             d = self._local_d()
+            streams = [Stream(q.spec.output_len) for q in self._placed.get(d.url, {}).values()]
             r.plan = plan = self.planner.choose(self._features(r, d),
-                                                d_tpot_ms=self.tpot.get(d.url))
+                                                d_tpot_ms=self.tpot.get(d.url), streams=streams)
             r.mode, r.reason = plan.path.value, plan.why
             if plan.path is not Path.LOCAL:
                 r.moved = round(plan.features[plan.path].move)
@@ -242,14 +247,14 @@ class Fleet:
         if r.mode == "local":
             d = self.dpool.pick(t)
             d.acquire()
-            r.d = self._index(self.dpool, d)
+            self._place(r, d)
             self._prefilling(r, d.url)
             self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
             return
         if r.mode == "push":
             d = self.dpool.pick(t)
             d.acquire()
-            r.d = self._index(self.dpool, d)
+            self._place(r, d)
             self._hop(t, "proxy", work, self._leg_s(r), self._d_api, r)
         else:
             work /= 2  # the other half goes with the D leg, once P answered
@@ -259,6 +264,12 @@ class Fleet:
         self._prefilling(r, p.url)
         self._hop(t, "proxy", 0.0 if r.mode == "push" else work, self._leg_s(r), self._p_api,
                   r)
+
+    def _place(self, r: SimRequest, d: Engine) -> None:
+        """``r`` decodes on ``d``: one of the streams the TPOT guard weighs there until it
+        closes (at D's measured TPOT, as the proxy takes a stream it has not measured)."""
+        r.d = self._index(self.dpool, d)
+        self._placed.setdefault(d.url, {})[r.id] = r
 
     def _prefilling(self, r: SimRequest, url: str) -> None:
         if self.planner is not None:
@@ -329,7 +340,7 @@ class Fleet:
         if r.mode == "pull":
             d = self.dpool.pick(t)  # late placement: the least-loaded D now that P is done
             d.acquire()
-            r.d = self._index(self.dpool, d)
+            self._place(r, d)
             cpu = self.profile.cpu
             self._hop(t, "proxy", cpu.proxy_request_s / 2 if cpu else 0.0, self._leg_s(r),
                       self._d_api, r)
@@ -442,6 +453,7 @@ class Fleet:
     def _stream_closed(self, t: float, r: SimRequest) -> None:
         d = self.dpool.engines[r.d]
         d.release()
+        self._placed.get(d.url, {}).pop(r.id, None)
         if self.planner is not None and r.spec.output_len >= 3:
             # the proxy's TPOT measure: first → last token it relayed, per token after the first
             first = r.t_seen_first if r.t_seen_first is not None else r.t_first

@@ -143,7 +143,11 @@ class Config:
     checksum: bool = True
     """Digest every hand-off where its KV was computed and check it where it lands (XXH3-128
     per 256 KiB of each part, :mod:`kvbridge.scheduling.digests`); a mismatch fails the receive.
-    Host-memory KV caches only: a CUDA KV cache is not digested."""
+    Host-memory KV caches only: a CUDA KV cache is not digested. It covers the offload tiers
+    too: on, every chunk is stored sealed with its XXH3-128 and checked on every load
+    (:mod:`kvbridge.offload.seal`); off, chunks are stored and loaded unchecked. The setting is
+    part of the tier keys, so engines sharing a tier (a disk, Mooncake Store, LMCache) with
+    different settings never read each other's chunks: each misses the other's entries."""
     flight_recorder: bool = True
     """Keep each hand-off's timestamps on this engine (kvbridge.scheduling.recorder): what
     ``kvbridge why``, ``vllm:kvbridge_phase_seconds`` and the hand-off spans (with vLLM's
@@ -326,7 +330,7 @@ class Config:
                      if isinstance(t, (str, dict))}
             raw["tiers"] = listed + [{"name": s.name, **s.options} for s in tiers
                                      if s.name not in names]
-        return OffloadConfig.parse(raw)
+        return replace(OffloadConfig.parse(raw), sealed=self.checksum)
 
     def describe(self) -> list[tuple[str, str, str]]:
         """``(key, value, source)`` rows; the secret is masked."""

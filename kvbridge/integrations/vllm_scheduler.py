@@ -87,7 +87,8 @@ class SchedulerSide:
         #: epoch of it (see reset_cache)
         self._identity = model_identity(vllm_config, config.model_identity)
         self.reloads = 0
-        self.offload = OffloadBook(config.offload_config(), seed_key(self._identity),
+        self.offload = OffloadBook(config.offload_config(),
+                                   seed_key(self._identity, sealed=config.checksum),
                                    block_size=block_size, tp_size=tp_size)
         self.book.identity = identity_digest(self._identity)
         self._version: str | None = None  # the weight version the identity names
@@ -298,7 +299,7 @@ class SchedulerSide:
         extra = {"weight_version": version} if version else {"reloads": str(self.reloads)}
         identity = {**self._identity, **extra}
         self._version = version
-        self.offload.seed = seed_key(identity)
+        self.offload.seed = seed_key(identity, sealed=self.config.checksum)
         self.book.identity = identity_digest(identity)
         self.book.stats["identity_changes"] += 1
         log.info("kvbridge: the weights may have changed (%s): model identity is now %s; tier "

@@ -180,7 +180,8 @@ class WorkerSide:
         if on_gpu:
             raise ConfigError("offload tiers need the KV cache in host memory (CPU engines); "
                               "GPU offload is not built yet: remove 'offload' from the config")
-        seed = seed_key(model_identity(self._vllm_config, self.config.model_identity))
+        seed = seed_key(model_identity(self._vllm_config, self.config.model_identity),
+                        sealed=cfg.sealed)  # sealed and unsealed chunks never meet
         namespace = namespace_of(seed, layout.fingerprint())
         io = BlockIO(layout)
         # the disk tier's MAC is keyed by the engine's secret

@@ -20,15 +20,17 @@ def build_tiers(config: OffloadConfig, chunk_bytes: int, namespace: str, *,
                 secret: bytes | None = None) -> list[Tier]:
     """Construct the configured tiers in order (raises ConfigError/BackendUnavailable).
     ``chunk_bytes`` is the payload of one chunk (one block of one rank); the tiers store it
-    sealed (:mod:`kvbridge.offload.seal`: its digest follows it). ``secret`` is the engine's
+    sealed (:mod:`kvbridge.offload.seal`: its digest follows it) unless ``config.sealed`` is
+    off (the payload alone). ``secret`` is the engine's
     (:func:`kvbridge.trust.resolve`): tiers that authenticate their chunks (``disk``) key their
     MAC with it."""
     tiers: list[Tier] = []
+    size = sealed_size(chunk_bytes, config.sealed)
     try:
         for spec in config.tiers:
             cls = registry.load_tier_class(spec.name)
-            tiers.append(cls(TierContext(spec.name, sealed_size(chunk_bytes), namespace,
-                                         spec.options, secret=secret)))
+            tiers.append(cls(TierContext(spec.name, size, namespace, spec.options,
+                                         secret=secret)))
     except BaseException:
         for t in tiers:
             t.close()

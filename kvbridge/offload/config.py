@@ -98,6 +98,9 @@ class OffloadConfig:
     drain_write_bytes: int = 1 << 30
     #: ... and spend at most this long doing so (seconds)
     drain_write_s: float = 10.0
+    #: store chunks sealed with their digest and check it on every load
+    #: (:mod:`kvbridge.offload.seal`): the top-level ``checksum`` setting, not an ``offload`` key
+    sealed: bool = True
 
     @property
     def enabled(self) -> bool:

@@ -24,12 +24,16 @@ __all__ = ["seed_key", "salted", "block_keys", "tier_key", "namespace_of", "KEY_
 KEY_BYTES = 16
 
 
-def seed_key(identity: Mapping[str, str]) -> bytes:
-    """The chain's seed from ``identity`` (model, dtype, KV geometry…); order-independent."""
+def seed_key(identity: Mapping[str, str], *, sealed: bool = True) -> bytes:
+    """The chain's seed from ``identity`` (model, dtype, KV geometry…; order-independent) and
+    whether the tiers' chunks are ``sealed`` (:mod:`kvbridge.offload.seal`; the ``checksum``
+    setting)."""
     blob = json.dumps(dict(identity), sort_keys=True, separators=(",", ":")).encode()
     # v2: chunks sealed with XXH3-128 (kvbridge.offload.seal); v1's BLAKE3-sealed chunks are
-    # other keys, so misses, never digest mismatches
-    return hashlib.blake2b(b"kvbridge-kv-v2\0" + blob, digest_size=KEY_BYTES).digest()
+    # other keys, so misses, never digest mismatches. Unsealed chunks (no digest) are other
+    # keys again: an engine that seals never reads one as a sealed chunk, nor the reverse
+    version = b"kvbridge-kv-v2\0" if sealed else b"kvbridge-kv-v2-unsealed\0"
+    return hashlib.blake2b(version + blob, digest_size=KEY_BYTES).digest()
 
 
 def salted(seed: bytes, salt: str | None) -> bytes:

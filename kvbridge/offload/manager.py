@@ -22,8 +22,8 @@ the scheduler's :class:`~kvbridge.offload.orders.OffloadPlan`:
 - **Capacity** — for tiers with ``managed = True`` an index per tier, a
   :class:`~kvbridge.lookup.LookupBuffer` of content keys (:func:`tier_index`: no leases, least
   recently used evicted when full); adding past ``capacity_bytes`` evicts least recently used
-  chunks (a prompt's blocks are touched last to
-  first, so a chain is evicted from its tail and its head — the useful part — lives longest).
+  chunks (a prompt's blocks are touched last to first, so a chain is evicted from its tail and
+  its head — the useful part — lives longest).
   Persistent tiers' indexes are rebuilt from ``entries()`` at start. A hit in a lower tier is
   promoted into the non-blocking tiers above it.
 
@@ -103,6 +103,7 @@ class OffloadManager:
         self.config = config
         self.tiers = list(tiers)
         self.io = io
+        self.chunk_size = sealed_size(io.chunk_bytes, config.sealed)  #: as the tiers hold one
         self.rank = rank
         self.tp_size = tp_size
         self._fp = layout_fingerprint
@@ -112,7 +113,7 @@ class OffloadManager:
         self.events = TierEvents(events and rank == 0, on_drop=functools.partial(
             self._count, "offload_kv_events_dropped"))
         self._index: dict[str, TierIndex] = {
-            t.name: tier_index(t.name, t.capacity_bytes // sealed_size(io.chunk_bytes))
+            t.name: tier_index(t.name, t.capacity_bytes // self.chunk_size)
             for t in self.tiers if t.managed}
         #: keys stored into each unmanaged tier, remembered (boundedly) to skip re-storing
         self._known: dict[str, TierIndex] = {
@@ -316,7 +317,8 @@ class OffloadManager:
                 ) -> tuple[list[bytes], list[bytes]]:
         """The sealed chunks a tier returned for ``keys`` and their payloads, up to the first
         whose digest does not match (evicted, counted, logged: recomputed from there)."""
-        sealed, payloads, bad = open_prefix(chunks[:len(keys)], self.io.chunk_bytes)
+        sealed, payloads, bad = open_prefix(chunks[:len(keys)], self.io.chunk_bytes,
+                                           self.config.sealed)
         if bad:
             key = keys[len(payloads)]
             self._count(f"offload_digest_mismatch_{tier.name}", 1)
@@ -345,8 +347,7 @@ class OffloadManager:
                 self._count("offload_promoted_blocks", len(keys))
 
     def _claim(self, order: LoadOrder) -> list[bytes] | None:
-        """Take the staged chunks ``order`` loads (the lookup ends); None, counted and logged,
-        if they are not all staged."""
+        """Take the staged chunks ``order`` loads (the lookup ends); None (logged) if any is not."""
         with self._lock:
             try:  # a lookup whose staging expired does not serve (expire() drops it)
                 lk: _Lookup | None = self._lookups.drop_select(order.lookup_id)
@@ -415,7 +416,7 @@ class OffloadManager:
             self._progress()
         if not chunks:
             return
-        items = list(zip(tkeys, (seal(c) for c in chunks), strict=True))
+        items = list(zip(tkeys, (seal(c, self.config.sealed) for c in chunks), strict=True))
         hashes = list(order.hashes) if len(order.hashes) == len(items) else None
         for tier in self.tiers:
             if not tier.blocking:
@@ -423,7 +424,7 @@ class OffloadManager:
                 continue
             if tier.name in self._drain_only and not self._draining:
                 continue  # written by the drain's write-out (kvbridge.offload.warm)
-            size = len(items) * sealed_size(self.io.chunk_bytes)
+            size = len(items) * self.chunk_size
             with self._lock:
                 if self._backlog_bytes + size > self.config.max_backlog_bytes:
                     self._count(f"offload_backlog_full_{tier.name}", 1)
@@ -523,10 +524,9 @@ class OffloadManager:
 
     def snapshot(self) -> dict[str, Any]:
         """Occupancy per tier (for stats)."""
-        sealed = sealed_size(self.io.chunk_bytes)
         with self._lock:
             return {"tiers": [{"name": t.name, "managed": t.managed,
-                               "used_bytes": (len(self._index[t.name]) * sealed
+                               "used_bytes": (len(self._index[t.name]) * self.chunk_size
                                               if t.name in self._index else None),
                                "capacity_bytes": t.capacity_bytes} for t in self.tiers],
                     "staged_bytes": self._staged_bytes, "backlog_bytes": self._backlog_bytes,

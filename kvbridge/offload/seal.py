@@ -10,6 +10,15 @@ load, in any engine. A chunk whose digest does not match is a miss from that blo
 prompt is recomputed), counted and logged, never KV in use.
 
 Tiers see sealed chunks only: :func:`sealed_size` is the chunk size they are configured with.
+
+**Unsealed** (``checksum: false``, which turns the hand-off digests off too): a chunk is its
+payload alone — no digest computed on store, none checked on load, no 16-byte slot (the tiers
+are configured with the payload size); only a chunk of the wrong length is still refused. The
+cost, documented and tested: a byte changed in a tier is KV in use. Whether chunks are sealed
+is part of the offload key seed (:func:`kvbridge.offload.keys.seed_key`), so an engine that
+seals and one that does not never name the same chunk: sharing a tier, each misses the other's
+entries — never reads an unsealed chunk as sealed (or the reverse), never counts one as a
+mismatch.
 XXH3-128 — the hash of the hand-off digests (:mod:`kvbridge.scheduling.digests`), so one
 block's bytes are checked with one function from the engine that computed them to every engine
 that loads them — runs at 15–40 GB/s per core, about four times BLAKE3 (the seals' hash before
@@ -30,18 +39,18 @@ __all__ = ["DIGEST_BYTES", "seal", "unseal", "sealed_size", "open_prefix"]
 DIGEST_BYTES = 16
 
 
-def sealed_size(payload_bytes: int) -> int:
-    """The size of a sealed chunk of ``payload_bytes``."""
-    return payload_bytes + DIGEST_BYTES
+def sealed_size(payload_bytes: int, sealed: bool = True) -> int:
+    """The size of a chunk of ``payload_bytes`` as tiers hold it (unsealed: the payload)."""
+    return payload_bytes + DIGEST_BYTES if sealed else payload_bytes
 
 
 def _digest(payload: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def seal(payload: bytes) -> bytes:
-    """``payload`` followed by its digest."""
-    return payload + _digest(payload)
+def seal(payload: bytes, sealed: bool = True) -> bytes:
+    """``payload`` followed by its digest (unsealed: ``payload`` itself, not copied)."""
+    return payload + _digest(payload) if sealed else payload
 
 
 def unseal(chunk: bytes, payload_bytes: int) -> bytes | None:
@@ -55,14 +64,15 @@ def unseal(chunk: bytes, payload_bytes: int) -> bytes | None:
     return bytes(view[:payload_bytes])
 
 
-def open_prefix(chunks: list[bytes], payload_bytes: int
+def open_prefix(chunks: list[bytes], payload_bytes: int, sealed: bool = True
                 ) -> tuple[list[bytes], list[bytes], bool]:
     """The sealed chunks of ``chunks`` up to the first that does not open, their payloads, and
     whether one did not (a load ends at the first bad chunk: a prefix is only useful up to its
-    first hole)."""
+    first hole). Unsealed: the chunks are their payloads, unchecked but for their length."""
     payloads: list[bytes] = []
     for chunk in chunks:
-        payload = unseal(chunk, payload_bytes)
+        payload = unseal(chunk, payload_bytes) if sealed else (
+            chunk if len(chunk) == payload_bytes else None)
         if payload is None:
             return chunks[:len(payloads)], payloads, True
         payloads.append(payload)

@@ -47,7 +47,6 @@ from typing import Any, Protocol
 
 from kvbridge.offload.blocks import BlockIO
 from kvbridge.offload.index import TierIndex
-from kvbridge.offload.seal import sealed_size
 from kvbridge.offload.tier import Tier
 
 __all__ = ["BATCH", "Owner", "WriteOutReport", "write_out", "hot_keys"]
@@ -64,6 +63,7 @@ class Owner(Protocol):
 
     tiers: list[Tier]
     io: BlockIO
+    chunk_size: int  # one chunk as the tiers hold it (sealed or not)
     _lock: threading.Lock
     _index: dict[str, TierIndex]
     _known: dict[str, TierIndex]
@@ -113,7 +113,7 @@ def write_out(mgr: Owner, budget_bytes: int, budget_s: float, *,
     if not targets or budget_bytes <= 0:
         return report
     hot = hot_keys(mgr)
-    size = sealed_size(mgr.io.chunk_bytes)
+    size = mgr.chunk_size
     for target in targets:
         room = budget_bytes // size
         index = mgr._index.get(target.name)

@@ -24,6 +24,8 @@ from kvbridge.tools.bench.offload_results import (
     Rep,
     RowResult,
     add_ratios,
+    against_rows,
+    format_against,
     format_report,
     format_table,
     median_min,
@@ -32,6 +34,7 @@ from kvbridge.tools.bench.offload_results import (
     source_ok,
     summarize,
     usable_blocks,
+    variants_of,
     verdicts,
 )
 
@@ -244,6 +247,57 @@ def test_report_formats_with_facts() -> None:
     assert "69.0 MiB" in text and "dram: aim" in text
 
 
+# -- --against noseal ----------------------------------------------------------------------------
+
+
+def test_against_noseal_gives_tier_rows_two_engines_and_recompute_one() -> None:
+    assert b.settings_from_args(_args()).against is None
+    s = b.settings_from_args(_args("--against", "noseal", "--rows", "recompute,dram,disk"))
+    assert s.against == "noseal"
+    assert variants_of("dram", s) == {"seal": {}, "noseal": {"checksum": False}}
+    assert variants_of("recompute", s) == {"": {}}
+    assert variants_of("dram", BenchSettings()) == {"": {}}
+    with pytest.raises(SystemExit):
+        _args("--against", "nothing")
+
+
+def _variant(row: str, variant: str, ttfts: list[float]) -> RowResult:
+    res = RowResult(row, tiers=[row], variant=variant, expected_blocks=23)
+    for i, t in enumerate(ttfts):
+        res.reps.append(Rep(i, ok=True, ttft=t, token_ids=[1],
+                            deltas={f"offload_hit_blocks_{row}": 23,
+                                    "offload_loaded_blocks": 23}))
+    return res
+
+
+def test_against_rows_pair_the_repetitions_and_state_the_overhead() -> None:
+    rows = [summarize(r) for r in (
+        RowResult("recompute", reps=[Rep(0, ok=True, ttft=6.0)]),
+        _variant("dram", "seal", [0.33, 0.36, 0.31, 0.40]),
+        _variant("dram", "noseal", [0.30, 0.30, 0.30, 0.40]),
+        _variant("disk", "seal", [0.5, 0.5]),
+        _variant("disk", "noseal", [0.5]))]
+    add_ratios(rows)
+    assert rows[1]["ratio"] == pytest.approx(0.345 / 6.0)  # both variants against recompute
+    dram, disk = against_rows(rows, "noseal")
+    assert dram["row"] == "dram" and dram["pairs"] == 4
+    assert dram["ttft_median_s"] == pytest.approx(0.345)
+    assert dram["ttft_median_noseal_s"] == pytest.approx(0.30)
+    assert dram["ratio_of_medians"] == pytest.approx(0.345 / 0.30)
+    # the paired ratios are 1.1, 1.2, 1.0333 and 1.0
+    assert dram["paired_ratio"] == pytest.approx((0.31 / 0.30 + 1.1) / 2)
+    assert dram["overhead_pct"] == pytest.approx(((0.31 / 0.30 + 1.1) / 2 - 1) * 100)
+    assert dram["paired_diff_ms"] == pytest.approx(20.0)
+    assert disk["pairs"] == 1 and disk["overhead_pct"] == pytest.approx(0.0)
+    text = format_against([dram, disk], "noseal")
+    assert "TTFT med seal s" in text.splitlines()[0] and "overhead %" in text
+    assert "6.7" in text and "1.067 [1.000, 1.200]" in text
+    by_row = [ln.split()[0] for ln in format_table(rows).splitlines()[2:]]
+    assert by_row[1:3] == ["dram", "dram"] and "(noseal)" in format_table(rows)
+    # the aims are judged on the default engines only
+    assert [ln.split(":")[0] for ln in verdicts(rows)] == ["dram", "disk"]
+
+
 # -- the bench model -----------------------------------------------------------------------------
 
 
@@ -285,3 +339,49 @@ def test_hit_fraction_shares_a_prefix_and_gives_every_repetition_a_tail_of_its_o
     tails = [tuple(r[len(p.cold):]) for r in p.reps]
     assert len(set(tails)) == 3  # no repetition can hit another's tail in the tier
     assert _prompts(half) == p  # deterministic
+
+
+def test_run_engine_interleaves_the_variants_abba(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """Both variants' engines run at once, each with its own tier directory and settings; the
+    repetitions alternate A B B A; every engine is stopped."""
+    import contextlib
+
+    from kvbridge.tools.bench import offload_engine as oe
+
+    started: list[tuple[str, dict[str, object], str]] = []
+    stopped: list[str] = []
+    order: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def fake_engine(name, settings, model, cfg, offload, log_dir, say, info, extra):  # type: ignore[no-untyped-def]
+        started.append((name, dict(extra), offload["tiers"][0]["path"]))
+        try:
+            yield name
+        finally:
+            stopped.append(name)
+
+    def fake_prime(name, eng, settings, prompts, tier, say):  # type: ignore[no-untyped-def]
+        return Rep(0, ok=True, ttft=5.0), 23
+
+    def fake_measure(eng, settings, prompt, res, i, say):  # type: ignore[no-untyped-def]
+        order.append((eng, i))
+        res.reps.append(Rep(i, ok=True, ttft=0.3))
+
+    monkeypatch.setattr(oe, "_engine", fake_engine)
+    monkeypatch.setattr(oe, "_prime", fake_prime)
+    monkeypatch.setattr(oe, "_measure", fake_measure)
+    s = replace(BenchSettings(), reps=3, against="noseal")
+    prompts = oe.BenchPrompts([1] * 10, [2] * 10, [[1] * 10] * 3)
+    out = oe.run_engine("disk", ["disk", "disk_cold"], s, tmp_path, {}, prompts, tmp_path,
+                        tmp_path, lambda m: None, variants_of("disk", s))
+    assert [(n, e) for n, e, _ in started] == [("disk-seal", {}),
+                                                ("disk-noseal", {"checksum": False})]
+    assert len({p for _, _, p in started}) == 2 and sorted(stopped) == ["disk-noseal",
+                                                                          "disk-seal"]
+    assert order == [("disk-seal", 0), ("disk-noseal", 0), ("disk-noseal", 1), ("disk-seal", 1),
+                     ("disk-seal", 2), ("disk-noseal", 2)] * 2
+    assert [(r.row, r.variant, len(r.reps)) for r in out] == [
+        ("disk", "seal", 3), ("disk_cold", "seal", 3), ("disk", "noseal", 3),
+        ("disk_cold", "noseal", 3)]
+    assert all(r.error is None and r.engine["disk_dir"] for r in out)

@@ -38,6 +38,14 @@ serves it and any reuse comes from the tier. Every repetition records:
   own cold output) — column ``out``.
 
 The table reports median and minimum TTFT and the median's ratio to recompute's median.
+
+``--against noseal``: every tier row runs on two engines at once, the default one (``seal``:
+tier chunks sealed with their digest, checked on every load) and one with ``checksum: false``
+(``noseal``: chunks stored and loaded unchecked, :mod:`kvbridge.offload.seal`), each with its
+own tier; their repetitions are interleaved ABBA (repetition ``i`` on both engines back to
+back, the order reversed every other one), and a second table puts each row's TTFT with and
+without seals side by side with the paired ratio (:func:`~kvbridge.tools.bench.offload_results
+.against_rows`). Recompute (no tier) runs once.
 Before every engine start the bench waits (bounded) until no ``vllm_serve`` process of someone
 else runs on the host, and notes any that appeared during a row. Blocking; for the command
 line. Numbers from small shared hosts are noisy: compare ratios within one run.
@@ -73,6 +81,7 @@ from kvbridge.tools.bench.offload_engine import (
     wait_quiet,
 )
 from kvbridge.tools.bench.offload_results import (
+    AGAINST,
     BASELINE,
     ENGINE_OF,
     ROW_NAMES,
@@ -80,11 +89,13 @@ from kvbridge.tools.bench.offload_results import (
     BenchSettings,
     RowResult,
     add_ratios,
+    against_rows,
     format_report,
     parse_rows,
     parse_tier_options,
     shared_blocks,
     summarize,
+    variants_of,
     verdicts,
 )
 from kvbridge.tools.cpumeter import loadavg
@@ -143,31 +154,34 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
         "prompt_kv_bytes": expected * settings.block_size * per_token,
         "log_dir": str(log_dir), "foreign_waits": {}, "rows": [],
     }
-    results: dict[str, RowResult] = {}
+    results: dict[tuple[str, str], RowResult] = {}
     try:
         engines: dict[str, list[str]] = {}
         for row in settings.rows:
             engines.setdefault(ENGINE_OF.get(row, row), []).append(row)
         for engine_row, rows in engines.items():
             reason = row_unavailable(engine_row)
+            variants = variants_of(engine_row, settings)
             if reason:
                 say(f"{engine_row}: not available: {reason}")
                 for r in rows:
-                    results[r] = RowResult(r, tiers=[str(TIER_OF[r])], unavailable=reason)
+                    for v in variants:
+                        results[r, v] = RowResult(r, tiers=[str(TIER_OF[r])], variant=v,
+                                                  unavailable=reason)
                 continue
             waited = wait_quiet(settings, say)
             if waited >= 1.0:
                 report["foreign_waits"][engine_row] = round(waited, 1)
-            for res in run_engine(engine_row, rows, settings, model, cfg, prompts, work,
-                                  log_dir, say):
-                results[res.row] = res
+            measured = run_engine(engine_row, rows, settings, model, cfg, prompts, work,
+                                  log_dir, say, variants)
             others = foreign_engines()
-            if others:
-                for r in rows:
-                    results[r].notes.append(f"other engines ran meanwhile: {others}")
+            for res in measured:
+                results[res.row, res.variant] = res
+                if others:
+                    res.notes.append(f"other engines ran meanwhile: {others}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = results.get(BASELINE)
+    base = results.get((BASELINE, ""))
     ref = base.cold.token_ids if base is not None and base.cold is not None and base.cold.ok \
         else None
     own_prompts = settings.hit_fraction < 1.0  # each repetition has a prompt of its own
@@ -184,9 +198,12 @@ def run_benchmark(settings: BenchSettings, progress: Progress | None = None) -> 
         "recompute's output for the same repetition" if own_prompts and base is not None
         else "recompute's first output" if ref is not None and not own_prompts
         else "each row's own cold output" if not own_prompts else "none (no recompute row)")
-    rows_out = [summarize(results[r]) for r in settings.rows if r in results]
+    rows_out = [summarize(res) for r in settings.rows for (row, _), res in results.items()
+                if row == r]
     add_ratios(rows_out)
     report["rows"] = rows_out
+    if settings.against is not None:
+        report["against"] = against_rows(rows_out, settings.against)
     # the aims are for a whole prompt served from a tier
     report["verdicts"] = verdicts(rows_out) if not own_prompts else [
         f"aims not judged: the tier holds {settings.hit_fraction:g} of each prompt"]
@@ -244,6 +261,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, default=None, help="model directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the JSON report here")
+    p.add_argument("--against", choices=tuple(AGAINST), default=None,
+                   help="also measure every tier row against a baseline, on two engines at "
+                   "once with their repetitions interleaved (ABBA), and print both side by "
+                   "side with the paired ratio: noseal (checksum false: tier chunks stored "
+                   "and loaded without their digest; what the seals cost). Recompute runs once")
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -259,7 +281,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                 start_timeout=args.start_timeout, settle_timeout=args.settle_timeout,
                 quiet_wait_s=args.quiet_wait, quiet_poll_s=args.quiet_poll,
                 log_dir=args.log_dir, work_dir=args.work_dir, model_dir=args.model_dir,
-                **chosen)
+                against=args.against, **chosen)
     for name in ("reps", "max_tokens", "block_size"):
         if getattr(s, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

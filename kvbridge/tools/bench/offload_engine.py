@@ -2,11 +2,13 @@
 
 Contract: :func:`run_engine` starts one real ``vllm serve`` (``KVBridgeConnector``, ``kv_both``,
 backend ``shm``) with the offload tiers of its row (and a local ``mooncake_master`` for
-``mooncake_store``), runs the warm-up, the cold request and every repetition of each row it
-serves, and always stops the engine (and the master) before returning; a failure becomes the
-rows' ``error``, never an exception. :func:`row_unavailable` says why a row cannot run here;
-:func:`foreign_engines` / :func:`wait_quiet` keep other people's engines out of the numbers.
-Blocking.
+``mooncake_store``) — or, with ``--against``, one per variant, all at once, each with its own
+tier directory — runs the warm-up, the cold request and every repetition of each row it
+serves (the variants' repetitions interleaved ABBA: repetition ``i`` on every engine back to
+back, the order reversed every other one), and always stops the engines (and the master)
+before returning; a failure becomes the rows' ``error``, never an exception.
+:func:`row_unavailable` says why a row cannot run here; :func:`foreign_engines` /
+:func:`wait_quiet` keep other people's engines out of the numbers. Blocking.
 """
 
 from __future__ import annotations
@@ -206,9 +208,9 @@ class _Engine:
 @contextlib.contextmanager
 def _engine(row: str, settings: BenchSettings, model: Path, model_cfg: Mapping[str, Any],
             offload: dict[str, Any] | None, log_dir: Path, say: Progress,
-            info: dict[str, Any]) -> Iterator[_Engine]:
+            info: dict[str, Any], settings_extra: Mapping[str, Any]) -> Iterator[_Engine]:
     ctl_port = free_port()
-    extra: dict[str, Any] = {"backend": "shm", "side_channel_port": ctl_port}
+    extra: dict[str, Any] = {"backend": "shm", "side_channel_port": ctl_port, **settings_extra}
     if offload is not None:
         extra["offload"] = offload
     kv = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
@@ -231,8 +233,8 @@ def _engine(row: str, settings: BenchSettings, model: Path, model_cfg: Mapping[s
     info["log"] = str(log_path)
     t0 = time.monotonic()
     try:
-        say(f"{row}: starting engine (tiers {offload['tiers'] if offload else 'none'}; "
-            f"log {log_path})")
+        say(f"{row}: starting engine (tiers {offload['tiers'] if offload else 'none'}"
+            f"{''.join(f'; {k} {v}' for k, v in settings_extra.items())}; log {log_path})")
         server.start().wait_ready(settings.start_timeout)
         info["ready_s"] = round(time.monotonic() - t0, 1)
         say(f"{row}: engine ready after {info['ready_s']} s")
@@ -269,87 +271,112 @@ def _request(eng: _Engine, prompt: list[int], settings: BenchSettings, index: in
     return rep
 
 
-def _measure(row: str, eng: _Engine, settings: BenchSettings, prompts: Sequence[list[int]],
-             res: RowResult, say: Progress) -> None:
-    """The repetitions of one row on a running engine (after its cold request)."""
-    tier = TIER_OF[row]
+def _measure(eng: _Engine, settings: BenchSettings, prompt: list[int], res: RowResult,
+             i: int, say: Progress) -> None:
+    """Repetition ``i`` of one row on a running engine (after its cold request)."""
+    tier = TIER_OF[res.row]
     disk_dir = res.engine.get("disk_dir")
     expect = (f"offload_hit_blocks_{tier}", res.expected_blocks) if tier else None
-    for i in range(settings.reps):
-        reset_prefix_cache(eng.url)
-        if row == "disk_cold" and disk_dir:
-            n = drop_page_cache(Path(disk_dir))
-            if i == 0:
-                res.notes.append(f"page cache of {n} files dropped before each rep")
-        time.sleep(0.3)  # let the previous request's store bookkeeping finish
-        rep = _request(eng, prompts[i], settings, i, expect)
-        res.reps.append(rep)
-        say(f"{row}: rep {i + 1}/{settings.reps}: "
-            + (f"TTFT {rep.ttft:.3f} s, counters {rep.deltas}" if rep.ok
-               else f"failed: {rep.error}"))
+    reset_prefix_cache(eng.url)
+    if res.row == "disk_cold" and disk_dir:
+        n = drop_page_cache(Path(disk_dir))
+        if i == 0:
+            res.notes.append(f"page cache of {n} files dropped before each rep")
+    time.sleep(0.3)  # let the previous request's store bookkeeping finish
+    rep = _request(eng, prompt, settings, i, expect)
+    res.reps.append(rep)
+    say(f"{res.row}{f' ({res.variant})' if res.variant else ''}: rep {i + 1}/{settings.reps}: "
+        + (f"TTFT {rep.ttft:.3f} s, counters {rep.deltas}" if rep.ok
+           else f"failed: {rep.error}"))
+
+
+def _prime(name: str, eng: _Engine, settings: BenchSettings, prompts: BenchPrompts,
+           tier: str | None, say: Progress) -> tuple[Rep, int | None]:
+    """The warm-up and the cold request (the tier stores the prompt): the cold request and how
+    many blocks were stored (None: no tier); raises when either request fails."""
+    prompt, warm = prompts.cold, prompts.warm
+    say(f"{name}: warm-up request ({len(warm)} tokens, another prompt)")
+    w = _request(eng, warm, settings, -1)
+    if not w.ok:
+        raise RuntimeError(f"warm-up failed: {w.error}")
+    stored_key = f"offload_stored_blocks_{tier}"
+    full = len(prompt) // settings.block_size
+    if tier:  # the warm-up prompt's store first, so it is not counted as the cold's
+        eng.settle(stored_key, full, settings.settle_timeout)
+    reset_prefix_cache(eng.url)
+    base = eng.stats().get(stored_key, 0) if tier else 0
+    cold = _request(eng, prompt, settings, 0)
+    if not cold.ok:
+        raise RuntimeError(f"cold request failed: {cold.error}")
+    say(f"{name}: cold (computed) TTFT {cold.ttft:.3f} s")
+    stored = None
+    if tier:
+        stats = eng.settle(stored_key, base + full, settings.settle_timeout)
+        stored = stats.get(stored_key, 0) - base
+        if stored < full:
+            say(f"{name}: only {stored} of {full} blocks stored in "
+                f"{settings.settle_timeout:.0f} s")
+    return cold, stored
 
 
 def run_engine(engine_row: str, rows: Sequence[str], settings: BenchSettings, model: Path,
                model_cfg: Mapping[str, Any], prompts: BenchPrompts, work: Path,
-               log_dir: Path, say: Progress) -> list[RowResult]:
-    """Start *engine_row*'s engine, measure every row of *rows* on it, stop it."""
-    prompt, warm = prompts.cold, prompts.warm
+               log_dir: Path, say: Progress,
+               variants: Mapping[str, Mapping[str, Any]] | None = None) -> list[RowResult]:
+    """Start *engine_row*'s engine — one per variant of *variants* (name → extra connector
+    settings; default: one plain engine), all at once — measure every row of *rows* on each
+    (repetitions interleaved ABBA across the variants), stop them."""
+    variants = variants or {"": {}}
+    names = list(variants)
     expected = shared_blocks(settings)
-    results = [RowResult(r, expected_blocks=expected) for r in rows]
-    info: dict[str, Any] = {"loadavg_start": loadavg()}
-    disk_dir = work / f"disk-{engine_row}"
-    info["disk_dir"] = str(disk_dir)
+    results = {v: [RowResult(r, expected_blocks=expected, variant=v) for r in rows]
+               for v in names}
+    infos: dict[str, dict[str, Any]] = {v: {"loadavg_start": loadavg()} for v in names}
     master: Any = None
     t0 = time.monotonic()
+    tier = TIER_OF[engine_row]
     try:
-        if TIER_OF[engine_row] == "mooncake_store":
+        if tier == "mooncake_store":
             # mooncake_master imports pytest (its fixture): not a runtime dependency
             from kvbridge.tools.mooncake_master import MooncakeMaster
 
             master = MooncakeMaster().start()
-            info["mooncake_master"] = master.master_address
-        offload = offload_config(engine_row, settings, disk_dir, master)
-        for r in results:
-            r.tiers = [t["name"] for t in offload["tiers"]] if offload else []
-        with _engine(engine_row, settings, model, model_cfg, offload, log_dir, say,
-                     info) as eng:
-            tier = TIER_OF[engine_row]
-            say(f"{engine_row}: warm-up request ({len(warm)} tokens, another prompt)")
-            w = _request(eng, warm, settings, -1)
-            if not w.ok:
-                raise RuntimeError(f"warm-up failed: {w.error}")
-            stored_key = f"offload_stored_blocks_{tier}"
-            full = len(prompt) // settings.block_size
-            if tier:  # the warm-up prompt's store first, so it is not counted as the cold's
-                eng.settle(stored_key, full, settings.settle_timeout)
-            reset_prefix_cache(eng.url)
-            base = eng.stats().get(stored_key, 0) if tier else 0
-            cold = _request(eng, prompt, settings, 0)
-            if not cold.ok:
-                raise RuntimeError(f"cold request failed: {cold.error}")
-            say(f"{engine_row}: cold (computed) TTFT {cold.ttft:.3f} s")
-            stored = None
-            if tier:
-                stats = eng.settle(stored_key, base + full, settings.settle_timeout)
-                stored = stats.get(stored_key, 0) - base
-                if stored < full:
-                    say(f"{engine_row}: only {stored} of {full} blocks stored in "
-                        f"{settings.settle_timeout:.0f} s")
-            for r in results:
-                r.cold, r.stored_blocks, r.engine = cold, stored, info
-                _measure(r.row, eng, settings, prompts.reps, r, say)
+            for info in infos.values():
+                info["mooncake_master"] = master.master_address
+        with contextlib.ExitStack() as stack:
+            engines: dict[str, _Engine] = {}
+            for v in names:
+                name = f"{engine_row}-{v}" if v else engine_row
+                disk_dir = work / f"disk-{name}"
+                infos[v]["disk_dir"] = str(disk_dir)
+                offload = offload_config(engine_row, settings, disk_dir, master)
+                for r in results[v]:
+                    r.tiers = [t["name"] for t in offload["tiers"]] if offload else []
+                engines[v] = stack.enter_context(_engine(
+                    name, settings, model, model_cfg, offload, log_dir, say, infos[v],
+                    variants[v]))
+            for v in names:
+                cold, stored = _prime(f"{engine_row} ({v})" if v else engine_row, engines[v],
+                                      settings, prompts, tier, say)
+                for r in results[v]:
+                    r.cold, r.stored_blocks, r.engine = cold, stored, infos[v]
+            for k in range(len(rows)):
+                for i in range(settings.reps):
+                    for v in (names if i % 2 == 0 else names[::-1]):  # ABBA
+                        _measure(engines[v], settings, prompts.reps[i], results[v][k], i, say)
     except Exception as exc:  # noqa: BLE001 - report the row as failed, go on
-        for r in results:
-            if not r.reps:
-                r.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        for res in results.values():
+            for r in res:
+                if not r.reps:
+                    r.error = (f"{type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}")
         say(f"{engine_row}: FAILED: {exc}")
     finally:
         if master is not None:
             master.stop()
-        info["loadavg_end"] = loadavg()
-        info["elapsed_s"] = round(time.monotonic() - t0, 1)
-        for r in results:
-            r.engine = info
-    return results
-
-
+        for v, info in infos.items():
+            info["loadavg_end"] = loadavg()
+            info["elapsed_s"] = round(time.monotonic() - t0, 1)
+            for r in results[v]:
+                r.engine = info
+    return [r for v in names for r in results[v]]

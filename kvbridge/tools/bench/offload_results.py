@@ -21,14 +21,13 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.args import parse_names
-from kvbridge.tools.report import table
+from kvbridge.tools.report import median_ci, paired_ratios, percentile, table
 
-__all__ = ["AIMS", "BASELINE", "DEFAULT_ROWS", "ENGINE_OF", "LAYERWISE", "ROW_NAMES",
-           "TABLE_HEADERS",
-           "TIER_OF", "BenchSettings", "Rep", "RowResult", "add_ratios", "format_report",
-           "format_table", "median_min", "parse_rows", "parse_tier_options", "shared_blocks",
-           "source_ok",
-           "summarize", "table_rows", "usable_blocks", "verdicts"]
+__all__ = ["AGAINST", "AIMS", "BASELINE", "DEFAULT_ROWS", "ENGINE_OF", "LAYERWISE", "ROW_NAMES",
+           "TABLE_HEADERS", "TIER_OF", "BenchSettings", "Rep", "RowResult", "add_ratios",
+           "against_rows", "format_against", "format_report", "format_table", "median_min",
+           "parse_rows", "parse_tier_options", "shared_blocks", "source_ok", "summarize",
+           "table_rows", "usable_blocks", "variants_of", "verdicts"]
 
 ROW_NAMES: tuple[str, ...] = ("recompute", "dram", "dram_layerwise", "disk", "disk_layerwise",
                               "disk_cold", "lmcache", "mooncake_store")
@@ -45,6 +44,12 @@ TIER_OF: dict[str, str | None] = {"recompute": None, "dram": "dram", "disk": "di
                                   "mooncake_store": "mooncake_store"}
 #: the issue's aims: median TTFT at most this fraction of recompute's
 AIMS: dict[str, float] = {"dram": 0.2, "disk": 0.5, "disk_cold": 0.5}
+#: ``--against``: the baseline variant → its engines' extra connector settings. Every tier row
+#: then runs on two engines at once, the default one (variant ``seal``) and the baseline, their
+#: repetitions interleaved (ABBA); recompute (no tier) runs once
+AGAINST: dict[str, dict[str, Any]] = {"noseal": {"checksum": False}}
+#: the default engines' variant name next to a baseline
+DEFAULT_VARIANT = "seal"
 
 
 # -- settings and results ------------------------------------------------------------------------
@@ -75,6 +80,8 @@ class BenchSettings:
     log_dir: Path | None = None
     work_dir: Path | None = None
     model_dir: Path | None = None
+    #: a baseline variant of :data:`AGAINST` (None: one engine per row)
+    against: str | None = None
 
     @classmethod
     def quick_defaults(cls) -> BenchSettings:
@@ -113,6 +120,8 @@ class RowResult:
 
     row: str
     tiers: list[str] = field(default_factory=list)
+    #: which engine of the row's variants measured it ("" without ``--against``)
+    variant: str = ""
     unavailable: str | None = None
     error: str | None = None
     cold: Rep | None = None
@@ -134,6 +143,14 @@ def parse_rows(text: str) -> tuple[str, ...]:
     """``"dram, disk"`` → the rows, validated, in the table's order; ``all`` → every row."""
     chosen = set(parse_names(text, ROW_NAMES, "--rows", "row"))
     return tuple(r for r in ROW_NAMES if r in chosen)
+
+
+def variants_of(row: str, settings: BenchSettings) -> dict[str, dict[str, Any]]:
+    """The engines of *row* (variant → extra connector settings): one plain engine, or with
+    ``against`` and a tier the default and the baseline."""
+    if settings.against is None or TIER_OF[row] is None:
+        return {"": {}}
+    return {DEFAULT_VARIANT: {}, settings.against: dict(AGAINST[settings.against])}
 
 
 def parse_tier_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -209,7 +226,8 @@ def summarize(res: RowResult) -> dict[str, Any]:
     checked = [r for r in ok if expected(r) is not None]
     hit_key = f"offload_hit_blocks_{tier}" if tier else "offload_loaded_blocks"
     return {
-        "row": res.row, "tiers": res.tiers, "unavailable": res.unavailable, "error": res.error,
+        "row": res.row, "variant": res.variant, "tiers": res.tiers,
+        "unavailable": res.unavailable, "error": res.error,
         "reps": len(res.reps), "ok": len(ok),
         "ttft_median_s": med, "ttft_min_s": low,
         "ttft_cold_s": res.cold.ttft if res.cold is not None else None,
@@ -236,7 +254,7 @@ def summarize(res: RowResult) -> dict[str, Any]:
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Add ``ratio`` (median TTFT / recompute's) and ``ratio_min`` (min / min), in place."""
-    base = next((r for r in rows if r["row"] == BASELINE), None)
+    base = next((r for r in rows if r["row"] == BASELINE and not r.get("variant")), None)
     for row in rows:
         for key, out in (("ttft_median_s", "ratio"), ("ttft_min_s", "ratio_min")):
             a = row.get(key)
@@ -249,7 +267,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
     for row in rows:
         aim = AIMS.get(row["row"])
-        if aim is None:
+        if aim is None or row.get("variant") not in (None, "", DEFAULT_VARIANT):
             continue
         ratio = row.get("ratio")
         if ratio is None:
@@ -301,7 +319,8 @@ def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         else:
             hit = "0" if set(hits) <= {0} else f"{max(hits)}"
         out.append([
-            r["row"], "+".join(r.get("tiers") or []) or "-",
+            r["row"] + (f" ({r['variant']})" if r.get("variant") else ""),
+            "+".join(r.get("tiers") or []) or "-",
             f"{r.get('ok', 0)}/{r.get('reps', 0)}",
             _fmt(r.get("ttft_median_s")), _fmt(r.get("ttft_min_s")),
             _fmt(r.get("ratio"), 3), _fmt(r.get("ttft_cold_s")),
@@ -315,6 +334,52 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The table as aligned text (header, rule, rows)."""
     lines = table(TABLE_HEADERS, table_rows(rows))
     return "\n".join(lines)
+
+
+def _ttfts(row: Mapping[str, Any]) -> dict[int, float]:
+    return {r["index"]: r["ttft_s"] for r in row.get("records") or []
+            if r.get("ok") and r.get("ttft_s")}
+
+
+def against_rows(rows: Sequence[Mapping[str, Any]], against: str) -> list[dict[str, Any]]:
+    """Per tier row measured with both variants: each variant's median TTFT, the ratio of the
+    medians, and the repetitions' paired ratios (default / *against*, same repetition index:
+    measured back to back) with their median's 95 % interval; ``overhead_pct`` is that median's
+    excess over 1, in percent of the baseline's TTFT."""
+    out: list[dict[str, Any]] = []
+    for a in rows:
+        if a.get("variant") != DEFAULT_VARIANT:
+            continue
+        b = next((r for r in rows if r["row"] == a["row"] and r.get("variant") == against),
+                 None)
+        if b is None:
+            continue
+        ta, tb = _ttfts(a), _ttfts(b)
+        both = sorted(set(ta) & set(tb))
+        ratios = paired_ratios([ta[i] for i in both], [tb[i] for i in both])
+        ci = median_ci(ratios) if ratios else None
+        med_a, med_b = percentile(list(ta.values()), 50), percentile(list(tb.values()), 50)
+        out.append({"row": a["row"], "pairs": len(both), "ttft_median_s": med_a,
+                    f"ttft_median_{against}_s": med_b,
+                    "ratio_of_medians": med_a / med_b if med_a and med_b else None,
+                    "paired_ratio": ci.median if ci else None,
+                    "paired_ratio_ci": [ci.low, ci.high] if ci else None,
+                    "paired_diff_ms": percentile([(ta[i] - tb[i]) * 1e3 for i in both], 50),
+                    "overhead_pct": (ci.median - 1.0) * 100.0 if ci else None})
+    return out
+
+
+def format_against(rows: Sequence[Mapping[str, Any]], against: str) -> str:
+    """:func:`against_rows` as a table."""
+    head = ("row", "pairs", f"TTFT med {DEFAULT_VARIANT} s", f"TTFT med {against} s",
+            "ratio of medians", "paired ratio [95% CI]", "paired diff ms", "overhead %")
+    cells = [[r["row"], r["pairs"], _fmt(r["ttft_median_s"]),
+              _fmt(r[f"ttft_median_{against}_s"]), _fmt(r["ratio_of_medians"]),
+              "-" if r["paired_ratio"] is None else
+              f"{r['paired_ratio']:.3f} [{r['paired_ratio_ci'][0]:.3f}, "
+              f"{r['paired_ratio_ci'][1]:.3f}]",
+              _fmt(r["paired_diff_ms"], 1), _fmt(r["overhead_pct"], 1)] for r in rows]
+    return "\n".join(table(head, cells))
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -331,6 +396,15 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{s['max_tokens']}, {s['reps']} reps per row",
         "", format_table(report["rows"]), "",
     ]
+    if report.get("against"):
+        against = s["against"]
+        how = ", ".join(f"{k}={v}" for k, v in AGAINST[against].items())
+        parts += [f"{DEFAULT_VARIANT} vs {against} ({how}), "
+                  "repetitions interleaved ABBA on two engines per row:", "",
+                  format_against(report["against"], against), "",
+                  f"paired ratio: each repetition's TTFT {DEFAULT_VARIANT} / {against} (the "
+                  "two measured back to back), median and its 95 % interval; overhead: the "
+                  f"paired ratio's excess over 1, in % of the {against} tier hit's TTFT", ""]
     parts += report.get("verdicts") or verdicts(report["rows"])
     parts += ["", "TTFT: client side, request sent -> first streamed token, after "
               "POST /reset_prefix_cache; x recompute: median / recompute's median; cold: the "

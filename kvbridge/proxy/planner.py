@@ -132,21 +132,24 @@ class Stream:
     """The tokens it may produce (its ``max_tokens``): a stall is spread over them."""
     tpot_ms: float | None = None
     """Its TPOT so far (ms); None when not measured yet (D's measured TPOT stands in)."""
+    started: bool = True
+    """Whether its first token is out: the prefill work queued on D before a stream starts
+    runs before its first token, outside its TPOT (its own prefill among it)."""
 
 
 def stalled_streams(streams: Iterable[Stream], ahead_ms: float, prefill_ms: float,
                     slo_ms: float, d_tpot_ms: float | None) -> int:
     """How many of ``streams`` a prefill of ``prefill_ms`` on their D would push past the TPOT
-    SLO ``slo_ms``, beyond the ``ahead_ms`` of prefill work already queued there: a stall of
-    *s* ms adds *s / (tokens - 1)* to a stream's TPOT. A stream past the SLO already, or of
-    fewer than 2 tokens, is not counted; one not measured yet is taken at ``d_tpot_ms`` (0 when
-    that is None too)."""
+    SLO ``slo_ms``, beyond the ``ahead_ms`` of prefill work already queued there (which stalls
+    only the streams already started): a stall of *s* ms adds *s / (tokens - 1)* to a stream's
+    TPOT. A stream past the SLO already, or of fewer than 2 tokens, is not counted; one not
+    measured yet is taken at ``d_tpot_ms`` (0 when that is None too)."""
     count = 0
     for s in streams:
         if s.tokens < 2:
             continue
         now = s.tpot_ms if s.tpot_ms is not None else (d_tpot_ms or 0.0)
-        before = now + ahead_ms / (s.tokens - 1)
+        before = now + (ahead_ms / (s.tokens - 1) if s.started else 0.0)
         if before <= slo_ms < before + prefill_ms / (s.tokens - 1):
             count += 1
     return count

@@ -144,7 +144,7 @@ class Planning:
                 continue
             tpot = (1000.0 * (call.last_at - call.first_at) / (call.events - 1)
                     if call.events >= 4 and call.last_at > call.first_at else None)
-            out.append(Stream(call.max_tokens, tpot))
+            out.append(Stream(call.max_tokens, tpot, started=call.events > 0))
         return out
 
     def _held(self, url: str, prompt: Prompt) -> tuple[float, float, float]:

@@ -285,6 +285,8 @@ def test_a_stall_is_spread_over_a_streams_tokens() -> None:
     assert stalled_streams([Stream(33, 35.0)], 0.0, 30.0, 40.0, None) == 0
     # already over because of the queue: not this prefill's doing
     assert stalled_streams([Stream(33, 35.0)], 200.0, 30.0, 40.0, None) == 0
+    # a stream not started yet: the queue runs before its first token, this prefill after
+    assert stalled_streams([Stream(33, 35.0, started=False)], 200.0, 200.0, 40.0, None) == 1
 
 
 def test_the_tpot_guard_weighs_the_streams_decoding_on_d() -> None:
@@ -333,6 +335,7 @@ def test_the_proxy_knows_the_streams_placed_on_each_d() -> None:
     assert sorted(s.tokens for s in streams) == [8, 64]
     assert next(s for s in streams if s.tokens == 64).tpot_ms == pytest.approx(30.0)
     assert next(s for s in streams if s.tokens == 8).tpot_ms is None
+    assert {s.tokens: s.started for s in streams} == {64: True, 8: False}
     planning.decoding(b, d2)  # a retry on another D
     assert [s.tokens for s in planning.streams(d1.url)] == [64]
     assert [s.tokens for s in planning.streams(d2.url)] == [8]

@@ -223,7 +223,8 @@ class Fleet:
         r.t_proxy = t
         if self.planner is not None:
             d = self._local_d()
-            streams = [Stream(q.spec.output_len) for q in self._placed.get(d.url, {}).values()]
+            streams = [Stream(q.spec.output_len, started=q.t_first is not None)
+                       for q in self._placed.get(d.url, {}).values()]
             r.plan = plan = self.planner.choose(self._features(r, d),
                                                 d_tpot_ms=self.tpot.get(d.url), streams=streams)
             r.mode, r.reason = plan.path.value, plan.why

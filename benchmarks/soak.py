@@ -3,11 +3,13 @@
     PYTHONPATH=.:backends .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 \
         [--connector kvbridge|vllm-nixl] [--backend shm|nixl] [--rate 1.5] \
         [--faults kill,stop,drain,proxy,transfer_error[,slow_disk]] [--repeat-share 0.3] \
-        [--fail-share 0.05] [--out DIR] [--rolling [--quiet-s 75] [--from-code DIR]]
+        [--fail-share 0.05] [--out DIR] [--proxy-mode pull|push|headroom|auto] \
+        [--rolling [--quiet-s 75] [--from-code DIR] [--order D0,D1,P0,P1]]
 
 Starts two P and two D ``vllm serve`` engines on the tiny model (CPU, each with a fixed HTTP
 and control port, so a restarted engine keeps its address) and one kvbridge proxy in headroom
-mode (push or pull by D's load: auto before the planner, so every request is a hand-off),
+mode (push or pull by D's load: auto before the planner, so every request is a hand-off;
+``--proxy-mode`` picks another, e.g. ``pull`` so that every hand-off is a pull),
 as its own process (``python -m kvbridge.proxy``) so that it can be killed and restarted at its
 port. Then, for ``--minutes``:
 
@@ -51,7 +53,9 @@ request: each request carries ``X-Request-Id: soak-s<seed>-<i>``, which the prox
 and vLLM puts in its own request ids.
 
 ``--rolling`` is a measured rolling upgrade instead (issue 28): no faults but a ``drain`` of every
-engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`), one at a time, the
+engine, P0, P1, D0 then D1 (:func:`kvbridge.tools.bench.soak_card.rolling`; ``--order`` names
+another order, e.g. ``D0,D1,P0,P1`` so that old P engines hand off to new D engines), one at a
+time, the
 first after ``--quiet-s`` of steady load, each step starting when the fleet is whole again; the
 load goes on for another ``--quiet-s`` after the last (``--minutes`` is then its upper bound).
 The card's "during faults" are the upgrade's windows, "quiet" the steady state around them.
@@ -63,6 +67,9 @@ copy and the entry points), through ``PYTHONPATH`` and their working directory a
 references run this tree. Before anything starts, each version's imports are checked in the
 environment its engines get (kvbridge, shm's range copy and the ``shm`` backend must come from
 its checkout); the card names both commits and which code each engine's processes ran.
+Every drained engine's hand-off counters (pulls served, pushes sent, KV received, failures) are
+read just before it is stopped and written in its step's note: with ``--from-code`` they say
+which hand-offs each old engine took part in.
 
 At the end it waits until no engine holds a transfer (at most a lease and 30 s), reads what each
 still holds (``StatsQuery.pending``: leaked leases/registrations, must be 0; vLLM's engines: its
@@ -106,6 +113,8 @@ from kvbridge.tools.bench.soak_card import (
     DEFAULT_FAULTS,
     ENGINES,
     FAULTS,
+    PROXY_MODES,
+    ROLLING_ORDER,
     Fault,
     Outcome,
     Window,
@@ -113,9 +122,11 @@ from kvbridge.tools.bench.soak_card import (
     card,
     card_rows,
     code_version,
+    proxy_mode,
     reason,
     repeat_of,
     rolling,
+    rolling_order,
     schedule,
 )
 from kvbridge.tools.client import (
@@ -140,6 +151,10 @@ TIER_KV_CACHE_BYTES = 8 * 2**20
 about 60 s of one engine's share of the load at 1.5 req/s, and more than 8 running requests of
 the longest kind need): prompts sent a minute earlier have left vLLM's prefix cache, so a repeat
 is looked up in the tier (the default 256 MiB would hold a whole short soak)."""
+HANDOFF_COUNTERS = ("pull_served", "push_sent", "recv_ok", "recv_failed", "pull_claimed",
+                    "pull_cancelled", "push_failed", "lease_expired", "params_rejected",
+                    "peer_gone", "checksum_mismatch")
+"""The counters a drained engine's step note shows (those not 0): which hand-offs it served."""
 ADMIN_TIMEOUT_S = 60.0
 """How long the injector waits for one answer of the proxy's /admin: a proxy starved of CPU (four
 vLLM NixlConnector engines busy-polling two cores) took over 10 s to answer."""
@@ -313,9 +328,9 @@ class Fleet:
         self.start_proxy()
 
     def start_proxy(self) -> None:
-        # headroom, not auto (the planner): every request hands off, so the faults hit transfers
-        mode = "pull" if self.vllm else "headroom"
-        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", mode,
+        # headroom by default, not auto (the planner): every request hands off, so the faults
+        # hit transfers (--proxy-mode: soak_card.proxy_mode)
+        cmd = [sys.executable, "-m", "kvbridge.proxy", "--mode", self.args.proxy_mode,
                "--prefill", self.url("P0"), self.url("P1"),
                "--decode", self.url("D0"), self.url("D1"),
                "--port", str(self.proxy_port), "--health-interval", "0.5", "--timeout", "120"]
@@ -437,6 +452,18 @@ class Fleet:
                     out[short] += int(stats.get(k, 0))
         return out
 
+    def handoff_counts(self, name: str) -> str:
+        """The engine's hand-off counters that are not 0 (``pull_served 12, recv_ok 3``), or why
+        they could not be read (vLLM's own engines answer no ``StatsQuery``)."""
+        if self.vllm:
+            return "not measurable"
+        try:
+            stats = engine_stats(f"tcp://127.0.0.1:{self.ctl[name]}", 10)
+        except Exception as exc:  # noqa: BLE001 - the note says why
+            return f"unread ({type(exc).__name__})"
+        seen = [f"{k} {stats[k]}" for k in HANDOFF_COUNTERS if stats.get(k)]
+        return ", ".join(seen) or "all 0"
+
     def close(self, keep: tuple[str, ...] = ()) -> None:
         """Stop the proxy and every engine but those of ``keep``."""
         self.stop_proxy()
@@ -474,7 +501,8 @@ def inject(fleet: Fleet, fault: Fault, t0: float) -> Window:
         held: Any = fleet.wait_idle((name,))[name]  # a drained engine holds nothing a lease later
         if held is None:  # vLLM's own: what its /metrics say
             held = fleet.vllm_after.get(name)
-        note = f"{row['state']} after {took:.1f} s, then holding {held}"
+        note = (f"{row['state']} after {took:.1f} s, then holding {held}; counters: "
+                f"{fleet.handoff_counts(name)}")
         admin.remove(url, force=row["state"] != "drained")
         fleet.see_code(name)
         fleet.engines[name].stop()
@@ -606,7 +634,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     print(f"results and logs in {out}", file=sys.stderr, flush=True)
     duration = args.minutes * 60.0
-    plan = rolling(args.quiet_s) if args.rolling else schedule(args.seed, duration, args.faults)
+    plan = (rolling(args.quiet_s, args.order) if args.rolling
+            else schedule(args.seed, duration, args.faults))
     end = [duration]  # when the load stops (soak clock); a rolling upgrade's is set when done
     fleet = Fleet(args, out)
     code: dict[str, Any] = {"from": None, "engines": fleet.ran, "mapped": fleet.mapped}
@@ -705,6 +734,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "argv": sys.argv, "connector": args.connector, "code": code,
         "backend": "vLLM's NixlConnector" if fleet.vllm else args.backend,
         "minutes": args.minutes, "seed": args.seed, "repeat_share": args.repeat_share,
+        "proxy_mode": args.proxy_mode, "order": list(args.order) if args.rolling else None,
         "slow_tier_after_run": tiers or None,
         "vllm_metrics_after_run": fleet.vllm_after or None,
         "engines_exited": crashed, **found,
@@ -745,7 +775,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's options, checked (``ap.error``: exit status 2 and the flag at fault)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=5.0,
                     help="how long the load runs (with --rolling: at most)")
@@ -766,9 +797,19 @@ def main() -> int:
     ap.add_argument("--fail-share", type=float, default=0.05,
                     help="transfer_error: share of P1's and D1's transfers that fail")
     ap.add_argument("--out", default=None, help="directory for card.json, requests and logs")
+    ap.add_argument("--proxy-mode", default=None, choices=PROXY_MODES,
+                    help="the proxy's --mode (default: headroom, push or pull by D's load, so "
+                         "every request is a hand-off; pull with --connector vllm-nixl, the only "
+                         "mode it takes): pull makes every hand-off a pull, push a push")
     ap.add_argument("--rolling", action="store_true",
-                    help="a rolling upgrade instead of faults: drain and replace P0, P1, D0, D1 "
-                         "one at a time, with no other fault (transfer_error neither)")
+                    help="a rolling upgrade instead of faults: drain and replace every engine "
+                         "one at a time (in --order), with no other fault (transfer_error "
+                         "neither)")
+    ap.add_argument("--order", default=",".join(ROLLING_ORDER), metavar="NAMES",
+                    help="--rolling: the engines in the order they are replaced, comma-"
+                         f"separated, each of {', '.join(ENGINES)} once (default "
+                         f"{','.join(ROLLING_ORDER)}; D0,D1,P0,P1 replaces the decode engines "
+                         "first, so old P engines hand off to new D engines)")
     ap.add_argument("--from-code", type=Path, default=None, metavar="DIR",
                     help="--rolling: the initial fleet's engines import kvbridge from DIR, a "
                          "checkout of another commit with shm's range copy built in place and "
@@ -777,7 +818,17 @@ def main() -> int:
     ap.add_argument("--quiet-s", type=float, default=75.0,
                     help="--rolling: seconds of steady load before the first step and after "
                          "the last")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        args.order = rolling_order(args.order)
+    except ValueError as exc:
+        ap.error(f"--order: {exc}")
+    if args.order != ROLLING_ORDER and not args.rolling:
+        ap.error("--order: only with --rolling")
+    try:
+        args.proxy_mode = proxy_mode(args.connector, args.proxy_mode)
+    except ValueError as exc:
+        ap.error(f"--proxy-mode: {exc}")
     if args.faults is None:
         args.faults = ",".join(f for f in DEFAULT_FAULTS if f in CONNECTORS[args.connector])
     args.faults = [] if args.rolling else [f for f in args.faults.split(",") if f]
@@ -797,6 +848,11 @@ def main() -> int:
             or not 0 <= args.repeat_share <= 1:
         ap.error("--rate and --minutes: positive; --quiet-s: not negative; --repeat-share: "
                  "0 to 1")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)
     clean = not result["wrong"] and not result["leaked_total"] and not result["injector_errors"]

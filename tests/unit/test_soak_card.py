@@ -3,6 +3,11 @@ the short failure reasons and the report card. Starts nothing."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from kvbridge.tools.bench.soak_card import (
@@ -10,6 +15,7 @@ from kvbridge.tools.bench.soak_card import (
     DEFAULT_FAULTS,
     ENGINES,
     FAULTS,
+    PROXY_MODES,
     ROLLING_ORDER,
     SCHEDULED,
     TIERS,
@@ -20,9 +26,11 @@ from kvbridge.tools.bench.soak_card import (
     card_rows,
     code_rows,
     code_version,
+    proxy_mode,
     reason,
     repeat_of,
     rolling,
+    rolling_order,
     schedule,
 )
 
@@ -101,6 +109,37 @@ def test_a_rolling_upgrade_drains_every_engine_once_prefill_first_no_other_fault
             rolling(*bad)
 
 
+def test_a_rolling_order_names_every_engine_exactly_once() -> None:
+    assert rolling_order("D0,D1,P0,P1") == ("D0", "D1", "P0", "P1")
+    assert rolling_order(" P1, D0 ,D1,P0 ") == ("P1", "D0", "D1", "P0")
+    assert rolling_order(",".join(ROLLING_ORDER)) == ROLLING_ORDER
+    for bad, why in (("D0,D1,P0", "missing P1"), ("D0,D1,P0,P1,P0", "twice P0"),
+                     ("D0,D1,P0,P2", "unknown P2; missing P1"), ("", "missing P0, P1, D0, D1"),
+                     ("d0,D1,P0,P1", "unknown d0; missing D0")):
+        with pytest.raises(ValueError, match="exactly once") as info:
+            rolling_order(bad)
+        assert f"({why})" in str(info.value)
+    assert [f.target for f in rolling(5, rolling_order("D0,D1,P0,P1"))] == ["D0", "D1", "P0", "P1"]
+
+
+def test_the_proxy_mode_defaults_to_headroom_and_vllm_nixl_takes_pull_only() -> None:
+    assert proxy_mode("kvbridge", None) == "headroom" and proxy_mode("vllm-nixl", None) == "pull"
+    assert all(proxy_mode("kvbridge", m) == m for m in PROXY_MODES)
+    assert set(PROXY_MODES) == {"pull", "push", "headroom", "auto"}  # local hands nothing off
+    assert proxy_mode("vllm-nixl", "pull") == "pull"
+    with pytest.raises(ValueError, match="pull mode only, not push"):
+        proxy_mode("vllm-nixl", "push")
+    with pytest.raises(ValueError, match="unknown mode 'local'"):
+        proxy_mode("kvbridge", "local")
+
+
+def test_the_card_says_the_proxy_mode_and_the_rolling_order() -> None:
+    c = card([], [], {}, extra={"proxy_mode": "pull", "order": ["D0", "D1", "P0", "P1"]})
+    rows = dict((r[0], r[1]) for r in card_rows(c))
+    assert rows["proxy mode"] == "pull" and rows["rolling order"] == "D0, D1, P0, P1"
+    assert "rolling order" not in dict((r[0], r[1]) for r in card_rows(card([], [], {})))
+
+
 def test_reasons_fold_numbers_and_addresses_so_that_failures_count_together() -> None:
     a = reason(503, 'POST http://127.0.0.1:1234/v1/completions -> HTTP 503: {"error": '
                     '{"message": "no decode engine up after 3 tries (tid 0123abcdef99)"}}')
@@ -156,6 +195,41 @@ def test_an_empty_run_has_a_card() -> None:
     assert (c["sent"], c["wrong"], c["leaked_total"], c["longest_failure_s"]) == (0, 0, 0, 0.0)
     assert c["ttft_quiet_ms"]["p50"] is None and c["ttft_p99_ratio"] is None
     assert card_rows(c)[-1] == ["faults injected", "none"]
+
+
+def _soak() -> ModuleType:
+    """``benchmarks/soak.py`` as a module (its options only: nothing is started)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_soak_options", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_takes_an_order_and_a_proxy_mode_and_names_the_flag_it_refuses(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    soak = _soak()
+    args = soak.parse_args(["--rolling", "--order", "D0,D1,P0,P1", "--proxy-mode", "pull"])
+    assert (args.order, args.proxy_mode, args.faults) == (("D0", "D1", "P0", "P1"), "pull", [])
+    args = soak.parse_args([])
+    assert (args.order, args.proxy_mode) == (ROLLING_ORDER, "headroom")
+    assert soak.parse_args(["--connector", "vllm-nixl"]).proxy_mode == "pull"
+    for argv, flag in ((["--rolling", "--order", "D0,D1,P0"], "--order: 'D0,D1,P0'"),
+                       (["--rolling", "--order", "D0,D0,P0,P1"], "--order:"),
+                       (["--order", "D0,D1,P0,P1"], "--order: only with --rolling"),
+                       (["--proxy-mode", "local"], "--proxy-mode"),
+                       (["--connector", "vllm-nixl", "--proxy-mode", "push"],
+                        "--proxy-mode: --connector vllm-nixl runs in pull mode only")):
+        with pytest.raises(SystemExit) as info:
+            soak.parse_args(argv)
+        assert info.value.code == 2
+        assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--order NAMES" in text and "--proxy-mode {pull,push,headroom,auto}" in text
 
 
 def test_an_upgrade_across_versions_runs_the_old_code_only_in_the_initial_fleet() -> None:

@@ -19,9 +19,10 @@ from typing import Any
 
 from kvbridge.tools.report import percentile
 
-__all__ = ["CONNECTORS", "DEFAULT_FAULTS", "ENGINES", "FAULTS", "ROLLING_ORDER", "SCHEDULED",
-           "TIERS", "Fault", "Outcome", "Window", "applicable", "card", "card_rows", "code_rows",
-           "code_version", "reason", "repeat_of", "rolling", "schedule"]
+__all__ = ["CONNECTORS", "DEFAULT_FAULTS", "ENGINES", "FAULTS", "PROXY_MODES", "ROLLING_ORDER",
+           "SCHEDULED", "TIERS", "Fault", "Outcome", "Window", "applicable", "card", "card_rows",
+           "code_rows", "code_version", "proxy_mode", "reason", "repeat_of", "rolling",
+           "rolling_order", "schedule"]
 
 ENGINES = ("P0", "P1", "D0", "D1")
 SCHEDULED = ("kill", "stop", "drain", "proxy", "slow_disk")
@@ -45,7 +46,12 @@ CONNECTORS: dict[str, tuple[str, ...]] = {
 """The faults that apply to each connector the soak can run: vLLM's own ``NixlConnector`` has
 no kvbridge transport to wrap (``transfer_error``) and no kvbridge offload tier (``slow_disk``)."""
 ROLLING_ORDER = ("P0", "P1", "D0", "D1")
-"""A rolling upgrade replaces the prefill engines first, then the decode engines."""
+"""A rolling upgrade replaces the prefill engines first, then the decode engines (unless told
+another order: :func:`rolling_order`)."""
+PROXY_MODES = ("pull", "push", "headroom", "auto")
+"""The proxy modes a soak can run (``--proxy-mode``): ``pull`` and ``push`` hand off every request
+that way, ``headroom`` hands off every request (push or pull by D's load), ``auto`` is the
+planner (it may also serve a request by D alone); ``local`` is not one: nothing to fault."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,35 @@ def rolling(warmup_s: float, order: Sequence[str] = ROLLING_ORDER) -> list[Fault
     if warmup_s < 0 or len(set(order)) != len(order) or not set(order) <= set(ENGINES):
         raise ValueError(f"bad rolling upgrade: warmup_s {warmup_s}, order {list(order)}")
     return [Fault(round(warmup_s, 1), "drain", name) for name in order]
+
+
+def rolling_order(text: str) -> tuple[str, ...]:
+    """The engines of a rolling upgrade, in the order written (``"D0,D1,P0,P1"``, blanks
+    allowed): each of :data:`ENGINES` exactly once; ValueError saying what is wrong otherwise."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    missing = [n for n in ENGINES if n not in names]
+    if unknown or twice or missing:
+        why = "; ".join(w for w in (f"unknown {', '.join(unknown)}" if unknown else "",
+                                    f"twice {', '.join(twice)}" if twice else "",
+                                    f"missing {', '.join(missing)}" if missing else "") if w)
+        raise ValueError(f"{text!r}: name each of {', '.join(ENGINES)} exactly once ({why})")
+    return tuple(names)
+
+
+def proxy_mode(connector: str, mode: str | None) -> str:
+    """The soak's proxy mode: ``mode`` if given (one of :data:`PROXY_MODES`), else ``headroom``
+    for kvbridge's engines (push or pull by D's load, every request a hand-off) and ``pull`` for
+    vLLM's NixlConnector, the only mode it serves; ValueError for any other."""
+    default = "pull" if connector == "vllm-nixl" else "headroom"
+    if mode is None:
+        return default
+    if mode not in PROXY_MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(PROXY_MODES)}")
+    if connector == "vllm-nixl" and mode != "pull":
+        raise ValueError(f"--connector vllm-nixl runs in pull mode only, not {mode}")
+    return mode
 
 
 def code_version(start: int, old: str | None, new: str) -> str:
@@ -310,6 +345,10 @@ def card_rows(c: Mapping[str, Any]) -> list[list[str]]:
              ["TTFT quiet", ttft(c["ttft_quiet_ms"])],
              ["TTFT p99 faults / quiet", str(c.get("ttft_p99_ratio"))],
              ["faults injected", ", ".join(f"{k} {v}" for k, v in c["faults"].items()) or "none"]]
+    if c.get("proxy_mode"):
+        rows.append(["proxy mode", str(c["proxy_mode"])])
+    if c.get("order"):
+        rows.append(["rolling order", ", ".join(c["order"])])
     if c.get("code"):
         rows += code_rows(c["code"])
     return rows

@@ -23,7 +23,11 @@ import numpy.typing as npt
 from kvbridge.errors import LayoutError
 from kvbridge.layout import KVLayout, check_block_ids
 
-__all__ = ["BlockIO"]
+__all__ = ["BlockIO", "Payload"]
+
+#: A chunk's bytes as the load path hands them on: a copy, or a read-only view into a tier's
+#: chunk (:func:`kvbridge.offload.seal.unseal`).
+Payload = bytes | memoryview
 
 
 class BlockIO:
@@ -62,7 +66,7 @@ class BlockIO:
             out[:, off:off + n] = view[ids]
         return [row.tobytes() for row in out]
 
-    def check(self, block_ids: Sequence[int], chunks: Sequence[bytes]) -> list[int]:
+    def check(self, block_ids: Sequence[int], chunks: Sequence[Payload]) -> list[int]:
         """The block ids, after checking them and that each chunk has the block's size."""
         ids = check_block_ids(block_ids, self.layout.num_blocks)
         if ids.size != len(chunks):
@@ -72,7 +76,7 @@ class BlockIO:
                 raise LayoutError(f"a chunk of {len(c)} bytes for blocks of {self.chunk_bytes}")
         return [int(i) for i in ids.tolist()]
 
-    def write(self, block_ids: Sequence[int], chunks: Sequence[bytes],
+    def write(self, block_ids: Sequence[int], chunks: Sequence[Payload],
               planes: Sequence[int] | None = None) -> None:
         """Copy ``chunks[i]`` into block ``block_ids[i]``: every plane, or only ``planes``
         (indexes into the layout's planes, e.g. one layer's from :attr:`layers`)."""

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 
 from kvbridge.errors import PipeClosed
-from kvbridge.offload.blocks import BlockIO
+from kvbridge.offload.blocks import BlockIO, Payload
 from kvbridge.transports.pipe import memory_pipe
 
 __all__ = ["LayerFeed", "WAIT_S"]
@@ -49,7 +49,7 @@ WAIT_S = 30.0
 class LayerFeed:
     """One step's tier loads, copied layer by layer (see the module docstring)."""
 
-    def __init__(self, io: BlockIO, loads: Sequence[tuple[Sequence[int], Sequence[bytes]]]
+    def __init__(self, io: BlockIO, loads: Sequence[tuple[Sequence[int], Sequence[Payload]]]
                  ) -> None:
         self._io = io
         self._loads = [(list(ids), list(chunks)) for ids, chunks in loads if ids]

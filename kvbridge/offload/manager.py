@@ -48,7 +48,7 @@ from typing import Any
 from kvbridge.errors import PipeClosed
 from kvbridge.lookup import BufferFull, LookupBuffer, LookupMiss
 from kvbridge.offload import warm
-from kvbridge.offload.blocks import BlockIO
+from kvbridge.offload.blocks import BlockIO, Payload
 from kvbridge.offload.build import build_tiers
 from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.events import TierEvent, TierEvents
@@ -89,7 +89,7 @@ class _Lookup:
     def __init__(self, order: LookupOrder, tkeys: list[str]) -> None:
         self.order = order
         self.tkeys = tkeys
-        self.chunks: list[bytes] = []
+        self.chunks: list[Payload] = []
         self.done = False
         self.released = False
 
@@ -204,7 +204,7 @@ class OffloadManager:
             self.release(lid)
         for order in plan.lookups:
             self.lookup(order)
-        feed: list[tuple[list[int], list[bytes]]] = []
+        feed: list[tuple[list[int], list[Payload]]] = []
         for load in plan.loads:
             chunks = self._claim(load)
             if chunks is None:
@@ -276,7 +276,7 @@ class OffloadManager:
             if room <= 0:
                 self._count("offload_staging_full", 1)
                 break
-            got: list[bytes] = []
+            got: list[Payload] = []
             for i, tier in enumerate(self.tiers):
                 index = self._index.get(tier.name)
                 listed = index.lookup(lk.tkeys, p) if index is not None else n - p
@@ -314,7 +314,7 @@ class OffloadManager:
         return True
 
     def _opened(self, tier: Tier, keys: Sequence[str], chunks: list[bytes]
-                ) -> tuple[list[bytes], list[bytes]]:
+                ) -> tuple[list[bytes], list[Payload]]:
         """The sealed chunks a tier returned for ``keys`` and their payloads, up to the first
         whose digest does not match (evicted, counted, logged: recomputed from there)."""
         sealed, payloads, bad = open_prefix(chunks[:len(keys)], self.io.chunk_bytes,
@@ -346,7 +346,7 @@ class OffloadManager:
                 self._put(tier, list(zip(keys, chunks, strict=True)), hashes)
                 self._count("offload_promoted_blocks", len(keys))
 
-    def _claim(self, order: LoadOrder) -> list[bytes] | None:
+    def _claim(self, order: LoadOrder) -> list[Payload] | None:
         """Take the staged chunks ``order`` loads (the lookup ends); None (logged) if any is not."""
         with self._lock:
             try:  # a lookup whose staging expired does not serve (expire() drops it)
@@ -355,7 +355,7 @@ class OffloadManager:
                 lk = None
             ok = (lk is not None and lk.done and not lk.released
                   and order.first + len(order.block_ids) <= len(lk.chunks))
-            chunks: list[bytes] = []
+            chunks: list[Payload] = []
             if lk is not None:
                 if ok:
                     chunks = lk.chunks[order.first:order.first + len(order.block_ids)]

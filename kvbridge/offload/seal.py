@@ -53,23 +53,25 @@ def seal(payload: bytes, sealed: bool = True) -> bytes:
     return payload + _digest(payload) if sealed else payload
 
 
-def unseal(chunk: bytes, payload_bytes: int) -> bytes | None:
+def unseal(chunk: bytes, payload_bytes: int) -> memoryview | None:
     """The payload of a sealed ``chunk`` of a ``payload_bytes`` payload, or None when its length
-    or digest is not right."""
+    or digest is not right. A read-only view into ``chunk``, not a copy: the load path copies
+    each payload once, into the KV cache (a copy here cost a DRAM hit 8 % of its TTFT)."""
     if len(chunk) != payload_bytes + DIGEST_BYTES:
         return None
-    view = memoryview(chunk)
+    view = memoryview(chunk).toreadonly()
     if not hmac.compare_digest(_digest(view[:payload_bytes]), view[payload_bytes:]):
         return None
-    return bytes(view[:payload_bytes])
+    return view[:payload_bytes]
 
 
 def open_prefix(chunks: list[bytes], payload_bytes: int, sealed: bool = True
-                ) -> tuple[list[bytes], list[bytes], bool]:
-    """The sealed chunks of ``chunks`` up to the first that does not open, their payloads, and
-    whether one did not (a load ends at the first bad chunk: a prefix is only useful up to its
-    first hole). Unsealed: the chunks are their payloads, unchecked but for their length."""
-    payloads: list[bytes] = []
+                ) -> tuple[list[bytes], list[bytes | memoryview], bool]:
+    """The sealed chunks of ``chunks`` up to the first that does not open, their payloads (views
+    into the chunks, :func:`unseal`), and whether one did not (a load ends at the first bad
+    chunk: a prefix is only useful up to its first hole). Unsealed: the chunks are their
+    payloads, unchecked but for their length."""
+    payloads: list[bytes | memoryview] = []
     for chunk in chunks:
         payload = unseal(chunk, payload_bytes) if sealed else (
             chunk if len(chunk) == payload_bytes else None)

@@ -18,7 +18,7 @@ from kvbridge.offload.config import OffloadConfig
 from kvbridge.offload.keys import block_keys, namespace_of, seed_key
 from kvbridge.offload.manager import OffloadManager, build_tiers
 from kvbridge.offload.orders import LoadOrder, LookupOrder, OffloadPlan, StoreOrder
-from kvbridge.offload.seal import DIGEST_BYTES, open_prefix, seal, sealed_size
+from kvbridge.offload.seal import DIGEST_BYTES, open_prefix, seal, sealed_size, unseal
 
 BS = 4
 NB = 16
@@ -48,6 +48,19 @@ def test_a_flipped_byte_is_caught_sealed_and_not_unsealed() -> None:
     assert got == [] and bad
     _, got, bad = open_prefix([bytes(bare)], len(payload), sealed=False)
     assert not bad and got == [bytes(bare)] and got[0] != payload  # the cost of turning it off
+
+
+def test_an_opened_payload_is_a_read_only_view_not_a_copy() -> None:
+    """A load copies each payload once, into the KV cache: opening a sealed chunk hands on a
+    view into the tier's chunk (a copy there cost a DRAM hit 8 % of its TTFT)."""
+    payload = bytes(range(256)) * 4
+    chunk = seal(payload)
+    view = unseal(chunk, len(payload))
+    assert isinstance(view, memoryview) and view.obj is chunk and view.readonly
+    assert view == payload and len(view) == len(payload)
+    with pytest.raises(TypeError):
+        view[0] = 1  # type: ignore[index]
+    assert unseal(chunk[:-1], len(payload)) is None
 
 
 # -- keys and configuration ----------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvbridge.errors import ConfigError
@@ -13,6 +16,7 @@ from kvbridge.tools.bench.mix import (
     mark_mismatches,
     parse_plan_header,
     parse_policies,
+    plot_rows,
     request_body,
     summarize,
 )
@@ -108,3 +112,48 @@ def test_disk_tier_flags_are_checked_before_anything_starts(
     code = cli.main(["bench", "mix", "--num-requests", "4", *extra])
     err = capsys.readouterr().err
     assert code != 0 and message in err, err
+
+
+def _report(tmp_path: Path) -> Path:
+    rows = summarize([_ok(0, "short", 0.1, 0.2, [1, 2], "local")], 1.0, 500, 500)
+    report = {"kind": "kvbridge-bench-mix", "date": "2026-12-06", "url": "u",
+              "settings": {"fleet": "1P1D", "backend": "shm", "policies": ["local", "auto"],
+                           "num_requests": 1, "seed": 0, "ttft_slo_ms": 500.0,
+                           "tpot_slo_ms": 40.0},
+              "rates": [{"rate": r, "counts": {"short": 1},
+                         "policies": [{"policy": "local", "rows": rows},
+                                      {"policy": "auto", "rows": rows},
+                                      {"policy": "push", "error": "boom"}]}
+                        for r in (2.0, 4.0)]}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_the_figure_draws_the_whole_mix_per_policy_against_the_rate(tmp_path: Path) -> None:
+    """One point per policy and rate from the ``all`` row (a policy that failed has none);
+    ``--plot-only`` draws an earlier report without starting anything."""
+    report = json.loads(_report(tmp_path).read_text())
+    points = plot_rows(report)
+    assert [(p["policy"], p["rate"]) for p in points] == [
+        ("local", 2.0), ("auto", 2.0), ("local", 4.0), ("auto", 4.0)]
+    assert all(p["class"] == "all" and p["goodput_rps"] == 1.0 for p in points)
+    pytest.importorskip("matplotlib")
+    from kvbridge.tools import cli
+
+    png = tmp_path / "fig" / "mix.png"
+    assert cli.main(["bench", "mix", "--plot-only", str(tmp_path / "mix.json"),
+                     "--plot", str(png)]) == 1  # push's error makes the report unclean
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"kind": "something else"}', "[]"])
+def test_plot_only_refuses_what_is_not_a_mix_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str) -> None:
+    from kvbridge.tools import cli
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert cli.main(["bench", "mix", "--plot-only", str(bad)]) != 0
+    assert "--plot-only: cannot read" in capsys.readouterr().err
+    assert cli.main(["bench", "mix", "--plot-only", str(tmp_path / "missing.json")]) != 0

@@ -18,7 +18,8 @@ Contract:
   p99, TPOT p50 (ms, :func:`kvbridge.tools.report.percentile`), goodput (answered requests with
   TTFT <= the TTFT SLO and TPOT <= the TPOT SLO, per second of the run's wall time), mismatches
   and the chosen paths; :func:`format_rate` and :func:`format_goodput` print them with
-  :func:`kvbridge.tools.report.table`.
+  :func:`kvbridge.tools.report.table`, and :func:`write_plot` draws goodput, TTFT p99 and TPOT
+  p50 of the whole mix against the rate, a line per policy (matplotlib).
 - :func:`run_rate` runs the policies of one rate (``local`` first: it is the reference) and
   calls ``before(policy)`` / ``after(policy)`` around each, for the caller's resets and engine
   counters.
@@ -35,6 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
@@ -44,9 +46,10 @@ from kvbridge.tools.report import percentile, table
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["MODE_HEADER", "PLAN_HEADER", "POLICIES", "Outcome", "cache_salt", "format_goodput",
-           "format_rate", "mark_mismatches", "parse_plan_header", "parse_policies",
-           "replay", "request_body", "run_rate", "summarize"]
+__all__ = ["MODE_HEADER", "PLAN_HEADER", "PLOT_PANELS", "POLICIES", "Outcome", "cache_salt",
+           "format_goodput", "format_rate", "mark_mismatches", "parse_plan_header",
+           "parse_policies", "plot_rows", "replay", "request_body", "run_rate", "summarize",
+           "write_plot"]
 
 POLICIES: tuple[str, ...] = ("push", "pull", "local", "headroom", "auto")
 """The proxy's modes as policies: ``auto`` is the planner, ``headroom`` push or pull by D's load
@@ -291,6 +294,41 @@ def format_goodput(report: Mapping[str, Any]) -> str:
     head = ["policy", *(f"{r:g} req/s" for r in rates)]
     rows = [[p, *(_num(values.get((p, r)), 2) for r in rates)] for p in policies]
     return "\n".join(table(head, rows, align=["l", *("r" * len(rates))]))
+
+
+#: (row key, name, unit) of the figure's panels (:func:`write_plot`)
+PLOT_PANELS: tuple[tuple[str, str, str], ...] = (
+    ("goodput_rps", "goodput", "req/s"), ("ttft_p99_ms", "TTFT p99", "ms"),
+    ("tpot_p50_ms", "TPOT p50", "ms"))
+
+
+def plot_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The whole mix's row (class ``all``) of every policy and rate, with its ``policy`` and
+    ``rate``: what :func:`write_plot` draws."""
+    out = []
+    for e in report.get("rates") or []:
+        for run in e.get("policies") or []:
+            whole = [r for r in run.get("rows") or [] if r["class"] == "all"]
+            if whole:
+                out.append({**whole[0], "policy": run["policy"], "rate": e["rate"]})
+    return out
+
+
+def write_plot(report: Mapping[str, Any], path: Path) -> Path:
+    """Draw goodput, TTFT p99 and TPOT p50 of the whole mix against the rate into ``path``, a
+    line per policy in the report's order. Needs matplotlib
+    (:func:`~kvbridge.tools.bench.serve_plots.matplotlib_available`)."""
+    from kvbridge.tools.bench.serve_plots import draw_rate_panels
+
+    s = report.get("settings") or {}
+    policies = list(s.get("policies") or [])
+    title = (f"kvbridge bench mix ({s.get('fleet', '?')}, {s.get('backend', '?')}): "
+             f"{s.get('num_requests', '?')} requests, seed {s.get('seed', '?')}, SLO TTFT "
+             f"{_num(s.get('ttft_slo_ms'), 0)} ms / TPOT {_num(s.get('tpot_slo_ms'), 0)} ms, "
+             f"{report.get('date', '')}")
+    return draw_rate_panels(
+        plot_rows(report), PLOT_PANELS, title, path, group="policy",
+        order=lambda p: (policies.index(p) if p in policies else len(policies), p))
 
 
 # -- one rate ------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from kvbridge.tools.bench.mix import (
     format_rate,
     parse_policies,
     run_rate,
+    write_plot,
 )
 from kvbridge.tools.bench.mix_tier import (
     SlowTier,
@@ -78,6 +79,7 @@ from kvbridge.tools.bench.mix_workload import (
     generate_trace,
     parse_shares,
 )
+from kvbridge.tools.bench.serve_plots import matplotlib_available
 from kvbridge.tools.bench.serve_settings import fleet_name, parse_fleet, parse_rates
 from kvbridge.tools.engines import signals_unwind
 
@@ -141,6 +143,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
                    help="write the JSON report (every request's outcome) here")
     p.add_argument("--json", action="store_true", help="print the report as JSON, not tables")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="also draw goodput, TTFT p99 and TPOT p50 of the whole mix against the "
+                        "rate, a line per policy, into this file (needs matplotlib)")
+    p.add_argument("--plot-only", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="start and send nothing: print the tables of an earlier --out report "
+                        "and, with --plot, draw its figure")
 
 
 def parse_max_tokens(text: str) -> tuple[int, int]:
@@ -503,12 +511,26 @@ def run_mix(args: argparse.Namespace, say: Callable[[str], None] = _say) -> dict
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    report = run_mix(args)
+    if args.plot is not None and not matplotlib_available():
+        raise ConfigError("--plot: matplotlib is not installed (pip install matplotlib)")
+    if args.plot_only is not None:
+        try:
+            report = json.loads(args.plot_only.read_text())
+            if report.get("kind") != "kvbridge-bench-mix":
+                raise ValueError("not a kvbridge bench mix report")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"--plot-only: cannot read {args.plot_only}: {exc}") from None
+    else:
+        report = run_mix(args)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         _print(report)
-        if args.out is not None:
+        if args.out is not None and args.plot_only is None:
             print(f"\nresults: {args.out}")
+    if args.plot is not None:
+        path = write_plot(report, args.plot)
+        if not args.json:
+            print(f"figure: {path}")
     return 0 if _clean(report) else 1

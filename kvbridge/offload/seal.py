@@ -56,9 +56,13 @@ def seal(payload: bytes, sealed: bool = True) -> bytes:
 def unseal(chunk: bytes, payload_bytes: int) -> memoryview | None:
     """The payload of a sealed ``chunk`` of a ``payload_bytes`` payload, or None when its length
     or digest is not right. A read-only view into ``chunk``, not a copy: the load path copies
-    each payload once, into the KV cache (a copy here cost a DRAM hit 8 % of its TTFT)."""
+    each payload once, into the KV cache (a copy here cost a DRAM hit 8 % of its TTFT). Only an
+    immutable ``bytes`` is viewed: a tier that breaks its contract and returns a buffer it may
+    reuse (a ``bytearray``, a view) has it copied first, so what was checked cannot change."""
     if len(chunk) != payload_bytes + DIGEST_BYTES:
         return None
+    if type(chunk) is not bytes:
+        chunk = bytes(chunk)
     view = memoryview(chunk).toreadonly()
     if not hmac.compare_digest(_digest(view[:payload_bytes]), view[payload_bytes:]):
         return None

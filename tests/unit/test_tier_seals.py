@@ -61,6 +61,12 @@ def test_an_opened_payload_is_a_read_only_view_not_a_copy() -> None:
     with pytest.raises(TypeError):
         view[0] = 1  # type: ignore[index]
     assert unseal(chunk[:-1], len(payload)) is None
+    # a buffer the tier may reuse is copied before it is checked: changing it changes nothing
+    reused = bytearray(chunk)
+    kept = unseal(reused, len(payload))  # type: ignore[arg-type]
+    assert kept is not None and kept.obj is not reused
+    reused[:4] = b"\xff\xff\xff\xff"
+    assert kept == payload
 
 
 # -- keys and configuration ----------------------------------------------------------------------

@@ -9,7 +9,13 @@ of it, computed once, by the engine that stored it (from its own KV cache) — a
 load, in any engine. A chunk whose digest does not match is a miss from that block on (the
 prompt is recomputed), counted and logged, never KV in use.
 
-Tiers see sealed chunks only: :func:`sealed_size` is the chunk size they are configured with.
+Tiers hold chunks of :func:`sealed_size` bytes, the size they are configured with.
+
+XXH3-128 — the hash of the hand-off digests (:mod:`kvbridge.scheduling.digests`), so one
+block's bytes are checked with one function from the engine that computed them to every engine
+that loads them — runs at 15–40 GB/s per core, about four times BLAKE3 (the seals' hash before
+format 2); docs/benchmarks.md has the measured cost. Like BLAKE3 unkeyed, it catches changed
+bytes, not a writer that recomputes the digest: a tier others may write to checks its own MAC.
 
 **Unsealed** (``checksum: false``, which turns the hand-off digests off too): a chunk is its
 payload alone — no digest computed on store, none checked on load, no 16-byte slot (the tiers
@@ -19,11 +25,7 @@ is part of the offload key seed (:func:`kvbridge.offload.keys.seed_key`), so an 
 seals and one that does not never name the same chunk: sharing a tier, each misses the other's
 entries — never reads an unsealed chunk as sealed (or the reverse), never counts one as a
 mismatch.
-XXH3-128 — the hash of the hand-off digests (:mod:`kvbridge.scheduling.digests`), so one
-block's bytes are checked with one function from the engine that computed them to every engine
-that loads them — runs at 15–40 GB/s per core, about four times BLAKE3 (the seals' hash before
-format 2); docs/benchmarks.md has the measured cost. Like BLAKE3 unkeyed, it catches changed
-bytes, not a writer that recomputes the digest: a tier others may write to checks its own MAC.
+
 Pure functions; thread-safe.
 """
 
@@ -32,6 +34,8 @@ from __future__ import annotations
 import hmac
 
 import xxhash
+
+from kvbridge.offload.blocks import Payload
 
 __all__ = ["DIGEST_BYTES", "seal", "unseal", "sealed_size", "open_prefix"]
 
@@ -44,7 +48,7 @@ def sealed_size(payload_bytes: int, sealed: bool = True) -> int:
     return payload_bytes + DIGEST_BYTES if sealed else payload_bytes
 
 
-def _digest(payload: bytes | memoryview) -> bytes:
+def _digest(payload: Payload) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
@@ -70,12 +74,12 @@ def unseal(chunk: bytes, payload_bytes: int) -> memoryview | None:
 
 
 def open_prefix(chunks: list[bytes], payload_bytes: int, sealed: bool = True
-                ) -> tuple[list[bytes], list[bytes | memoryview], bool]:
+                ) -> tuple[list[bytes], list[Payload], bool]:
     """The sealed chunks of ``chunks`` up to the first that does not open, their payloads (views
     into the chunks, :func:`unseal`), and whether one did not (a load ends at the first bad
     chunk: a prefix is only useful up to its first hole). Unsealed: the chunks are their
     payloads, unchecked but for their length."""
-    payloads: list[bytes | memoryview] = []
+    payloads: list[Payload] = []
     for chunk in chunks:
         payload = unseal(chunk, payload_bytes) if sealed else (
             chunk if len(chunk) == payload_bytes else None)

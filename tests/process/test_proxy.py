@@ -2217,6 +2217,18 @@ def plan_of(headers: Any) -> dict[str, str]:
     return dict(part.split("=", 1) for part in headers["X-KVBridge-Plan"].split("; "))
 
 
+async def ask_plan(client: Any, url: str, tokens: int, seed: int, max_tokens: int = 16,
+                   mode: str | None = None) -> dict[str, str]:
+    """Stream a completion of ``tokens`` copies of ``seed`` through the proxy at ``url`` (with
+    ``X-KVBridge-Mode: mode`` when given); assert it was answered whole; its plan header."""
+    body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True, "max_tokens": max_tokens}
+    headers = {"X-KVBridge-Mode": mode} if mode else {}
+    async with client.post(url, json=body, headers=headers) as r:
+        assert r.status == 200
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        return plan_of(r.headers)
+
+
 async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
         engines: Any, proxies: Any, client: Any) -> None:
     """D alone costs 0.5 ms per prompt token here, a hand-off a flat 30 ms or more: once each
@@ -2227,11 +2239,7 @@ async def test_plan_keeps_short_prompts_on_d_and_hands_long_ones_off(
     url = proxy.url + "/v1/completions"
 
     async def ask(tokens: int, seed: int) -> dict[str, str]:
-        body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True}
-        async with client.post(url, json=body) as r:
-            assert r.status == 200
-            assert (await r.read()).endswith(b"data: [DONE]\n\n")
-            return plan_of(r.headers)
+        return await ask_plan(client, url, tokens, seed)
 
     plans = [await ask(tokens, seed) for seed, tokens in enumerate([10, 400] * 6)]
     assert {x["why"] for x in plans[:9]} >= {"warmup"}  # every path measured first
@@ -2312,11 +2320,7 @@ async def test_plan_keeps_long_prefills_off_a_d_whose_decodes_are_at_their_tpot_
     url = proxy.url + "/v1/completions"
 
     async def ask(tokens: int, seed: int) -> dict[str, str]:
-        body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True}
-        async with client.post(url, json=body) as r:
-            assert r.status == 200
-            await r.read()
-            return plan_of(r.headers)
+        return await ask_plan(client, url, tokens, seed)
 
     for seed in range(9):  # every path measured (warm-up), D's TPOT too
         await ask(10 if seed % 2 else 400, seed)
@@ -2343,13 +2347,7 @@ async def test_plan_keeps_a_prefill_off_a_d_where_it_would_push_a_stream_past_it
 
     async def ask(tokens: int, seed: int, max_tokens: int = 16,
                   mode: str | None = None) -> dict[str, str]:
-        body = {**COMPLETION, "prompt": [seed] * tokens, "stream": True,
-                "max_tokens": max_tokens}
-        headers = {"X-KVBridge-Mode": mode} if mode else {}
-        async with client.post(url, json=body, headers=headers) as r:
-            assert r.status == 200
-            await r.read()
-            return plan_of(r.headers)
+        return await ask_plan(client, url, tokens, seed, max_tokens, mode)
 
     for seed in range(9):  # every path measured (warm-up), D's TPOT too
         await ask(10 if seed % 2 else 1000, seed)

@@ -128,6 +128,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     kvbridge_identity: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}\Z")] | None = None
     """Prefill's model identity digest, weight reloads included (a decode engine of another
     identity refuses the hand-off and computes the prompt itself)."""
+    kvbridge_record: bool | None = None
+    """``false``: the engine keeps no flight record of this hand-off (no steps, no phase
+    histograms, no span): for synthetic traffic that should not evict real requests' records
+    from the ring, and to measure what recording costs on one engine pair. Absent or ``true``:
+    recorded when the engine's ``flight_recorder`` is on."""
     kvbridge_error: Text | None = None
     """P → router: why this prefill could not be handed off (nothing is pinned)."""
     kvbridge_tiers: bool | None = None

@@ -101,6 +101,7 @@ class SchedulerSide:
         #: vLLM traces: each hand-off's traceparent goes to the ranks (kvbridge.scheduling.spans)
         self._tracing = self._recording and traces_enabled(vllm_config)
         self._traces: list[tuple[str, str]] = []
+        self._unrecorded: list[str] = []  # for the next plan: kvbridge_record false
         self._seen: set[str] = set()
         self._live: dict[str, Request] = {}  # requests with kv_transfer_params, until finished
         self.wake = EngineWake(config.idle_wait_ms)
@@ -145,7 +146,9 @@ class SchedulerSide:
         tiers' share of the ``external`` tokens vLLM allocated (the planner splits them)."""
         req_id = request.request_id
         tid = self.book.transfer_of(req_id) if req_id in self._live else None
-        if tid is not None and self._recording:  # the flight recorder: vLLM's queue, here
+        if tid is not None and not self.book.recorded(req_id):
+            self._unrecorded.append(tid)  # the ranks mute it before this step's forward
+        elif tid is not None and self._recording:  # the flight recorder: vLLM's queue, here
             arrival = getattr(request, "arrival_time", None)
             if isinstance(arrival, float):
                 self._marks.append((tid, "arrived", arrival))
@@ -187,6 +190,7 @@ class SchedulerSide:
         plan = self.book.take_plan()
         plan.marks, self._marks = self._marks, []
         plan.traces, self._traces = self._traces, []
+        plan.unrecorded, self._unrecorded = self._unrecorded, []
         if self._first_step_due:
             now = time.time()
             for req_id in [r for r in self._first_step_due if r in scheduled]:
@@ -271,7 +275,8 @@ class SchedulerSide:
                 self.events.add(meta.tier_events)
         for req_id in output.finished_recving or ():
             tid = self.book.transfer_done(req_id)
-            if tid is not None and req_id in self._live and self._recording:
+            if (tid is not None and req_id in self._live and self._recording
+                    and self.book.recorded(req_id)):
                 self._first_step_due[req_id] = tid
                 self._marks.append((tid, "recv_seen", time.time()))
         for req_id in output.finished_sending or ():

@@ -122,6 +122,8 @@ class StepPlan:
     marks: list[tuple[str, str, float]] = field(default_factory=list)
     #: (transfer_id, traceparent) of hand-offs to trace (vLLM traces: kvbridge.scheduling.spans)
     traces: list[tuple[str, str]] = field(default_factory=list)
+    #: transfer ids the ranks keep no flight record of (``kvbridge_record: false``)
+    unrecorded: list[str] = field(default_factory=list)
     #: scheduler-side counters since the last plan (rank 0 adds them to its loop's stats)
     counters: dict[str, int] = field(default_factory=dict)
     #: tier lookups, loads, releases and stores (kvbridge.offload)
@@ -535,6 +537,11 @@ class HandoffBook:
         if req is not None:
             req.recving = False
         return tid
+
+    def recorded(self, req_id: str) -> bool:
+        """False when ``req_id``'s params asked for no flight record (``kvbridge_record``)."""
+        req = self._reqs.get(req_id)
+        return req is None or req.params is None or req.params.kvbridge_record is not False
 
     def transfer_of(self, req_id: str) -> str | None:
         """The transfer id of hand-off request ``req_id`` (None: not one, or not known)."""

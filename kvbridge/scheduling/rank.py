@@ -110,6 +110,8 @@ class RankSide:
         """Start what the scheduler decided this step (non-blocking, except that tier loads
         are copied into their blocks here, before the step's forward)."""
         loop = self.loop
+        for tid in plan.unrecorded:  # before anything of this step can mark it
+            loop.recorder.mute(tid)
         if plan.offload:
             if self.offload is None:
                 log.error("offload orders for a rank without offload tiers: ignored")

@@ -16,7 +16,8 @@ thread or process stamped with ``time.time()``, e.g. vLLM's ``arrival_time``) is
 record's monotonic scale through the anchor.
 
 Off (``enabled=False``, the engine's ``flight_recorder`` setting): :meth:`mark` returns at once
-and nothing is recorded, timed or histogrammed.
+and nothing is recorded, timed or histogrammed. One transfer can be left out the same way
+(:meth:`mute`, a request's ``kvbridge_record: false``): its marks return after one set lookup.
 
 Bounded: at most ``capacity`` records (the oldest is evicted), at most :data:`MAX_EVENTS`
 events per record (later ones are ignored), the first mark of an event wins, transfer ids and
@@ -81,6 +82,8 @@ class Recorder:
         self.evicted = 0
         self._lock = threading.Lock()
         self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
+        # transfers left out (mute); bounded like the records, the oldest forgotten first
+        self._muted: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -95,6 +98,8 @@ class Recorder:
             return
         now = time.monotonic_ns()
         tid, event = transfer_id[:MAX_ID], event[:MAX_ID]
+        if tid in self._muted:
+            return
         ended: list[tuple[str, float]] = []
         with self._lock:
             rec = self._records.get(tid)
@@ -123,6 +128,17 @@ class Recorder:
                         ended.append((phase, max(0, t - t0) / 1e9))
         for phase, seconds in ended:
             self.on_phase(phase, seconds)  # type: ignore[misc]
+
+    def mute(self, transfer_id: str) -> None:
+        """Keep no record of ``transfer_id`` from now on (its marks are ignored; what it had
+        recorded is dropped). Bounded: the last ``capacity`` muted ids are remembered."""
+        tid = transfer_id[:MAX_ID]
+        with self._lock:
+            self._records.pop(tid, None)
+            self._muted[tid] = None
+            self._muted.move_to_end(tid)
+            if len(self._muted) > self.capacity:
+                self._muted.popitem(last=False)
 
     def get(self, transfer_id: str) -> dict[str, float] | None:
         """``{event: wall-clock seconds}`` of one transfer, or None when not (or no longer)

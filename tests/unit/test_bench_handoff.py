@@ -37,6 +37,9 @@ def test_the_pairs_differ_only_by_one_switch() -> None:
         "wake": {}, "nodirect": {"KVBRIDGE_DIRECT_ARRIVAL": "0"}}
     assert bh.pairs_of(bh.settings_from_args(_args("--against", "nomap"))) == {
         "wake": {}, "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"}}
+    # the per-request baseline runs on the wake pair itself: one pair, no second environment
+    assert bh.pairs_of(bh.settings_from_args(_args("--against", "unrecorded"))) == {"wake": {}}
+    assert bh.SAME_PAIR["unrecorded"] == {"kvbridge_record": False}
     s = bh.settings_from_args(_args("--against", "nohuge", "--model", "bench"))
     assert bh.pairs_of(s) == {"wake": {}, "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
     assert s.model == "bench" and len(bh._prompts(s, 1, 0)[0]) == s.prompt_len

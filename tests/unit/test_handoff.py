@@ -817,3 +817,14 @@ def test_an_oversized_transfer_id_is_refused_and_not_remembered() -> None:
     book.on_new_request("r-huge", {"transfer_id": huge}, PROMPT)
     assert book.stats["params_rejected"] == 1
     assert huge not in book._named and len(book._named) == 0  # noqa: SLF001
+
+
+def test_a_request_can_ask_to_be_left_out_of_the_flight_record() -> None:
+    book = _book()
+    book.on_new_request("r1", {"do_remote_decode": True, "transfer_id": "t1"}, PROMPT)
+    book.on_new_request("r2", {"do_remote_decode": True, "transfer_id": "t2",
+                               "kvbridge_record": False}, PROMPT)
+    book.on_new_request("r3", {"do_remote_decode": True, "kvbridge_record": "no"}, PROMPT)
+    assert book.recorded("r1") and not book.recorded("r2")
+    assert book.transfer_of("r2") == "t2"  # a hand-off like any other
+    assert book.recorded("r3") and book.recorded("unknown")  # refused or unknown: as before

@@ -31,7 +31,8 @@ from kvbridge.params import (
 #: wire keys (``remote_block_groups`` holds a per-group ``remote_block_ids``; never a key)
 KEYS: list[str] = [f.name for f in msgspec.structs.fields(TransferParams)
                    if f.name != "remote_block_groups"]
-BOOL_KEYS = ["do_remote_decode", "do_remote_prefill", "kvbridge_layerwise", "kvbridge_probe"]
+BOOL_KEYS = ["do_remote_decode", "do_remote_prefill", "kvbridge_layerwise", "kvbridge_probe",
+             "kvbridge_tiers", "kvbridge_record"]
 PEER = {"address": "tcp://127.0.0.1:5000", "generation": "gen-0"}
 
 
@@ -207,6 +208,8 @@ def test_bools_are_bools() -> None:
     assert all(getattr(params, k) is True for k in BOOL_KEYS)
     assert parse({"kvbridge_layerwise": False}).kvbridge_layerwise is False
     assert parse({}).kvbridge_layerwise is None
+    assert parse({"kvbridge_record": False}).kvbridge_record is False
+    assert parse({}).kvbridge_record is None
 
 
 # -- non-objects, hostile sizes and shapes ------------------------------------------------------

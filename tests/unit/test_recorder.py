@@ -117,3 +117,29 @@ def test_marks_from_many_threads_keep_the_bound() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Recorder(capacity=0)
+
+
+def test_a_muted_transfer_keeps_no_record_and_times_no_phase() -> None:
+    phases: list[str] = []
+    r = Recorder(capacity=2, on_phase=lambda phase, _s: phases.append(phase))
+    r.mark("kept", "arrived")
+    r.mark("quiet", "arrived")  # recorded before the mute: dropped with it
+    r.mute("quiet")
+    for event in ("scheduled", "kv_ready"):
+        r.mark("quiet", event)
+        r.mark("kept", event)
+    assert r.get("quiet") is None and "quiet" not in r.snapshot()
+    assert r.get("kept") is not None and phases == ["queue", "prefill"]  # kept's phases only
+    assert r.evicted == 0  # a muted transfer evicts nothing
+
+
+def test_muted_ids_are_bounded_and_the_oldest_is_forgotten_first() -> None:
+    r = Recorder(capacity=2)
+    for tid in ("a", "b", "c"):
+        r.mute(tid)
+    r.mark("a", "arrived")  # forgotten: recorded again
+    r.mark("c", "arrived")
+    assert r.get("a") is not None and r.get("c") is None
+    r.mute("x" * (2 * MAX_ID))  # cut like every id
+    r.mark("x" * MAX_ID, "arrived")
+    assert r.get("x" * MAX_ID) is None

@@ -154,12 +154,13 @@ def kvbridge_prefill_params(transfer_id: str, mode: str) -> dict[str, Any]:
 
 
 def _pull(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
-          rec: RequestRecord) -> None:
+          rec: RequestRecord, extra: Mapping[str, Any] | None = None) -> None:
     t0 = time.perf_counter()
-    resp = _p_leg(pair, prompt, p_params)
+    resp = _p_leg(pair, prompt, {**p_params, **(extra or {})})
     d_params = resp.get("kv_transfer_params")
     if not isinstance(d_params, dict):
         raise EngineError(f"P returned no kv_transfer_params: {str(resp)[:200]}")
+    d_params = {**d_params, **(extra or {})}
     with pair.load.hold():
         _stream_d(pair, pair.d.url, prompt, d_params, t0, rec)
 
@@ -176,8 +177,10 @@ def _concurrent_legs(pair: Pair, prompt: list[int], p_params: Mapping[str, Any],
         p_fut.result(timeout=pair.settings.request_timeout + 10)
 
 
-def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRecord:
-    """Run one request of *mode* on *pair* and return its record (never raises)."""
+def dispatch(pair: Pair, mode: str, prompt: list[int], index: int,
+             extra: Mapping[str, Any] | None = None) -> RequestRecord:
+    """Run one request of *mode* on *pair* and return its record (never raises). ``extra``:
+    keys added to both legs' ``kv_transfer_params`` (kvbridge pairs only)."""
     rec = RequestRecord(index=index, mode=mode, prompt=list(prompt))
     try:
         if pair.config == "vllm-nixl-pull":
@@ -192,11 +195,13 @@ def dispatch(pair: Pair, mode: str, prompt: list[int], index: int) -> RequestRec
             chosen, reserved = pair.load.choose(mode, pair.settings.push_headroom)
             rec.mode = chosen
             if chosen == "pull":
-                _pull(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "pull"), rec)
+                _pull(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "pull"), rec, extra)
             else:
                 with pair.load.hold(reserved):
-                    _concurrent_legs(pair, prompt, kvbridge_prefill_params(rec.transfer_id, "push"),
-                                     push_decode_params(pair.probe, rec.transfer_id), rec)
+                    _concurrent_legs(
+                        pair, prompt,
+                        {**kvbridge_prefill_params(rec.transfer_id, "push"), **(extra or {})},
+                        {**push_decode_params(pair.probe, rec.transfer_id), **(extra or {})}, rec)
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         rec.ok = False
         rec.error = f"{type(exc).__name__}: {exc}"[:500]

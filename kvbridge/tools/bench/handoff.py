@@ -11,7 +11,10 @@ the 4 KiB pages torch gave it: compare the wire time), or ``nomap`` with
 peer's mapped cache: compare the wire time), or ``nodigest`` with ``KVBRIDGE_CHECKSUM=0`` (no
 hand-off digests: what computing and checking them costs), or ``norecorder`` with
 ``KVBRIDGE_FLIGHT_RECORDER=0`` (no flight recorder: what recording costs; that pair has no
-step timings, so its hand-off columns are empty), or ``code``: the same
+step timings, so its hand-off columns are empty), or ``unrecorded``: no second pair — the
+baseline is every other request on the *same* pair, sent with ``kvbridge_record: false`` (the
+engines keep no record of it), so what recording costs is measured without the difference
+between two pairs of processes (its rows share the pair's CPU columns), or ``code``: the same
 configuration running the kvbridge of ``--baseline-code``, a checkout of another commit (what a
 change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100
 M-parameter bench model (24 KiB of KV per token) instead of the tiny one, so that a request's
@@ -82,9 +85,13 @@ BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "
                                         "nomap": {"KVBRIDGE_MAP_KV_CACHE": "0"},
                                         "nodigest": {"KVBRIDGE_CHECKSUM": "0"},
                                         "norecorder": {"KVBRIDGE_FLIGHT_RECORDER": "0"},
+                                        "unrecorded": {},
                                         "code": {}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none). ``code``:
 the engines import kvbridge from ``--baseline-code``, a checkout of another commit."""
+SAME_PAIR: dict[str, dict[str, Any]] = {"unrecorded": {"kvbridge_record": False}}
+"""Baselines run on the ``wake`` pair itself: name → ``kv_transfer_params`` keys added to both
+legs of each baseline request."""
 MODES = ("push", "pull", "push-behind")
 """``push-behind``: a push sent while D already holds another push request that waits for its
 KV (its P leg comes :data:`BEHIND_S` later): what D's idle wait does to a new arrival."""
@@ -117,7 +124,10 @@ def _prompts(settings: HandoffSettings, n: int, seed: int) -> list[list[int]]:
 
 
 def pairs_of(settings: HandoffSettings) -> dict[str, dict[str, str]]:
-    """Pair name → extra environment of both its engines: ``wake`` and the baseline."""
+    """Pair name → extra environment of both its engines: ``wake`` and the baseline (only
+    ``wake`` for a baseline of :data:`SAME_PAIR`)."""
+    if settings.against in SAME_PAIR:
+        return {"wake": {}}
     env = dict(BASELINES[settings.against])
     if settings.against == "code":
         if settings.baseline_code is None:
@@ -292,18 +302,19 @@ def _waiting_cpu(pairs: dict[str, Pair], settings: HandoffSettings
 
 
 def _send(pair: Pair, mode: str, prompt: list[int], index: int,
-          settings: HandoffSettings) -> RequestRecord:
+          settings: HandoffSettings, extra: dict[str, Any] | None = None) -> RequestRecord:
     """One measured request (never raises). ``push-behind``: a push while D waits for another
-    push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured."""
+    push's KV (see :data:`MODES`); the waiting one is finished afterwards, unmeasured.
+    ``extra``: keys added to the measured request's ``kv_transfer_params``."""
     if mode != "push-behind":
-        return dispatch(pair, mode, prompt, index)
+        return dispatch(pair, mode, prompt, index, extra)
 
     other = _prompts(settings, 1, settings.seed * 7 + index)[0]
     tid = new_transfer_id()
     waiting = pair.legs.submit(complete, pair.d.url, other, 2, push_decode_params(pair.probe, tid),
                                timeout=settings.request_timeout)
     time.sleep(BEHIND_S / 2)  # D holds it, idle, waiting for its KV
-    rec = dispatch(pair, "push", prompt, index)
+    rec = dispatch(pair, "push", prompt, index, extra)
     rec.mode = mode
     time.sleep(max(0.0, BEHIND_S / 2 - (rec.total or 0.0)))
     try:
@@ -346,6 +357,10 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
         time.sleep(1.0)
         report["idle"] = _idle_cpu(pairs, settings.idle_s)
         report["waiting"] = _waiting_cpu(pairs, settings)
+        extras = {settings.against: SAME_PAIR[settings.against]} if (
+            settings.against in SAME_PAIR) else {}
+        for name in extras:  # the baseline's requests go to the wake pair itself
+            pairs[name] = pairs["wake"]
         names = list(pairs)
         for mode in settings.modes:
             say(f"{mode}: {settings.requests} rounds")
@@ -355,7 +370,8 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
             for i, prompt in enumerate(prompts):
                 order = names if i % 4 in (0, 3) else names[::-1]
                 for n in order:
-                    cells[n].records.append(_send(pairs[n], mode, prompt, i, settings))
+                    cells[n].records.append(_send(pairs[n], mode, prompt, i, settings,
+                                                  extras.get(n)))
             time.sleep(0.3)  # the last first_step reaches D's rank with its next step
             for n, pair in pairs.items():
                 cells[n].cpu_p, cells[n].cpu_d, _, _ = meters[n].read()
@@ -401,8 +417,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(KVBRIDGE_DIRECT_ARRIVAL=0), nohuge (KVBRIDGE_HUGE_PAGES=0), nomap "
                         "(KVBRIDGE_MAP_KV_CACHE=0), nodigest (KVBRIDGE_CHECKSUM=0: no "
                         "hand-off digests), norecorder (KVBRIDGE_FLIGHT_RECORDER=0: no flight "
-                        "recorder; that pair has no step timings) or code (the code of "
-                        "--baseline-code)")
+                        "recorder; that pair has no step timings), unrecorded (no second "
+                        "pair: every other request on the same pair is sent with "
+                        "kvbridge_record false, so the engines keep no record of it) or code "
+                        "(the code of --baseline-code)")
     p.add_argument("--baseline-code", type=Path, default=None,
                    help="with --against code: a checkout of another commit (git worktree add "
                         "DIR COMMIT) whose kvbridge the baseline pair's engines run")

@@ -64,11 +64,13 @@ from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.relay import Call, Relay
 from kvbridge.proxy.routing import (
     MODE_HEADER,
+    RECORD_HEADER,
     Engine,
     ProbeInfo,
     ProxyMode,
     Role,
     requested_mode,
+    requested_record,
     validate_request,
 )
 from kvbridge.proxy.settings import ProxySettings
@@ -257,6 +259,10 @@ class ProxyServer:
             slo_ms = requested_slo(request.headers)
         except ValueError as exc:
             return self._bad_header(exc, SLO_HEADER)
+        try:
+            record = requested_record(request.headers)
+        except ValueError as exc:
+            return self._bad_header(exc, RECORD_HEADER)
 
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         # the client's id when it is safe to key a record and echo, else the proxy's own
@@ -264,7 +270,7 @@ class ProxyServer:
         headers["X-Request-Id"] = flight.rid = rid
         self.flights.add(flight)
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
-                    flight=flight, requested=requested, slo_ms=slo_ms)
+                    flight=flight, requested=requested, slo_ms=slo_ms, record=record)
         if self.tracing is not None:
             call.trace = self.tracing.start(request.headers, rid, path)
         else:  # no spans of ours: vLLM's still join the client's trace

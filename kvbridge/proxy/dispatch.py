@@ -85,6 +85,14 @@ def _answer_of(p_leg: asyncio.Future[TransferParams]) -> TransferParams | None:
     return None
 
 
+def _leg(body: dict[str, Any], call: Call) -> dict[str, Any]:
+    """A leg's body as sent: ``kvbridge_record: false`` added when the client asked that the
+    engines keep no flight record of the hand-off (``X-KVBridge-Record: 0``)."""
+    if not call.record:
+        body["kv_transfer_params"] = {**body["kv_transfer_params"], "kvbridge_record": False}
+    return body
+
+
 def _d_tiers(call: Call) -> bool:
     """Whether D's offload tiers serve the request's hand-off (the planner may leave them out)."""
     return call.plan is None or call.plan.d_tiers
@@ -263,7 +271,8 @@ class Dispatcher:
             self.planning.prefilling(call, p)
             try:
                 answer = await self.relay.prefill_leg(
-                    p, path, prefill_body(body, tid, ProxyMode.PULL), call, tid, ProxyMode.PULL
+                    p, path, _leg(prefill_body(body, tid, ProxyMode.PULL), call), call, tid,
+                    ProxyMode.PULL
                 )
             except LegFailed as exc:
                 raise exc.within(tid, [(p, None)]) from None
@@ -273,7 +282,8 @@ class Dispatcher:
         d = att.d = self._pick_decode(call, p)
         d.acquire()
         call.flight.decode = d.url
-        d_body = decode_body(body, pull_decode_params(answer, att.wire, _d_tiers(call)))
+        d_body = _leg(decode_body(body, pull_decode_params(answer, att.wire, _d_tiers(call))),
+                      call)
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         legs: list[tuple[Engine, TransferParams | None]] = [(d, None), (p, answer)]
         try:
@@ -318,11 +328,12 @@ class Dispatcher:
         call.flight.attempt(ProxyMode.PUSH.value, tid, p.url, d.url)
         p_leg = att.p_leg = asyncio.ensure_future(
             self.relay.prefill_leg(
-                p, path, prefill_body(body, tid, ProxyMode.PUSH), call, tid, ProxyMode.PUSH
+                p, path, _leg(prefill_body(body, tid, ProxyMode.PUSH), call), call, tid,
+                ProxyMode.PUSH
             )
         )
         call.background.append(p_leg)
-        d_body = decode_body(body, push_decode_params(info, tid, _d_tiers(call)))
+        d_body = _leg(decode_body(body, push_decode_params(info, tid, _d_tiers(call))), call)
         d_open = asyncio.ensure_future(self.relay.open(d, path, d_body, call))
         try:
             resp = await self.relay.to_client(request, d, d_open, p_leg, call)

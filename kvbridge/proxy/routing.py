@@ -19,7 +19,9 @@ answer raises :class:`~kvbridge.errors.ParamsError` naming the key (docs/proxy.m
 - headroom: push when some D has headroom (in-flight below ``push_headroom``), else pull (what
   ``auto`` was before the planner).
 - local: D alone, no P: the request goes to a D without ``kv_transfer_params``.
-- any request may name its own mode in the ``X-KVBridge-Mode`` header (:func:`requested_mode`).
+- any request may name its own mode in the ``X-KVBridge-Mode`` header (:func:`requested_mode`);
+- any request may ask the engines to keep no flight record of its hand-off in the
+  ``X-KVBridge-Record`` header (:func:`requested_record`).
 - fleets (xPyD): every role is a :class:`Pool`; picks skip engines out of rotation
   (:meth:`Engine.mark_down`, health checks) and, for a retry, engines the request already
   tried. :func:`plan_retry` says whether and how a failed dispatch is retried.
@@ -59,6 +61,8 @@ __all__ = [
     "ProxyMode",
     "MODE_HEADER",
     "requested_mode",
+    "RECORD_HEADER",
+    "requested_record",
     "ProbeInfo",
     "Engine",
     "Pool",
@@ -137,6 +141,25 @@ def requested_mode(headers: Mapping[str, str]) -> ProxyMode | None:
     except ValueError:
         raise ValueError(f"{MODE_HEADER} must be one of "
                          f"{', '.join(ProxyMode.names())}, got {raw[:40]!r}") from None
+
+
+#: The per-request header that can leave a hand-off out of the engines' flight records.
+RECORD_HEADER = "X-KVBridge-Record"
+_RECORD_VALUES = {"1": True, "true": True, "yes": True, "on": True,
+                  "0": False, "false": False, "no": False, "off": False}
+
+
+def requested_record(headers: Mapping[str, str]) -> bool:
+    """Whether the engines record the request's hand-off (:data:`RECORD_HEADER`; absent: yes);
+    a value that is not a boolean raises :class:`ValueError` naming the header."""
+    raw = headers.get(RECORD_HEADER)
+    if raw is None:
+        return True
+    value = _RECORD_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"{RECORD_HEADER} must be 0 or 1 (or true, false, yes, no, on, off), "
+                         f"got {raw[:40]!r}")
+    return value
 
 
 @dataclass(frozen=True)

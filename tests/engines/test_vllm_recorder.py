@@ -36,7 +36,7 @@ from test_vllm_faults import _faulty_backend_path  # the test-only backend, as t
 from kvbridge.proxy.relay import Relay
 from kvbridge.testing.otlp import Receiver
 from kvbridge.tools import prom
-from kvbridge.tools.client import complete, output_token_ids
+from kvbridge.tools.client import complete, output_token_ids, stream_complete
 from kvbridge.tools.engines import VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient
 from kvbridge.tools.proxies import ProxyThread
@@ -314,3 +314,27 @@ def test_a_full_decode_kv_is_attributed_to_d_admission(fleet: tuple[ProxyThread,
     print("D admission wait ms:", [round(next(p["seconds"] for p in w["phases"]
                                              if p["phase"] == phase) * 1e3, 1) for _, w in runs])
     assert _attributed(runs, phase, 0.05, longest=False) == 1.0, [w["phases"] for _, w in runs]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_request_sent_with_record_0_leaves_no_engine_record(
+        fleet: tuple[ProxyThread, str], mode: str) -> None:
+    """``X-KVBridge-Record: 0`` through the proxy: the hand-off works (D's greedy answer), and
+    neither engine keeps a record of it, while the request sent next without the header has
+    both; the proxy keeps its own steps either way."""
+    proxies, d_url = fleet
+    prompts = random_prompts(2, 96, seed=40 + len(mode))
+    refs = [output_token_ids(complete(d_url, p, MAX_TOKENS, extra=GREEDY)) for p in prompts]
+    admin = AdminClient(proxies.urls[mode], timeout_s=30.0)
+    for prompt, ref, record in zip(prompts, refs, ("0", None), strict=True):
+        rid = f"record-{mode}-{record}"
+        headers = {"X-Request-Id": rid, **({} if record is None else {"X-KVBridge-Record": record})}
+        res = stream_complete(proxies.urls[mode], prompt, MAX_TOKENS, extra=GREEDY,
+                              headers=headers)
+        assert res.token_ids == ref
+        why = admin.call("GET", f"/admin/why/{rid}")
+        assert why["transfer_id"] and why["proxy"]["first_token"] > why["proxy"]["receive"]
+        if record is None:
+            assert why["P"] and why["D"], why["engines"]
+        else:
+            assert why["P"] is None and why["D"] is None, why

@@ -2185,6 +2185,33 @@ async def test_the_mode_header_overrides_the_proxy_mode_and_bad_headers_are_refu
     assert status == 200
 
 
+async def test_the_record_header_asks_both_legs_for_no_flight_record(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """X-KVBridge-Record: 0 puts kvbridge_record false in P's and D's params (push and pull);
+    without it the params say nothing; a value that is not a boolean is refused, naming it."""
+    p = await engines("prefill", engine_id="P-rec")
+    d = await engines("decode")
+    for mode in (ProxyMode.PULL, ProxyMode.PUSH):
+        proxy = await proxies([p.url], [d.url], mode=mode)
+        url = proxy.url + "/v1/completions"
+        for value, recorded in (("0", False), ("Off", False), ("true", True), (None, True)):
+            headers = {} if value is None else {"X-KVBridge-Record": value}
+            async with client.post(url, json=COMPLETION, headers=headers) as r:
+                assert r.status == 200, await r.text()
+            for leg in (p.requests()[-1], d.requests()[-1]):
+                kvp = leg.body["kv_transfer_params"]
+                assert kvp.get("kvbridge_record", True) is recorded, (mode, value, kvp)
+                assert "kvbridge_record" not in kvp or recorded is False
+        sent = len(d.requests())
+        for bad in ("maybe", "2", "", "x" * 5000):
+            async with client.post(url, json=COMPLETION, headers={"X-KVBridge-Record": bad}) as r:
+                answer = await r.json()
+                assert r.status == 400 and answer["error"]["param"] == "X-KVBridge-Record"
+        assert len(d.requests()) == sent  # the refused ones reached no engine
+        status, _ = await post(client, url, COMPLETION)  # the proxy keeps serving
+        assert status == 200
+
+
 async def test_auto_is_the_planner_plan_its_other_name_and_headroom_the_old_rule(
         engines: Any, proxies: Any, client: Any) -> None:
     """auto is the planner: its answers carry X-KVBridge-Plan. A request asking for plan or auto

@@ -25,7 +25,13 @@ from kvbridge.proxy.planner import (
 from kvbridge.proxy.planning import SLO_HEADER, Planning, requested_slo
 from kvbridge.proxy.pool import Fleet
 from kvbridge.proxy.relay import Call
-from kvbridge.proxy.routing import MODE_HEADER, ProxyMode, requested_mode
+from kvbridge.proxy.routing import (
+    MODE_HEADER,
+    RECORD_HEADER,
+    ProxyMode,
+    requested_mode,
+    requested_record,
+)
 from kvbridge.proxy.settings import ProxySettings
 
 
@@ -344,3 +350,15 @@ def test_the_proxy_knows_the_streams_placed_on_each_d() -> None:
     planning.learn(b)
     assert planning.streams(d1.url) == planning.streams(d2.url) == []
     assert set(planning.placed) <= {d1.url}  # only the calls without max_tokens are left
+
+
+def test_the_record_header_is_a_boolean_or_refused_by_name() -> None:
+    assert requested_record({}) is True
+    for value in ("0", "false", " OFF ", "No"):
+        assert requested_record({RECORD_HEADER: value}) is False
+    for value in ("1", "True", "on", "yes"):
+        assert requested_record({RECORD_HEADER: value}) is True
+    for bad in ("", "2", "maybe", "x" * 5000, "0 1"):
+        with pytest.raises(ValueError, match=RECORD_HEADER) as info:
+            requested_record({RECORD_HEADER: bad})
+        assert len(str(info.value)) < 200  # an oversized value is not echoed whole

@@ -40,6 +40,7 @@ def test_the_pairs_differ_only_by_one_switch() -> None:
     # the per-request baseline runs on the wake pair itself: one pair, no second environment
     assert bh.pairs_of(bh.settings_from_args(_args("--against", "unrecorded"))) == {"wake": {}}
     assert bh.SAME_PAIR["unrecorded"] == {"kvbridge_record": False}
+    assert bh.pairs_of(bh.settings_from_args(_args("--against", "same"))) == {"wake": {}}
     s = bh.settings_from_args(_args("--against", "nohuge", "--model", "bench"))
     assert bh.pairs_of(s) == {"wake": {}, "nohuge": {"KVBRIDGE_HUGE_PAGES": "0"}}
     assert s.model == "bench" and len(bh._prompts(s, 1, 0)[0]) == s.prompt_len
@@ -70,6 +71,8 @@ def test_summary_and_paired_differences() -> None:
     delta = bh.paired_deltas(wake, nowake)
     assert delta["handoff_ms"] == pytest.approx(-3.0)  # median of -3, -4, -2
     assert delta["ttft_ms"] == pytest.approx(-3.0)  # median of -3, -5, -1
+    assert delta["ttft_mean_ms"] == pytest.approx(-3.0)  # and their mean, with its interval
+    assert delta["ttft_mean_ci_ms"] == pytest.approx(1.96 * 2.0 / 3 ** 0.5)
     assert delta["wire_ms"] == pytest.approx(0.0)  # every WRITE took 1 ms
     wake.p_timings["wake-0"]["write_done"] += 0.004
     wake.p_timings["wake-2"]["write_done"] += 0.002
@@ -92,4 +95,7 @@ def test_report_text_names_the_bar() -> None:
     assert "push hand-off minus wire p50 (wake): 1.00 ms (bar <= 2 ms: met)" in text
     assert "push: TTFT -3.00 ms, hand-off -3.00 ms, wire -1.50 ms (1 rounds)" in text
     assert "pull: TTFT -1.00 ms, hand-off -2.00 ms (1 rounds)" in text
+    report["paired"]["pull"].update(ttft_mean_ms=-0.5, ttft_mean_ci_ms=0.25)
+    assert "pull: TTFT -1.00 ms (mean -0.50 ± 0.25 ms), hand-off -2.00 ms (1 rounds)" in (
+        bh.format_handoff_report(report))
     assert "wake    idle" in text

@@ -14,7 +14,9 @@ hand-off digests: what computing and checking them costs), or ``norecorder`` wit
 step timings, so its hand-off columns are empty), or ``unrecorded``: no second pair — the
 baseline is every other request on the *same* pair, sent with ``kvbridge_record: false`` (the
 engines keep no record of it), so what recording costs is measured without the difference
-between two pairs of processes (its rows share the pair's CPU columns), or ``code``: the same
+between two pairs of processes (its rows share the pair's CPU columns), or ``same``: the same
+pair, every other request unchanged (an A/A run: the noise floor of ``unrecorded``), or
+``code``: the same
 configuration running the kvbridge of ``--baseline-code``, a checkout of another commit (what a
 change costs), with one fleet secret for all four engines. ``--model bench`` runs the ~100
 M-parameter bench model (24 KiB of KV per token) instead of the tiny one, so that a request's
@@ -86,10 +88,11 @@ BASELINES: dict[str, dict[str, str]] = {"nowake": {"KVBRIDGE_WAKE_ON_ARRIVAL": "
                                         "nodigest": {"KVBRIDGE_CHECKSUM": "0"},
                                         "norecorder": {"KVBRIDGE_FLIGHT_RECORDER": "0"},
                                         "unrecorded": {},
+                                        "same": {},
                                         "code": {}}
 """Baseline pair name → extra environment of both its engines (``wake`` has none). ``code``:
 the engines import kvbridge from ``--baseline-code``, a checkout of another commit."""
-SAME_PAIR: dict[str, dict[str, Any]] = {"unrecorded": {"kvbridge_record": False}}
+SAME_PAIR: dict[str, dict[str, Any]] = {"unrecorded": {"kvbridge_record": False}, "same": {}}
 """Baselines run on the ``wake`` pair itself: name → ``kv_transfer_params`` keys added to both
 legs of each baseline request."""
 MODES = ("push", "pull", "push-behind")
@@ -196,8 +199,13 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
         wa, wb = _wire(a.p_timings, ra.transfer_id or ""), _wire(b.p_timings, rb.transfer_id or "")
         if wa is not None and wb is not None:
             wire.append(wa - wb)
+    mean = half = None
+    if len(ttft) >= 2:  # the mean is what ABBA balances (the median is not, when the first
+        # request of a round differs from the second)
+        mean = statistics.fmean(ttft) * 1000.0
+        half = 1.96 * statistics.stdev(ttft) / len(ttft) ** 0.5 * 1000.0
     return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "wire_ms": _ms(wire),
-            "rounds": float(len(ttft))}
+            "ttft_mean_ms": mean, "ttft_mean_ci_ms": half, "rounds": float(len(ttft))}
 
 
 def _f(v: Any, nd: int = 2) -> str:
@@ -228,7 +236,9 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     lines += ["", f"paired, wake - {s.get('against', 'nowake')} (median over rounds):"]
     for mode, delta in report["paired"].items():
         wire = "" if delta.get("wire_ms") is None else f", wire {_f(delta['wire_ms'])} ms"
-        lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms, hand-off "
+        mean = "" if delta.get("ttft_mean_ms") is None else (
+            f" (mean {delta['ttft_mean_ms']:.2f} ± {delta['ttft_mean_ci_ms']:.2f} ms)")
+        lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms{mean}, hand-off "
                      f"{_f(delta['handoff_ms'])} ms{wire} ({int(delta['rounds'] or 0)} rounds)")
     for r in report["rows"]:
         if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:
@@ -364,12 +374,17 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
         names = list(pairs)
         for mode in settings.modes:
             say(f"{mode}: {settings.requests} rounds")
-            prompts = _prompts(settings, settings.requests, settings.seed + 100 * MODES.index(mode))
+            seed = settings.seed + 100 * MODES.index(mode)
+            prompts = _prompts(settings, settings.requests, seed)
+            # on one pair the round's second request must not find the first's prompt in the
+            # prefix cache: the baseline gets prompts of its own
+            others = _prompts(settings, settings.requests, seed + 50) if extras else prompts
             cells = {n: _Cell(n, mode) for n in names}
             meters = {n: CpuMeter(pp.p.pid or -1, pp.d.pid or -1) for n, pp in pairs.items()}
-            for i, prompt in enumerate(prompts):
+            for i in range(settings.requests):
                 order = names if i % 4 in (0, 3) else names[::-1]
                 for n in order:
+                    prompt = others[i] if n in extras else prompts[i]
                     cells[n].records.append(_send(pairs[n], mode, prompt, i, settings,
                                                   extras.get(n)))
             time.sleep(0.3)  # the last first_step reaches D's rank with its next step
@@ -419,7 +434,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hand-off digests), norecorder (KVBRIDGE_FLIGHT_RECORDER=0: no flight "
                         "recorder; that pair has no step timings), unrecorded (no second "
                         "pair: every other request on the same pair is sent with "
-                        "kvbridge_record false, so the engines keep no record of it) or code "
+                        "kvbridge_record false, so the engines keep no record of it), same (the "
+                        "same pair and requests: the noise floor of unrecorded) or code "
                         "(the code of --baseline-code)")
     p.add_argument("--baseline-code", type=Path, default=None,
                    help="with --against code: a checkout of another commit (git worktree add "

@@ -1,19 +1,27 @@
-"""Run kvbridge proxies on a background event loop (tests, demo, benchmarks)."""
+"""Run proxies for tests, the demo and benchmarks: kvbridge proxies on a background event loop
+(:class:`ProxyThread`), or any proxy as a process of its own (:class:`ProxyProcess`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Coroutine, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
-from kvbridge.tools.engines import VllmServer, start_servers
+from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 
-__all__ = ["ProxyThread", "serve_pd"]
+__all__ = ["ProxyThread", "ProxyProcess", "serve_pd"]
 
 T = TypeVar("T")
 
@@ -60,6 +68,76 @@ class ProxyThread:
                 pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class ProxyProcess:
+    """``python -m MODULE ARGS --host 127.0.0.1 --port PORT`` in its own process group, as a
+    proxy runs in production: not a thread of the caller, whose other work (a load generator,
+    other proxies on the same event loop) would share its GIL and its loop and delay its relay.
+    ``module``: ``kvbridge.proxy`` (default) or the stock proxies of
+    :mod:`kvbridge.tools.bench.proxy`. Output goes to ``log_path``.
+
+    :meth:`start` blocks until ``GET /health`` answers 200 (an :class:`EngineError` with the
+    log's tail if the process exits or ``timeout`` passes first) and returns the base URL; the
+    process inherits the caller's thread's niceness. :meth:`stop` sends SIGTERM, then SIGKILL,
+    to the group; idempotent."""
+
+    def __init__(self, args: Sequence[str], log_path: Path,
+                 module: str = "kvbridge.proxy") -> None:
+        self.args = list(args)
+        self.module = module
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 60.0) -> str:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1",
+                 "--port", str(port), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    tail = self.log_path.read_text(errors="replace")[-2000:]
+                    raise EngineError(f"the proxy exited ({self.proc.returncode}): {tail}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2.0) as r:
+                        if r.status == 200:
+                            return self.url
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.2)
+            raise EngineError(f"the proxy at {self.url} was not healthy within {timeout:.0f} s "
+                              f"(log: {self.log_path})")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(10.0)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> ProxyProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @contextlib.contextmanager

@@ -641,3 +641,45 @@ def test_small_real_run_writes_results_and_plots(tmp_path: Path,
         _assert_png(tmp_path / PLOT_FILE)
     elif os.environ.get("CI"):
         pytest.fail("matplotlib is not installed, but CI installs it (.ci/install-steps)")
+
+
+def test_the_stock_proxy_runs_as_a_process_of_its_own(tmp_path: Path) -> None:
+    """``python -m kvbridge.tools.bench.proxy`` under ProxyProcess (as ``bench serve`` runs it):
+    healthy, relays a pull, and is gone after stop()."""
+    import aiohttp
+
+    from kvbridge.tools.proxies import ProxyProcess
+
+    fake = _FakeEngines()
+
+    async def run() -> tuple[int, bytes, ProxyProcess]:
+        p_url, d_url = await fake.start()
+        proc = ProxyProcess(["--protocol", "pull", "--prefill", p_url, "--decode", d_url,
+                             "--timeout-s", "10"], tmp_path / "stock.log",
+                            module="kvbridge.tools.bench.proxy")
+        url = proc.start(timeout=60.0)  # blocks on the proxy's /health only
+        try:
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+                                                            json=BODY) as r:
+                return r.status, await r.read(), proc
+        finally:
+            proc.stop()
+            await fake.stop()
+
+    status, raw, proc = asyncio.run(asyncio.wait_for(run(), 90))
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    assert fake.p_bodies[0]["kv_transfer_params"] == vllm_pull_params()
+    assert proc.proc is None  # stopped: stop() is idempotent
+    proc.stop()
+
+
+def test_a_proxy_process_that_cannot_start_says_why(tmp_path: Path) -> None:
+    from kvbridge.tools.engines import EngineError
+    from kvbridge.tools.proxies import ProxyProcess
+
+    proc = ProxyProcess(["--protocol", "push", "--prefill", "http://127.0.0.1:1", "--decode",
+                         "http://127.0.0.1:2"], tmp_path / "bad.log",
+                        module="kvbridge.tools.bench.proxy")
+    with pytest.raises(EngineError, match="side-channel port"):
+        proc.start(timeout=60.0)
+    assert proc.proc is None

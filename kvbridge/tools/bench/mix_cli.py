@@ -44,15 +44,12 @@ import datetime
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.bench.fleet import fleet_specs
@@ -82,6 +79,9 @@ from kvbridge.tools.bench.mix_workload import (
 from kvbridge.tools.bench.serve_plots import matplotlib_available
 from kvbridge.tools.bench.serve_settings import fleet_name, parse_fleet, parse_rates
 from kvbridge.tools.engines import signals_unwind
+
+if TYPE_CHECKING:
+    from kvbridge.tools.proxies import ProxyProcess
 
 __all__ = ["add_arguments", "cli_main", "parse_max_tokens", "proxy_mode"]
 
@@ -312,65 +312,13 @@ class _Tier:
         return stored
 
 
-class _ProxyProcess:
-    """``python -m kvbridge.proxy`` in its own process group (not a thread of this process: the
-    replay's event loop and the proxy would share one GIL, and the proxy's relay would stall
-    behind the load generator, bunching streamed tokens). Log in ``log_path``."""
-
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], mode: str,
-                 log_path: Path, extra: Sequence[str] = ()) -> None:
-        self.args = ["--prefill", *prefill, "--decode", *decode, "--mode", mode, *extra]
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start(self, timeout: float) -> str:
-        from kvbridge.tools.engines import EngineError, free_port
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.proxy", *self.args, "--host", "127.0.0.1",
-                 "--port", str(port), "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise EngineError(f"the proxy exited ({self.proc.returncode}): {tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2.0) as r:
-                    if r.status == 200:
-                        return self.url
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise EngineError(f"the proxy at {self.url} was not healthy within {timeout:.0f} s "
-                          f"(log: {self.log_path})")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
 @contextlib.contextmanager
 def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path,
              slow: SlowTier | None = None) -> Iterator[tuple[str, _Engines, dict[str, Any]]]:
     """Engines and a proxy process, stopped on exit; (proxy URL, hooks, what ran). Under
     ``--disk-tier`` the tiers' files live in a temporary directory, removed on exit."""
     from kvbridge.tools.engines import start_servers
+    from kvbridge.tools.proxies import ProxyProcess  # aiohttp: keeps --help fast
     from kvbridge.tools.tiny_model import build_bench_model, build_tiny_model
 
     model = (build_bench_model if args.model == "bench" else build_tiny_model)(args.model_dir)
@@ -381,7 +329,7 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path,
     tier_dir = Path(tempfile.mkdtemp(prefix="kvbridge-mix-tier-")) if args.disk_tier else None
     tier = None if tier_dir is None else _disk_tier(ps, ds, tier_dir, slow)
     mode = proxy_mode()
-    proxy: _ProxyProcess | None = None
+    proxy: ProxyProcess | None = None
     try:
         _say(f"starting {fleet_name(prefill, decode)} {config} engines (logs in {out_dir})")
         start_servers([*ps, *ds], timeout=args.start_timeout)
@@ -391,8 +339,11 @@ def _started(args: argparse.Namespace, prefill: int, decode: int, out_dir: Path,
                  "--plan-tpot-slo-ms", str(args.tpot_slo_ms)] if mode == "auto" else [])
         if tier is not None:
             slos.append("--kv-events")
-        proxy = _ProxyProcess([p.url for p in ps], [d.url for d in ds], mode,
-                              out_dir / "logs" / "proxy.log", slos)
+        # a process of its own, not a thread here: the replay's event loop and the proxy would
+        # share one GIL, and the relay would stall behind the load generator
+        proxy = ProxyProcess(["--prefill", *[p.url for p in ps], "--decode",
+                              *[d.url for d in ds], "--mode", mode, *slos],
+                             out_dir / "logs" / "proxy.log")
         url = proxy.start(timeout=60.0)
         info: dict[str, Any] = {"engines": config, "proxy_mode": mode,
                                 "logs": str(out_dir / "logs")}

@@ -22,19 +22,23 @@ Bounds: binds 127.0.0.1 only, on a free port; at most ``max_in_flight`` requests
 (more get 503); bodies up to 16 MiB; every upstream call has a connect timeout and a total
 timeout. A client that goes away cancels its handler, which closes its upstream connections (vLLM
 then aborts the request). :class:`StockProxyThread` runs the server on its own event-loop thread;
-:meth:`StockProxyThread.close` is idempotent and also runs at interpreter exit.
+:meth:`StockProxyThread.close` is idempotent and also runs at interpreter exit. ``python -m
+kvbridge.tools.bench.proxy`` runs one as a process until SIGTERM or SIGINT (``kvbridge bench
+serve`` does, as it runs the kvbridge proxy: :class:`~kvbridge.tools.proxies.ProxyProcess`).
 
 This is a benchmark harness, not a production router: one P, one D, no retries, no discovery.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import contextlib
 import copy
 import json
 import logging
+import signal
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
@@ -113,7 +117,8 @@ class StockProxy:
 
     def __init__(self, protocol: str, prefill_url: str, decode_url: str, *,
                  p_side_channel_port: int | None = None, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 3.0, max_in_flight: int = 256) -> None:
+                 connect_timeout_s: float = 3.0, max_in_flight: int = 256,
+                 host: str = HOST, port: int = 0) -> None:
         if protocol not in PROTOCOLS:
             raise ConfigError(f"unknown stock protocol {protocol!r}; expected pull or push")
         if protocol == "push" and p_side_channel_port is None:
@@ -127,7 +132,8 @@ class StockProxy:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_in_flight = max_in_flight
-        self.port = 0
+        self.host = host
+        self.port = port
         self.stats: dict[str, int] = {"requests": 0, "ok": 0, "failed": 0, "busy": 0,
                                       "p_failed_late": 0}
         self._in_flight = 0
@@ -136,7 +142,7 @@ class StockProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         import aiohttp
@@ -152,7 +158,7 @@ class StockProxy:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, HOST, 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info("stock %s proxy on %s -> P %s, D %s", self.protocol, self.url,
@@ -415,3 +421,48 @@ def stock_proxy(protocol: str, prefill_url: str, decode_url: str,
         yield t
     finally:
         t.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbridge.tools.bench.proxy``: one stock proxy until SIGTERM or SIGINT."""
+    ap = argparse.ArgumentParser(prog="python -m kvbridge.tools.bench.proxy",
+                                 description="A proxy speaking vLLM's stock NIXL P/D protocol "
+                                             "(benchmark harness, one P, one D).")
+    ap.add_argument("--protocol", choices=PROTOCOLS, required=True,
+                    help="pull (NixlConnector) or push (NixlPushConnector)")
+    ap.add_argument("--prefill", required=True, help="P's base URL")
+    ap.add_argument("--decode", required=True, help="D's base URL")
+    ap.add_argument("--p-side-channel-port", type=int, default=None,
+                    help="push: P's VLLM_NIXL_SIDE_CHANNEL_PORT")
+    ap.add_argument("--timeout-s", type=float, default=600.0,
+                    help="total timeout of each upstream call (s)")
+    ap.add_argument("--host", default=HOST, help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=0, help="port to bind (0: a free one)")
+    ap.add_argument("--log-level", default="INFO", help="Python log level")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        proxy = StockProxy(args.protocol, args.prefill, args.decode,
+                           p_side_channel_port=args.p_side_channel_port,
+                           timeout_s=args.timeout_s, host=args.host, port=args.port)
+    except ConfigError as exc:
+        ap.error(str(exc))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await proxy.start()
+        try:
+            await stop.wait()
+        finally:
+            await proxy.stop()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,10 +6,11 @@ Setups (``--setups``, default all):
 =====================  ======================================================================
 ``kvbridge-pull``      ``KVBridgeConnector`` (``--backend``, default ``nixl``) behind the
 ``kvbridge-push``      kvbridge proxy in mode pull / push / auto (the planner) / headroom (push
-``kvbridge-auto``      or pull by D's load: auto before the planner) (:class:`~kvbridge.tools.
-``kvbridge-headroom``  proxies.ProxyThread`); the kvbridge modes share one engine pair
-``vllm-nixl-pull``     vLLM's ``NixlConnector`` behind :mod:`kvbridge.tools.bench.proxy` speaking
-                       its stock protocol (P leg with ``max_tokens=1``, then D with P's params)
+``kvbridge-auto``      or pull by D's load: auto before the planner), one ``python -m
+``kvbridge-headroom``  kvbridge.proxy`` process per setup; the kvbridge modes share one engine pair
+``vllm-nixl-pull``     vLLM's ``NixlConnector`` behind :mod:`kvbridge.tools.bench.proxy` (a
+                       process too) speaking its stock protocol (P leg with ``max_tokens=1``,
+                       then D with P's params)
 ``vllm-nixl-push``     vLLM's ``NixlPushConnector`` behind :mod:`kvbridge.tools.bench.proxy`
                        (both legs at once, same ``X-Request-Id``, D told P's engine id and
                        side-channel port)

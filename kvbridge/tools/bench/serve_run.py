@@ -106,32 +106,33 @@ def _warm_up(url: str, settings: ServeSettings, setup: str) -> str | None:
 
 @contextlib.contextmanager
 def _endpoints(group: str, setups: Sequence[str], ps: Sequence[Any], ds: Sequence[Any],
-               settings: ServeSettings) -> Iterator[dict[str, str]]:
-    """The one URL per setup that ``vllm bench serve`` is pointed at; closed on exit."""
+               settings: ServeSettings, log_dir: Path) -> Iterator[dict[str, str]]:
+    """The one URL per setup that ``vllm bench serve`` is pointed at: a proxy process per
+    setup, as in production (a thread of this process would share its GIL, and the kvbridge
+    proxies of every setup one event loop); all stopped on exit."""
+    from kvbridge.tools.proxies import ProxyProcess  # aiohttp: keeps --help fast
+
+    procs: dict[str, ProxyProcess] = {}
     if group == KVBRIDGE_GROUP:
-        from kvbridge.tools.proxies import ProxyThread  # aiohttp: optional and heavy
-
-        proxies = ProxyThread([p.url for p in ps], [d.url for d in ds],
-                              modes=[setup_mode(s) for s in setups],
-                              push_headroom=settings.push_headroom)
-        try:
-            proxies.start()
-            yield {s: proxies.urls[setup_mode(s)] for s in setups}
-        finally:
-            proxies.close()
-        return
-    from kvbridge.tools.bench.proxy import StockProxyThread  # asyncio, aiohttp: keeps --help fast
-
-    [p], [d] = ps, ds  # the stock proxies speak to one P and one D
-    mode = setup_mode(group)
-    port = side_channel_port(p) if mode == "push" else None
-    stock = StockProxyThread(mode, p.url, d.url, p_side_channel_port=port,
-                             timeout_s=max(settings.request_timeout, settings.bench_timeout))
+        for s in setups:
+            procs[s] = ProxyProcess(
+                ["--prefill", *[p.url for p in ps], "--decode", *[d.url for d in ds],
+                 "--mode", setup_mode(s), "--push-headroom", str(settings.push_headroom)],
+                log_dir / f"proxy-{s}.log")
+    else:
+        [p], [d] = ps, ds  # the stock proxies speak to one P and one D
+        mode = setup_mode(group)
+        stock = ["--protocol", mode, "--prefill", p.url, "--decode", d.url, "--timeout-s",
+                 str(max(settings.request_timeout, settings.bench_timeout))]
+        if mode == "push":
+            stock += ["--p-side-channel-port", str(side_channel_port(p))]
+        procs[group] = ProxyProcess(stock, log_dir / f"proxy-{group}.log",
+                                    module="kvbridge.tools.bench.proxy")
     try:
-        stock.start()
-        yield {group: stock.url}
+        yield {s: proc.start() for s, proc in procs.items()}
     finally:
-        stock.close()
+        for proc in procs.values():
+            proc.stop()
 
 
 class _Recorder:
@@ -192,7 +193,7 @@ def _run_group(group: str, setups: Sequence[str], settings: ServeSettings, model
         controls = None  # the engines' hand-off timings: read on a 1P1D kvbridge pair
         if group == KVBRIDGE_GROUP and len(ps) == len(ds) == 1:
             controls = control_addresses(ps[0].url, ds[0].url, settings.request_timeout)[:2]
-        with _endpoints(group, setups, ps, ds, settings) as urls:
+        with _endpoints(group, setups, ps, ds, settings, log_dir) as urls:
             for setup in setups:
                 _run_setup(setup, urls[setup], settings, model, out, rec, engines, done,
                            controls)

@@ -70,7 +70,7 @@ from kvbridge.tools.bench.timings import (
 from kvbridge.tools.client import complete
 from kvbridge.tools.cpumeter import CpuMeter, loadavg
 from kvbridge.tools.engines import EngineError, start_servers
-from kvbridge.tools.report import table
+from kvbridge.tools.report import median_ci, table
 from kvbridge.tools.tiny_model import (
     bench_prompts,
     build_bench_model,
@@ -181,9 +181,10 @@ def _wire(p_timings: dict[str, dict[str, float]], tid: str) -> float | None:
     return None
 
 
-def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
-    """Median over rounds of (a - b) for TTFT, hand-off and (push) wire time (ms); rounds where
-    both succeeded."""
+def paired_deltas(a: _Cell, b: _Cell) -> dict[str, Any]:
+    """Median over rounds of (a - b) for TTFT, hand-off and (push) wire time (ms), and the TTFT
+    median's 95 % order-statistics interval (``ttft_ci_ms``, [low, high]); rounds where both
+    succeeded."""
     ttft: list[float] = []
     hand: list[float] = []
     wire: list[float] = []
@@ -199,13 +200,10 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, float | None]:
         wa, wb = _wire(a.p_timings, ra.transfer_id or ""), _wire(b.p_timings, rb.transfer_id or "")
         if wa is not None and wb is not None:
             wire.append(wa - wb)
-    mean = half = None
-    if len(ttft) >= 2:  # the mean is what ABBA balances (the median is not, when the first
-        # request of a round differs from the second)
-        mean = statistics.fmean(ttft) * 1000.0
-        half = 1.96 * statistics.stdev(ttft) / len(ttft) ** 0.5 * 1000.0
+    ci = median_ci(ttft) if ttft else None  # distribution-free: the tails are heavy here
     return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "wire_ms": _ms(wire),
-            "ttft_mean_ms": mean, "ttft_mean_ci_ms": half, "rounds": float(len(ttft))}
+            "ttft_ci_ms": None if ci is None else [ci.low * 1000.0, ci.high * 1000.0],
+            "rounds": float(len(ttft))}
 
 
 def _f(v: Any, nd: int = 2) -> str:
@@ -233,12 +231,13 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         steps = ", ".join(f"{k} {v:.2f}" for k, v in r["steps_ms"].items())
         lines.append(f"  {r['pair']} {r['mode']}: {steps}")
-    lines += ["", f"paired, wake - {s.get('against', 'nowake')} (median over rounds):"]
+    lines += ["", f"paired, wake - {s.get('against', 'nowake')} (median over rounds, its 95 % "
+              "interval):"]
     for mode, delta in report["paired"].items():
         wire = "" if delta.get("wire_ms") is None else f", wire {_f(delta['wire_ms'])} ms"
-        mean = "" if delta.get("ttft_mean_ms") is None else (
-            f" (mean {delta['ttft_mean_ms']:.2f} ± {delta['ttft_mean_ci_ms']:.2f} ms)")
-        lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])} ms{mean}, hand-off "
+        ci = delta.get("ttft_ci_ms")
+        ci_text = "" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+        lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])}{ci_text} ms, hand-off "
                      f"{_f(delta['handoff_ms'])} ms{wire} ({int(delta['rounds'] or 0)} rounds)")
     for r in report["rows"]:
         if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:

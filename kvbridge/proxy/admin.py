@@ -274,7 +274,10 @@ class AdminApi:
         row = flight.row()
         records: dict[str, dict[str, float] | None] = {"P": None, "D": None}
         engines: dict[str, str] = {}
-        if flight.tid:
+        if flight.tid and not flight.engines_record:
+            engines = {side: f"{url}: not recorded (the request said X-KVBridge-Record: 0)"
+                       for side, url in (("P", flight.prefill), ("D", flight.decode)) if url}
+        elif flight.tid:
             asks = [(side, url) for side, url in (("P", flight.prefill), ("D", flight.decode))
                     if url]
             found = await asyncio.gather(*(self._record(url, flight.tid) for _, url in asks))

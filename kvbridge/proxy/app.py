@@ -268,6 +268,7 @@ class ProxyServer:
         # the client's id when it is safe to key a record and echo, else the proxy's own
         rid = safe_request_id(request.headers.get("X-Request-Id")) or "kvb-" + uuid.uuid4().hex
         headers["X-Request-Id"] = flight.rid = rid
+        flight.engines_record = record
         self.flights.add(flight)
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
                     flight=flight, requested=requested, slo_ms=slo_ms, record=record)

@@ -36,6 +36,7 @@ from test_vllm_faults import _faulty_backend_path  # the test-only backend, as t
 from kvbridge.proxy.relay import Relay
 from kvbridge.testing.otlp import Receiver
 from kvbridge.tools import prom
+from kvbridge.tools.bench.dispatch import control_addresses, control_stats
 from kvbridge.tools.client import complete, output_token_ids, stream_complete
 from kvbridge.tools.engines import VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient
@@ -333,8 +334,14 @@ def test_a_request_sent_with_record_0_leaves_no_engine_record(
                               headers=headers)
         assert res.token_ids == ref
         why = admin.call("GET", f"/admin/why/{rid}")
-        assert why["transfer_id"] and why["proxy"]["first_token"] > why["proxy"]["receive"]
+        tid = why["transfer_id"]
+        assert tid and why["proxy"]["first_token"] > why["proxy"]["receive"]
+        # what each engine itself kept, asked over its control channel
+        p_ctl, d_ctl, _ = control_addresses(why["prefill"], why["decode"], 30.0)
+        kept = [tid in control_stats(ctl).timings for ctl in (p_ctl, d_ctl)]
         if record is None:
-            assert why["P"] and why["D"], why["engines"]
+            assert kept == [True, True] and why["P"] and why["D"], why["engines"]
         else:
-            assert why["P"] is None and why["D"] is None, why
+            assert kept == [False, False], why
+            assert why["P"] is None and why["D"] is None
+            assert "not recorded" in why["engines"]["D"], why["engines"]

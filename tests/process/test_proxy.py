@@ -2077,6 +2077,25 @@ async def test_discovery_dns_answers_that_change_between_rounds(
 LOCAL_TOKEN = trust.admin_token(trust.for_tools(None).secret or b"")
 
 
+async def test_why_of_a_request_sent_with_record_0_names_it_and_asks_no_engine(
+        engines: Any, proxies: Any, client: Any, controls: Any) -> None:
+    p_ctl = controls()
+    p = await engines("prefill", control_port=p_ctl.port)
+    d = await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION,
+                           headers={"X-Request-Id": "quiet-1", "X-KVBridge-Record": "0"}) as r:
+        assert r.status == 200
+        await r.read()
+    p_ctl.records[tid_of(p.requests()[0])] = {"arrived": 1.0}  # even if an engine had one
+    status, row = await admin(client, proxy, "GET", "/admin/why/quiet-1", token=LOCAL_TOKEN)
+    assert status == 200 and row["P"] is None and row["D"] is None
+    assert "not recorded (the request said X-KVBridge-Record: 0)" in row["engines"]["P"]
+    assert row["proxy"]["first_token"] > row["proxy"]["receive"]  # the proxy's own steps stay
+    assert sum(x["seconds"] for x in row["phases"]) == pytest.approx(
+        row["proxy"]["first_token"] - row["proxy"]["receive"])
+
+
 @pytest.mark.parametrize("mode", [ProxyMode.PUSH, ProxyMode.PULL])
 async def test_why_joins_the_proxy_record_with_the_engines_records(
         engines: Any, proxies: Any, client: Any, controls: Any, mode: ProxyMode) -> None:

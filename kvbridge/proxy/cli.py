@@ -114,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="auto: one decision in N of a kind (prompt size, share held by D) goes to the "
         "path other than the cheapest measured longest ago for that kind, so each path's "
-        "cost for requests like it stays current (default 16; 0: never)",
+        "cost for requests like it stays current; while that path's prefilling engine has "
+        "work queued, the first one after (default 16; 0: never)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")

@@ -18,10 +18,18 @@ has ``warmup`` observations it is tried (``why=warmup``); afterwards one decisio
 ``explore_every`` *of its kind* (:func:`kind_of`: short, medium or long; nothing, part or most of
 it held by D; held in D's prefix cache, a host-memory tier or a disk tier) goes to the path
 other than the cheapest that was observed longest ago for that kind (``why=explore``), so a path
-that got cheaper again for requests like it is noticed. An exploration that comes back well under
-its estimate (under ``1 - surprise`` of it) is tried again on the next request of that kind, until
+that got cheaper again for requests like it is noticed. An exploration waits (for the next request
+of the kind) while the engine that would prefill on that path has prefill work queued: behind a
+queue it would measure the queue, which the cost model knows already, and cost the request the
+whole wait — in ``bench mix`` such explorations sent short prompts behind long prefills on P at
+5–10 times D alone's estimate. An exploration that comes back well under
+its estimate (under ``1 - surprise`` of it) is tried again on a next request of that kind, until
 the estimate has caught up (``why=recheck``): a recovery is followed within a few requests instead
-of one exploration period each.
+of one exploration period each. A recheck is taken only where it could change the choice — where
+the path would be the fastest were its estimate as far off as the exploration found (an
+exploration that came back at half its estimate makes a path worth rechecking only where its
+estimate is at most twice the fastest) — and one at a time per kind: a path whose estimate is ten
+times the fastest because its engine is busy now is not what the exploration's surprise was about.
 
 A hand-off to a D that holds part of the prompt in its offload tiers has two variants: D loads
 that part from its tiers and P sends the rest (the default), or D's tiers are left out and P
@@ -236,7 +244,8 @@ class PlannerSettings:
     """Observations of a path before its estimate is trusted."""
     explore_every: int = 16
     """One decision in this many of a kind goes to another path than the cheapest, the one
-    observed longest ago for that kind (0: never)."""
+    observed longest ago for that kind (0: never); the first one after, when that path's
+    prefilling engine has work queued."""
     half_life: float = 8.0
     """Observations after which one weighs half as much in a path's cost model."""
     surprise: float = 0.25
@@ -280,10 +289,12 @@ class Planner:
         self.models = {p: CostModel(_PRIORS[p], half_life=s.half_life) for p in Path}
         self._decisions = 0
         self._observed = 0
-        #: per request kind: its decisions, and when each path was last observed for it
+        #: per request kind: its decisions since its last exploration, and when each path was
+        #: last observed for it
         self._kinds: dict[tuple[int, int, int], dict[str, int]] = {}
-        #: per request kind: a path whose last exploration came back well under its estimate
-        self._again: dict[tuple[int, int, int], Path] = {}
+        #: per request kind: a path whose last exploration came back well under its estimate,
+        #: and the share of the estimate it took (observed / estimated)
+        self._again: dict[tuple[int, int, int], tuple[Path, float]] = {}
 
     def estimate(self, path: Path, f: Features) -> float:
         return self.models[path].predict(f)
@@ -332,7 +343,8 @@ class Planner:
         kind = kind_of(features)
         features, off = self._tier_variants(features)
         est = {p: self.estimate(p, f) for p, f in features.items()}
-        path, why = self._pick(kind, est, slo_ms, dry_run)
+        path, why = self._pick(kind, est, {p: f.queue for p, f in features.items()}, slo_ms,
+                               dry_run)
         return Plan(path, why, est, features, d_tiers=path not in off, guard=guard)
 
     def _tier_variants(self, features: Mapping[Path, Features]
@@ -353,20 +365,24 @@ class Planner:
         return out, off
 
     def _pick(self, kind: tuple[int, int, int], est: Mapping[Path, float],
-              slo_ms: float | None, dry_run: bool) -> tuple[Path, str]:
+              queued: Mapping[Path, float], slo_ms: float | None,
+              dry_run: bool) -> tuple[Path, str]:
         s = self.settings
         cold = [p for p in Path if p in est and self.models[p].count < s.warmup]
         if cold and not dry_run:
             return min(cold, key=lambda p: self.models[p].count), "warmup"
-        seen = self._kinds.setdefault(kind, {"decisions": 0, **{p.value: -1 for p in Path}})
-        seen["decisions"] += 0 if dry_run else 1
-        again = self._again.get(kind)
+        seen = self._kinds.setdefault(kind, {"since": 0, **{p.value: -1 for p in Path}})
+        seen["since"] += 0 if dry_run else 1
         best = min(est, key=lambda p: est[p])
-        if again is not None and again in est and again is not best and not dry_run:
+        again = self._recheck(kind, est, best)
+        if again is not None and not dry_run:
+            del self._again[kind]  # one recheck in flight per kind; observe() re-arms it
             return again, "recheck"
-        if (s.explore_every and not dry_run and len(est) > 1
-                and seen["decisions"] % s.explore_every == 0):
-            return min((p for p in est if p is not best), key=lambda p: seen[p.value]), "explore"
+        if s.explore_every and not dry_run and len(est) > 1 and seen["since"] >= s.explore_every:
+            path = min((p for p in est if p is not best), key=lambda p: seen[p.value])
+            if queued.get(path, 0.0) <= 0:  # else: deferred to a request its engine is free for
+                seen["since"] = 0
+                return path, "explore"
         slo = s.ttft_slo_ms if slo_ms is None else slo_ms
         fastest = min(est, key=lambda p: (est[p], p is not Path.LOCAL))
         if slo > 0 and est[fastest] > slo:
@@ -375,6 +391,19 @@ class Planner:
                 and est[Path.LOCAL] <= est[fastest] * (1.0 + s.tie)):
             return Path.LOCAL, "tie"
         return fastest, "fastest"
+
+    def _recheck(self, kind: tuple[int, int, int], est: Mapping[Path, float],
+                 best: Path) -> Path | None:
+        """The path to recheck for a request of ``kind`` with estimates ``est``: the one whose
+        exploration came back well under its estimate, when it is possible, not the cheapest
+        already, and would be the cheapest were its estimate off by as much as then."""
+        again = self._again.get(kind)
+        if again is None:
+            return None
+        path, ratio = again
+        if path not in est or path is best or est[path] * ratio > est[best]:
+            return None
+        return path
 
     def observe(self, plan: Plan, path: Path, ttft_ms: float) -> None:
         """Request planned as ``plan`` went ``path`` (a fallback may differ from the plan) and
@@ -385,13 +414,13 @@ class Planner:
         self.models[path].observe(f, ttft_ms)
         self._observed += 1
         kind = kind_of(plan.features)
-        seen = self._kinds.setdefault(kind, {"decisions": 0, **{p.value: -1 for p in Path}})
+        seen = self._kinds.setdefault(kind, {"since": 0, **{p.value: -1 for p in Path}})
         seen[path.value] = self._observed
         expected = plan.estimates.get(path)
         if (plan.why in ("explore", "recheck") and expected is not None
                 and ttft_ms < (1.0 - self.settings.surprise) * expected):
-            self._again[kind] = path
-        elif self._again.get(kind) is path:
+            self._again[kind] = (path, ttft_ms / expected)
+        elif self._again.get(kind, (None, 0.0))[0] is path:
             del self._again[kind]
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:

@@ -15,7 +15,11 @@ prefix index (:mod:`kvbridge.proxy.prefixes`) — to the fleet the dispatcher ro
   the streams the planner's TPOT guard weighs a prefill on that engine against;
 - :meth:`Planning.learn` feeds back the request's TTFT (proxy receive → first token out, streamed
   answers of a first dispatch only: a retry or a whole non-streamed answer would teach the wrong
-  cost) and records what the engines now hold.
+  cost). What the engines hold is recorded in the prefix index as soon as the request's first
+  token is out (its KV is on its D, and on its P, from then on, and stays while it decodes), and
+  again when it ends: a prompt that repeats one still decoding (a shared system prompt, the next
+  turn of a conversation) is then counted as held, not as a cold prompt whose prefill would stall
+  D's streams.
 
 Runs on the proxy's event loop; not thread-safe. No I/O.
 """
@@ -117,7 +121,17 @@ class Planning:
             limit = body.get("max_completion_tokens") or body.get("max_tokens")
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
                 call.max_tokens = limit
+            call.on_first_token.append(lambda: self._holding(call))
         return call.prompt
+
+    def _holding(self, call: Call) -> None:
+        """``call``'s first token is out (or it ended without one: nothing then): its engines
+        hold its prompt's KV from now on, not only once it ends."""
+        if call.prompt is None or not call.first_at:
+            return
+        for url in (call.flight.decode, call.flight.prefill):
+            if url:
+                self.index.record(url, call.prompt)
 
     def decoding(self, call: Call, d: Engine) -> None:
         """``call`` is placed on decode engine ``d`` (a retry may move it): one of the streams

@@ -164,6 +164,59 @@ def test_one_decision_in_explore_every_goes_to_another_path_in_turn() -> None:
     assert all(p.path is Path.LOCAL for p in plans if p.why != "explore")
 
 
+def test_an_exploration_waits_while_its_path_has_prefill_work_queued() -> None:
+    """The exploration due every ``explore_every`` decisions of a kind waits while the engine
+    that would prefill on the path to explore has a queue (it would measure the queue and cost
+    the request the whole wait), and goes to the next request of the kind whose engine is
+    free; the count to the next one starts there."""
+    planner = Planner(PlannerSettings(warmup=1, explore_every=4))
+    for _ in range(3):
+        run(planner, 20)
+
+    def request(p_queue: float) -> dict[Path, Features]:
+        hand = Features(20, 20, 0, p_queue)
+        return {Path.LOCAL: Features(20, 0, 0, 0), Path.PUSH: hand, Path.PULL: hand}
+
+    whys = [planner.choose(request(5000)).why for _ in range(6)]  # P busy: the 4th waits
+    assert "explore" not in whys, whys
+    explored = planner.choose(request(0))
+    assert explored.why == "explore" and explored.path is not Path.LOCAL, explored
+    whys = [planner.choose(request(0)).why for _ in range(4)]
+    assert [w == "explore" for w in whys] == [False, False, False, True], whys
+
+
+def test_a_recheck_is_taken_only_where_it_could_win_and_one_at_a_time() -> None:
+    """An exploration of pull that came back at 40 % of its estimate makes pull worth
+    rechecking for requests of its kind where 40 % of its estimate would be the fastest — not
+    where P's queue puts it at many times D alone's — and one recheck at a time: the next
+    request of the kind is not rechecked until the last recheck came back (again well under
+    its estimate: rechecked again; near it: caught up, no more)."""
+    planner = Planner(PlannerSettings(explore_every=0))
+    for _ in range(12):
+        run(planner, 100)
+
+    def request(p_queue: float) -> dict[Path, Features]:
+        hand = Features(100, 100, 0, p_queue)
+        return {Path.LOCAL: Features(100, 0, 0, 0), Path.PUSH: hand, Path.PULL: hand}
+
+    idle = planner.choose(request(0), dry_run=True)
+    assert idle.path is Path.LOCAL
+    explored = Plan(Path.PULL, "explore", idle.estimates, request(0))
+    planner.observe(explored, Path.PULL, 0.4 * idle.estimates[Path.PULL])
+    busy = planner.choose(request(5000))  # pull's estimate is many times D alone's
+    assert busy.estimates[Path.PULL] * 0.4 > busy.estimates[Path.LOCAL]
+    assert busy.path is Path.LOCAL and busy.why == "fastest", busy
+    assert planner.choose(request(0), dry_run=True).why != "recheck"  # a dry run takes none
+    again = planner.choose(request(0))
+    assert again.path is Path.PULL and again.why == "recheck", again
+    assert planner.choose(request(0)).path is Path.LOCAL  # the recheck is still out
+    planner.observe(again, Path.PULL, 0.4 * again.estimates[Path.PULL])  # still well under
+    third = planner.choose(request(0))
+    assert third.path is Path.PULL and third.why == "recheck", third
+    planner.observe(third, Path.PULL, third.estimates[Path.PULL])  # the estimate caught up
+    assert planner.choose(request(0)).why != "recheck"
+
+
 def test_a_plan_expected_to_miss_its_slo_says_so() -> None:
     planner = Planner(PlannerSettings(explore_every=0))
     for _ in range(12):
@@ -362,3 +415,24 @@ def test_the_record_header_is_a_boolean_or_refused_by_name() -> None:
         with pytest.raises(ValueError, match=RECORD_HEADER) as info:
             requested_record({RECORD_HEADER: bad})
         assert len(str(info.value)) < 200  # an oversized value is not echoed whole
+
+
+def test_the_engines_hold_a_prompt_from_its_first_token_on() -> None:
+    """A request's D and P are recorded as holding its prompt in the prefix index once its
+    first token is out, while it still decodes: a prompt that repeats it (a shared system
+    prompt, the next turn) is then counted as held. One that ended without a token records
+    nothing until :meth:`Planning.learn`, which records only what answered."""
+    planning = Planning(cast(Fleet, None), PlannerSettings())
+    p, d = "http://p", "http://d"
+    call = Call(t0=0.0, rid="a", stream=True, headers={})
+    prompt = planning.prompt(call, {"prompt": list(range(64)), "max_tokens": 8}, chat=False)
+    call.flight.attempt("push", "t1", p, d)
+    assert planning.index.held(d, prompt) == planning.index.held(p, prompt) == 0
+    call.first_token()
+    assert planning.index.held(d, prompt) == planning.index.held(p, prompt) == 63
+    failed = Call(t0=0.0, rid="b", stream=True, headers={})
+    other = planning.prompt(failed, {"prompt": list(range(100, 164)), "max_tokens": 8},
+                            chat=False)
+    failed.flight.attempt("local", "", "", d)
+    failed.release_held()  # ended without a first token
+    assert planning.index.held(d, other) == 0

@@ -22,10 +22,10 @@ that got cheaper again for requests like it is noticed. An exploration waits (fo
 of the kind) while the engine that would prefill on that path has prefill work queued: behind a
 queue it would measure the queue, which the cost model knows already, and cost the request the
 whole wait — in ``bench mix`` such explorations sent short prompts behind long prefills on P at
-5–10 times D alone's estimate. An exploration that comes back well under
-its estimate (under ``1 - surprise`` of it) is tried again on a next request of that kind, until
-the estimate has caught up (``why=recheck``): a recovery is followed within a few requests instead
-of one exploration period each. A recheck is taken only where it could change the choice — where
+6–13 times D alone's estimate. An exploration that comes back well under its estimate (under
+``1 - surprise`` of it) is tried again on a next request of that kind, until the estimate has
+caught up (``why=recheck``): a recovery is followed within a few requests instead of one
+exploration period each. A recheck is taken only where it could change the choice — where
 the path would be the fastest were its estimate as far off as the exploration found (an
 exploration that came back at half its estimate makes a path worth rechecking only where its
 estimate is at most twice the fastest) — and one at a time per kind: a path whose estimate is ten

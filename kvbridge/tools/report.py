@@ -16,6 +16,7 @@ same interval. Pure functions; only the two printers write (to standard output).
 
 from __future__ import annotations
 
+import fractions
 import json
 import math
 import shutil
@@ -57,7 +58,7 @@ def median_ci(values: Sequence[float], confidence: float = 0.95) -> MedianCI:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     xs = sorted(float(v) for v in values)
     n = len(xs)
-    alpha = 1.0 - confidence
+    alpha = fractions.Fraction(1.0 - confidence)  # exact: 2**n is past a float from n = 1024
     total = 2 ** n
     # j values are left out on each side while 2 * P(B <= j) stays within alpha
     j, tail = 0, 1  # tail = 2**n * P(B <= j)

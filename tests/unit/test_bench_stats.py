@@ -149,3 +149,12 @@ def test_the_simulator_reports_the_same_percentiles() -> None:
     got = _stats([v / 1000.0 for v in range(1, 11)])  # seconds in, milliseconds out
     assert got["p50"] == pytest.approx(5.5) and got["p90"] == pytest.approx(9.1)
     assert got["p99"] == pytest.approx(9.91) and got["mean"] == pytest.approx(5.5)
+
+
+def test_median_ci_of_thousands_of_values() -> None:
+    """2**n overflows a float from n = 1024: the interval stays exact and its coverage ~95 %."""
+    values = [float(v) for v in range(2000)]
+    ci = median_ci(values)
+    assert ci.n == 2000 and ci.median == 999.5
+    assert 950 <= ci.low < 999.5 < ci.high <= 1049 and ci.low + ci.high == 1999
+    assert 0.95 <= ci.coverage < 0.96

@@ -2380,15 +2380,16 @@ async def test_plan_keeps_long_prefills_off_a_d_whose_decodes_are_at_their_tpot_
 
 async def test_plan_keeps_a_prefill_off_a_d_where_it_would_push_a_stream_past_its_tpot_slo(
         engines: Any, proxies: Any, client: Any) -> None:
-    """D's streams are fast (20 ms a token, under 75 % of a 40 ms SLO) and a 1000-token prompt
-    is cheapest on D alone (100 ms, a hand-off 300 ms). While a 3-token stream is placed on D,
-    that 100 ms stall would add 50 ms to its TPOT: the prompt is handed off (guard=tpot); with
-    nothing on D it stays there. Nothing is left placed when the requests are done."""
+    """D's streams are fast (20 ms a token, under 75 % of a 60 ms SLO even on a loaded host)
+    and a 1000-token prompt is cheapest on D alone (100 ms, a hand-off 300 ms). While a 2-token
+    stream is placed on D, that 100 ms stall would add 100 ms to its TPOT: the prompt is handed
+    off (guard=tpot); with nothing on D it stays there. Nothing is left placed when the
+    requests are done. (Margins of 2 x both ways: D's TPOT measured 34 ms on a busy host.)"""
     from kvbridge.proxy.planner import PlannerSettings
     p = await engines("prefill", prefill_delay=0.01)
     d = await engines("decode", local_per_token=0.0001, handoff_delay=0.3, chunk_delay=0.02)
     proxy = await proxies([p.url], [d.url], mode=ProxyMode.AUTO,
-                          plan=PlannerSettings(tpot_slo_ms=40.0, explore_every=0))
+                          plan=PlannerSettings(tpot_slo_ms=60.0, explore_every=0))
     url = proxy.url + "/v1/completions"
 
     async def ask(tokens: int, seed: int, max_tokens: int = 16,
@@ -2398,11 +2399,11 @@ async def test_plan_keeps_a_prefill_off_a_d_where_it_would_push_a_stream_past_it
     for seed in range(9):  # every path measured (warm-up), D's TPOT too
         await ask(10 if seed % 2 else 1000, seed)
     planning = proxy.dispatcher.planning
-    assert planning.tpot[d.url] < 30.0
+    assert planning.tpot[d.url] < 45.0
     alone = await ask(1000, 100)
     assert alone["path"] == "local" and "guard" not in alone, alone
-    # a 3-token stream on D, prefilling 8000 tokens there (0.8 s) while the next one is planned
-    other = asyncio.ensure_future(ask(8000, 200, max_tokens=3, mode="local"))
+    # a 2-token stream on D, prefilling 8000 tokens there (0.8 s) while the next one is planned
+    other = asyncio.ensure_future(ask(8000, 200, max_tokens=2, mode="local"))
     for _ in range(200):
         if planning.placed.get(d.url):
             break

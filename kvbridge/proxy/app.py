@@ -271,7 +271,7 @@ class ProxyServer:
         flight.engines_record = record
         self.flights.add(flight)
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
-                    flight=flight, requested=requested, slo_ms=slo_ms, record=record)
+                    flight=flight, requested=requested, slo_ms=slo_ms)
         if self.tracing is not None:
             call.trace = self.tracing.start(request.headers, rid, path)
         else:  # no spans of ours: vLLM's still join the client's trace

@@ -88,7 +88,7 @@ def _answer_of(p_leg: asyncio.Future[TransferParams]) -> TransferParams | None:
 def _leg(body: dict[str, Any], call: Call) -> dict[str, Any]:
     """A leg's body as sent: ``kvbridge_record: false`` added when the client asked that the
     engines keep no flight record of the hand-off (``X-KVBridge-Record: 0``)."""
-    if not call.record:
+    if not call.flight.engines_record:
         body["kv_transfer_params"] = {**body["kv_transfer_params"], "kvbridge_record": False}
     return body
 

@@ -58,7 +58,8 @@ class Flight:
     retries: int = -1
     outcome: str = ""
     steps: dict[str, int] = field(default_factory=dict)
-    #: False: the request asked the engines to keep no record (``X-KVBridge-Record: 0``)
+    #: False: the request asked the engines to keep no record (``X-KVBridge-Record: 0``; the
+    #: proxy still keeps these steps, which the planner learns from)
     engines_record: bool = True
 
     def __post_init__(self) -> None:

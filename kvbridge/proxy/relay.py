@@ -114,9 +114,6 @@ class Call:
     """The mode the client asked for (``X-KVBridge-Mode``); None: the proxy's ``--mode``."""
     slo_ms: float | None = None
     """The client's TTFT SLO (``X-KVBridge-TTFT-SLO-Ms``); None: the planner's default."""
-    record: bool = True
-    """False: the engines keep no flight record of its hand-off (``X-KVBridge-Record: 0``;
-    the proxy still keeps its own steps, which the planner learns from)."""
     prompt: Prompt | None = None
     """The prompt as the planner sees it (:mod:`kvbridge.proxy.prefixes`); None when no planner
     looks at this request."""

@@ -20,6 +20,7 @@ from kvbridge.proxy.app import ProxyServer
 from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
+from kvbridge.tools.priority import follow_niceness
 
 __all__ = ["ProxyThread", "ProxyProcess", "serve_pd"]
 
@@ -79,8 +80,9 @@ class ProxyProcess:
 
     :meth:`start` blocks until ``GET /health`` answers 200 (an :class:`EngineError` with the
     log's tail if the process exits or ``timeout`` passes first) and returns the base URL; the
-    process inherits the caller's thread's niceness. :meth:`stop` sends SIGTERM, then SIGKILL,
-    to the group; idempotent."""
+    process inherits the caller's thread's niceness, and its session gets it too
+    (:mod:`kvbridge.tools.priority`; where that is refused, a line in the log says why).
+    :meth:`stop` sends SIGTERM, then SIGKILL, to the group; idempotent."""
 
     def __init__(self, args: Sequence[str], log_path: Path,
                  module: str = "kvbridge.proxy") -> None:
@@ -100,6 +102,9 @@ class ProxyProcess:
                  "--port", str(port), "--log-level", "WARNING"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # fmt: skip
+            why = follow_niceness(self.proc.pid)
+            if why is not None:
+                log.write(f"kvbridge: the proxy's session keeps niceness 0: {why}\n".encode())
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:

@@ -68,3 +68,31 @@ def test_client_nice_is_a_setting_and_zero_leaves_the_thread_alone() -> None:
     rec = type("R", (), {"say": lambda self, m: said.append(m)})()
     now = os.getpriority(os.PRIO_PROCESS, 0)
     assert _boost(0, rec) == now and said == []  # type: ignore[arg-type]
+
+
+def test_each_request_of_the_split_is_listed_with_its_send_time() -> None:
+    offset = 1000.0
+    result = {"ttfts": [0.040, 0.030], "errors": ["", ""], "start_times": [5.0, 5.5]}
+    whys = {0: {**_why(30), "proxy": {"receive": 1005.004, "first_token": 1005.034}},
+            1: {**_why(29), "proxy": {"receive": 1005.501, "first_token": 1005.530}}}
+    out = phase_gaps(result, whys, offset)
+    assert [r[:2] for r in out["phases_requests"]] == [[0, 0.0], [1, 0.5]]
+    assert out["phases_requests"][0][2:] == [10.0, 4.0, 6.0]
+
+
+def test_the_run_window_spans_first_send_to_last_end() -> None:
+    from kvbridge.tools.bench.serve_results import run_window
+
+    result = {"start_times": [5.0, 4.0, float("nan")], "latencies": [0.5, 2.0, 1.0]}
+    assert run_window(result, 100.0) == (104.0, 106.0)
+    start, end = run_window({}, 100.0)
+    assert start > end  # empty: nothing falls in it
+
+
+def test_the_report_line_gives_the_host_stall_probe_when_it_ran() -> None:
+    row = {"setup": "kvbridge-pull", "rate": 16.0, "phases_n": 64, "phases_gap_p50": 1.5,
+           "phases_gap_p99": 30.0, "phases_gap_max": 40.0, "probe_n": 800, "probe_p99": 0.4,
+           "probe_max": 25.0, "probe_over_5ms": 3}
+    assert "host stall probe p99/max 0.40/25.00 (3 of 800 round trips over 5 ms)" in \
+        format_phases([row])
+    assert "stall probe" not in format_phases([{**row, "probe_n": None}])

@@ -127,8 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-engines", action="store_true", help=PIN_HELP)
     p.add_argument("--client-nice", type=int, default=d.client_nice, metavar="N",
                    help="run the proxy and vllm bench serve at niceness N (e.g. -10) while the "
-                   "engines keep theirs, as if the client and the proxy had cores of their own "
-                   "(needs root or CAP_SYS_NICE for N < 0; default 0: unchanged)")
+                   "engines keep theirs, as if the client and the proxy had cores of their own; "
+                   "their sessions get N too, where the kernel schedules sessions as groups "
+                   "(autogroup) (needs root or CAP_SYS_NICE for N < 0; default 0: unchanged)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds for one warm-up request")
     p.add_argument("--bench-timeout", type=float, default=d.bench_timeout,

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvbridge.tools.priority import follow_niceness
+
 __all__ = ["bench_serve_command", "run_bench_process"]
 
 
@@ -52,12 +54,18 @@ def bench_serve_command(url: str, model: Path, result_dir: Path, name: str, *, r
 
 def run_bench_process(cmd: Sequence[str], log_path: Path, timeout: float) -> int:
     """Run ``vllm bench serve`` in its own process group, output to *log_path*; its exit
-    status, or -1 after *timeout* seconds. The group is killed on any exit (also Ctrl-C)."""
+    status, or -1 after *timeout* seconds. The group is killed on any exit (also Ctrl-C). It
+    runs at the caller's niceness, its session too (:mod:`kvbridge.tools.priority`; where that
+    is refused, the log's first line says why)."""
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1",
                                      "TRANSFORMERS_OFFLINE": "1"})
+        why = follow_niceness(proc.pid)
+        if why is not None:
+            out.write(f"kvbridge: vllm bench serve's session keeps niceness 0: {why}\n".encode())
+            out.flush()
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -100,10 +100,14 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
     With ``mono_to_wall`` (``time.time() - time.perf_counter()`` on the host that ran both the
     client and the proxy: bench serve's ``start_times`` are ``perf_counter`` values), the gap is
     also split where it lies: ``phases_before_*`` (the client's send to the proxy's handler)
-    and ``phases_after_*`` (the proxy's first write to the client's first token), p50/p99 ms."""
+    and ``phases_after_*`` (the proxy's first write to the client's first token), p50/p99 ms,
+    and ``phases_requests`` lists each request's ``[i, sent (s after the run's first send),
+    gap, before, after]`` (ms) to find where a tail sits in the run."""
     ttfts, errors = result.get("ttfts") or [], result.get("errors") or []
     starts = result.get("start_times") or []
     gaps, shares, before, after = [], [], [], []
+    per: list[list[float]] = []
+    first = min((t for t in starts if finite(t) is not None), default=0.0)
     for i, ttft in enumerate(ttfts):
         why = whys.get(i)
         good = i >= len(errors) or errors[i] in (None, "")
@@ -119,25 +123,45 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
             sent = starts[i] + mono_to_wall
             before.append((proxy["receive"] - sent) * 1000.0)
             after.append((sent + ttft - proxy["first_token"]) * 1000.0)
+            per.append([i, round(starts[i] - first, 4), round(gaps[-1], 3),
+                        round(before[-1], 3), round(after[-1], 3)])
     out = {"phases_n": len(gaps), "phases_gap_p50": percentile(gaps, 50),
            "phases_gap_p99": percentile(gaps, 99), "phases_gap_max": max(gaps, default=None),
            "phases_proxy_p50": percentile(shares, 50)}
     if before:
         out.update(phases_before_p50=percentile(before, 50),
                    phases_before_p99=percentile(before, 99),
-                   phases_after_p50=percentile(after, 50), phases_after_p99=percentile(after, 99))
+                   phases_after_p50=percentile(after, 50), phases_after_p99=percentile(after, 99),
+                   phases_requests=per)
     return out
 
 
+def run_window(result: Mapping[str, Any], mono_to_wall: float) -> tuple[float, float]:
+    """Wall-clock ``(start, end)`` of one ``vllm bench serve`` run (``--save-detailed``): its
+    first request's start to its last request's end (``start_times`` + ``latencies``, shifted by
+    ``mono_to_wall``); an empty window, ``(inf, -inf)``, when it has no timed request."""
+    starts, latencies = result.get("start_times") or [], result.get("latencies") or []
+    timed = [(s, lat) for s, lat in zip(starts, latencies, strict=False)
+             if finite(s) is not None and finite(lat) is not None]
+    if not timed:
+        return float("inf"), float("-inf")
+    return (min(s for s, _ in timed) + mono_to_wall,
+            max(s + lat for s, lat in timed) + mono_to_wall)
+
+
 def format_phases(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Per kvbridge (setup, rate): how far the joined phases are from the client's TTFT."""
+    """Per kvbridge (setup, rate): how far the joined phases are from the client's TTFT, and
+    what the host's stall probe (:mod:`kvbridge.tools.bench.stallprobe`) saw meanwhile."""
     lines = [f"  {r['setup']} @ {r['rate']:g}: {r['phases_n']} requests, p50 "
              f"{_f(r.get('phases_gap_p50'), 2)}, p99 {_f(r.get('phases_gap_p99'), 2)}, max "
              f"{_f(r.get('phases_gap_max'), 2)}" + (
                  f"; client send -> proxy p50/p99 {_f(r.get('phases_before_p50'), 2)}/"
                  f"{_f(r.get('phases_before_p99'), 2)}, proxy first write -> client "
                  f"{_f(r.get('phases_after_p50'), 2)}/{_f(r.get('phases_after_p99'), 2)}"
-                 if r.get("phases_before_p50") is not None else "")
+                 if r.get("phases_before_p50") is not None else "") + (
+                 f"; host stall probe p99/max {_f(r.get('probe_p99'), 2)}/"
+                 f"{_f(r.get('probe_max'), 2)} ({r.get('probe_over_5ms')} of "
+                 f"{r.get('probe_n')} round trips over 5 ms)" if r.get("probe_n") else "")
              for r in rows if r.get("phases_n")]
     return "\n".join(["|sum of the flight record's phases - client TTFT| (ms):"] + lines) \
         if lines else ""

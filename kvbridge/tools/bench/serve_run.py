@@ -31,6 +31,7 @@ from kvbridge.tools.bench.serve_results import (
     handoff_summary,
     phase_gaps,
     result_metrics,
+    run_window,
 )
 from kvbridge.tools.bench.serve_settings import (
     KVBRIDGE_GROUP,
@@ -43,6 +44,7 @@ from kvbridge.tools.bench.serve_settings import (
     setup_groups,
     setup_mode,
 )
+from kvbridge.tools.bench.stallprobe import StallProbe, summarize
 from kvbridge.tools.client import stream_complete
 from kvbridge.tools.cpumeter import loadavg
 from kvbridge.tools.engines import EngineError, start_servers
@@ -247,7 +249,12 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
         row["wall_start"] = time.time()
 
         seen = set(control_stats(controls[1]).timings) if controls else set()
-        rc = run_bench_process(cmd, out / f"{name}.bench.log", settings.bench_timeout)
+        probe = StallProbe(out / f"{name}.probe.json")
+        probe.start()
+        try:
+            rc = run_bench_process(cmd, out / f"{name}.bench.log", settings.bench_timeout)
+        finally:
+            stalls = probe.stop()
         if controls is not None:
             try:
                 time.sleep(0.3)  # the last first_step reaches D's rank with its next step
@@ -269,7 +276,9 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
                 elif setup_group(setup) == KVBRIDGE_GROUP:
                     whys = _whys(url, f"{name}-", len(result.get("ttfts") or []), rec)
                     # bench serve's start_times are perf_counter values of this host
-                    row.update(phase_gaps(result, whys, time.time() - time.perf_counter()))
+                    offset = time.time() - time.perf_counter()
+                    row.update(phase_gaps(result, whys, offset))
+                    row.update(summarize(stalls, *run_window(result, offset)))
         else:
             why = "timed out" if rc == -1 else f"exit status {rc}"
             row["error"] = f"vllm bench serve {why}; see {name}.bench.log"

@@ -1,0 +1,64 @@
+"""The host stall probe (kvbridge.tools.bench.stallprobe) and kvbridge.tools.priority with real
+processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.tools.bench.stallprobe import StallProbe, summarize
+from kvbridge.tools.priority import autogroup_enabled
+
+
+def test_the_probe_bounces_and_stops_cleanly(tmp_path: Path) -> None:
+    probe = StallProbe(tmp_path / "probe.json", interval_ms=2.0)
+    t0 = time.time()
+    probe.start()
+    pid = probe.proc.pid if probe.proc is not None else -1
+    time.sleep(0.5)
+    samples = probe.stop()
+    assert probe.stop() == []  # idempotent
+    assert len(samples) >= 20  # ~0.5 s / (2 ms + a round trip), with room for a slow host
+    assert all(t0 <= t <= time.time() and r > 0 for t, r in samples)
+    summary = summarize(samples)
+    assert summary["probe_n"] == len(samples) and summary["probe_p50"] < summary["probe_max"] + 1e-9
+    # both processes are gone (the partner exits when its socket closes)
+    out = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
+
+
+def test_a_probe_killed_before_it_wrote_gives_no_samples(tmp_path: Path) -> None:
+    probe = StallProbe(tmp_path / "probe.json")
+    probe.start()
+    assert probe.proc is not None
+    probe.proc.kill()  # no output file: stop() reports nothing rather than raising
+    probe.proc.wait(10)
+    assert probe.stop() == []
+
+
+_CHILD = """
+import os, subprocess, sys
+from kvbridge.tools.priority import follow_niceness
+os.setpriority(os.PRIO_PROCESS, 0, 5)
+p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                     stdin=subprocess.PIPE, start_new_session=True)
+try:
+    print(follow_niceness(p.pid))
+    print(open(f"/proc/{p.pid}/autogroup").read().strip())
+finally:
+    p.stdin.close(); p.wait(10)
+"""
+
+
+@pytest.mark.skipif(not autogroup_enabled(), reason="the kernel does not group sessions")
+def test_a_new_session_gets_the_callers_niceness() -> None:
+    """A positive niceness needs no privilege: a child at niceness 5 starts a process in a
+    session of its own, whose group then runs at 5 too (the default is 0)."""
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.splitlines()
+    assert out[0] == "None"
+    assert out[1].endswith("nice 5"), out

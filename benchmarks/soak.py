@@ -138,6 +138,7 @@ from kvbridge.tools.client import (
 )
 from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient, AdminError
+from kvbridge.tools.procs import end_group
 from kvbridge.tools.report import print_table
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 
@@ -342,16 +343,8 @@ class Fleet:
 
     def stop_proxy(self, sig: int = signal.SIGKILL) -> None:
         proc, self.proxy = self.proxy, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        if proc is not None:
+            end_group(proc, sig, grace_s=15.0)
 
     def admin(self) -> AdminClient:
         return AdminClient(self.proxy_url, timeout_s=ADMIN_TIMEOUT_S)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ from kvbridge.proxy.routing import ProxyMode
 from kvbridge.proxy.settings import ProxySettings
 from kvbridge.tools.engines import EngineError, VllmServer, free_port, start_servers
 from kvbridge.tools.priority import follow_niceness
+from kvbridge.tools.procs import end_group
 
 __all__ = ["ProxyThread", "ProxyProcess", "serve_pd"]
 
@@ -126,16 +125,8 @@ class ProxyProcess:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(10.0)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        if proc is not None:
+            end_group(proc)
 
     def __enter__(self) -> ProxyProcess:
         self.start()

@@ -62,3 +62,33 @@ def test_a_new_session_gets_the_callers_niceness() -> None:
                          timeout=60, check=True).stdout.splitlines()
     assert out[0] == "None"
     assert out[1].endswith("nice 5"), out
+
+
+_STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_end_group_escalates_and_takes_the_whole_group() -> None:
+    """A leader that ignores SIGTERM is killed after the grace, and the child it started goes
+    with the group."""
+    from kvbridge.tools.procs import end_group
+
+    proc = subprocess.Popen([sys.executable, "-c", _STUBBORN], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    t0 = time.monotonic()
+    end_group(proc, grace_s=1.0)
+    assert proc.returncode == -9 and time.monotonic() - t0 < 5.0
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # the child: killed with the group, reaped by init
+        if subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a process of the group outlived end_group")
+    end_group(proc)  # already ended: nothing to do

@@ -9,15 +9,14 @@ serve``, the simulator's calibration and ``benchmarks/``.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvbridge.tools.priority import follow_niceness
+from kvbridge.tools.procs import end_group
 
 __all__ = ["bench_serve_command", "run_bench_process"]
 
@@ -71,13 +70,5 @@ def run_bench_process(cmd: Sequence[str], log_path: Path, timeout: float) -> int
         except subprocess.TimeoutExpired:
             return -1
         finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
+            end_group(proc)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.tools.priority import follow_niceness
+from kvbridge.tools.procs import end_group
 from kvbridge.tools.report import percentile
 
 __all__ = ["StallProbe", "parse", "summarize", "MAX_SAMPLES", "MAX_BYTES"]
@@ -95,14 +96,7 @@ class StallProbe:
         proc, self.proc = self.proc, None
         if proc is None:
             return []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10.0)
+        end_group(proc)
         try:
             with open(self.out, "rb") as f:
                 return parse(f.read(MAX_BYTES + 1))

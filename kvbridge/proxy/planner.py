@@ -45,11 +45,16 @@ TPOT SLO (``tpot_slo_ms``). A prefill on D stalls every stream decoding there fo
 runs, and a stall of *s* ms inside a stream of *n* tokens adds *s / (n - 1)* to its TPOT; so when
 the caller knows the streams decoding on the chosen D (:class:`Stream`: their token budgets and
 TPOTs so far, as the proxy does), ``local`` is left out when its prefill (``local.compute``
-tokens at ``local``'s learnt cost per token) would push one of them past the SLO that the prefill
-work already queued on D would not (:func:`stalled_streams`). And, for the stalls that add up
-where none alone pushes a stream over: while D's measured TPOT (``d_tpot_ms``, an average of its
-recent streams, :func:`smoothed_tpot`) is past :data:`TPOT_GUARD` of the SLO, a prefill that
-would take D more than half an SLO is handed off. (In ``kvbridge simulate``, either rule alone
+tokens at ``local``'s learnt cost per token) would push one of them past :data:`TPOT_MARGIN` of
+the SLO that the prefill work already queued on D would not (:func:`stalled_streams`). And, for
+the stalls that add up where none alone pushes a stream over: while D's measured TPOT
+(``d_tpot_ms``, an average of its recent streams, :func:`smoothed_tpot`) is past
+:data:`TPOT_GUARD` of the SLO, a prefill that would take D more than half an SLO is handed off.
+The guard yields (``guard=tpot_yield``) where
+it would put one stream at risk and every hand-off is expected to miss the request's TTFT SLO
+that D alone is expected to meet: one sure miss against one possible one, and the request's
+TTFT kept out of the queue behind P (in ``bench mix`` at 6 req/s, requests the guard sent to a
+queued P set the planner's TTFT p99). (In ``kvbridge simulate``, either rule alone
 lost goodput to the two together on some workload.) The proxy
 (:mod:`kvbridge.proxy.planning`) and the simulator (``kvbridge simulate --mode plan``) both
 decide through it. The estimates of every path go into the :class:`Plan`, which the proxy
@@ -69,8 +74,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["TPOT_GUARD", "CostModel", "Features", "Path", "Plan", "Planner", "PlannerSettings",
-           "Stream", "kind_of", "smoothed_tpot", "stalled_streams"]
+__all__ = ["TPOT_GUARD", "TPOT_MARGIN", "CostModel", "Features", "Path", "Plan", "Planner",
+           "PlannerSettings", "Stream", "kind_of", "smoothed_tpot", "stalled_streams"]
 
 
 class Path(enum.StrEnum):
@@ -131,6 +136,12 @@ TPOT_GUARD = 0.75
 """The share of the TPOT SLO a D's measured TPOT may reach before long prefills leave it: a mean
 of the last requests' TPOTs at 75 % of the SLO already has a tail past it."""
 
+TPOT_MARGIN = 0.9
+"""The share of the TPOT SLO a stall may push a stream decoding on D to (:func:`stalled_streams`):
+the stream's TPOT so far and the stall are estimates. In ``bench mix`` (seeds 6 and 7, 6 req/s)
+a third of the planner's misses were streams it had kept on D that ended 1–3 ms past a 40 ms
+SLO."""
+
 
 @dataclass(frozen=True)
 class Stream:
@@ -146,19 +157,22 @@ class Stream:
 
 
 def stalled_streams(streams: Iterable[Stream], ahead_ms: float, prefill_ms: float,
-                    slo_ms: float, d_tpot_ms: float | None) -> int:
-    """How many of ``streams`` a prefill of ``prefill_ms`` on their D would push past the TPOT
-    SLO ``slo_ms``, beyond the ``ahead_ms`` of prefill work already queued there (which stalls
-    only the streams already started): a stall of *s* ms adds *s / (tokens - 1)* to a stream's
-    TPOT. A stream past the SLO already, or of fewer than 2 tokens, is not counted; one not
-    measured yet is taken at ``d_tpot_ms`` (0 when that is None too)."""
+                    slo_ms: float, d_tpot_ms: float | None, margin: float = 1.0) -> int:
+    """How many of ``streams`` a prefill of ``prefill_ms`` on their D would push past
+    ``margin`` of the TPOT SLO ``slo_ms``, beyond the ``ahead_ms`` of prefill work already
+    queued there (which stalls only the streams already started): a stall of *s* ms adds
+    *s / (tokens - 1)* to a stream's TPOT. With ``margin`` under 1, a stream already within
+    the margin (between ``margin * slo_ms`` and ``slo_ms``) counts for any stall: its TPOT and
+    the stall are estimates. A stream past the SLO already, or of fewer than 2 tokens, is not
+    counted; one not measured yet is taken at ``d_tpot_ms`` (0 when that is None too)."""
+    limit = slo_ms * margin
     count = 0
     for s in streams:
         if s.tokens < 2:
             continue
         now = s.tpot_ms if s.tpot_ms is not None else (d_tpot_ms or 0.0)
         before = now + (ahead_ms / (s.tokens - 1) if s.started else 0.0)
-        if before <= slo_ms < before + prefill_ms / (s.tokens - 1):
+        if before <= slo_ms and before + prefill_ms / (s.tokens - 1) > limit:
             count += 1
     return count
 
@@ -301,23 +315,40 @@ class Planner:
 
     def guarded(self, local: Features, d_tpot_ms: float | None,
                 streams: Iterable[Stream] | None = None) -> bool:
-        """The TPOT guard (module docstring): D alone is left out when this prefill
-        (``local.compute`` tokens at ``local``'s learnt cost per token) would push one of
-        ``streams``, those decoding on D, past the TPOT SLO (:func:`stalled_streams`, after the
-        ``local.queue`` tokens queued ahead of it; not checked when ``streams`` is None), or
-        when D's measured TPOT ``d_tpot_ms`` is past :data:`TPOT_GUARD` of the SLO and the
+        """Whether the TPOT guard leaves D alone out for this prefill (:meth:`stalls` > 0)."""
+        return self.stalls(local, d_tpot_ms, streams) > 0
+
+    def stalls(self, local: Features, d_tpot_ms: float | None,
+               streams: Iterable[Stream] | None = None) -> int:
+        """The TPOT guard (module docstring): how many of ``streams``, those decoding on D, this
+        prefill (``local.compute`` tokens at ``local``'s learnt cost per token) would push
+        past :data:`TPOT_MARGIN` of the TPOT SLO (:func:`stalled_streams`, after the
+        ``local.queue`` tokens queued ahead of it; not checked when ``streams`` is None); else
+        1 when D's measured TPOT ``d_tpot_ms`` is past :data:`TPOT_GUARD` of the SLO and the
         prefill would take D more than half an SLO (many short stalls add up where no single
-        one pushes a stream over)."""
+        one pushes a stream over); else 0."""
         slo = self.settings.tpot_slo_ms
         if slo <= 0:
-            return False
+            return 0
         per_token = max(0.0, float(self.models[Path.LOCAL].coef[COMPUTE])) / 1000.0
-        if streams is not None and stalled_streams(
-                streams, local.queue * per_token, local.compute * per_token, slo, d_tpot_ms):
-            return True
+        if streams is not None:
+            count = stalled_streams(streams, local.queue * per_token,
+                                    local.compute * per_token, slo, d_tpot_ms, TPOT_MARGIN)
+            if count:
+                return count
         if d_tpot_ms is None or d_tpot_ms < TPOT_GUARD * slo:
+            return 0
+        return int(local.compute * per_token > 0.5 * slo)
+
+    def _only_local_meets(self, features: Mapping[Path, Features], slo_ms: float | None) -> bool:
+        """Whether D alone is expected to meet the request's TTFT SLO and every hand-off to
+        miss it (False without an SLO)."""
+        slo = self.settings.ttft_slo_ms if slo_ms is None else slo_ms
+        hand, _ = self._tier_variants({p: f for p, f in features.items() if p is not Path.LOCAL})
+        if slo <= 0 or not hand:
             return False
-        return local.compute * per_token > 0.5 * slo
+        return (self.estimate(Path.LOCAL, features[Path.LOCAL]) <= slo
+                < min(self.estimate(p, f) for p, f in hand.items()))
 
     def choose(self, features: Mapping[Path, Features], slo_ms: float | None = None, *,
                d_tpot_ms: float | None = None, streams: Iterable[Stream] | None = None,
@@ -325,8 +356,10 @@ class Planner:
         """The path for a request whose possible paths (those with an engine to take them) have
         ``features``; ``slo_ms`` overrides the default SLO (0: none); ``d_tpot_ms``: the
         measured TPOT of the D ``local`` would use (None: not measured) and ``streams`` those
-        decoding on it (None: not known), for the TPOT guard (:meth:`guarded`: ``local`` left
-        out, ``guard=tpot`` in the plan, when another path is possible). Counts as one
+        decoding on it (None: not known), for the TPOT guard (:meth:`stalls`: ``local`` left
+        out, ``guard=tpot`` in the plan, when another path is possible; ``guard=tpot_yield``
+        when it would stall one stream only and every hand-off is expected to miss the TTFT
+        SLO that D alone is expected to meet: ``local`` stays a candidate). Counts as one
         decision, unless ``dry_run``: then nothing is counted and nothing explored (what would
         it choose now?). A hand-off whose D holds part of the
         prompt in its tiers is planned with D's tiers off (P sends those tokens too) when that
@@ -334,10 +367,13 @@ class Planner:
         if not features:
             raise ValueError("no path to choose from")
         guard = ""
-        if (len(features) > 1 and Path.LOCAL in features
-                and self.guarded(features[Path.LOCAL], d_tpot_ms, streams)):
-            features = {p: f for p, f in features.items() if p is not Path.LOCAL}
-            guard = "tpot"
+        if len(features) > 1 and Path.LOCAL in features:
+            stalled = self.stalls(features[Path.LOCAL], d_tpot_ms, streams)
+            if stalled == 1 and self._only_local_meets(features, slo_ms):
+                guard = "tpot_yield"  # one stream at risk against this request's sure miss
+            elif stalled:
+                features = {p: f for p, f in features.items() if p is not Path.LOCAL}
+                guard = "tpot"
         if not dry_run:
             self._decisions += 1
         kind = kind_of(features)

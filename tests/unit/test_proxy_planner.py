@@ -11,6 +11,7 @@ import pytest
 from kvbridge.errors import ConfigError
 from kvbridge.proxy.members import Engine, Role
 from kvbridge.proxy.planner import (
+    COMPUTE,
     TPOT_GUARD,
     CostModel,
     Features,
@@ -436,3 +437,61 @@ def test_the_engines_hold_a_prompt_from_its_first_token_on() -> None:
     failed.flight.attempt("local", "", "", d)
     failed.release_held()  # ended without a first token
     assert planning.index.held(d, other) == 0
+
+
+def test_a_stream_within_the_margin_counts_for_any_stall() -> None:
+    """With a margin, a stall that takes a stream past ``margin * slo`` counts, and a stream
+    already between the margin and the SLO counts for any stall; one past the SLO is lost
+    already and does not count. A margin of 1 is the plain rule."""
+    assert stalled_streams([Stream(33, 35.0)], 0.0, 64.0, 40.0, None, 0.9) == 1  # 35 -> 37
+    assert stalled_streams([Stream(33, 35.0)], 0.0, 64.0, 40.0, None) == 0
+    assert stalled_streams([Stream(33, 37.0)], 0.0, 1.0, 40.0, None, 0.9) == 1
+    assert stalled_streams([Stream(33, 30.0)], 0.0, 64.0, 40.0, None, 0.9) == 0  # 30 -> 32
+    assert stalled_streams([Stream(33, 41.0)], 0.0, 64.0, 40.0, None, 0.9) == 0
+
+
+def test_the_planner_guards_with_the_margin() -> None:
+    from kvbridge.proxy.planner import TPOT_MARGIN
+
+    assert 0.5 < TPOT_MARGIN < 1.0
+    planner = Planner(PlannerSettings(tpot_slo_ms=40.0, explore_every=0, warmup=0))
+    per_token = float(planner.models[Path.LOCAL].coef[COMPUTE]) / 1000.0
+    assert per_token > 0
+    f = feats(1000)[Path.LOCAL]
+    stall = f.compute * per_token / 32  # spread over a 33-token stream
+    near = 40.0 * TPOT_MARGIN - stall / 2  # the stall takes it past the margin, not the SLO
+    assert planner.guarded(f, None, [Stream(33, near)])
+    assert not planner.guarded(f, None, [Stream(33, near - stall)])
+
+
+def _guard_case(planner: Planner, local_ms: float, hand_ms: float) -> dict[Path, Features]:
+    """Features whose estimates are ``local_ms`` for D alone and ``hand_ms`` for both
+    hand-offs (the models' coefficients set directly)."""
+    for path, ms in ((Path.LOCAL, local_ms), (Path.PUSH, hand_ms), (Path.PULL, hand_ms)):
+        m = planner.models[path]
+        m.coef = m.coef * 0.0
+        m.coef[0] = ms  # the intercept
+        m.count = 10
+    local = planner.models[Path.LOCAL]
+    local.coef[COMPUTE] = 200.0  # per 1000 tokens: 1000 tokens stall D's streams 200 ms
+    local.coef[0] -= 200.0
+    return feats(1000)
+
+
+def test_the_tpot_guard_yields_to_one_stream_against_a_sure_ttft_miss() -> None:
+    """One stream at risk, and every hand-off expected past the TTFT SLO that D alone meets:
+    D alone stays a candidate (``guard=tpot_yield``) and wins. Two streams at risk, or a
+    hand-off within the SLO: the guard holds."""
+    planner = Planner(PlannerSettings(ttft_slo_ms=800.0, tpot_slo_ms=40.0, explore_every=0))
+    one = [Stream(33, 35.0)]  # 200 ms of prefill adds 6.25 ms: past 36
+    plan = planner.choose(_guard_case(planner, 300.0, 1200.0), streams=one)
+    assert (plan.path, plan.guard) == (Path.LOCAL, "tpot_yield")
+    plan = planner.choose(_guard_case(planner, 300.0, 1200.0), streams=one * 2)
+    assert plan.path is not Path.LOCAL and plan.guard == "tpot"
+    plan = planner.choose(_guard_case(planner, 300.0, 700.0), streams=one)
+    assert plan.path is not Path.LOCAL and plan.guard == "tpot"
+    plan = planner.choose(_guard_case(planner, 900.0, 1200.0), streams=one)  # both miss
+    assert plan.path is not Path.LOCAL and plan.guard == "tpot"
+    no_slo = Planner(PlannerSettings(tpot_slo_ms=40.0, explore_every=0))
+    plan = no_slo.choose(_guard_case(no_slo, 300.0, 1200.0), streams=one)
+    assert plan.path is not Path.LOCAL and plan.guard == "tpot"

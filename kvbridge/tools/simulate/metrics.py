@@ -129,7 +129,7 @@ def summarize(fleet: Fleet, rate: float, warmup: float = 0.0) -> Summary:
         throughput=(len(finishes) - 1) / span if span > 0 else 0.0,
         offered=(len(arrivals) - 1) / window if window > 0 else rate,
         chosen=dict(Counter(r.mode for r in measured)), utilisation=util,
-        guarded=sum(1 for r in measured if getattr(r.plan, "guard", "")),
+        guarded=sum(1 for r in measured if getattr(r.plan, "guard", "") == "tpot"),
         bench_throughput=len(reqs) / last_seen if last_seen > 0 else 0.0)
 
 

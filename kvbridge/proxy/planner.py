@@ -108,21 +108,25 @@ class Features:
     """``local``: requests in flight on D, whose decode steps D's prefill shares."""
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.compute / 1000.0, self.move / 1000.0, self.held / 1000.0,
-                         self.queue / 1000.0, self.cpu / 1000.0, self.storage / 1000.0,
-                         self.decodes])
+        """The cost models' inputs. The work queued ahead is computed by the same engine at the
+        same cost per token as the prompt, so it is counted with the computed tokens; its own
+        column carries it once more, for what a queued token costs beyond that (prior 0)."""
+        return np.array([1.0, (self.compute + self.queue) / 1000.0, self.move / 1000.0,
+                         self.held / 1000.0, self.queue / 1000.0, self.cpu / 1000.0,
+                         self.storage / 1000.0, self.decodes])
 
 
-#: Prior coefficients (ms): fixed cost, per 1000 computed tokens, per 1000 moved tokens, per 1000
-#: held tokens, per 1000 prefill tokens queued ahead, per 1000 tokens from a host-memory tier, per
+#: Prior coefficients (ms): fixed cost, per 1000 computed tokens (those queued ahead included), per
+#: 1000 moved tokens, per 1000 held tokens, per 1000 prefill tokens queued ahead beyond what
+#: computing them costs, per 1000 tokens from a host-memory tier, per
 #: 1000 from a disk or remote tier, per request decoding on D (D alone). Only the first few
 #: decisions of a path lean on them, and a coefficient no recent observation informs drifts back
 #: to its prior: reading a tier is assumed cheaper than moving the tokens from P, so a tier found
 #: slow is tried again once its slow observations have aged out.
 _PRIORS: dict[Path, tuple[float, ...]] = {
-    Path.LOCAL: (10.0, 100.0, 0.0, 2.0, 100.0, 2.0, 5.0, 5.0),
-    Path.PUSH: (20.0, 100.0, 10.0, 2.0, 100.0, 2.0, 5.0, 0.0),
-    Path.PULL: (30.0, 100.0, 10.0, 2.0, 100.0, 2.0, 5.0, 0.0),
+    Path.LOCAL: (10.0, 100.0, 0.0, 2.0, 0.0, 2.0, 5.0, 5.0),
+    Path.PUSH: (20.0, 100.0, 10.0, 2.0, 0.0, 2.0, 5.0, 0.0),
+    Path.PULL: (30.0, 100.0, 10.0, 2.0, 0.0, 2.0, 5.0, 0.0),
 }
 _FEATURES = 8
 #: Index of the per-1000-queued-tokens coefficient in a cost model's ``coef``.

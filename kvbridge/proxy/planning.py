@@ -32,6 +32,7 @@ from typing import Any
 from kvbridge.proxy.kvfeed import EnginePrefixes
 from kvbridge.proxy.members import Engine, NoEngine, Role
 from kvbridge.proxy.planner import (
+    COMPUTE,
     DECODES,
     QUEUE,
     Features,
@@ -197,8 +198,9 @@ class Planning:
             est = self.planner.estimate(path, f.get(path, f[Path.LOCAL]))
             if path is not Path.LOCAL:
                 coef = model[Path.LOCAL].coef
+                queued = float(coef[COMPUTE]) + float(coef[QUEUE])  # per 1000 queued tokens
                 est += (max(0.0, float(coef[DECODES])) * d.in_flight
-                        + max(0.0, float(coef[QUEUE])) * self.pending.get(d.url, 0.0) / 1000)
+                        + max(0.0, queued) * self.pending.get(d.url, 0.0) / 1000)
             return est
 
         return rank

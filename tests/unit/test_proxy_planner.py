@@ -495,3 +495,20 @@ def test_the_tpot_guard_yields_to_one_stream_against_a_sure_ttft_miss() -> None:
     no_slo = Planner(PlannerSettings(tpot_slo_ms=40.0, explore_every=0))
     plan = no_slo.choose(_guard_case(no_slo, 300.0, 1200.0), streams=one)
     assert plan.path is not Path.LOCAL and plan.guard == "tpot"
+
+
+def test_work_queued_ahead_costs_what_computing_it_costs_before_any_queue_was_seen() -> None:
+    """A burst's first request behind a queue: the cost models have seen no queue yet, and
+    still estimate the wait at the learnt cost per computed token (a queued token is computed
+    by the same engine), not at a prior."""
+    rng = random.Random(2)
+    planner = Planner(PlannerSettings(explore_every=0))
+    for _ in range(40):  # P's prefix hits (a shared system prompt) make compute < move
+        tokens = rng.choice([100.0, 500.0, 1000.0, 2000.0])
+        f = Features(tokens * rng.choice([0.3, 1.0]), tokens, 0.0, 0.0)
+        planner.observe(planner.choose({Path.PUSH: f}), Path.PUSH,
+                        30.0 + 1.5 * f.compute + 0.05 * f.move)
+    idle = planner.estimate(Path.PUSH, Features(1000.0, 1000.0, 0.0, 0.0))
+    queued = planner.estimate(Path.PUSH, Features(1000.0, 1000.0, 0.0, 2000.0))
+    assert idle == pytest.approx(1580.0, rel=0.05)
+    assert queued - idle == pytest.approx(3000.0, rel=0.25)  # a queue prior: 200 ms

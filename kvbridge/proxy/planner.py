@@ -50,12 +50,12 @@ the SLO that the prefill work already queued on D would not (:func:`stalled_stre
 the stalls that add up where none alone pushes a stream over: while D's measured TPOT
 (``d_tpot_ms``, an average of its recent streams, :func:`smoothed_tpot`) is past
 :data:`TPOT_GUARD` of the SLO, a prefill that would take D more than half an SLO is handed off.
-The guard yields (``guard=tpot_yield``) where
-it would put one stream at risk and every hand-off is expected to miss the request's TTFT SLO
-that D alone is expected to meet: one sure miss against one possible one, and the request's
-TTFT kept out of the queue behind P (in ``bench mix`` at 6 req/s, requests the guard sent to a
-queued P set the planner's TTFT p99). (In ``kvbridge simulate``, either rule alone
-lost goodput to the two together on some workload.) The proxy
+The guard yields (``guard=tpot_yield``) where it would put one stream at risk and every
+hand-off is expected to miss the request's TTFT SLO that D alone is expected to meet: one sure
+miss against one possible one, and the request's TTFT kept out of the queue behind P (in
+``bench mix`` at 6 req/s, requests the guard sent to a queued P set the planner's TTFT p99).
+(In ``kvbridge simulate``, either rule alone lost goodput to the two together on some
+workload.) The proxy
 (:mod:`kvbridge.proxy.planning`) and the simulator (``kvbridge simulate --mode plan``) both
 decide through it. The estimates of every path go into the :class:`Plan`, which the proxy
 returns as the ``X-KVBridge-Plan`` header.
@@ -118,8 +118,8 @@ class Features:
 
 #: Prior coefficients (ms): fixed cost, per 1000 computed tokens (those queued ahead included), per
 #: 1000 moved tokens, per 1000 held tokens, per 1000 prefill tokens queued ahead beyond what
-#: computing them costs, per 1000 tokens from a host-memory tier, per
-#: 1000 from a disk or remote tier, per request decoding on D (D alone). Only the first few
+#: computing them costs, per 1000 tokens from a host-memory tier, per 1000 from a disk or remote
+#: tier, per request decoding on D (D alone). Only the first few
 #: decisions of a path lean on them, and a coefficient no recent observation informs drifts back
 #: to its prior: reading a tier is assumed cheaper than moving the tokens from P, so a tier found
 #: slow is tried again once its slow observations have aged out.

@@ -6,6 +6,8 @@ single-engine reference; byte counters prove what moved.
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 
 from kvbridge import params
 from kvbridge.config import TransferMode
+from kvbridge.tools import prom
 from kvbridge.tools.client import (
     complete,
     engine_stats,
@@ -76,6 +79,14 @@ def _run(url: str, prompt: list[int]) -> list[int]:
 
 def _d(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
+
+
+def _identity_drops(proxy_url: str) -> float:
+    """How often the proxy dropped a cached probe because an engine's identity changed."""
+    with urllib.request.urlopen(proxy_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return prom.value(text, "kvbridge_proxy_probes_dropped_total",
+                      reason="identity_changed") or 0.0
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -167,10 +178,16 @@ def test_zz_a_weight_reload_fences_old_kv(pd: PD) -> None:
     fresh, again = random_prompts(2, 150, seed=305)
     ref_fresh, ref_again = _run(pd.p.url, fresh), _run(pd.p.url, again)
     reset_prefix_cache(pd.p.url)
+    dropped = _identity_drops(pd.proxies.urls["push"])
     for mode in ("pull", "push"):
         assert _run(pd.proxies.urls[mode], fresh) == ref_fresh
     # the pull proxy read P's new identity in P's answer; the push proxy had P's old probe,
-    # so D computed that push itself, and P's answer made that proxy probe again
+    # so D computed that push itself, and P's answer makes that proxy probe again. D's answer
+    # can reach the client before P's reaches the proxy: wait for the proxy to drop the probe
+    deadline = time.monotonic() + 30.0
+    while _identity_drops(pd.proxies.urls["push"]) == dropped:
+        assert time.monotonic() < deadline, "the push proxy kept P's old probe"
+        time.sleep(0.05)
     d2 = engine_stats(pd.d_ctl)
     assert _d(d2, d1, "recv_ok") >= 1
     assert _run(pd.proxies.urls["push"], again) == ref_again

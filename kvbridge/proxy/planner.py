@@ -317,11 +317,6 @@ class Planner:
     def estimate(self, path: Path, f: Features) -> float:
         return self.models[path].predict(f)
 
-    def guarded(self, local: Features, d_tpot_ms: float | None,
-                streams: Iterable[Stream] | None = None) -> bool:
-        """Whether the TPOT guard leaves D alone out for this prefill (:meth:`stalls` > 0)."""
-        return self.stalls(local, d_tpot_ms, streams) > 0
-
     def stalls(self, local: Features, d_tpot_ms: float | None,
                streams: Iterable[Stream] | None = None) -> int:
         """The TPOT guard (module docstring): how many of ``streams``, those decoding on D, this

@@ -229,7 +229,7 @@ class Planning:
         p = _best(self.fleet.prefills.engines, call.tried[Role.PREFILL],
                   self.prefill_rank(Path.PUSH, prompt))
         features = self._features(prompt, p, d)
-        # the TPOT guard (Planner.guarded): D alone left out while D's streams are slow
+        # the TPOT guard (Planner.stalls): D alone left out while D's streams are slow
         plan = self.planner.choose(features, call.slo_ms, d_tpot_ms=self.tpot.get(d.url),
                                    streams=self.streams(d.url))
         call.plan = plan

@@ -256,8 +256,8 @@ def test_the_tpot_guard_keeps_long_prefills_off_a_slow_d() -> None:
         run(planner, 400)
     slow = TPOT_GUARD * 40.0
     assert planner.choose(feats(80), dry_run=True).path is Path.LOCAL
-    assert planner.guarded(feats(150)[Path.LOCAL], slow)
-    assert not planner.guarded(feats(80)[Path.LOCAL], slow)
+    assert planner.stalls(feats(150)[Path.LOCAL], slow)
+    assert not planner.stalls(feats(80)[Path.LOCAL], slow)
     guarded = planner.choose(feats(150), d_tpot_ms=slow)
     assert guarded.path is not Path.LOCAL and guarded.guard == "tpot"
     assert Path.LOCAL not in guarded.estimates and "guard=tpot" in guarded.header()
@@ -358,16 +358,16 @@ def test_the_tpot_guard_weighs_the_streams_decoding_on_d() -> None:
         run(planner, 80)
         run(planner, 400)
     near = [Stream(33, 35.0)]
-    assert planner.guarded(feats(1000)[Path.LOCAL], 20.0, near)  # 200 ms: +6.25 ms
-    assert not planner.guarded(feats(150)[Path.LOCAL], 20.0, near)  # 30 ms: +0.94 ms
-    assert planner.guarded(feats(150, queue=800)[Path.LOCAL], 20.0, near)  # 160 ms ahead
-    assert not planner.guarded(feats(1000)[Path.LOCAL], 20.0, [])
-    assert not planner.guarded(feats(1000)[Path.LOCAL], 20.0, [Stream(400, 35.0)])
+    assert planner.stalls(feats(1000)[Path.LOCAL], 20.0, near)  # 200 ms: +6.25 ms
+    assert not planner.stalls(feats(150)[Path.LOCAL], 20.0, near)  # 30 ms: +0.94 ms
+    assert planner.stalls(feats(150, queue=800)[Path.LOCAL], 20.0, near)  # 160 ms ahead
+    assert not planner.stalls(feats(1000)[Path.LOCAL], 20.0, [])
+    assert not planner.stalls(feats(1000)[Path.LOCAL], 20.0, [Stream(400, 35.0)])
     plan = planner.choose(feats(1000), d_tpot_ms=20.0, streams=near)
     assert plan.path is not Path.LOCAL and plan.guard == "tpot"
     # the average rule: D's TPOT past 75 % of the SLO and a prefill over half an SLO
-    assert planner.guarded(feats(150)[Path.LOCAL], TPOT_GUARD * 40.0, [])
-    assert not Planner(PlannerSettings(explore_every=0)).guarded(feats(1000)[Path.LOCAL],
+    assert planner.stalls(feats(150)[Path.LOCAL], TPOT_GUARD * 40.0, [])
+    assert not Planner(PlannerSettings(explore_every=0)).stalls(feats(1000)[Path.LOCAL],
                                                                    1e6, near)
 
 
@@ -460,8 +460,8 @@ def test_the_planner_guards_with_the_margin() -> None:
     f = feats(1000)[Path.LOCAL]
     stall = f.compute * per_token / 32  # spread over a 33-token stream
     near = 40.0 * TPOT_MARGIN - stall / 2  # the stall takes it past the margin, not the SLO
-    assert planner.guarded(f, None, [Stream(33, near)])
-    assert not planner.guarded(f, None, [Stream(33, near - stall)])
+    assert planner.stalls(f, None, [Stream(33, near)])
+    assert not planner.stalls(f, None, [Stream(33, near - stall)])
 
 
 def _guard_case(planner: Planner, local_ms: float, hand_ms: float) -> dict[Path, Features]:

@@ -36,7 +36,7 @@ auto (``plan`` is its other name, as in the proxy)
     measures it (proxy receive → first token out: D's first token + ``proxy.stream_s``). P and D
     are placed least-loaded: the simulated engines have no per-engine prefix state to rank by.
     With a TPOT SLO (:attr:`PlannerSettings.tpot_slo_ms`) the proxy's TPOT guard applies
-    (:meth:`Planner.guarded`): each D's TPOT is measured from its closed streams as the proxy
+    (:meth:`Planner.stalls`): each D's TPOT is measured from its closed streams as the proxy
     measures it (first → last token, :func:`~kvbridge.proxy.planner.smoothed_tpot` over its
     streams), and a prefill that would push one of the streams placed on D past the SLO is
     not left to D alone.

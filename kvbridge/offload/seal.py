@@ -14,7 +14,8 @@ Tiers hold chunks of :func:`sealed_size` bytes, the size they are configured wit
 XXH3-128 — the hash of the hand-off digests (:mod:`kvbridge.scheduling.digests`), so one
 block's bytes are checked with one function from the engine that computed them to every engine
 that loads them — runs at 15–40 GB/s per core, about four times BLAKE3 (the seals' hash before
-format 2); docs/benchmarks.md has the measured cost. Like BLAKE3 unkeyed, it catches changed
+format 2); docs/benchmarks.md has the measured cost. It is fed in pieces that keep the GIL
+(:mod:`kvbridge.hashing`). Like BLAKE3 unkeyed, it catches changed
 bytes, not a writer that recomputes the digest: a tier others may write to checks its own MAC.
 
 **Unsealed** (``checksum: false``, which turns the hand-off digests off too): a chunk is its
@@ -33,8 +34,7 @@ from __future__ import annotations
 
 import hmac
 
-import xxhash
-
+from kvbridge.hashing import xxh3_128
 from kvbridge.offload.blocks import Payload
 
 __all__ = ["DIGEST_BYTES", "seal", "unseal", "sealed_size", "open_prefix"]
@@ -49,7 +49,7 @@ def sealed_size(payload_bytes: int, sealed: bool = True) -> int:
 
 
 def _digest(payload: Payload) -> bytes:
-    return xxhash.xxh3_128_digest(payload)
+    return xxh3_128(payload)
 
 
 def seal(payload: bytes, sealed: bool = True) -> bytes:

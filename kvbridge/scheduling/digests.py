@@ -21,6 +21,8 @@ XXH3 is not a MAC: it catches bytes that changed between two engines (a transpor
 memory fault, a bug that wrote the wrong blocks), not a peer that lies — the peers' identity
 and every control message are proven separately (:mod:`kvbridge.trust`). It runs at 25–40
 GB/s per core here, faster than the copy it checks (docs/benchmarks.md has the measured cost).
+It is fed in pieces that keep the GIL (:mod:`kvbridge.hashing`): the transfer loop's thread
+digests while the engine's own threads run Python.
 
 The digested memory must be readable from this process (host memory: CPU KV caches, or any
 pinned host buffer); a CUDA KV cache is not digested (``vllm_worker`` turns digests off for it
@@ -34,6 +36,7 @@ import ctypes
 
 import xxhash
 
+from kvbridge.hashing import feed
 from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
 
@@ -80,12 +83,12 @@ def compute(descs: DescriptorArray) -> bytes:
     left = size
     for pos, end in zip((addrs - base).tolist(), (addrs - base + lengths).tolist(), strict=True):
         if end - pos < left:  # the usual case: the whole range inside the chunk
-            update(memory[pos:end])
+            feed(update, memory[pos:end])
             left -= end - pos
             continue
         while pos < end:
             take = min(left, end - pos)
-            update(memory[pos:pos + take])
+            feed(update, memory[pos:pos + take])
             pos += take
             left -= take
             if left == 0:

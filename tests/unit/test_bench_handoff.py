@@ -76,8 +76,33 @@ def test_summary_and_paired_differences() -> None:
     wake.p_timings["wake-0"]["write_done"] += 0.004
     wake.p_timings["wake-2"]["write_done"] += 0.002
     assert bh.paired_deltas(wake, nowake)["wire_ms"] == pytest.approx(2.0)  # of 4, 0, 2
+    assert delta["prefill_ms"] is None and delta["beyond_prefill_ms"] is None  # not recorded
     nowake.records[1].ok = False  # an unpaired round is left out
     assert bh.paired_deltas(wake, nowake)["rounds"] == 2
+
+
+def test_ttft_less_prefill_takes_out_the_engines_own_speed() -> None:
+    """Pair A's P prefills 60 ms slower in every round (an engine process slower than its
+    twin); its hand-off is 1 ms longer. TTFT shows 61 ms, TTFT less P's prefill the 1 ms."""
+    a = _cell("a", [4.0, 4.0, 4.0, 4.0], [1061.0, 1071.0, 1081.0, 1066.0])
+    b = _cell("b", [3.0, 3.0, 3.0, 3.0], [1000.0, 1010.0, 1020.0, 1005.0])
+    for cell, prefill_ms in ((a, 1057.0), (b, 997.0)):
+        for i, rec in enumerate(cell.records):
+            t = cell.p_timings[rec.transfer_id or ""]
+            t["scheduled"] = t["kv_ready"] - (prefill_ms + 10 * (i % 3)) / 1000
+    delta = bh.paired_deltas(a, b)
+    assert delta["ttft_ms"] == pytest.approx(61.0)
+    assert delta["prefill_ms"] == pytest.approx(60.0)
+    assert delta["beyond_prefill_ms"] == pytest.approx(1.0)
+    assert delta["beyond_prefill_ci_ms"] == pytest.approx([1.0, 1.0])
+    assert bh.summarize_pair(a)["prefill_p50_ms"] == pytest.approx(1062.0)
+    report = {"date": "d", "settings": {"backend": "shm", "requests": 4}, "load_start": "1",
+              "load_end": "2", "rows": [bh.summarize_pair(a), bh.summarize_pair(b)],
+              "paired": {"push": delta}, "log_dir": "/tmp/x"}
+    text = bh.format_handoff_report(report)
+    assert ("push: TTFT 61.00 [61.00, 61.00] ms, hand-off 1.00 ms, wire 0.00 ms (4 rounds); "
+            "P's prefill 60.00 ms, TTFT less P's prefill 1.00 [1.00, 1.00] ms") in text
+    assert "read TTFT less P's prefill, not TTFT" in text
 
 
 def test_report_text_names_the_bar() -> None:

@@ -28,7 +28,10 @@ measured does not disturb the other.
 Per (pair, mode): TTFT p50; the hand-off (``D.first_step - P.kv_ready``) p50; for push the WRITE's
 wire time (``P.write_posted -> P.write_done``) and the hand-off minus it (the issue's bar:
 <= 2 ms); the median of every step of the hand-off; the engines' CPU seconds; and per round the
-paired difference wake - baseline. Blocking; engines are always stopped before returning.
+paired difference wake - baseline, of the TTFT and of the TTFT less P's prefill
+(``P.scheduled -> P.kv_ready``): two engines configured alike can prefill ~10 % apart for a
+whole run, which on the bench model is tens of ms no setting caused. Blocking; engines are
+always stopped before returning.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from kvbridge.tools.bench.timings import (
     beyond_wire,
     handoff_breakdown,
     handoff_times,
+    prefill_time,
     request_steps,
 )
 from kvbridge.tools.client import complete
@@ -165,6 +169,7 @@ def summarize_pair(cell: _Cell) -> dict[str, Any]:
     return {
         "pair": cell.pair, "mode": cell.mode, "ok": len(ok), "failed": len(cell.records) - len(ok),
         "ttft_p50_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+        "prefill_p50_ms": _ms([x for x in (prefill_time(p, t) for t in tids) if x is not None]),
         "handoff_p50_ms": _ms(handoff_times(p, d, tids)),
         "wire_p50_ms": _ms(wire),
         "beyond_wire_p50_ms": _ms(beyond_wire(p, d, tids)),
@@ -182,10 +187,16 @@ def _wire(p_timings: dict[str, dict[str, float]], tid: str) -> float | None:
 
 
 def paired_deltas(a: _Cell, b: _Cell) -> dict[str, Any]:
-    """Median over rounds of (a - b) for TTFT, hand-off and (push) wire time (ms), and the TTFT
-    median's 95 % order-statistics interval (``ttft_ci_ms``, [low, high]); rounds where both
-    succeeded."""
+    """Median over rounds of (a - b) for TTFT, P's prefill, TTFT less P's prefill, hand-off
+    and (push) wire time (ms), and the 95 % order-statistics intervals of the two TTFT medians
+    (``ttft_ci_ms``, ``beyond_prefill_ci_ms``: [low, high]); rounds where both succeeded.
+
+    Why TTFT less P's prefill: two engine processes configured alike can differ in prefill
+    speed by up to ±11 % for as long as they run (docs/results/2026-12-06-digest-gil.md), which
+    on the bench model is tens of ms of TTFT that no setting under test caused."""
     ttft: list[float] = []
+    prefill: list[float] = []
+    beyond: list[float] = []
     hand: list[float] = []
     wire: list[float] = []
     for ra, rb in zip(a.records, b.records, strict=False):
@@ -193,6 +204,11 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, Any]:
             continue
         if ra.ttft is not None and rb.ttft is not None:
             ttft.append(ra.ttft - rb.ttft)
+            pa = prefill_time(a.p_timings, ra.transfer_id or "")
+            pb = prefill_time(b.p_timings, rb.transfer_id or "")
+            if pa is not None and pb is not None:
+                prefill.append(pa - pb)
+                beyond.append((ra.ttft - pa) - (rb.ttft - pb))
         ha = handoff_times(a.p_timings, a.d_timings, [ra.transfer_id or ""])
         hb = handoff_times(b.p_timings, b.d_timings, [rb.transfer_id or ""])
         if ha and hb:
@@ -200,9 +216,13 @@ def paired_deltas(a: _Cell, b: _Cell) -> dict[str, Any]:
         wa, wb = _wire(a.p_timings, ra.transfer_id or ""), _wire(b.p_timings, rb.transfer_id or "")
         if wa is not None and wb is not None:
             wire.append(wa - wb)
-    ci = median_ci(ttft) if ttft else None  # distribution-free: the tails are heavy here
+    def ci_ms(values: list[float]) -> list[float] | None:
+        ci = median_ci(values) if values else None  # distribution-free: the tails are heavy
+        return None if ci is None else [ci.low * 1000.0, ci.high * 1000.0]
+
     return {"ttft_ms": _ms(ttft), "handoff_ms": _ms(hand), "wire_ms": _ms(wire),
-            "ttft_ci_ms": None if ci is None else [ci.low * 1000.0, ci.high * 1000.0],
+            "ttft_ci_ms": ci_ms(ttft), "prefill_ms": _ms(prefill),
+            "beyond_prefill_ms": _ms(beyond), "beyond_prefill_ci_ms": ci_ms(beyond),
             "rounds": float(len(ttft))}
 
 
@@ -237,8 +257,18 @@ def format_handoff_report(report: dict[str, Any]) -> str:
         wire = "" if delta.get("wire_ms") is None else f", wire {_f(delta['wire_ms'])} ms"
         ci = delta.get("ttft_ci_ms")
         ci_text = "" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+        beyond = ""
+        if delta.get("beyond_prefill_ms") is not None:
+            bci = delta.get("beyond_prefill_ci_ms")
+            bci_text = "" if bci is None else f" [{bci[0]:.2f}, {bci[1]:.2f}]"
+            beyond = (f"; P's prefill {_f(delta.get('prefill_ms'))} ms, TTFT less P's prefill "
+                      f"{_f(delta['beyond_prefill_ms'])}{bci_text} ms")
         lines.append(f"  {mode}: TTFT {_f(delta['ttft_ms'])}{ci_text} ms, hand-off "
-                     f"{_f(delta['handoff_ms'])} ms{wire} ({int(delta['rounds'] or 0)} rounds)")
+                     f"{_f(delta['handoff_ms'])} ms{wire} ({int(delta['rounds'] or 0)} rounds)"
+                     f"{beyond}")
+    if any(d.get("beyond_prefill_ms") is not None for d in report["paired"].values()):
+        lines.append("  (two engines configured alike can prefill at speeds ~10 % apart for a "
+                     "whole run: read TTFT less P's prefill, not TTFT)")
     for r in report["rows"]:
         if r["pair"] == "wake" and r["mode"] == "push" and r["beyond_wire_p50_ms"] is not None:
             v = r["beyond_wire_p50_ms"]

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 __all__ = ["HANDOFF_BAR_MS", "Timings", "beyond_wire", "handoff_breakdown", "handoff_times",
-           "request_steps"]
+           "prefill_time", "request_steps"]
 
 Timings = Mapping[str, Mapping[str, float]]
 
@@ -29,6 +29,15 @@ def handoff_times(p_timings: Timings, d_timings: Timings, transfer_ids: Sequence
         if "kv_ready" in p and "first_step" in d:
             out.append(d["first_step"] - p["kv_ready"])
     return out
+
+
+def prefill_time(p_timings: Timings, transfer_id: str) -> float | None:
+    """P's prefill of one transfer, ``P.kv_ready - P.scheduled`` (seconds), or None where P
+    did not record both: the part of the TTFT that is the prefill engine's own speed."""
+    p = p_timings.get(transfer_id) or {}
+    if "scheduled" in p and "kv_ready" in p:
+        return p["kv_ready"] - p["scheduled"]
+    return None
 
 
 #: Consecutive steps of a request, in the order they happen, with who records each (C: the

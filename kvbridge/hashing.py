@@ -5,8 +5,9 @@ it back when the hash of that input is done. In an engine another thread — vLL
 the model runner — runs Python almost all the time, and a thread that gave the GIL up gets it
 back only when that thread's switch interval (``sys.getswitchinterval()``, 5 ms) runs out. A
 hand-off's digest fed to xxhash in 256 KiB pieces then waits out one switch interval per piece:
-measured here (``benchmarks/digest_gil.py``), 22 MiB in 24 ranges took 220–280 ms with a thread
-spinning in Python beside it, against 1.3 ms in 32 KiB pieces; with nothing beside it, 0.6 ms.
+measured here (``benchmarks/digest_gil.py``), 22 MiB in 24 ranges took 240–274 ms beside a
+thread spinning in Python and 6 ms (18 ms at worst) beside one running torch forward passes,
+against 1.0–1.5 ms fed in 64 KiB pieces; with nothing beside it, 0.8 ms either way.
 Every XXH3 digest of kvbridge (the hand-off digests, :mod:`kvbridge.scheduling.digests`; the
 tier seals, :mod:`kvbridge.offload.seal`) therefore feeds the hash in pieces of at most
 :data:`PIECE` bytes, which xxhash hashes holding the GIL. Between two pieces the interpreter

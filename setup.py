@@ -1,9 +1,11 @@
-"""Build hook for what pyproject.toml cannot declare: shm's native range copy.
+"""Build hook for what pyproject.toml cannot declare: shm's native range copy and the native
+hand-off digests.
 
-Everything else (metadata, packages, entry points) is in pyproject.toml. The extension is
-``optional``: where no C compiler works, kvbridge still builds and installs, and the shm transport
-moves bytes by cross-memory attach (``kvbridge doctor`` says so). Editable installs
-(``pip install --no-deps -e .``) build it into the source tree, next to rangecopy.py.
+Everything else (metadata, packages, entry points) is in pyproject.toml. Both extensions are
+``optional``: where no C compiler works, kvbridge still builds and installs, the shm transport
+moves bytes by cross-memory attach (``kvbridge doctor`` says so) and the hand-off digests are
+hashed in Python. Editable installs (``pip install --no-deps -e .``) build them into the source
+tree, next to their Python sides.
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,13 @@ setup(
             sources=["kvbridge/transports/shm/_rangecopy.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvbridge.scheduling._digest",
+            sources=["kvbridge/scheduling/_digest.c"],
+            extra_compile_args=["-O2", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

@@ -21,8 +21,16 @@ XXH3 is not a MAC: it catches bytes that changed between two engines (a transpor
 memory fault, a bug that wrote the wrong blocks), not a peer that lies — the peers' identity
 and every control message are proven separately (:mod:`kvbridge.trust`). It runs at 25–40
 GB/s per core here, faster than the copy it checks (docs/benchmarks.md has the measured cost).
-It is fed in pieces that keep the GIL (:mod:`kvbridge.hashing`): the transfer loop's thread
-digests while the engine's own threads run Python.
+
+**Two ways to the same digests.** Natively (:func:`native`, ``_digest.c``, built with kvbridge
+like shm's range copy): one call per part that lets the GIL go once and hashes a stream of
+:data:`SPLIT_BYTES` or more on two threads, through xxhash's own XXH3 functions (the xxhash
+package exports them, with its run-time choice of AVX2); the loader checks its digests against
+xxhash's on a test stream before using it. A 22.5 MiB part: 0.5–0.8 ms on two threads against
+1.1–1.2 ms in Python (docs/results/2026-12-06-native-check.md). Otherwise in Python
+(:func:`compute_python`), fed in pieces that keep the GIL (:mod:`kvbridge.hashing`): the
+transfer loop's thread digests while the engine's own threads run Python, and a thread that
+gave the GIL up per piece would wait for them every time.
 
 The digested memory must be readable from this process (host memory: CPU KV caches, or any
 pinned host buffer); a CUDA KV cache is not digested (``vllm_worker`` turns digests off for it
@@ -33,14 +41,21 @@ caller keeps it alive and unchanged while they run.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Callable
 
+import numpy as np
 import xxhash
 
 from kvbridge.hashing import feed
 from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
 
-__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "chunk_size", "compute", "mismatch"]
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "SPLIT_BYTES", "chunk_size", "compute",
+           "compute_python", "mismatch", "native"]
 
 #: stream bytes per digest (unless the stream has more than MAX_CHUNKS of them)
 CHUNK_BYTES = 256 << 10
@@ -48,6 +63,12 @@ CHUNK_BYTES = 256 << 10
 DIGEST_BYTES = 16
 #: most digests one part carries (they fit one message)
 MAX_CHUNKS = MAX_DIGEST_BYTES // DIGEST_BYTES
+#: the extension module built from ``_digest.c``
+NATIVE = "kvbridge.scheduling._digest"
+#: streams of at least this many bytes are digested on two threads (natively)
+SPLIT_BYTES = 4 << 20
+
+log = logging.getLogger("kvbridge.digests")
 _PAGE = 4096
 _PyBUF_READ = 0x100
 
@@ -66,15 +87,84 @@ def chunk_size(total: int) -> int:
     return -(-per // _PAGE) * _PAGE
 
 
+Native = Callable[[np.ndarray, int, int], bytes]
+"""``(rows, chunk, threads) -> digests``: ``rows`` C-contiguous ``(n, 2)`` uint64 (address,
+length), in stream order."""
+
+
+def _xxh3_addresses() -> tuple[int, ...]:
+    """The addresses of xxhash's own XXH3 functions (its extension exports them, the update
+    with its run-time choice of AVX2 or SSE2); OSError or AttributeError where they are not."""
+    lib = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+    update = getattr(lib, "XXH3_128bits_update_dispatch", None) or lib.XXH3_128bits_update
+    fns = (lib.XXH3_createState, lib.XXH3_freeState, lib.XXH3_128bits_reset, update,
+           lib.XXH3_128bits_digest)
+    return tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in fns)
+
+
+def _load_native() -> Native | None:
+    """The native digests, or None (logged once): where the extension was not built, where
+    xxhash does not export its functions, or where their digests differ from xxhash's own on a
+    test stream (a changed signature would; nothing is trusted unchecked)."""
+    try:
+        fn = importlib.import_module(NATIVE).digest_ranges
+        addresses = _xxh3_addresses()
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("hand-off digests are hashed in Python: %s", exc)
+        return None
+
+    def digest(rows: np.ndarray, size: int, threads: int) -> bytes:
+        out = np.empty(DIGEST_BYTES * -(-int(rows[:, 1].sum()) // size), dtype=np.uint8)
+        fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, threads)
+        return out.tobytes()
+
+    probe = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
+    base, cuts = probe.ctypes.data, (0, 1000, 70_000, 70_001, 200_000, probe.nbytes)
+    rows = np.array([(base + a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)],
+                    dtype=np.uint64)
+    want = compute_python(rows.astype(np.int64), 64 << 10)
+    if digest(rows, 64 << 10, 1) != want or digest(rows, 64 << 10, 2) != want:
+        log.warning("hand-off digests are hashed in Python: the native digests differ from "
+                    "xxhash's on a test stream")
+        return None
+    return digest
+
+
+_native: list[Native | None] = []
+_native_lock = threading.Lock()
+
+
+def native() -> Native | None:
+    """The native digests (``_digest.c``: one call, the GIL let go once, on up to two threads,
+    through xxhash's own XXH3), loaded and checked once (thread-safe); None without them."""
+    with _native_lock:
+        if not _native:
+            _native.append(_load_native())
+        return _native[0]
+
+
 def compute(descs: DescriptorArray) -> bytes:
     """The digests of the stream ``descs`` covers, one per chunk, concatenated.
 
-    Reads the memory in place (no copy). An empty stream has no digests (``b""``)."""
+    Reads the memory in place (no copy). An empty stream has no digests (``b""``). Natively
+    where the extension is there (:func:`native`; a stream of :data:`SPLIT_BYTES` or more on
+    two threads), else in Python (:func:`compute_python`): the same digests."""
     if not len(descs):
         return b""
+    total = int(descs[:, 1].sum())
+    size = chunk_size(total)
+    fn = native()
+    if fn is not None:
+        rows = np.ascontiguousarray(descs[:, :2], dtype=np.uint64)
+        return fn(rows, size, 2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1)
+    return compute_python(descs, size)
+
+
+def compute_python(descs: DescriptorArray, size: int) -> bytes:
+    """:func:`compute` in Python (xxhash fed in pieces that keep the GIL), ``size`` bytes of
+    stream per digest; ``descs`` not empty."""
     addrs, lengths = descs[:, 0], descs[:, 1]
     base = int(addrs.min())
-    size = chunk_size(int(lengths.sum()))
     # one view from the lowest to the highest byte named (only the ranges are read)
     memory = _memory(base, int((addrs + lengths).max()) - base, _PyBUF_READ)
     out = bytearray()

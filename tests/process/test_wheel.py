@@ -80,6 +80,8 @@ def test_wheel_installs_into_a_clean_venv_and_its_commands_run(tmp_path: Path) -
         names = zf.namelist()
     assert any(n.startswith("kvbridge/transports/shm/_rangecopy") and n.endswith(".so")
                for n in names), "the range copy was not compiled into the wheel"
+    assert any(n.startswith("kvbridge/scheduling/_digest") and n.endswith(".so")
+               for n in names), "the native digests were not compiled into the wheel"
     assert "kvbridge/tools/doctor/__init__.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "kvbridge/__main__.py" in names

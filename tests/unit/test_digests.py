@@ -72,3 +72,49 @@ def test_chunks_grow_past_the_cap_so_digests_fit_one_message() -> None:
     for total in (CHUNK_BYTES * MAX_CHUNKS + 1, 64 << 30, 1 << 40):
         size = digests.chunk_size(total)
         assert size % 4096 == 0 and -(-total // size) <= MAX_CHUNKS
+
+
+@pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_digests_equal_pythons_for_any_cut(threads: int) -> None:
+    """The native digests (one call, one or two threads) against the Python ones, for streams
+    cut into ranges every which way: ranges across chunk ends, a short tail, chunks of other
+    sizes, an empty range inside, and the split between the two threads inside a range."""
+    fn = digests.native()
+    assert fn is not None
+    rng = np.random.default_rng(threads)
+    buf = rng.integers(0, 256, 5 * CHUNK_BYTES + 777, dtype=np.uint8)
+    for cuts in ([], [1], [CHUNK_BYTES], sorted(rng.integers(0, buf.nbytes, 40)),
+                 [3 * CHUNK_BYTES - 1, 3 * CHUNK_BYTES + 1]):
+        descs = _descs(buf, [int(c) for c in cuts])
+        rows = np.ascontiguousarray(descs[:, :2], dtype=np.uint64)
+        for size in (CHUNK_BYTES, 3 * 4096, 2 * CHUNK_BYTES):
+            assert fn(rows, size, threads) == digests.compute_python(descs, size), (cuts, size)
+    base = buf.ctypes.data
+    empty_inside = np.array([(base, 1000), (base + 1000, 0), (base + 1000, buf.nbytes - 1000)],
+                            dtype=np.uint64)
+    assert fn(empty_inside, CHUNK_BYTES, threads) == digests.compute_python(
+        _descs(buf, []), CHUNK_BYTES)
+
+
+def test_compute_is_the_same_with_and_without_the_extension(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = np.random.default_rng(3).integers(0, 256, digests.SPLIT_BYTES + 4321, dtype=np.uint8)
+    descs = _descs(buf, [17, CHUNK_BYTES + 5])
+    native = digests.compute(descs)  # two threads where the extension is built
+    monkeypatch.setattr(digests, "_native", [None])
+    assert digests.native() is None
+    assert digests.compute(descs) == native
+
+
+def test_native_digests_that_differ_from_xxhash_are_not_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader checks the native path against xxhash on a test stream: a native function
+    giving other digests (a changed signature would) leaves the Python path in use."""
+    if digests.native() is None:
+        pytest.skip("kvbridge built without _digest")
+    real = digests.compute_python
+    monkeypatch.setattr(digests, "compute_python",
+                        lambda descs, size: bytes(len(real(descs, size))))
+    monkeypatch.setattr(digests, "_native", [])
+    assert digests.native() is None

@@ -41,10 +41,10 @@ caller keeps it alive and unchanged while they run.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import logging
 import os
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -130,17 +130,12 @@ def _load_native() -> Native | None:
     return digest
 
 
-_native: list[Native | None] = []
-_native_lock = threading.Lock()
-
-
+@functools.cache
 def native() -> Native | None:
     """The native digests (``_digest.c``: one call, the GIL let go once, on up to two threads,
-    through xxhash's own XXH3), loaded and checked once (thread-safe); None without them."""
-    with _native_lock:
-        if not _native:
-            _native.append(_load_native())
-        return _native[0]
+    through xxhash's own XXH3), loaded and checked once; None without them. Thread-safe: two
+    first calls at once both load, and get the same answer."""
+    return _load_native()
 
 
 def compute(descs: DescriptorArray) -> bytes:

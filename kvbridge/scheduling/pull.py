@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
-from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
@@ -74,7 +73,7 @@ STALL_READ_RATE = 64 << 20
 class _Claim:
     conn: bytes
     half: Half  # this rank's side of the claimant's part
-    stream: DescriptorArray | None = None  # its descriptors, as the digests cover them
+    digests: bytes | None = None  # of this rank's side, hashed while the claimant reads it
     done: bool = False
 
 
@@ -207,11 +206,16 @@ class PullSource:
             core.stats["claim_refused"] += 1
             log.warning("refusing claim of %s: %s", tid, problem)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
-        st.claims[part.rank] = _Claim(ctx.conn, half, mapping.side_descriptors(half)
-                                      if core.config.checksum else None)
+        claim = st.claims[part.rank] = _Claim(ctx.conn, half)
         self.staged.extend(tid, core.config.lease_s + core.config.transfer_timeout_s)
         core.stats["pull_claimed"] += 1
-        return Ack()
+        if not core.config.checksum:
+            return Ack()
+        # Answer first: D posts its READ on the answer, and this rank digests its side while
+        # the bytes move, so the DONE's answer carries digests ready made (off D's path).
+        core.server.reply(ctx, Ack())
+        claim.digests = digests.compute(mapping.side_descriptors(half))
+        return None
 
     def _half(self, st: _Staged, part: ClaimPart, msg: PullClaim) -> Half:
         """This rank's side of the claiming decode rank's part; fixes who consumes ``st``."""
@@ -273,10 +277,10 @@ class PullSource:
                         error=f"DONE reports {msg.nbytes} bytes, {expected} were leased")
             self._release(tid, f"failed: {reply.error}")
             return reply
-        stream = mapping.side_descriptors(claim.half) if claim.stream is None else claim.stream
-        served = PullServed(transfer_id=tid, digests=digests.compute(stream)
-                            if msg.want_digests or core.config.checksum
-                            else None)  # from this rank's KV, before the lease ends
+        sums = claim.digests  # hashed at the claim (this rank checks), else only if D asks
+        if sums is None and msg.want_digests:  # from this rank's KV, before the lease ends
+            sums = digests.compute(mapping.side_descriptors(claim.half))
+        served = PullServed(transfer_id=tid, digests=sums)
         claim.done = True
         if st.expected is not None and all(r in st.claims and st.claims[r].done
                                            for r in st.expected):

@@ -10,6 +10,7 @@ test.
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,11 +200,17 @@ def _claim(**kw: Any) -> PullClaim:
     return PullClaim(**{**fields, **kw})
 
 
+def _claimed(loop: FakeLoop, src: PullSource, ctx: RequestContext = CTX) -> None:
+    """Claim t1 on ``ctx``: answered ok, before P digests its side (checksums on)."""
+    assert src.on_claim(ctx, _claim()) is None
+    assert loop.replies[-1] == (ctx, Ack())
+
+
 def test_staged_claimed_done_releases_the_blocks_once() -> None:
     loop, src = _source()
     src.stage(PLAN)
     assert "t1" in src.staged and ("pull-leases",) in loop.timers and len(src) == 1
-    assert src.on_claim(CTX, _claim()) == Ack()
+    _claimed(loop, src)
     staged = src.staged.get("t1")
     assert staged is not None
     nbytes = mapping.side_bytes(staged.claims[0].half)
@@ -241,10 +248,44 @@ def test_an_early_claim_that_never_sees_its_stage_is_refused_in_time() -> None:
     assert ctx == CTX and isinstance(reply, Ack) and reply.kind is ErrorKind.UNKNOWN_TRANSFER
 
 
+def test_p_digests_at_the_claim_while_d_reads_not_at_its_done() -> None:
+    """The digests D's DONE gets are P's KV as it was when claimed (they were hashed then,
+    off D's path): bytes P changed during the READ show in D's check as a mismatch."""
+    loop, src = _source()
+    src.stage(PLAN)
+    _claimed(loop, src)
+    staged = src.staged.get("t1")
+    assert staged is not None
+    half = staged.claims[0].half
+    at_claim = digests.compute(mapping.side_descriptors(half))
+    first = mapping.side_descriptors(half)[0]
+    view = (ctypes.c_uint8 * int(first[1])).from_address(int(first[0]))
+    view[0] ^= 0xFF  # P's KV changes after the claim
+    served = src.on_done(CTX, PullDone(transfer_id="t1", nbytes=mapping.side_bytes(half)))
+    view[0] ^= 0xFF
+    assert isinstance(served, PullServed) and served.digests == at_claim
+
+
+def test_with_checksums_off_p_digests_only_when_d_asks_at_done() -> None:
+    loop, src = _source()
+    loop.config = Config(lease_s=10.0, heartbeat_s=1.0, checksum=False)
+    for tid, want in (("t1", True), ("t2", False)):
+        src.stage(SendPlan("req", tid, BLOCKS, num_tokens=10, prompt_digest="d"))
+        assert src.on_claim(CTX, _claim(transfer_id=tid)) == Ack()  # answered at once
+        staged = src.staged.get(tid)
+        assert staged is not None and staged.claims[0].digests is None
+        half = staged.claims[0].half
+        served = src.on_done(CTX, PullDone(transfer_id=tid, nbytes=mapping.side_bytes(half),
+                                           want_digests=want))
+        assert isinstance(served, PullServed)
+        assert served.digests == (digests.compute(mapping.side_descriptors(half)) if want
+                                  else None)
+
+
 def test_only_the_claimant_may_end_a_claimed_transfer() -> None:
     loop, src = _source()
     src.stage(PLAN)
-    assert src.on_claim(CTX, _claim()) == Ack()
+    _claimed(loop, src)
     stranger = RequestContext(b"conn-x", b"rid-9")
     refused = src.on_cancel(stranger, Cancel(transfer_id="t1", reason="no"))
     assert isinstance(refused, Ack) and refused.kind is ErrorKind.FORBIDDEN

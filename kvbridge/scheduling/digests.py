@@ -10,9 +10,10 @@ The stream is cut into chunks of :func:`chunk_size` bytes (256 KiB — one block
 model's layer — or more for transfers past :data:`MAX_CHUNKS` chunks, so the digests of one
 part stay under 64 KiB on the wire) and each chunk gets :data:`DIGEST_BYTES` of XXH3-128.
 The prefill rank computes them from its own KV, where it was computed: for a push right after
-posting the WRITE (while the transport moves the bytes), for a pull right after answering the
-decode rank's claim (while the decode rank's READ moves them; the answer to its ``PullDone``
-then carries them ready made, so they are off the decode rank's path). The decode rank digests
+posting the WRITE (while the transport moves the bytes), for a pull when it stages the KV (the
+whole prompt as a decode rank of its own shape reads it: the usual claim) or right after
+granting any other claim (while the decode rank's READ moves the bytes): the answer to the
+decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests
 what landed in its blocks and compares: a mismatch fails the receive (vLLM's
 ``kv_load_failure_policy`` then recomputes or fails the request), is counted
 (``checksum_mismatch``) and logged with the first bad chunk's place in the stream. KV whose

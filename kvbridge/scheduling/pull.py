@@ -34,9 +34,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
+from kvbridge.hashing import xxh3_128
+from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
@@ -83,6 +87,15 @@ class _Staged:
     claims: dict[int, _Claim] = field(default_factory=dict)  # decode rank -> its claim
     expected: frozenset[int] | None = None  # decode ranks that read from this rank
     decode_tp: int | None = None
+    #: (what the stream's descriptors hash to, its digests): this rank's whole prompt, as a
+    #: decode rank of its own shape reads it, digested when staged (None: not digested)
+    ahead: tuple[bytes, bytes] | None = None
+
+    def digested(self, stream: DescriptorArray) -> bytes | None:
+        """The digests of ``stream`` if they were computed when staged (the same bytes)."""
+        if self.ahead is None or xxh3_128(stream.tobytes()) != self.ahead[0]:
+            return None
+        return self.ahead[1]
 
     def claimant(self, conn: bytes) -> int | None:
         return next((r for r, c in self.claims.items() if c.conn == conn), None)
@@ -142,8 +155,9 @@ class PullSource:
                         tid, plan.req_id, core.ended.get(tid) or "staged")
             core.results.sent(plan.req_id)
             return
+        st = _Staged(plan)
         try:
-            self.staged.insert(tid, _Staged(plan), lease=core.config.lease_s)
+            self.staged.insert(tid, st, lease=core.config.lease_s)
         except BufferFull as exc:
             core.stats["staged_full"] += 1
             log.warning("transfer %s of %s not staged (%s): its blocks are freed and its decode "
@@ -153,6 +167,13 @@ class PullSource:
             return
         self._arm()
         core.stats["staged"] += 1
+        if core.config.checksum and not core.layout.groups and plan.block_ids:
+            # While this rank's answer travels to D through the proxy: a claim of the whole
+            # prompt by a decode rank of this rank's shape (the usual claim) finds its digests
+            # made; any other claim (D holds a prefix, another TP) is digested when it comes.
+            stream = mapping.side_descriptors([(core.layout, np.asarray(plan.block_ids,
+                                                                        dtype=np.int64))])
+            st.ahead = (xxh3_128(stream.tobytes()), digests.compute(stream))
         for ctx, claim in self._early.pop(tid, []):
             core.timers.cancel(("early", tid, ctx))
             reply = self.on_claim(ctx, claim)
@@ -211,10 +232,15 @@ class PullSource:
         core.stats["pull_claimed"] += 1
         if not core.config.checksum:
             return Ack()
+        stream = mapping.side_descriptors(half)
+        claim.digests = st.digested(stream)
+        if claim.digests is not None:
+            core.stats["pull_digested_ahead"] += 1
+            return Ack()
         # Answer first: D posts its READ on the answer, and this rank digests its side while
         # the bytes move, so the DONE's answer carries digests ready made (off D's path).
         core.server.reply(ctx, Ack())
-        claim.digests = digests.compute(mapping.side_descriptors(half))
+        claim.digests = digests.compute(stream)
         return None
 
     def _half(self, st: _Staged, part: ClaimPart, msg: PullClaim) -> Half:

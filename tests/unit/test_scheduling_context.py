@@ -15,6 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pytest
+
 from kvbridge.config import Config
 from kvbridge.control import ReplyCallback, RequestContext
 from kvbridge.errors import PeerUnreachable
@@ -201,9 +204,8 @@ def _claim(**kw: Any) -> PullClaim:
 
 
 def _claimed(loop: FakeLoop, src: PullSource, ctx: RequestContext = CTX) -> None:
-    """Claim t1 on ``ctx``: answered ok, before P digests its side (checksums on)."""
-    assert src.on_claim(ctx, _claim()) is None
-    assert loop.replies[-1] == (ctx, Ack())
+    """Claim all of t1 on ``ctx``: answered ok at once (its digests were made when staged)."""
+    assert src.on_claim(ctx, _claim()) == Ack()
 
 
 def test_staged_claimed_done_releases_the_blocks_once() -> None:
@@ -248,22 +250,47 @@ def test_an_early_claim_that_never_sees_its_stage_is_refused_in_time() -> None:
     assert ctx == CTX and isinstance(reply, Ack) and reply.kind is ErrorKind.UNKNOWN_TRANSFER
 
 
-def test_p_digests_at_the_claim_while_d_reads_not_at_its_done() -> None:
-    """The digests D's DONE gets are P's KV as it was when claimed (they were hashed then,
-    off D's path): bytes P changed during the READ show in D's check as a mismatch."""
+def _flip_first_byte(half: Any) -> Any:
+    """Flip the first byte ``half`` covers (again to undo); the byte's ctypes view."""
+    first = mapping.side_descriptors(half)[0]
+    view = (ctypes.c_uint8 * int(first[1])).from_address(int(first[0]))
+    view[0] ^= 0xFF
+    return view
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_p_digests_before_d_reads_not_at_its_done(skip: int) -> None:
+    """P's digests are of its KV as it was when staged (a claim of the whole prompt, answered
+    at once) or when claimed (D holds a prefix: answered first, then digested while D reads),
+    never at D's DONE: bytes P changed meanwhile show in D's check as a mismatch."""
     loop, src = _source()
     src.stage(PLAN)
-    _claimed(loop, src)
+    claim = _claim(skip_blocks=skip, block_ids=list(BLOCKS[skip:]))
+    if skip:
+        assert src.on_claim(CTX, claim) is None and loop.replies == [(CTX, Ack())]
+    else:
+        assert src.on_claim(CTX, claim) == Ack() and not loop.replies
+    assert loop.stats["pull_digested_ahead"] == (0 if skip else 1)
     staged = src.staged.get("t1")
     assert staged is not None
     half = staged.claims[0].half
-    at_claim = digests.compute(mapping.side_descriptors(half))
-    first = mapping.side_descriptors(half)[0]
-    view = (ctypes.c_uint8 * int(first[1])).from_address(int(first[0]))
-    view[0] ^= 0xFF  # P's KV changes after the claim
+    before = digests.compute(mapping.side_descriptors(half))
+    view = _flip_first_byte(half)  # P's KV changes after the claim
     served = src.on_done(CTX, PullDone(transfer_id="t1", nbytes=mapping.side_bytes(half)))
     view[0] ^= 0xFF
-    assert isinstance(served, PullServed) and served.digests == at_claim
+    assert isinstance(served, PullServed) and served.digests == before
+    assert len(served.digests) == digests.DIGEST_BYTES  # one chunk: (3 - skip) small blocks
+
+
+def test_a_claim_of_the_whole_prompt_gets_digests_of_what_it_claims() -> None:
+    """The digests made when staged are used only for a stream of exactly those bytes."""
+    loop, src = _source()
+    src.stage(PLAN)
+    staged = src.staged.get("t1")
+    assert staged is not None and staged.ahead is not None
+    whole = mapping.side_descriptors([(loop.layout, np.asarray(BLOCKS, dtype=np.int64))])
+    assert staged.digested(whole) == digests.compute(whole)
+    assert staged.digested(whole[1:]) is None and staged.digested(whole[::-1].copy()) is None
 
 
 def test_with_checksums_off_p_digests_only_when_d_asks_at_done() -> None:

@@ -1,5 +1,5 @@
 /* kvbridge.scheduling._digest: a hand-off's digests (XXH3-128 per chunk of its byte stream) in
- * one call, with the GIL released once, on one or two threads.
+ * one call, with the GIL released once, on the calling thread and at most one helper.
  *
  * It links nothing: the XXH3 functions are called through addresses the caller passes, taken
  * from the xxhash package kvbridge already depends on (its extension exports them, with its
@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -25,39 +26,109 @@ typedef struct {
     create_fn create; free_fn release; reset_fn reset; update_fn update; digest_fn digest;
 } xxh3;
 
+/* One call's work, shared by the calling thread and at most one helper. Each takes one chunk at
+ * a time from `taken` (a claim succeeds while the count is under `chunks`): the caller the
+ * chunks from the front of the stream, the helper those from the back, so each walks its own
+ * rows in order and the two never take the same chunk. The caller never waits for a helper
+ * that has not started: once it found nothing left to take it closes the job, and a helper
+ * that starts later sees that and leaves without touching the stream. It waits only while the
+ * helper hashes a chunk it took. The helper is detached; whoever of the two drops the last
+ * reference frees the job. */
 typedef struct {
-    const xxh3 *f;
+    pthread_mutex_t mu;
+    pthread_cond_t idle;
+    int refs, closed, active, finished;
+    _Atomic uint64_t taken;
+    xxh3 f;
     const uint64_t *rows; /* n rows of (address, length): the stream, in order */
-    uint64_t n, row, off;  /* this share's first byte: row `row`, `off` bytes in */
-    uint64_t chunk, first, count; /* digests first .. first + count - 1 */
+    uint64_t n, chunk, chunks, total;
     unsigned char *out;
-    int failed;
-} share;
+} job;
 
 static void put_be64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--) { p[i] = (unsigned char)(v & 0xff); v >>= 8; }
 }
 
-static void *digest_share(void *arg) {
-    share *s = arg;
-    void *st = s->f->create();
-    if (st == NULL) { s->failed = 1; return NULL; }
-    uint64_t row = s->row, off = s->off;
-    for (uint64_t c = 0; c < s->count; c++) {
-        uint64_t left = s->chunk;
-        s->f->reset(st);
-        while (left && row < s->n) {
-            uint64_t len = s->rows[2 * row + 1] - off, take = len < left ? len : left;
-            if (take) s->f->update(st, (const void *)(uintptr_t)(s->rows[2 * row] + off), (size_t)take);
-            left -= take;
-            off += take;
-            if (off == s->rows[2 * row + 1]) { row++; off = 0; }
-        }
-        hash128 h = s->f->digest(st);  /* canonical form: high64 then low64, big-endian */
-        put_be64(s->out + 16 * (s->first + c), h.high64);
-        put_be64(s->out + 16 * (s->first + c) + 8, h.low64);
+/* Hash `len` stream bytes from row `row`, `off` bytes in, into digest `c`. */
+static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uint64_t len,
+                         uint64_t c) {
+    j->f.reset(st);
+    while (len && row < j->n) {
+        uint64_t have = j->rows[2 * row + 1] - off, take = have < len ? have : len;
+        if (take) j->f.update(st, (const void *)(uintptr_t)(j->rows[2 * row] + off), (size_t)take);
+        len -= take;
+        off += take;
+        if (off == j->rows[2 * row + 1]) { row++; off = 0; }
     }
-    s->f->release(st);
+    hash128 h = j->f.digest(st);  /* canonical form: high64 then low64, big-endian */
+    put_be64(j->out + 16 * c, h.high64);
+    put_be64(j->out + 16 * c + 8, h.low64);
+}
+
+static int take(job *j) { return atomic_fetch_add(&j->taken, 1) < j->chunks; }
+
+static void drop(job *j) {
+    pthread_mutex_lock(&j->mu);
+    int last = --j->refs == 0;
+    pthread_mutex_unlock(&j->mu);
+    if (last) {
+        pthread_mutex_destroy(&j->mu);
+        pthread_cond_destroy(&j->idle);
+        free(j);
+    }
+}
+
+/* The caller's share: chunks 0, 1, 2, ... while any is left; 0 when out of memory. */
+static int front(job *j) {
+    void *st = j->f.create();
+    if (st == NULL) return 0;
+    uint64_t row = 0, off = 0;
+    for (uint64_t c = 0; take(j); c++) {
+        uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+        digest_chunk(j, st, row, off, len, c);
+        for (uint64_t left = len; left && row < j->n;) {  /* on to the next chunk's start */
+            uint64_t have = j->rows[2 * row + 1] - off, step = have < left ? have : left;
+            left -= step;
+            off += step;
+            if (off == j->rows[2 * row + 1]) { row++; off = 0; }
+        }
+    }
+    j->f.release(st);
+    return 1;
+}
+
+/* The helper's share: the last chunk, the one before, ... while any is left. */
+static void *back(void *arg) {
+    job *j = arg;
+    pthread_mutex_lock(&j->mu);
+    int go = !j->closed;
+    j->active = go;
+    pthread_mutex_unlock(&j->mu);
+    void *st = go ? j->f.create() : NULL;
+    if (st != NULL) {
+        /* (row, off): the end of the stream, then the start of each chunk taken */
+        uint64_t row = j->n, off = 0, c = j->chunks;
+        while (take(j)) {
+            c--;
+            uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+            for (uint64_t left = len; left;) {  /* back by len bytes */
+                if (off == 0) { row--; off = j->rows[2 * row + 1]; continue; }
+                uint64_t step = off < left ? off : left;
+                off -= step;
+                left -= step;
+            }
+            digest_chunk(j, st, row, off, len, c);
+        }
+        j->f.release(st);
+    }
+    if (go) {
+        pthread_mutex_lock(&j->mu);
+        j->active = 0;
+        j->finished = 1;
+        pthread_cond_signal(&j->idle);
+        pthread_mutex_unlock(&j->mu);
+    }
+    drop(j);
     return NULL;
 }
 
@@ -65,7 +136,9 @@ static void *digest_share(void *arg) {
  * fns: (create, free, reset, update, digest) addresses of xxhash's XXH3_createState,
  * XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update, XXH3_128bits_digest; rows: address
  * of n rows of (address, length) uint64; out: room for ceil(total / chunk) digests of 16
- * bytes; threads: 1 or 2 (the stream split at a chunk boundary). */
+ * bytes; threads: 1, or 2 for a helper thread that takes chunks from the back while the caller
+ * takes them from the front (never waited for before it started), or 0 (for tests of the
+ * helper's path): the caller waits until the helper took what it could, then takes the rest. */
 static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     unsigned long long a[5], rows_addr, n, chunk, out_addr;
     int threads;
@@ -78,32 +151,50 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
         return NULL;
     }
-    xxh3 f = {(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
-              (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
-    const uint64_t *rows = (const uint64_t *)(uintptr_t)rows_addr;
-    uint64_t total = 0;
-    for (uint64_t i = 0; i < n; i++) total += rows[2 * i + 1];
-    uint64_t chunks = (total + chunk - 1) / chunk;
-    unsigned char *out = (unsigned char *)(uintptr_t)out_addr;
-    share sh[2] = {{&f, rows, n, 0, 0, chunk, 0, chunks, out, 0},
-                   {&f, rows, n, 0, 0, chunk, 0, 0, out, 0}};
-    if (threads > 1 && chunks > 1) {
-        uint64_t half = chunks / 2, pos = half * chunk, row = 0;
-        while (row < n && pos >= rows[2 * row + 1]) { pos -= rows[2 * row + 1]; row++; }
-        sh[0].count = half;
-        sh[1] = (share){&f, rows, n, row, pos, chunk, half, chunks - half, out, 0};
-    }
-    int spawned = 0;
-    pthread_t th;
+    job *j = calloc(1, sizeof *j);
+    if (j == NULL) return PyErr_NoMemory();
+    j->f = (xxh3){(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
+                  (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
+    j->rows = (const uint64_t *)(uintptr_t)rows_addr;
+    j->n = n;
+    j->chunk = chunk;
+    for (uint64_t i = 0; i < n; i++) j->total += j->rows[2 * i + 1];
+    j->chunks = (j->total + chunk - 1) / chunk;
+    j->out = (unsigned char *)(uintptr_t)out_addr;
+    atomic_init(&j->taken, 0);
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->idle, NULL);
+    j->refs = 1;
+    uint64_t chunks = j->chunks;
+    int ok;
     Py_BEGIN_ALLOW_THREADS
-    if (sh[1].count) spawned = pthread_create(&th, NULL, digest_share, &sh[1]) == 0;
-    digest_share(&sh[0]);
-    if (sh[1].count) {
-        if (spawned) pthread_join(th, NULL);
-        else digest_share(&sh[1]);
+    if ((threads > 1 || threads == 0) && chunks > 1) {
+        pthread_attr_t attr;
+        pthread_t th;
+        if (pthread_attr_init(&attr) == 0) {
+            j->refs = 2;
+            if (pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0
+                || pthread_create(&th, &attr, back, j) != 0) {
+                j->refs = 1;  /* no helper: the caller hashes it all */
+            }
+            pthread_attr_destroy(&attr);
+        }
+        if (threads == 0 && j->refs == 2) {  /* the helper's path alone, for tests */
+            pthread_mutex_lock(&j->mu);
+            while (!j->finished) pthread_cond_wait(&j->idle, &j->mu);
+            pthread_mutex_unlock(&j->mu);
+        }
     }
+    ok = front(j);
+    pthread_mutex_lock(&j->mu);
+    j->closed = 1;  /* a helper that starts from now on leaves at once */
+    while (j->active) pthread_cond_wait(&j->idle, &j->mu);
+    pthread_mutex_unlock(&j->mu);
+    /* out of memory in the caller: chunks nobody took stay undone */
+    ok = ok && atomic_load(&j->taken) >= chunks;
     Py_END_ALLOW_THREADS
-    if (sh[0].failed || sh[1].failed) return PyErr_NoMemory();
+    drop(j);
+    if (!ok) return PyErr_NoMemory();
     return PyLong_FromUnsignedLongLong(chunks);
 }
 

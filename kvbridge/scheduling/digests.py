@@ -25,11 +25,16 @@ and every control message are proven separately (:mod:`kvbridge.trust`). It runs
 GB/s per core here, faster than the copy it checks (docs/benchmarks.md has the measured cost).
 
 **Two ways to the same digests.** Natively (:func:`native`, ``_digest.c``, built with kvbridge
-like shm's range copy): one call per part that lets the GIL go once and hashes a stream of
-:data:`SPLIT_BYTES` or more on two threads, through xxhash's own XXH3 functions (the xxhash
-package exports them, with its run-time choice of AVX2); the loader checks its digests against
-xxhash's on a test stream before using it. A 22.5 MiB part: 0.5–0.8 ms on two threads against
-1.1–1.2 ms in Python (docs/results/2026-12-06-native-check.md). Otherwise in Python
+like shm's range copy): one call per part that lets the GIL go once, through xxhash's own XXH3
+functions (the xxhash package exports them, with its run-time choice of AVX2); the loader checks
+its digests against xxhash's on a test stream before using it. For a stream of
+:data:`SPLIT_BYTES` or more a helper thread takes chunks from the stream's back while the
+calling thread takes them from its front, and the caller never waits for a helper that has not
+started (only for one that is hashing a chunk it took): on a host whose cores are busy the
+helper often starts late, and a fixed split in halves then waited for it (a 22.5 MiB part beside
+two busy processes: 4–5 ms p50 split in halves, 1.6–1.9 ms shared, 1.7–1.9 ms on one thread;
+with a core free 0.9–1.1 ms against 1.6–1.8 ms on one thread:
+docs/results/2026-12-06-digest-helper.md). Otherwise in Python
 (:func:`compute_python`), fed in pieces that keep the GIL (:mod:`kvbridge.hashing`): the
 transfer loop's thread digests while the engine's own threads run Python, and a thread that
 gave the GIL up per piece would wait for them every time.
@@ -67,7 +72,7 @@ DIGEST_BYTES = 16
 MAX_CHUNKS = MAX_DIGEST_BYTES // DIGEST_BYTES
 #: the extension module built from ``_digest.c``
 NATIVE = "kvbridge.scheduling._digest"
-#: streams of at least this many bytes are digested on two threads (natively)
+#: streams of at least this many bytes are digested with a helper thread (natively)
 SPLIT_BYTES = 4 << 20
 
 log = logging.getLogger("kvbridge.digests")
@@ -91,7 +96,8 @@ def chunk_size(total: int) -> int:
 
 Native = Callable[[np.ndarray, int, int], bytes]
 """``(rows, chunk, threads) -> digests``: ``rows`` C-contiguous ``(n, 2)`` uint64 (address,
-length), in stream order."""
+length), in stream order; ``threads`` 1 (the caller alone), 2 (with a helper) or 0 (the helper's
+path alone, for tests)."""
 
 
 def _xxh3_addresses() -> tuple[int, ...]:
@@ -134,7 +140,7 @@ def _load_native() -> Native | None:
 
 @functools.cache
 def native() -> Native | None:
-    """The native digests (``_digest.c``: one call, the GIL let go once, on up to two threads,
+    """The native digests (``_digest.c``: one call, the GIL let go once, with up to one helper,
     through xxhash's own XXH3), loaded and checked once; None without them. Thread-safe: two
     first calls at once both load, and get the same answer."""
     return _load_native()
@@ -144,8 +150,8 @@ def compute(descs: DescriptorArray) -> bytes:
     """The digests of the stream ``descs`` covers, one per chunk, concatenated.
 
     Reads the memory in place (no copy). An empty stream has no digests (``b""``). Natively
-    where the extension is there (:func:`native`; a stream of :data:`SPLIT_BYTES` or more on
-    two threads), else in Python (:func:`compute_python`): the same digests."""
+    where the extension is there (:func:`native`; a stream of :data:`SPLIT_BYTES` or more with
+    a helper thread), else in Python (:func:`compute_python`): the same digests."""
     if not len(descs):
         return b""
     total = int(descs[:, 1].sum())

@@ -75,11 +75,12 @@ def test_chunks_grow_past_the_cap_so_digests_fit_one_message() -> None:
 
 
 @pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [0, 1, 2])
 def test_native_digests_equal_pythons_for_any_cut(threads: int) -> None:
-    """The native digests (one call, one or two threads) against the Python ones, for streams
-    cut into ranges every which way: ranges across chunk ends, a short tail, chunks of other
-    sizes, an empty range inside, and the split between the two threads inside a range."""
+    """The native digests (one call: the caller alone, with a helper taking chunks from the back,
+    or the helper's path alone: threads 0) against the Python ones, for streams cut into ranges
+    every which way: ranges across chunk ends, a short tail, chunks of other sizes, empty ranges
+    inside and at the end, and the two threads meeting inside a range."""
     fn = digests.native()
     assert fn is not None
     rng = np.random.default_rng(threads)
@@ -94,6 +95,9 @@ def test_native_digests_equal_pythons_for_any_cut(threads: int) -> None:
     empty_inside = np.array([(base, 1000), (base + 1000, 0), (base + 1000, buf.nbytes - 1000)],
                             dtype=np.uint64)
     assert fn(empty_inside, CHUNK_BYTES, threads) == digests.compute_python(
+        _descs(buf, []), CHUNK_BYTES)
+    empty_last = np.array([(base, buf.nbytes), (base + buf.nbytes, 0)], dtype=np.uint64)
+    assert fn(empty_last, CHUNK_BYTES, threads) == digests.compute_python(
         _descs(buf, []), CHUNK_BYTES)
 
 

@@ -132,42 +132,10 @@ static void *back(void *arg) {
     return NULL;
 }
 
-/* digest_ranges(fns, rows, n, chunk, out, threads) -> digests written
- * fns: (create, free, reset, update, digest) addresses of xxhash's XXH3_createState,
- * XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update, XXH3_128bits_digest; rows: address
- * of n rows of (address, length) uint64; out: room for ceil(total / chunk) digests of 16
- * bytes; threads: 1, or 2 for a helper thread that takes chunks from the back while the caller
- * takes them from the front (never waited for before it started), or 0 (for tests of the
- * helper's path): the caller waits until the helper took what it could, then takes the rest. */
-static PyObject *digest_ranges(PyObject *self, PyObject *args) {
-    unsigned long long a[5], rows_addr, n, chunk, out_addr;
-    int threads;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKi:digest_ranges", &a[0], &a[1], &a[2], &a[3], &a[4],
-                          &rows_addr, &n, &chunk, &out_addr, &threads)) {
-        return NULL;
-    }
-    if (chunk == 0 || !a[0] || !a[1] || !a[2] || !a[3] || !a[4]) {
-        PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
-        return NULL;
-    }
-    job *j = calloc(1, sizeof *j);
-    if (j == NULL) return PyErr_NoMemory();
-    j->f = (xxh3){(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
-                  (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
-    j->rows = (const uint64_t *)(uintptr_t)rows_addr;
-    j->n = n;
-    j->chunk = chunk;
-    for (uint64_t i = 0; i < n; i++) j->total += j->rows[2 * i + 1];
-    j->chunks = (j->total + chunk - 1) / chunk;
-    j->out = (unsigned char *)(uintptr_t)out_addr;
-    atomic_init(&j->taken, 0);
-    pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->idle, NULL);
-    j->refs = 1;
+/* The call's work on the calling thread (and a helper): 1 when every digest was written. */
+static int run(job *j, int threads) {
     uint64_t chunks = j->chunks;
     int ok;
-    Py_BEGIN_ALLOW_THREADS
     if ((threads > 1 || threads == 0) && chunks > 1) {
         pthread_attr_t attr;
         pthread_t th;
@@ -192,7 +160,53 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     pthread_mutex_unlock(&j->mu);
     /* out of memory in the caller: chunks nobody took stay undone */
     ok = ok && atomic_load(&j->taken) >= chunks;
-    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* digest_ranges(fns, rows, n, chunk, out, threads[, keep_gil]) -> digests written
+ * fns: (create, free, reset, update, digest) addresses of xxhash's XXH3_createState,
+ * XXH3_freeState, XXH3_128bits_reset, XXH3_128bits_update, XXH3_128bits_digest; rows: address
+ * of n rows of (address, length) uint64; out: room for ceil(total / chunk) digests of 16
+ * bytes; threads: 1, or 2 for a helper thread that takes chunks from the back while the caller
+ * takes them from the front (never waited for before it started), or 0 (for tests of the
+ * helper's path): the caller waits until the helper took what it could, then takes the rest;
+ * keep_gil: hash holding the GIL (the helper never needs it). Letting it go costs taking it back
+ * after, and while another thread runs Python that waits up to its switch interval (5 ms). */
+static PyObject *digest_ranges(PyObject *self, PyObject *args) {
+    unsigned long long a[5], rows_addr, n, chunk, out_addr;
+    int threads, keep_gil = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKi|p:digest_ranges", &a[0], &a[1], &a[2], &a[3],
+                          &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil)) {
+        return NULL;
+    }
+    if (chunk == 0 || !a[0] || !a[1] || !a[2] || !a[3] || !a[4]) {
+        PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
+        return NULL;
+    }
+    job *j = calloc(1, sizeof *j);
+    if (j == NULL) return PyErr_NoMemory();
+    j->f = (xxh3){(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
+                  (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
+    j->rows = (const uint64_t *)(uintptr_t)rows_addr;
+    j->n = n;
+    j->chunk = chunk;
+    for (uint64_t i = 0; i < n; i++) j->total += j->rows[2 * i + 1];
+    j->chunks = (j->total + chunk - 1) / chunk;
+    j->out = (unsigned char *)(uintptr_t)out_addr;
+    atomic_init(&j->taken, 0);
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->idle, NULL);
+    j->refs = 1;
+    uint64_t chunks = j->chunks;
+    int ok;
+    if (keep_gil) {
+        ok = run(j, threads);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        ok = run(j, threads);
+        Py_END_ALLOW_THREADS
+    }
     drop(j);
     if (!ok) return PyErr_NoMemory();
     return PyLong_FromUnsignedLongLong(chunks);
@@ -200,8 +214,9 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"digest_ranges", digest_ranges, METH_VARARGS,
-     "digest_ranges(fns, rows_addr, n, chunk, out_addr, threads) -> digests written; XXH3-128 "
-     "per chunk of the stream of (address, length) uint64 rows, the GIL released once"},
+     "digest_ranges(fns, rows_addr, n, chunk, out_addr, threads[, keep_gil]) -> digests "
+     "written; XXH3-128 per chunk of the stream of (address, length) uint64 rows, the GIL "
+     "released once or kept"},
     {NULL, NULL, 0, NULL},
 };
 

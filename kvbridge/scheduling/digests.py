@@ -34,7 +34,10 @@ started (only for one that is hashing a chunk it took): on a host whose cores ar
 helper often starts late, and a fixed split in halves then waited for it (a 22.5 MiB part beside
 two busy processes: 4–5 ms p50 split in halves, 1.6–1.9 ms shared, 1.7–1.9 ms on one thread;
 with a core free 0.9–1.1 ms against 1.6–1.8 ms on one thread:
-docs/results/2026-12-06-digest-helper.md). Otherwise in Python
+docs/results/2026-12-06-digest-helper.md). A part under :data:`KEEP_GIL_BYTES` is hashed
+holding the GIL: letting it go even once costs taking it back, which waits up to a switch
+interval (5 ms) while another thread of the engine runs Python (beside torch forward passes a
+22.5 MiB part took 1.7–1.9 ms held, 5–7 ms p90 let go). Otherwise in Python
 (:func:`compute_python`), fed in pieces that keep the GIL (:mod:`kvbridge.hashing`): the
 transfer loop's thread digests while the engine's own threads run Python, and a thread that
 gave the GIL up per piece would wait for them every time.
@@ -61,7 +64,8 @@ from kvbridge.hashing import feed
 from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
 
-__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "SPLIT_BYTES", "chunk_size", "compute",
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "KEEP_GIL_BYTES", "SPLIT_BYTES",
+           "chunk_size", "compute",
            "compute_python", "mismatch", "native"]
 
 #: stream bytes per digest (unless the stream has more than MAX_CHUNKS of them)
@@ -74,6 +78,10 @@ MAX_CHUNKS = MAX_DIGEST_BYTES // DIGEST_BYTES
 NATIVE = "kvbridge.scheduling._digest"
 #: streams of at least this many bytes are digested with a helper thread (natively)
 SPLIT_BYTES = 4 << 20
+#: streams under this many bytes are digested holding the GIL (natively): taking the GIL back
+#: after letting it go waits, while another thread runs Python, up to its switch interval (5
+#: ms), longer than hashing this much takes; a larger stream lets it go for the hash
+KEEP_GIL_BYTES = 32 << 20
 
 log = logging.getLogger("kvbridge.digests")
 _PAGE = 4096
@@ -94,10 +102,11 @@ def chunk_size(total: int) -> int:
     return -(-per // _PAGE) * _PAGE
 
 
-Native = Callable[[np.ndarray, int, int], bytes]
-"""``(rows, chunk, threads) -> digests``: ``rows`` C-contiguous ``(n, 2)`` uint64 (address,
-length), in stream order; ``threads`` 1 (the caller alone), 2 (with a helper) or 0 (the helper's
-path alone, for tests)."""
+Native = Callable[[np.ndarray, int, int, bool], bytes]
+"""``(rows, chunk, threads, keep_gil) -> digests``: ``rows`` C-contiguous ``(n, 2)`` uint64
+(address, length), in stream order; ``threads`` 1 (the caller alone), 2 (with a helper) or 0
+(the helper's path alone, for tests); ``keep_gil``: hash holding the GIL (the helper never
+needs it), else let it go for the hash."""
 
 
 def _xxh3_addresses() -> tuple[int, ...]:
@@ -121,9 +130,9 @@ def _load_native() -> Native | None:
         log.info("hand-off digests are hashed in Python: %s", exc)
         return None
 
-    def digest(rows: np.ndarray, size: int, threads: int) -> bytes:
+    def digest(rows: np.ndarray, size: int, threads: int, keep_gil: bool) -> bytes:
         out = np.empty(DIGEST_BYTES * -(-int(rows[:, 1].sum()) // size), dtype=np.uint8)
-        fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, threads)
+        fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, threads, keep_gil)
         return out.tobytes()
 
     probe = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
@@ -131,7 +140,7 @@ def _load_native() -> Native | None:
     rows = np.array([(base + a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)],
                     dtype=np.uint64)
     want = compute_python(rows.astype(np.int64), 64 << 10)
-    if digest(rows, 64 << 10, 1) != want or digest(rows, 64 << 10, 2) != want:
+    if digest(rows, 64 << 10, 1, True) != want or digest(rows, 64 << 10, 2, False) != want:
         log.warning("hand-off digests are hashed in Python: the native digests differ from "
                     "xxhash's on a test stream")
         return None
@@ -159,7 +168,8 @@ def compute(descs: DescriptorArray) -> bytes:
     fn = native()
     if fn is not None:
         rows = np.ascontiguousarray(descs[:, :2], dtype=np.uint64)
-        return fn(rows, size, 2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1)
+        return fn(rows, size, 2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1,
+                  total < KEEP_GIL_BYTES)
     return compute_python(descs, size)
 
 

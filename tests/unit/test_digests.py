@@ -3,6 +3,10 @@ side cuts it into ranges; a flipped byte is found and located; sizes stay bounde
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -75,12 +79,13 @@ def test_chunks_grow_past_the_cap_so_digests_fit_one_message() -> None:
 
 
 @pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")
+@pytest.mark.parametrize("keep_gil", [False, True])
 @pytest.mark.parametrize("threads", [0, 1, 2])
-def test_native_digests_equal_pythons_for_any_cut(threads: int) -> None:
+def test_native_digests_equal_pythons_for_any_cut(threads: int, keep_gil: bool) -> None:
     """The native digests (one call: the caller alone, with a helper taking chunks from the back,
     or the helper's path alone: threads 0) against the Python ones, for streams cut into ranges
     every which way: ranges across chunk ends, a short tail, chunks of other sizes, empty ranges
-    inside and at the end, and the two threads meeting inside a range."""
+    inside and at the end, and the two threads meeting inside a range; the GIL kept or let go."""
     fn = digests.native()
     assert fn is not None
     rng = np.random.default_rng(threads)
@@ -90,14 +95,15 @@ def test_native_digests_equal_pythons_for_any_cut(threads: int) -> None:
         descs = _descs(buf, [int(c) for c in cuts])
         rows = np.ascontiguousarray(descs[:, :2], dtype=np.uint64)
         for size in (CHUNK_BYTES, 3 * 4096, 2 * CHUNK_BYTES):
-            assert fn(rows, size, threads) == digests.compute_python(descs, size), (cuts, size)
+            want = digests.compute_python(descs, size)
+            assert fn(rows, size, threads, keep_gil) == want, (cuts, size)
     base = buf.ctypes.data
     empty_inside = np.array([(base, 1000), (base + 1000, 0), (base + 1000, buf.nbytes - 1000)],
                             dtype=np.uint64)
-    assert fn(empty_inside, CHUNK_BYTES, threads) == digests.compute_python(
+    assert fn(empty_inside, CHUNK_BYTES, threads, keep_gil) == digests.compute_python(
         _descs(buf, []), CHUNK_BYTES)
     empty_last = np.array([(base, buf.nbytes), (base + buf.nbytes, 0)], dtype=np.uint64)
-    assert fn(empty_last, CHUNK_BYTES, threads) == digests.compute_python(
+    assert fn(empty_last, CHUNK_BYTES, threads, keep_gil) == digests.compute_python(
         _descs(buf, []), CHUNK_BYTES)
 
 
@@ -120,3 +126,46 @@ def test_native_digests_that_differ_from_xxhash_are_not_used(
     monkeypatch.setattr(digests, "compute_python",
                         lambda descs, size: bytes(len(real(descs, size))))
     assert digests._load_native() is None
+
+
+@pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")
+def test_a_native_digest_that_keeps_the_gil_lets_no_python_run_meanwhile() -> None:
+    """Kept, the GIL stays with the caller for the whole hash (a thread counting in Python does
+    not move); the helper thread hashes without it."""
+    fn = digests.native()
+    assert fn is not None
+    buf = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    rows = np.ascontiguousarray(_descs(buf, [])[:, :2], dtype=np.uint64)
+    want = fn(rows, CHUNK_BYTES, 1, False)
+    count, stop = [0], threading.Event()
+
+    def counting() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=counting)
+    thread.start()
+    try:
+        while count[0] < 1000:
+            time.sleep(0.001)
+        for threads in (1, 2):
+            before = count[0]
+            assert fn(rows, CHUNK_BYTES, threads, True) == want
+            assert count[0] == before
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_compute_keeps_the_gil_for_streams_under_keep_gil_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking the GIL back waits up to a switch interval while another thread runs Python: a
+    stream that hashes in less keeps it; a larger one lets it go."""
+    calls: list[tuple[int, bool]] = []
+    monkeypatch.setattr(digests, "native",
+                        lambda: lambda rows, size, threads, keep: calls.append((threads, keep))
+                        or b"")
+    for total in (4096, digests.SPLIT_BYTES, digests.KEEP_GIL_BYTES - 1, digests.KEEP_GIL_BYTES):
+        digests.compute(np.array([(1 << 40, total, 0)], dtype=np.int64))
+    two = 2 if (os.cpu_count() or 1) > 1 else 1
+    assert calls == [(1, True), (two, True), (two, True), (two, False)]

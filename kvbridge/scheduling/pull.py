@@ -303,7 +303,7 @@ class PullSource:
                         error=f"DONE reports {msg.nbytes} bytes, {expected} were leased")
             self._release(tid, f"failed: {reply.error}")
             return reply
-        sums = claim.digests  # hashed at the claim (this rank checks), else only if D asks
+        sums = claim.digests  # made when staged or claimed (this rank checks), else if D asks
         if sums is None and msg.want_digests:  # from this rank's KV, before the lease ends
             sums = digests.compute(mapping.side_descriptors(claim.half))
         served = PullServed(transfer_id=tid, digests=sums)

@@ -8,9 +8,11 @@ threads the worker copies one half and a pool thread the other, and each takes t
 after its copy. While another thread of the engine runs Python (the model runner between its
 operators, a prefill next to a push), taking it back waits until that thread lets go, at the
 latest after its switch interval (5 ms). This copies a 22.5 MiB part in 720 ranges of 32 KiB
-(memory to memory in this process), CALLS times 3 ms apart, on one thread and on two as the
-worker does, alone and beside a thread running torch forward passes (digest_gil.py's); p50, p90
-and maximum in ms.
+(memory to memory in this process), CALLS times 3 ms apart: on one thread; on two as the
+worker did before 2026-12-06 (its own half, a pool thread's half, then wait for that thread);
+and on two in one call (a helper thread inside the call, the GIL taken back once: what the
+worker does now). Alone and beside a thread running torch forward passes (digest_gil.py's);
+p50, p90 and maximum in ms.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
     stop = ctypes.c_int32(0)
     pool = ThreadPoolExecutor(1)
 
-    def two() -> None:  # as the shm worker copies with two threads
+    def two() -> None:  # as the shm worker copied with two threads
         other = pool.submit(copy, halves[1], stop)
         copy(halves[0], stop)
         other.result()
@@ -68,7 +70,8 @@ def main() -> None:
             thread.start()
             time.sleep(0.5)
         try:
-            for threads, fn in ((1, lambda: copy(rows, stop)), (2, two)):
+            for threads, fn in (("1", lambda: copy(rows, stop)), ("2, a pool thread", two),
+                                ("2, one call", lambda: copy(rows, stop, 2))):
                 ts = _times(fn)
                 table.append([name, threads, *(f"{percentile(ts, q) or 0:.2f}" for q in (50, 90)),
                               f"{max(ts):.2f}"])

@@ -54,3 +54,25 @@ def test_without_the_extension_load_is_none_and_says_why_once(
     warnings = [r for r in caplog.records if "no native range copy" in r.getMessage()]
     assert len(warnings) == 1 and "cross-memory attach" in warnings[0].getMessage()
     assert list(tmp_path.iterdir()) == []  # nothing compiled or cached at run time
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("rows_n", [2, 3, 257])
+def test_two_threads_copy_every_row_once_and_stop_when_told(fresh: None, rows_n: int,
+                                                             threads: int) -> None:
+    """With a helper (threads 2; 0: the helper's path alone) every row lands exactly once
+    whichever thread took it, the count is all of them, and a stop set first copies nothing."""
+    copy = rangecopy.load()
+    if copy is None:
+        pytest.skip("range copy not built here (pip install --no-deps -e . builds it)")
+    rng = np.random.default_rng(rows_n)
+    size = 4099
+    src = rng.integers(0, 256, rows_n * size, dtype=np.uint8)
+    order = rng.permutation(rows_n)  # row i lands in slot order[i]
+    for _ in range(20):  # the helper starts at a different point of the call each time
+        dst = np.zeros_like(src)
+        rows = np.array([[dst.ctypes.data + size * int(order[i]), src.ctypes.data + size * i,
+                          size] for i in range(rows_n)], dtype=np.uint64)
+        assert copy(rows, ctypes.c_int32(0), threads) == rows_n
+        np.testing.assert_array_equal(dst.reshape(rows_n, size)[order], src.reshape(rows_n, size))
+    assert copy(rows, ctypes.c_int32(1), threads) == 0

@@ -4,7 +4,10 @@ Why native: a Python loop of ``ctypes.memmove`` releases and re-takes the GIL fo
 When another thread of the process runs Python (an engine's model runner does, all the time),
 taking the GIL back waits out the switch interval (5 ms): measured here, a 64 MiB READ in 256
 KiB ranges took 470 ms that way against 14 ms for a memcpy. One call that loops in C releases
-the GIL once per transfer part.
+the GIL once per transfer part. With two copy threads both run inside one call (a helper thread
+copies rows from the back), so the GIL is let go and taken back once per transfer: taking it
+back waits, while an engine thread runs Python, up to a switch interval (5 ms), and two copy
+threads of Python's each waited for it (benchmarks/copy_gil.py).
 
 The loop is a small C extension module, ``kvbridge.transports.shm._rangecopy``
 (``_rangecopy.c`` next to this file), compiled by setuptools when kvbridge is built or
@@ -28,7 +31,7 @@ import ctypes
 import importlib
 import logging
 import threading
-from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +43,12 @@ __all__ = ["MODULE", "load", "RangeCopy"]
 #: The extension module built from ``_rangecopy.c``.
 MODULE = "kvbridge.transports.shm._rangecopy"
 
-RangeCopy = Callable[[npt.NDArray[np.uint64], "ctypes.c_int32"], int]
+class RangeCopy(Protocol):
+    """``(rows, stop, threads=1) -> rows copied``: see :func:`load`."""
+
+    def __call__(self, rows: npt.NDArray[np.uint64], stop: ctypes.c_int32,
+                 threads: int = 1) -> int: ...
+
 
 _lock = threading.Lock()
 _loaded: list[RangeCopy | None] = []
@@ -50,10 +58,12 @@ def _load() -> RangeCopy:
     """The built extension's copy, wrapped; ImportError where it was not built."""
     fn = importlib.import_module(MODULE).copy_ranges
 
-    def copy(rows: npt.NDArray[np.uint64], stop: ctypes.c_int32) -> int:
-        """Copy ``rows`` (C-contiguous ``(n, 3)`` uint64: dst, src, length) in order, checking
-        ``stop`` every 64 rows; the number of rows copied."""
-        return int(fn(rows.ctypes.data, rows.shape[0], ctypes.addressof(stop)))
+    def copy(rows: npt.NDArray[np.uint64], stop: ctypes.c_int32, threads: int = 1) -> int:
+        """Copy ``rows`` (C-contiguous ``(n, 3)`` uint64: dst, src, length), the GIL let go once
+        for the call: in order, checking ``stop`` every 64 rows, or (``threads`` 2) with a
+        helper thread copying rows from the back while this one copies them from the front,
+        ``stop`` checked before every row; the number of rows copied (all unless stopped)."""
+        return int(fn(rows.ctypes.data, rows.shape[0], ctypes.addressof(stop), threads))
 
     return copy
 

@@ -183,11 +183,19 @@ class Worker:
         h.succeed()
 
     def _copy(self, fn: Callable[..., int], peer: _Peer, parts: Parts) -> None:
-        """Copy the first part on the worker and the others on the helper threads; return once
-        every part stopped, also when one failed (its bytes may be landing), then raise the
-        first failure."""
+        """Copy the parts: every range mapped, in one native call on the worker and its helper
+        thread (the GIL let go and taken back once: a pool thread's copy would take it back
+        too, and the worker then waited for that as well, up to a switch interval each while
+        the engine runs Python); else the first part on the worker and the others on the pool
+        threads, returning once every part stopped, also when one failed (its bytes may be
+        landing), then raising the first failure."""
         if len(parts) == 1:
             self._copy_part(fn, peer, parts[0])
+            return
+        if peer.copy is not None and not any(p.local.shape[0] for p in parts):
+            moves = np.concatenate([p.moves for p in parts])
+            if peer.copy(moves, self._stop, len(parts)) < moves.shape[0]:
+                raise TransferFailed("transport closed during the transfer; abandoned")
             return
         if self.helpers is None:
             self.helpers = ThreadPoolExecutor(self._threads - 1,

@@ -1,5 +1,5 @@
 """Build hook for what pyproject.toml cannot declare: shm's native range copy and the native
-hand-off digests.
+hand-off digests (both include ``kvbridge/_share.h``: a call's work shared with a helper thread).
 
 Everything else (metadata, packages, entry points) is in pyproject.toml. Both extensions are
 ``optional``: where no C compiler works, kvbridge still builds and installs, the shm transport
@@ -15,12 +15,15 @@ setup(
         Extension(
             "kvbridge.transports.shm._rangecopy",
             sources=["kvbridge/transports/shm/_rangecopy.c"],
-            extra_compile_args=["-O2"],
+            depends=["kvbridge/_share.h"],
+            extra_compile_args=["-O2", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(
             "kvbridge.scheduling._digest",
             sources=["kvbridge/scheduling/_digest.c"],
+            depends=["kvbridge/_share.h"],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

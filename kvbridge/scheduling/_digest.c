@@ -10,10 +10,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "../_share.h"
 
 typedef struct { uint64_t low64, high64; } hash128;
 typedef void *(*create_fn)(void);
@@ -26,18 +27,12 @@ typedef struct {
     create_fn create; free_fn release; reset_fn reset; update_fn update; digest_fn digest;
 } xxh3;
 
-/* One call's work, shared by the calling thread and at most one helper. Each takes one chunk at
- * a time from `taken` (a claim succeeds while the count is under `chunks`): the caller the
- * chunks from the front of the stream, the helper those from the back, so each walks its own
- * rows in order and the two never take the same chunk. The caller never waits for a helper
- * that has not started: once it found nothing left to take it closes the job, and a helper
- * that starts later sees that and leaves without touching the stream. It waits only while the
- * helper hashes a chunk it took. The helper is detached; whoever of the two drops the last
- * reference frees the job. */
+/* One call's work, shared by the calling thread and at most one helper (kvbridge/_share.h):
+ * each takes one chunk at a time from `taken` (a claim succeeds while the count is under
+ * `chunks`), the caller the chunks from the front of the stream, the helper those from the back,
+ * so each walks its own rows in order and the two never take the same chunk. */
 typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t idle;
-    int refs, closed, active, finished;
+    kvb_share sh;
     _Atomic uint64_t taken;
     xxh3 f;
     const uint64_t *rows; /* n rows of (address, length): the stream, in order */
@@ -68,14 +63,7 @@ static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uin
 static int take(job *j) { return atomic_fetch_add(&j->taken, 1) < j->chunks; }
 
 static void drop(job *j) {
-    pthread_mutex_lock(&j->mu);
-    int last = --j->refs == 0;
-    pthread_mutex_unlock(&j->mu);
-    if (last) {
-        pthread_mutex_destroy(&j->mu);
-        pthread_cond_destroy(&j->idle);
-        free(j);
-    }
+    if (kvb_share_drop(&j->sh)) free(j);
 }
 
 /* The caller's share: chunks 0, 1, 2, ... while any is left; 0 when out of memory. */
@@ -100,33 +88,25 @@ static int front(job *j) {
 /* The helper's share: the last chunk, the one before, ... while any is left. */
 static void *back(void *arg) {
     job *j = arg;
-    pthread_mutex_lock(&j->mu);
-    int go = !j->closed;
-    j->active = go;
-    pthread_mutex_unlock(&j->mu);
-    void *st = go ? j->f.create() : NULL;
-    if (st != NULL) {
-        /* (row, off): the end of the stream, then the start of each chunk taken */
-        uint64_t row = j->n, off = 0, c = j->chunks;
-        while (take(j)) {
-            c--;
-            uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
-            for (uint64_t left = len; left;) {  /* back by len bytes */
-                if (off == 0) { row--; off = j->rows[2 * row + 1]; continue; }
-                uint64_t step = off < left ? off : left;
-                off -= step;
-                left -= step;
+    if (kvb_share_enter(&j->sh)) {
+        void *st = j->f.create();
+        if (st != NULL) {
+            /* (row, off): the end of the stream, then the start of each chunk taken */
+            uint64_t row = j->n, off = 0, c = j->chunks;
+            while (take(j)) {
+                c--;
+                uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+                for (uint64_t left = len; left;) {  /* back by len bytes */
+                    if (off == 0) { row--; off = j->rows[2 * row + 1]; continue; }
+                    uint64_t step = off < left ? off : left;
+                    off -= step;
+                    left -= step;
+                }
+                digest_chunk(j, st, row, off, len, c);
             }
-            digest_chunk(j, st, row, off, len, c);
+            j->f.release(st);
         }
-        j->f.release(st);
-    }
-    if (go) {
-        pthread_mutex_lock(&j->mu);
-        j->active = 0;
-        j->finished = 1;
-        pthread_cond_signal(&j->idle);
-        pthread_mutex_unlock(&j->mu);
+        kvb_share_leave(&j->sh);
     }
     drop(j);
     return NULL;
@@ -134,33 +114,14 @@ static void *back(void *arg) {
 
 /* The call's work on the calling thread (and a helper): 1 when every digest was written. */
 static int run(job *j, int threads) {
-    uint64_t chunks = j->chunks;
-    int ok;
-    if ((threads > 1 || threads == 0) && chunks > 1) {
-        pthread_attr_t attr;
-        pthread_t th;
-        if (pthread_attr_init(&attr) == 0) {
-            j->refs = 2;
-            if (pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0
-                || pthread_create(&th, &attr, back, j) != 0) {
-                j->refs = 1;  /* no helper: the caller hashes it all */
-            }
-            pthread_attr_destroy(&attr);
-        }
-        if (threads == 0 && j->refs == 2) {  /* the helper's path alone, for tests */
-            pthread_mutex_lock(&j->mu);
-            while (!j->finished) pthread_cond_wait(&j->idle, &j->mu);
-            pthread_mutex_unlock(&j->mu);
-        }
+    if ((threads > 1 || threads == 0) && j->chunks > 1 && kvb_share_spawn(&j->sh, back, j)
+        && threads == 0) {
+        kvb_share_wait_finished(&j->sh);  /* the helper's path alone, for tests */
     }
-    ok = front(j);
-    pthread_mutex_lock(&j->mu);
-    j->closed = 1;  /* a helper that starts from now on leaves at once */
-    while (j->active) pthread_cond_wait(&j->idle, &j->mu);
-    pthread_mutex_unlock(&j->mu);
+    int ok = front(j);
+    kvb_share_close(&j->sh);
     /* out of memory in the caller: chunks nobody took stay undone */
-    ok = ok && atomic_load(&j->taken) >= chunks;
-    return ok;
+    return ok && atomic_load(&j->taken) >= j->chunks;
 }
 
 /* digest_ranges(fns, rows, n, chunk, out, threads[, keep_gil]) -> digests written
@@ -195,9 +156,7 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     j->chunks = (j->total + chunk - 1) / chunk;
     j->out = (unsigned char *)(uintptr_t)out_addr;
     atomic_init(&j->taken, 0);
-    pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->idle, NULL);
-    j->refs = 1;
+    kvb_share_init(&j->sh);
     uint64_t chunks = j->chunks;
     int ok;
     if (keep_gil) {

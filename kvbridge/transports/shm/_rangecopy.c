@@ -7,22 +7,18 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* One call's rows, shared by the calling thread and at most one helper: each takes one row at a
- * time from `taken` (a claim succeeds while the count is under `n`), the caller from the front,
- * the helper from the back, and checks `stop` before each. The caller never waits for a helper
- * that has not started: once nothing is left it closes the job, and a helper that starts later
- * leaves without copying. It waits only while the helper copies a row it took. The helper is
- * detached; whoever of the two drops the last reference frees the job. */
+#include "../../_share.h"
+
+/* One call's rows, shared by the calling thread and at most one helper (kvbridge/_share.h):
+ * each takes one row at a time from `taken` (a claim succeeds while the count is under `n`), the
+ * caller from the front, the helper from the back, and checks `stop` before each. */
 typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t idle;
-    int refs, closed, active, finished;
+    kvb_share sh;
     _Atomic uint64_t taken, copied;
     const uint64_t *rows; /* n rows of (dst, src, length) */
     uint64_t n;
@@ -37,31 +33,16 @@ static void copy_row(job *j, uint64_t i) {
 }
 
 static void drop(job *j) {
-    pthread_mutex_lock(&j->mu);
-    int last = --j->refs == 0;
-    pthread_mutex_unlock(&j->mu);
-    if (last) {
-        pthread_mutex_destroy(&j->mu);
-        pthread_cond_destroy(&j->idle);
-        free(j);
-    }
+    if (kvb_share_drop(&j->sh)) free(j);
 }
 
 static void *back(void *arg) {
     job *j = arg;
-    pthread_mutex_lock(&j->mu);
-    int go = !j->closed;
-    j->active = go;
-    pthread_mutex_unlock(&j->mu);
-    if (go) {
+    if (kvb_share_enter(&j->sh)) {
         uint64_t done = 0;
         while (!*j->stop && take(j)) copy_row(j, j->n - 1 - done++);
         atomic_fetch_add(&j->copied, done);
-        pthread_mutex_lock(&j->mu);
-        j->active = 0;
-        j->finished = 1;
-        pthread_cond_signal(&j->idle);
-        pthread_mutex_unlock(&j->mu);
+        kvb_share_leave(&j->sh);
     }
     drop(j);
     return NULL;
@@ -99,32 +80,15 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     j->stop = stop;
     atomic_init(&j->taken, 0);
     atomic_init(&j->copied, 0);
-    pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->idle, NULL);
-    j->refs = 1;
+    kvb_share_init(&j->sh);
     uint64_t copied;
     Py_BEGIN_ALLOW_THREADS
-    pthread_attr_t attr;
-    pthread_t th;
-    if (pthread_attr_init(&attr) == 0) {
-        j->refs = 2;
-        if (pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0
-            || pthread_create(&th, &attr, back, j) != 0) {
-            j->refs = 1;  /* no helper: the caller copies it all */
-        }
-        pthread_attr_destroy(&attr);
-    }
-    if (threads == 0 && j->refs == 2) {  /* the helper's path alone, for tests */
-        pthread_mutex_lock(&j->mu);
-        while (!j->finished) pthread_cond_wait(&j->idle, &j->mu);
-        pthread_mutex_unlock(&j->mu);
+    if (kvb_share_spawn(&j->sh, back, j) && threads == 0) {
+        kvb_share_wait_finished(&j->sh);  /* the helper's path alone, for tests */
     }
     uint64_t done = 0;
     while (!*stop && take(j)) copy_row(j, done++);
-    pthread_mutex_lock(&j->mu);
-    j->closed = 1;  /* a helper that starts from now on leaves at once */
-    while (j->active) pthread_cond_wait(&j->idle, &j->mu);
-    pthread_mutex_unlock(&j->mu);
+    kvb_share_close(&j->sh);
     copied = done + atomic_load(&j->copied);
     Py_END_ALLOW_THREADS
     drop(j);

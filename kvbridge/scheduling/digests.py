@@ -65,8 +65,7 @@ from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
 
 __all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "KEEP_GIL_BYTES", "SPLIT_BYTES",
-           "chunk_size", "compute",
-           "compute_python", "mismatch", "native"]
+           "chunk_size", "compute", "compute_python", "mismatch", "native"]
 
 #: stream bytes per digest (unless the stream has more than MAX_CHUNKS of them)
 CHUNK_BYTES = 256 << 10
@@ -149,9 +148,9 @@ def _load_native() -> Native | None:
 
 @functools.cache
 def native() -> Native | None:
-    """The native digests (``_digest.c``: one call, the GIL let go once, with up to one helper,
-    through xxhash's own XXH3), loaded and checked once; None without them. Thread-safe: two
-    first calls at once both load, and get the same answer."""
+    """The native digests (``_digest.c``: one call, the GIL kept or let go once, with up to
+    one helper, through xxhash's own XXH3), loaded and checked once; None without them.
+    Thread-safe: two first calls at once both load, and get the same answer."""
     return _load_native()
 
 

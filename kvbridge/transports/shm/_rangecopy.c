@@ -63,7 +63,7 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     }
     const uint64_t *rows = (const uint64_t *)(uintptr_t)rows_addr;
     const volatile int32_t *stop = (const volatile int32_t *)(uintptr_t)stop_addr;
-    uint64_t i = 0;
+    uint64_t i;
     job *j = (threads > 1 || threads == 0) && n > 1 ? calloc(1, sizeof *j) : NULL;
     if (j == NULL) {  /* one thread (or no memory for a job: one thread) */
         Py_BEGIN_ALLOW_THREADS

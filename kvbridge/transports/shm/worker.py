@@ -193,9 +193,8 @@ class Worker:
             self._copy_part(fn, peer, parts[0])
             return
         if peer.copy is not None and not any(p.local.shape[0] for p in parts):
-            moves = np.concatenate([p.moves for p in parts])
-            if peer.copy(moves, self._stop, len(parts)) < moves.shape[0]:
-                raise TransferFailed("transport closed during the transfer; abandoned")
+            whole = np.concatenate([p.moves for p in parts])
+            self._copy_part(fn, peer, _Part(whole, _NO_MOVES, _NO_MOVES), threads=len(parts))
             return
         if self.helpers is None:
             self.helpers = ThreadPoolExecutor(self._threads - 1,
@@ -214,12 +213,14 @@ class Worker:
         if errors:
             raise errors[0]
 
-    def _copy_part(self, fn: Callable[..., int], peer: _Peer, part: _Part) -> None:
-        """Copy the part's mapped ranges in one native call (without the GIL), then the rest by
-        CMA; :meth:`stop` (the transport's ``close``) stops either within 64 ranges."""
+    def _copy_part(self, fn: Callable[..., int], peer: _Peer, part: _Part,
+                   threads: int = 1) -> None:
+        """Copy the part's mapped ranges in one native call (without the GIL; with ``threads``
+        2, a helper thread inside it), then the rest by CMA; :meth:`stop` (the transport's
+        ``close``) stops either within 64 ranges."""
         if part.moves.shape[0]:
             assert peer.copy is not None  # there are moves only with a mapping
-            if peer.copy(part.moves, self._stop) < part.moves.shape[0]:
+            if peer.copy(part.moves, self._stop, threads) < part.moves.shape[0]:
                 raise TransferFailed("transport closed during the transfer; abandoned")
         if part.local.shape[0]:
             copy_iovecs(fn, peer.pid, part.local, part.remote, self._iov_max, self._abort)

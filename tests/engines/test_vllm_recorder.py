@@ -314,7 +314,9 @@ def test_a_full_decode_kv_is_attributed_to_d_admission(fleet: tuple[ProxyThread,
     phase = "D admission wait (queue, KV allocation)"
     print("D admission wait ms:", [round(next(p["seconds"] for p in w["phases"]
                                              if p["phase"] == phase) * 1e3, 1) for _, w in runs])
-    assert _attributed(runs, phase, 0.05, longest=False) == 1.0, [w["phases"] for _, w in runs]
+    # the window is the blocker's hold (0.2 s) less P's prefill of the measured pull: a host stall
+    # of P (seen once on a slow CI host: 35 ms left of it) may let one run arrive after the hold
+    assert _attributed(runs, phase, 0.05, longest=False) >= 5 / 6, [w["phases"] for _, w in runs]
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

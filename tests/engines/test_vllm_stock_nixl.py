@@ -47,7 +47,10 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stock]:
     proxy: ProxyThread | None = None
     try:
         start_servers([p, d], timeout=900)
-        proxy = ProxyThread([p.url], [d.url], modes=("pull",), timeout_s=120.0).start()
+        # a generous connect bound: a 3 s stall of this busy test process once made the default
+        # take D out ("did not accept a connection within 3.0s"), which is not what this tests
+        proxy = ProxyThread([p.url], [d.url], modes=("pull",), timeout_s=120.0,
+                            connect_timeout_s=15.0).start()
         yield Stock(p, d, proxy)
     finally:
         if proxy is not None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -81,7 +81,8 @@ from kvbridge.transport import (
 )
 
 __all__ = [
-    "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "PreparedRequest",
+    "BlockPair", "BlockPart", "BlockRequest", "BlockTransport", "BlockIds", "LandingCopy",
+    "PreparedRequest",
     "prepare_blocks", "prepare_parts", "submit_blocks", "submit_request", "submit_parts",
     "check_in_regions",
 ]
@@ -105,9 +106,22 @@ class BlockPair:
     evicted: bool = False
 
 
+LandingCopy = Callable[[npt.NDArray[np.uint64], int], "bytes | None"]
+"""A copy the caller of a request supplies (:attr:`PreparedRequest.landing`): ``(moves, stop) ->
+result``, ``moves`` C-contiguous ``(n, 3)`` uint64 rows of (dst, src, length) in the request's
+local order, ``stop`` the address of an int32 the transport sets when it is closed; it copies
+every row (or, once ``stop`` is set, returns None) and returns what it learnt on the way (the
+digests of what landed), which the transport puts on the handle (``TransferHandle.landed``)."""
+
+
 @dataclass(eq=False)
 class PreparedRequest:
-    """A request built ahead (:meth:`BlockTransport.prepare_request`); post it or discard it."""
+    """A request built ahead (:meth:`BlockTransport.prepare_request`); post it or discard it.
+
+    ``landing``, set by the caller before posting: a transport that copies the whole request
+    itself through memory it mapped (shm) copies with it instead of its own copy, on its own
+    thread, and puts its result on the handle; any other transport (or shm where some range is
+    not mapped) ignores it and ``TransferHandle.landed`` stays None."""
 
     op: Op
     pair: BlockPair
@@ -115,6 +129,7 @@ class PreparedRequest:
     notification: bytes | None
     native: Any = None  # the transport's request, None once posted or discarded (or never)
     done: bool = False
+    landing: LandingCopy | None = None
 
     def post(self) -> TransferHandle:
         """:meth:`BlockTransport.post_prepared` on the transport that prepared it."""

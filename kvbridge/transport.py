@@ -171,6 +171,10 @@ class TransferHandle:
     state: HandleState = HandleState.PENDING
     error: str | None = None
     native: Any = None
+    #: what the request's caller-supplied copy returned (:attr:`kvbridge.blocks.PreparedRequest.
+    #: landing`: the digests of what landed), set before the handle is DONE; None where the
+    #: transport made its own copy
+    landed: bytes | None = None
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)

@@ -1,5 +1,7 @@
 /* kvbridge.scheduling._digest: a hand-off's digests (XXH3-128 per chunk of its byte stream) in
- * one call, with the GIL released once, on the calling thread and at most one helper.
+ * one call, with the GIL released once, on the calling thread and at most one helper; or a copy
+ * and the digests of its destination in one pass (each piece hashed right after it is copied,
+ * while it is still in the cache).
  *
  * It links nothing: the XXH3 functions are called through addresses the caller passes, taken
  * from the xxhash package kvbridge already depends on (its extension exports them, with its
@@ -13,6 +15,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../_share.h"
 
@@ -35,10 +38,19 @@ typedef struct {
     kvb_share sh;
     _Atomic uint64_t taken;
     xxh3 f;
-    const uint64_t *rows; /* n rows of (address, length): the stream, in order */
-    uint64_t n, chunk, chunks, total;
+    /* n rows, the stream in order: (address, length), or with `copy` (dst, src, length), the
+     * stream being the destination's */
+    const uint64_t *rows;
+    uint64_t n, chunk, chunks, total, stride;
+    int copy;
+    const volatile int32_t *stop; /* checked before each chunk is taken; NULL: never stops */
     unsigned char *out;
 } job;
+
+/* the copy goes this far ahead of the hash: both in the core's own cache */
+#define PIECE ((uint64_t)64 << 10)
+
+static uint64_t row_len(const job *j, uint64_t r) { return j->rows[j->stride * r + j->stride - 1]; }
 
 static void put_be64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--) { p[i] = (unsigned char)(v & 0xff); v >>= 8; }
@@ -49,18 +61,31 @@ static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uin
                          uint64_t c) {
     j->f.reset(st);
     while (len && row < j->n) {
-        uint64_t have = j->rows[2 * row + 1] - off, take = have < len ? have : len;
-        if (take) j->f.update(st, (const void *)(uintptr_t)(j->rows[2 * row] + off), (size_t)take);
+        uint64_t have = row_len(j, row) - off, take = have < len ? have : len;
+        char *at = (char *)(uintptr_t)(j->rows[j->stride * row] + off);
+        if (take && j->copy) {
+            const char *from = (const char *)(uintptr_t)(j->rows[j->stride * row + 1] + off);
+            for (uint64_t done = 0; done < take;) {
+                uint64_t piece = take - done < PIECE ? take - done : PIECE;
+                memmove(at + done, from + done, (size_t)piece);
+                j->f.update(st, at + done, (size_t)piece);
+                done += piece;
+            }
+        } else if (take) {
+            j->f.update(st, at, (size_t)take);
+        }
         len -= take;
         off += take;
-        if (off == j->rows[2 * row + 1]) { row++; off = 0; }
+        if (off == row_len(j, row)) { row++; off = 0; }
     }
     hash128 h = j->f.digest(st);  /* canonical form: high64 then low64, big-endian */
     put_be64(j->out + 16 * c, h.high64);
     put_be64(j->out + 16 * c + 8, h.low64);
 }
 
-static int take(job *j) { return atomic_fetch_add(&j->taken, 1) < j->chunks; }
+static int take(job *j) {
+    return !(j->stop && *j->stop) && atomic_fetch_add(&j->taken, 1) < j->chunks;
+}
 
 static void drop(job *j) {
     if (kvb_share_drop(&j->sh)) free(j);
@@ -75,10 +100,10 @@ static int front(job *j) {
         uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
         digest_chunk(j, st, row, off, len, c);
         for (uint64_t left = len; left && row < j->n;) {  /* on to the next chunk's start */
-            uint64_t have = j->rows[2 * row + 1] - off, step = have < left ? have : left;
+            uint64_t have = row_len(j, row) - off, step = have < left ? have : left;
             left -= step;
             off += step;
-            if (off == j->rows[2 * row + 1]) { row++; off = 0; }
+            if (off == row_len(j, row)) { row++; off = 0; }
         }
     }
     j->f.release(st);
@@ -97,7 +122,7 @@ static void *back(void *arg) {
                 c--;
                 uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
                 for (uint64_t left = len; left;) {  /* back by len bytes */
-                    if (off == 0) { row--; off = j->rows[2 * row + 1]; continue; }
+                    if (off == 0) { row--; off = row_len(j, row); continue; }
                     uint64_t step = off < left ? off : left;
                     off -= step;
                     left -= step;
@@ -112,7 +137,8 @@ static void *back(void *arg) {
     return NULL;
 }
 
-/* The call's work on the calling thread (and a helper): 1 when every digest was written. */
+/* The call's work on the calling thread (and a helper): 1 when every digest was written, 0
+ * when out of memory, -1 when stopped (the chunks taken before are copied and digested). */
 static int run(job *j, int threads) {
     if ((threads > 1 || threads == 0) && j->chunks > 1 && kvb_share_spawn(&j->sh, back, j)
         && threads == 0) {
@@ -120,8 +146,57 @@ static int run(job *j, int threads) {
     }
     int ok = front(j);
     kvb_share_close(&j->sh);
-    /* out of memory in the caller: chunks nobody took stay undone */
-    return ok && atomic_load(&j->taken) >= j->chunks;
+    if (ok && atomic_load(&j->taken) >= j->chunks) return 1;
+    /* stopped, or out of memory in the caller: chunks nobody took stay undone */
+    return j->stop && *j->stop ? -1 : 0;
+}
+
+/* The job of one call (NULL: out of memory, with Python's error set), holding the caller's
+ * reference; `a` the five function addresses, checked by the caller. */
+static job *new_job(const unsigned long long a[5], unsigned long long rows_addr,
+                    unsigned long long n, unsigned long long chunk, unsigned long long out_addr,
+                    int copy, unsigned long long stop_addr) {
+    job *j = calloc(1, sizeof *j);
+    if (j == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    j->f = (xxh3){(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
+                  (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
+    j->rows = (const uint64_t *)(uintptr_t)rows_addr;
+    j->n = n;
+    j->copy = copy;
+    j->stride = copy ? 3 : 2;
+    j->stop = (const volatile int32_t *)(uintptr_t)stop_addr;
+    j->chunk = chunk;
+    for (uint64_t i = 0; i < n; i++) j->total += row_len(j, i);
+    j->chunks = (j->total + chunk - 1) / chunk;
+    j->out = (unsigned char *)(uintptr_t)out_addr;
+    atomic_init(&j->taken, 0);
+    kvb_share_init(&j->sh);
+    return j;
+}
+
+/* Run `j` holding the GIL or not, drop the caller's reference: run()'s answer. */
+static int run_call(job *j, int threads, int keep_gil) {
+    int ok;
+    if (keep_gil) {
+        ok = run(j, threads);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        ok = run(j, threads);
+        Py_END_ALLOW_THREADS
+    }
+    drop(j);
+    return ok;
+}
+
+static int check_args(const unsigned long long a[5], unsigned long long chunk) {
+    if (chunk == 0 || !a[0] || !a[1] || !a[2] || !a[3] || !a[4]) {
+        PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
+        return 0;
+    }
+    return 1;
 }
 
 /* digest_ranges(fns, rows, n, chunk, out, threads[, keep_gil]) -> digests written
@@ -138,36 +213,39 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     int threads, keep_gil = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "(KKKKK)KKKKi|p:digest_ranges", &a[0], &a[1], &a[2], &a[3],
-                          &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil)) {
+                          &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil)
+        || !check_args(a, chunk)) {
         return NULL;
     }
-    if (chunk == 0 || !a[0] || !a[1] || !a[2] || !a[3] || !a[4]) {
-        PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
-        return NULL;
-    }
-    job *j = calloc(1, sizeof *j);
-    if (j == NULL) return PyErr_NoMemory();
-    j->f = (xxh3){(create_fn)(uintptr_t)a[0], (free_fn)(uintptr_t)a[1], (reset_fn)(uintptr_t)a[2],
-                  (update_fn)(uintptr_t)a[3], (digest_fn)(uintptr_t)a[4]};
-    j->rows = (const uint64_t *)(uintptr_t)rows_addr;
-    j->n = n;
-    j->chunk = chunk;
-    for (uint64_t i = 0; i < n; i++) j->total += j->rows[2 * i + 1];
-    j->chunks = (j->total + chunk - 1) / chunk;
-    j->out = (unsigned char *)(uintptr_t)out_addr;
-    atomic_init(&j->taken, 0);
-    kvb_share_init(&j->sh);
+    job *j = new_job(a, rows_addr, n, chunk, out_addr, 0, 0);
+    if (j == NULL) return NULL;
     uint64_t chunks = j->chunks;
-    int ok;
-    if (keep_gil) {
-        ok = run(j, threads);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        ok = run(j, threads);
-        Py_END_ALLOW_THREADS
+    if (run_call(j, threads, keep_gil) != 1) return PyErr_NoMemory();
+    return PyLong_FromUnsignedLongLong(chunks);
+}
+
+/* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop) -> digests or None
+ * As digest_ranges, for the destination of a copy made in the same pass: rows: address of n rows
+ * of (dst, src, length) uint64, the stream being the destinations in row order; each piece of
+ * at most 64 KiB is copied (memmove) and at once hashed where it landed, still in the cache;
+ * stop: address of an int32 checked before each chunk is taken, or 0. None when stopped: the
+ * chunks taken before it are copied and digested, the others neither. */
+static PyObject *copy_digest_ranges(PyObject *self, PyObject *args) {
+    unsigned long long a[5], rows_addr, n, chunk, out_addr, stop_addr;
+    int threads, keep_gil;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKipK:copy_digest_ranges", &a[0], &a[1], &a[2],
+                          &a[3], &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil,
+                          &stop_addr)
+        || !check_args(a, chunk)) {
+        return NULL;
     }
-    drop(j);
-    if (!ok) return PyErr_NoMemory();
+    job *j = new_job(a, rows_addr, n, chunk, out_addr, 1, stop_addr);
+    if (j == NULL) return NULL;
+    uint64_t chunks = j->chunks;
+    int ok = run_call(j, threads, keep_gil);
+    if (ok == 0) return PyErr_NoMemory();
+    if (ok < 0) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(chunks);
 }
 
@@ -176,6 +254,10 @@ static PyMethodDef methods[] = {
      "digest_ranges(fns, rows_addr, n, chunk, out_addr, threads[, keep_gil]) -> digests "
      "written; XXH3-128 per chunk of the stream of (address, length) uint64 rows, the GIL "
      "released once or kept"},
+    {"copy_digest_ranges", copy_digest_ranges, METH_VARARGS,
+     "copy_digest_ranges(fns, rows_addr, n, chunk, out_addr, threads, keep_gil, stop_addr) -> "
+     "digests written, or None when stopped; copies (dst, src, length) uint64 rows and digests "
+     "the destination stream in one pass, each piece hashed right after it is copied"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,10 @@ posting the WRITE (while the transport moves the bytes), for a pull when it stag
 whole prompt as a decode rank of its own shape reads it: the usual claim) or right after
 granting any other claim (while the decode rank's READ moves the bytes): the answer to the
 decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests
-what landed in its blocks and compares: a mismatch fails the receive (vLLM's
+what landed in its blocks and compares — for a pull over shm, in the pass that copies it
+(:func:`landing`: each piece of at most 64 KiB hashed right after it is copied, while it is
+still in the core's cache; a 22.5 MiB READ's check then adds 0.8–0.9 ms to its copy instead of
+1.6–1.8 ms, benchmarks/copy_digest.py): a mismatch fails the receive (vLLM's
 ``kv_load_failure_policy`` then recomputes or fails the request), is counted
 (``checksum_mismatch``) and logged with the first bad chunk's place in the stream. KV whose
 digest did not match is never used.
@@ -65,7 +68,8 @@ from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
 
 __all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "KEEP_GIL_BYTES", "SPLIT_BYTES",
-           "chunk_size", "compute", "compute_python", "mismatch", "native"]
+           "chunk_size", "compute", "compute_python", "copy_compute", "landing", "mismatch",
+           "native", "native_copy"]
 
 #: stream bytes per digest (unless the stream has more than MAX_CHUNKS of them)
 CHUNK_BYTES = 256 << 10
@@ -108,6 +112,13 @@ Native = Callable[[np.ndarray, int, int, bool], bytes]
 needs it), else let it go for the hash."""
 
 
+CopyNative = Callable[[np.ndarray, int, int, bool, int], bytes | None]
+"""``(moves, chunk, threads, keep_gil, stop) -> digests``: copy ``moves`` (C-contiguous ``(n, 3)``
+uint64: dst, src, length) and digest the destination stream (the dsts in row order) in one
+pass, each piece hashed right after it is copied; ``stop``: the address of an int32 checked
+before each chunk (0: none); None when it stopped the copy (part of it may have landed)."""
+
+
 def _xxh3_addresses() -> tuple[int, ...]:
     """The addresses of xxhash's own XXH3 functions (its extension exports them, the update
     with its run-time choice of AVX2 or SSE2); OSError or AttributeError where they are not."""
@@ -146,6 +157,45 @@ def _load_native() -> Native | None:
     return digest
 
 
+def _load_copy() -> CopyNative | None:
+    """The native copy-and-digest, or None: as :func:`_load_native`, its digests and its copy
+    checked on a test stream first."""
+    try:
+        fn = importlib.import_module(NATIVE).copy_digest_ranges
+        addresses = _xxh3_addresses()
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("no native copy-and-digest: %s", exc)
+        return None
+
+    def copy_digest(moves: np.ndarray, size: int, threads: int, keep_gil: bool,
+                    stop: int = 0) -> bytes | None:
+        out = np.empty(DIGEST_BYTES * -(-int(moves[:, 2].sum()) // size), dtype=np.uint8)
+        done = fn(addresses, moves.ctypes.data, moves.shape[0], size, out.ctypes.data, threads,
+                  keep_gil, stop)
+        return None if done is None else out.tobytes()
+
+    src = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
+    cuts = (0, 1000, 70_000, 70_001, 200_000, src.nbytes)
+    want = compute_python(np.array([(src.ctypes.data + a, b - a) for a, b in
+                                    zip(cuts, cuts[1:], strict=False)], dtype=np.int64), 64 << 10)
+    for threads in (1, 2):
+        dst = np.zeros_like(src)
+        moves = np.array([(dst.ctypes.data + a, src.ctypes.data + a, b - a)
+                          for a, b in zip(cuts, cuts[1:], strict=False)], dtype=np.uint64)
+        if copy_digest(moves, 64 << 10, threads, threads == 1) != want or not np.array_equal(
+                dst, src):
+            log.warning("no native copy-and-digest: its copy or digests differ from xxhash's "
+                        "on a test stream")
+            return None
+    return copy_digest
+
+
+@functools.cache
+def native_copy() -> CopyNative | None:
+    """The native copy-and-digest (``_digest.c``), loaded and checked once; None without it."""
+    return _load_copy()
+
+
 @functools.cache
 def native() -> Native | None:
     """The native digests (``_digest.c``: one call, the GIL kept or let go once, with up to
@@ -170,6 +220,56 @@ def compute(descs: DescriptorArray) -> bytes:
         return fn(rows, size, 2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1,
                   total < KEEP_GIL_BYTES)
     return compute_python(descs, size)
+
+
+def copy_compute(moves: np.ndarray, stop: int = 0) -> bytes | None:
+    """Copy ``moves`` (``(n, 3)`` uint64 rows of dst, src, length; not empty) and return the
+    digests of the destination stream (the dsts in row order), as :func:`compute` would give
+    them after the copy, in one pass (:func:`native_copy`: each piece hashed right after it is
+    copied, while it is still in the cache; with a helper thread from :data:`SPLIT_BYTES`).
+    None when ``stop`` (the address of an int32, or 0) stopped the copy: part of it may have
+    landed. Needs the extension: the caller checks :func:`native_copy` first (without it,
+    copy and then :func:`compute`)."""
+    fn = native_copy()
+    if fn is None:
+        raise RuntimeError("kvbridge was built without its native digests")
+    rows = np.ascontiguousarray(moves, dtype=np.uint64)
+    total = int(rows[:, 2].sum())
+    return fn(rows, chunk_size(total),
+              2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1,
+              total < KEEP_GIL_BYTES, stop)
+
+
+def landing(stream: DescriptorArray) -> Callable[[np.ndarray, int], bytes | None] | None:
+    """A copy for a READ whose destination is ``stream`` (:data:`kvbridge.blocks.LandingCopy`:
+    shm copies a prepared request with it): it copies the moves it is given and returns the
+    digests of ``stream`` as :func:`compute` gives them after the copy, each piece hashed
+    right after it is copied (:func:`copy_compute`). Where the moves' destinations are not
+    ``stream`` in order (compared as runs of bytes, however each is cut), it still copies them
+    all and then hashes ``stream``. None without the extension, or for an empty stream."""
+    if not len(stream) or native_copy() is None:
+        return None
+
+    def copy(moves: np.ndarray, stop: int) -> bytes | None:
+        got = copy_compute(moves, stop)
+        if got is None or _runs(moves[:, 0], moves[:, 2]) == _runs(stream[:, 0], stream[:, 1]):
+            return got
+        return compute(stream)
+
+    return copy
+
+
+def _runs(addrs: np.ndarray, lengths: np.ndarray) -> tuple[bytes, bytes]:
+    """The byte stream ``(addrs, lengths)`` names, as its maximal contiguous runs (starts,
+    lengths), so that two cuts of one stream compare equal."""
+    a, n = addrs.astype(np.int64), lengths.astype(np.int64)
+    a, n = a[n > 0], n[n > 0]
+    if not len(a):
+        return b"", b""
+    first = np.ones(len(a), dtype=bool)
+    first[1:] = a[1:] != a[:-1] + n[:-1]
+    starts = np.flatnonzero(first)
+    return a[starts].tobytes(), np.add.reduceat(n, starts).tobytes()
 
 
 def compute_python(descs: DescriptorArray, size: int) -> bytes:

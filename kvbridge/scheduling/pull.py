@@ -19,12 +19,12 @@ READ of N bytes, ``stall_s`` + N / :data:`STALL_READ_RATE` (when that is below
 ``transfer_timeout_s``), not after ``push_timeout_s``. A claim P did not answer is followed by a
 Cancel (P may accept it after D gave up); a refused one is not. The READ is built while the
 claim is in flight (:func:`~kvbridge.blocks.prepare_parts`, where the transport builds requests
-ahead and the part is one sub-transfer), so an accepted claim only posts it; a part that ends
-before posting discards it. Every failure before the
-READ is posted is *safe* (nothing can land in D's blocks) and is reported at once, with a Cancel
-to P so nothing waits out a lease. After the READ is posted, a failure is reported at once but
-D's blocks are only given back once the READ handle has stopped. The failure of any part gives
-up every other part of the transfer.
+ahead and the part is one sub-transfer; with digests on, with a copy that hashes each piece as it
+lands, :func:`~kvbridge.scheduling.digests.landing`), so an accepted claim only posts it; a part
+that ends before posting discards it. Every failure before the READ is posted is *safe* (nothing
+can land in D's blocks) and is reported at once, with a Cancel to P so nothing waits out a lease.
+After the READ is posted, a failure is reported at once but D's blocks are only given back once
+the READ handle has stopped. The failure of any part gives up every other part of the transfer.
 """
 
 from __future__ import annotations
@@ -93,9 +93,8 @@ class _Staged:
 
     def digested(self, stream: DescriptorArray) -> bytes | None:
         """The digests of ``stream`` if they were computed when staged (the same bytes)."""
-        if self.ahead is None or xxh3_128(stream.tobytes()) != self.ahead[0]:
-            return None
-        return self.ahead[1]
+        ahead = self.ahead
+        return ahead[1] if ahead and xxh3_128(stream.tobytes()) == ahead[0] else None
 
     def claimant(self, conn: bytes) -> int | None:
         return next((r for r, c in self.claims.items() if c.conn == conn), None)
@@ -107,8 +106,7 @@ class _Staged:
 
 def staged_buffer(capacity: int = MAX_STAGED,
                   clock: Callable[[], float] = time.monotonic) -> LookupBuffer[str, _Staged]:
-    """P's staged pulls: transfer id → what is staged, under the lease D renews; full is
-    full (back-pressure: the transfer is not staged)."""
+    """P's staged pulls (transfer id → what is staged), leased; full: not staged."""
     return LookupBuffer("pull-staged", capacity, clock=clock)
 
 
@@ -193,8 +191,7 @@ class PullSource:
             if why is not None:
                 return Ack(ok=False, kind=ErrorKind.UNKNOWN_TRANSFER,
                            error=f"transfer {tid} already ended: {why}")
-            held = sum(len(v) for v in self._early.values())
-            if held >= _MAX_EARLY_CLAIMS:
+            if sum(len(v) for v in self._early.values()) >= _MAX_EARLY_CLAIMS:
                 return Ack(ok=False, kind=ErrorKind.BUSY, error="too many early claims")
             # The claim overtook our own stage event (the answer reached D first): hold it.
             self._early.setdefault(tid, []).append((ctx, msg))
@@ -367,8 +364,7 @@ class PullSource:
 
 @dataclass
 class _Pull(Part[PullSpec]):
-    """One part of a pull: what this rank reads from one prefill rank (``failure``: blocks
-    held until the READ handle stops)."""
+    """A part of a pull: what this rank reads from one prefill rank (``failure``: see Part)."""
 
     subs: list[mapping.SubTransfer] = field(default_factory=list)
     handle: TransferHandle | None = None
@@ -422,6 +418,9 @@ class PullSink(Receiver[_Pull]):
                                          mapping.parts(job.subs))
         except KVBridgeError as exc:
             log.debug("pull %s: READ not prepared ahead: %s", job.tid, exc)
+        if job.prepared is not None and (self.core.config.checksum or peer.info.checksum):
+            job.prepared.landing = digests.landing(mapping.side_descriptors(
+                [(x.local, x.local_ids) for x in job.subs]))  # digested as the READ lands
 
     @staticmethod
     def _discard(job: _Pull) -> None:
@@ -517,8 +516,10 @@ class PullSink(Receiver[_Pull]):
         done = PullDone(transfer_id=s.transfer_id, nbytes=nbytes, want_digests=want)
         core.rpc.call(job.address, done, core.config.control_timeout_s,
                       lambda reply: self._confirmed(job, reply, nbytes))
-        if want:  # while the DONE flies and P digests its side
-            job.landed = digests.compute(mapping.side_descriptors(half))
+        landed = job.handle.landed if want and job.handle is not None else None
+        core.stats["pull_digested_landing"] += landed is not None  # as the READ landed (shm)
+        if want:  # else now, while the DONE flies and P digests its side
+            job.landed = landed or digests.compute(mapping.side_descriptors(half))
 
     def _confirmed(self, job: _Pull, reply: Message | KVBridgeError, nbytes: int) -> bool:
         if not self._live(job):
@@ -558,8 +559,7 @@ class PullSink(Receiver[_Pull]):
             self._fail(job, f"READ did not finish within {self.core.config.transfer_timeout_s} s")
 
     def cancel(self, tid: str, reason: str) -> bool:
-        """The request ended on D (or a part failed): give up every part still running;
-        False if no pull of that id runs here."""
+        """The request ended on D (or a part failed): give up every running part; False if none."""
         parts = self.jobs.get(tid)
         if parts is None:
             return False

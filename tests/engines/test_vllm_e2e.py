@@ -150,6 +150,10 @@ def test_sequential_outputs_match_single_engine(cluster: Cluster, mode: str) -> 
     moved = (after.get("pull_bytes", 0) + after.get("push_received_bytes", 0)
              - before.get("pull_bytes", 0) - before.get("push_received_bytes", 0))
     assert moved > 0
+    if mode == "pull" and cluster.backend == "shm" and _rangecopy.load() is not None:
+        # every range mapped: D digested each pull in the pass that copied it (issue 27)
+        landed = after.get("pull_digested_landing", 0) - before.get("pull_digested_landing", 0)
+        assert landed == len(prompts), (before, after)
 
 
 def test_d_alone_and_the_planner_match_single_engine_and_a_held_prefix_moves_only_the_rest(

@@ -21,6 +21,7 @@ import pytest
 
 from kvbridge.blocks import prepare_blocks, prepare_parts
 from kvbridge.errors import ConfigError, PeerUnreachable
+from kvbridge.scheduling import digests
 from kvbridge.testing.peer import PeerProcess, kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
 from kvbridge.transports.shm import ShmTransport, _encoder, _Registration, memfd
@@ -171,6 +172,46 @@ def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
         np.testing.assert_array_equal(local[:, :, lids], theirs[:, :, rids])
         assert t.mapped_bytes + t.cma_bytes == local.nbytes
         assert t.mapped_bytes >= local.nbytes - 2 * size  # at most the two edge blocks by CMA
+
+
+def test_a_prepared_read_with_a_landing_copy_puts_what_it_learnt_on_the_handle() -> None:
+    """The decode rank's READ with digests on (``PreparedRequest.landing``, as the pull sink sets
+    it): every range mapped, shm copies with the caller's copy, which digests each piece as it
+    lands, and the handle carries the digests of what landed; a range by CMA (the peer's
+    partial edge pages) and shm makes its own copy, ``landed`` stays None; a landing copy that
+    stops or raises fails the handle."""
+    layers, blocks, size = 2, 32, 64 << 10
+    with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
+            ShmTransport("mapper", {"map_memory": True}) as t:
+        mem = peer.setup(layers, blocks, size, 6)
+        local, lay = kv_buffer(layers, blocks, size, 99)
+        own = t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
+        name = t.add_peer(mem.metadata, peer.invite(own))
+        pair_ = prepare_blocks(t, name, lay, mem.layout)
+        theirs = peer.buffer(mem.index).reshape(layers, 2, blocks, size)
+        rng = np.random.default_rng(8)
+        inner = rng.permutation(np.arange(1, blocks - 1))  # no block of a partial page
+        for rids, mapped in ((inner, True), (rng.permutation(blocks), False)):
+            lids = rng.permutation(blocks)[:rids.size]
+            local[:] = 0
+            before = t.cma_bytes
+            prep = prepare_parts(t, Op.READ, name, [(pair_.local, lids, pair_.remote, rids)])
+            assert prep is not None
+            stream = pair_.local.descriptors(lids)
+            prep.landing = digests.landing(stream)
+            h = prep.post()
+            assert t.wait(h, 20) is HandleState.DONE, h.error
+            np.testing.assert_array_equal(local[:, :, lids], theirs[:, :, rids])
+            assert (t.cma_bytes == before) is mapped
+            assert h.landed == (digests.compute(stream) if mapped else None)
+        for landing, error in ((lambda moves, stop: None, "transport closed during the transfer"),
+                               (lambda moves, stop: 1 / 0, "division by zero")):
+            prep = prepare_parts(t, Op.READ, name, [(pair_.local, inner[:4], pair_.remote,
+                                                     inner[:4])])
+            assert prep is not None
+            prep.landing = landing
+            h = prep.post()
+            assert t.wait(h, 20) is HandleState.FAILED and error in (h.error or ""), h.error
 
 
 # -- hostile fds and pieces -----------------------------------------------------------------------

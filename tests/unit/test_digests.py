@@ -3,6 +3,7 @@ side cuts it into ranges; a flipped byte is found and located; sizes stay bounde
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -128,6 +129,18 @@ def test_native_digests_that_differ_from_xxhash_are_not_used(
     assert digests._load_native() is None
 
 
+def test_a_native_copy_whose_digests_differ_from_xxhash_is_not_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy-and-digest is checked on a test stream as well: other digests than xxhash's
+    leave it unused (the READ is then hashed after its copy)."""
+    if digests.native_copy() is None:
+        pytest.skip("kvbridge built without _digest")
+    real = digests.compute_python
+    monkeypatch.setattr(digests, "compute_python",
+                        lambda descs, size: bytes(len(real(descs, size))))
+    assert digests._load_copy() is None
+
+
 @pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")
 def test_a_native_digest_that_keeps_the_gil_lets_no_python_run_meanwhile() -> None:
     """Kept, the GIL stays with the caller for the whole hash (a thread counting in Python does
@@ -169,3 +182,83 @@ def test_compute_keeps_the_gil_for_streams_under_keep_gil_bytes(
         digests.compute(np.array([(1 << 40, total, 0)], dtype=np.int64))
     two = 2 if (os.cpu_count() or 1) > 1 else 1
     assert calls == [(1, True), (two, True), (two, True), (two, False)]
+
+
+def _scattered(rng: np.random.Generator, src: np.ndarray, dst: np.ndarray,
+               cuts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Moves of ``src`` cut at ``cuts`` into ``dst``, each range at a place of its own (the
+    ranges shuffled in ``dst``, so the destination stream is not ``dst`` in address order), and
+    the destination's descriptors in row (stream) order."""
+    edges = [0, *cuts, src.nbytes]
+    sizes = [b - a for a, b in zip(edges, edges[1:], strict=False)]
+    places, at = {}, 0
+    for i in rng.permutation(len(sizes)):
+        places[int(i)] = at
+        at += sizes[int(i)]
+    moves = np.array([(dst.ctypes.data + places[i], src.ctypes.data + a, n)
+                      for i, (a, n) in enumerate(zip(edges, sizes, strict=False))],
+                     dtype=np.uint64)
+    return moves, np.array([(int(m[0]), int(m[2]), 0) for m in moves], dtype=np.int64)
+
+
+@pytest.mark.skipif(digests.native_copy() is None, reason="kvbridge built without _digest")
+@pytest.mark.parametrize("keep_gil", [False, True])
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_a_copy_digested_in_one_pass_lands_every_byte_and_digests_what_landed(
+        threads: int, keep_gil: bool) -> None:
+    """The fused copy (each piece hashed right after it is copied): every byte lands where its
+    row says, and the digests are those of the destination stream (the dsts in row order) that
+    :func:`compute` gives after the copy: ranges across chunk ends, a short tail, empty ranges,
+    pieces longer than the 64 KiB the copy runs ahead, the two threads meeting inside a range."""
+    fn = digests.native_copy()
+    assert fn is not None
+    rng = np.random.default_rng(10 + threads)
+    src = rng.integers(0, 256, 5 * CHUNK_BYTES + 777, dtype=np.uint8)
+    for cuts in ([], [1], [CHUNK_BYTES], sorted({int(c) for c in rng.integers(1, src.nbytes, 40)}),
+                 [3 * CHUNK_BYTES - 1, 3 * CHUNK_BYTES + 1], [100, 100, 5000]):
+        for size in (CHUNK_BYTES, 3 * 4096, 2 * CHUNK_BYTES):
+            dst = np.zeros_like(src)
+            moves, landed = _scattered(rng, src, dst, cuts)
+            got = fn(moves, size, threads, keep_gil)
+            assert got == digests.compute_python(landed, size), (cuts, size)
+            for d, s, n in moves.tolist():  # every byte where its row says
+                assert np.array_equal(dst[d - dst.ctypes.data:][:n], src[s - src.ctypes.data:][:n])
+
+
+@pytest.mark.skipif(digests.native_copy() is None, reason="kvbridge built without _digest")
+def test_copy_compute_equals_a_copy_then_compute_and_a_stop_copies_nothing() -> None:
+    rng = np.random.default_rng(21)
+    src = rng.integers(0, 256, digests.SPLIT_BYTES + 4321, dtype=np.uint8)  # with the helper
+    dst = np.zeros_like(src)
+    moves, landed = _scattered(rng, src, dst, [17, CHUNK_BYTES + 5, 3 << 20])
+    want_dst = np.zeros_like(src)
+    for d, s, n in moves.tolist():
+        want_dst[d - dst.ctypes.data:][:n] = src[s - src.ctypes.data:][:n]
+    stop = ctypes.c_int32(1)  # stopped before the first chunk: nothing copied, no digests
+    assert digests.copy_compute(moves, ctypes.addressof(stop)) is None
+    assert not dst.any()
+    stop.value = 0
+    got = digests.copy_compute(moves, ctypes.addressof(stop))
+    assert np.array_equal(dst, want_dst)
+    assert got == digests.compute(landed)
+
+
+@pytest.mark.skipif(digests.native_copy() is None, reason="kvbridge built without _digest")
+def test_a_landing_copy_digests_its_stream_however_the_moves_cut_or_order_it() -> None:
+    """The pull sink's READ copy (:func:`digests.landing`): the moves name the stream cut
+    otherwise (the transport's own ranges) and it digests in the same pass; moves in another
+    order than the stream still all land, and the digests are the stream's, hashed after."""
+    rng = np.random.default_rng(31)
+    src = rng.integers(0, 256, 3 * CHUNK_BYTES + 99, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    moves, landed = _scattered(rng, src, dst, [5000, CHUNK_BYTES + 1])
+    # the stream as the sink sees it: the same bytes in the same order, each range cut in two
+    stream = np.array([row for a, n in landed[:, :2].tolist()
+                       for row in ((a, n // 3, 0), (a + n // 3, n - n // 3, 0))], dtype=np.int64)
+    copy = digests.landing(stream)
+    assert copy is not None
+    assert copy(moves, 0) == digests.compute(stream)
+    dst[:] = 0
+    assert copy(np.ascontiguousarray(moves[::-1]), 0) == digests.compute(stream)
+    assert np.array_equal(np.sort(dst), np.sort(src))
+    assert digests.landing(np.zeros((0, 3), dtype=np.int64)) is None

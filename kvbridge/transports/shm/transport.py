@@ -427,7 +427,7 @@ class ShmTransport(BlockTransport):
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""
         handle = TransferHandle(prep.op, prep.pair.peer, prep.req.nbytes, prep.req.count)
-        self._queue(_Job(handle, native.peer, native.parts, prep.notification))
+        self._queue(_Job(handle, native.peer, native.parts, prep.notification, prep.landing))
         return handle
 
     def _pair_peer(self, pair: BlockPair) -> _Peer:

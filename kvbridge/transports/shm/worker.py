@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.blocks import BlockPair, BlockRequest
+from kvbridge.blocks import BlockPair, BlockRequest, LandingCopy
 from kvbridge.errors import TransferFailed
 from kvbridge.transport import Op, TransferHandle
 from kvbridge.transports.shm.cma import IovArray, _explain, _Libc, copy_iovecs, split_iovecs
@@ -58,6 +58,7 @@ class _Job:
     peer: _Peer
     parts: Parts
     notification: bytes | None
+    landing: LandingCopy | None = None  # the caller's copy (PreparedRequest.landing)
 
 
 @dataclass
@@ -168,7 +169,16 @@ class Worker:
         try:
             parts = (job.parts if isinstance(job, _Job)
                      else self.block_parts(peer, h.op, job.pair, job.req))
-            self._copy(fn, peer, parts)
+            landing = job.landing if isinstance(job, _Job) else None
+            if landing is not None and peer.copy is not None and not any(
+                    p.local.shape[0] for p in parts):  # every range mapped: the caller's copy
+                whole = parts[0].moves if len(parts) == 1 else np.concatenate(
+                    [p.moves for p in parts])
+                h.landed = landing(whole, ctypes.addressof(self._stop))
+                if h.landed is None:
+                    raise TransferFailed("transport closed during the transfer; abandoned")
+            else:
+                self._copy(fn, peer, parts)
             mapped = sum(p.mapped_bytes for p in parts)
             if mapped and not peer.alive():  # CMA would have failed with ESRCH
                 raise TransferFailed(_explain(errno.ESRCH, peer.pid))

@@ -141,6 +141,13 @@ class PreparedRequest:
         assert self.pair.owner is not None
         self.pair.owner.discard_prepared(self)
 
+    def takes_landing(self) -> bool:
+        """Whether, posted with :attr:`landing` set, it is copied with it (shm, every range
+        mapped), so that its handle's ``landed`` is that copy's result; False on a transport
+        that moves the bytes itself (its ``landed`` stays None)."""
+        owner = self.pair.owner
+        return owner is not None and self.native is not None and owner._takes_landing(self.native)
+
 
 @dataclass(frozen=True, eq=False)
 class BlockPart:
@@ -403,6 +410,11 @@ class BlockTransport(Transport):
 
     def _discard_prepared(self, native: Any) -> None:
         """Free ``native`` (from :meth:`_prepare_request`), never posted."""
+
+    def _takes_landing(self, native: Any) -> bool:
+        """Whether ``native`` (from :meth:`_prepare_request`) would be copied with a
+        :attr:`PreparedRequest.landing` (:meth:`PreparedRequest.takes_landing`)."""
+        return False
 
     def _current(self, pair: BlockPair) -> BlockPair:
         if self._closed:

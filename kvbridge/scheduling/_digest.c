@@ -42,7 +42,7 @@ typedef struct {
      * stream being the destination's */
     const uint64_t *rows;
     uint64_t n, chunk, chunks, total, stride;
-    int copy;
+    int copy, hash_src; /* with `copy`: hash each piece's source (as read), not its destination */
     const volatile int32_t *stop; /* checked before each chunk is taken; NULL: never stops */
     unsigned char *out;
 } job;
@@ -68,7 +68,7 @@ static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uin
             for (uint64_t done = 0; done < take;) {
                 uint64_t piece = take - done < PIECE ? take - done : PIECE;
                 memmove(at + done, from + done, (size_t)piece);
-                j->f.update(st, at + done, (size_t)piece);
+                j->f.update(st, (j->hash_src ? from : at) + done, (size_t)piece);
                 done += piece;
             }
         } else if (take) {
@@ -224,24 +224,26 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(chunks);
 }
 
-/* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop) -> digests or None
- * As digest_ranges, for the destination of a copy made in the same pass: rows: address of n rows
- * of (dst, src, length) uint64, the stream being the destinations in row order; each piece of
- * at most 64 KiB is copied (memmove) and at once hashed where it landed, still in the cache;
- * stop: address of an int32 checked before each chunk is taken, or 0. None when stopped: the
- * chunks taken before it are copied and digested, the others neither. */
+/* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop[, hash_src]) -> digests
+ * or None. As digest_ranges, for a copy made in the same pass: rows: address of n rows of (dst,
+ * src, length) uint64, the stream being the destinations in row order (hash_src: the sources);
+ * each piece of at most 64 KiB is copied (memmove) and at once hashed where it landed (or where
+ * it was read), still in the cache; stop: address of an int32 checked before each chunk is
+ * taken, or 0. None when stopped: the chunks taken before it are copied and digested, the
+ * others neither. */
 static PyObject *copy_digest_ranges(PyObject *self, PyObject *args) {
     unsigned long long a[5], rows_addr, n, chunk, out_addr, stop_addr;
-    int threads, keep_gil;
+    int threads, keep_gil, hash_src = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKipK:copy_digest_ranges", &a[0], &a[1], &a[2],
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKipK|p:copy_digest_ranges", &a[0], &a[1], &a[2],
                           &a[3], &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil,
-                          &stop_addr)
+                          &stop_addr, &hash_src)
         || !check_args(a, chunk)) {
         return NULL;
     }
     job *j = new_job(a, rows_addr, n, chunk, out_addr, 1, stop_addr);
     if (j == NULL) return NULL;
+    j->hash_src = hash_src;
     uint64_t chunks = j->chunks;
     int ok = run_call(j, threads, keep_gil);
     if (ok == 0) return PyErr_NoMemory();
@@ -255,9 +257,10 @@ static PyMethodDef methods[] = {
      "written; XXH3-128 per chunk of the stream of (address, length) uint64 rows, the GIL "
      "released once or kept"},
     {"copy_digest_ranges", copy_digest_ranges, METH_VARARGS,
-     "copy_digest_ranges(fns, rows_addr, n, chunk, out_addr, threads, keep_gil, stop_addr) -> "
-     "digests written, or None when stopped; copies (dst, src, length) uint64 rows and digests "
-     "the destination stream in one pass, each piece hashed right after it is copied"},
+     "copy_digest_ranges(fns, rows_addr, n, chunk, out_addr, threads, keep_gil, stop_addr"
+     "[, hash_src]) -> digests written, or None when stopped; copies (dst, src, length) uint64 "
+     "rows and digests the destination (or source) stream in one pass, each piece hashed right "
+     "after it is copied"},
     {NULL, NULL, 0, NULL},
 };
 

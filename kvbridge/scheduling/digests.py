@@ -9,8 +9,9 @@ either side and compared on the other.
 The stream is cut into chunks of :func:`chunk_size` bytes (256 KiB — one block of a large
 model's layer — or more for transfers past :data:`MAX_CHUNKS` chunks, so the digests of one
 part stay under 64 KiB on the wire) and each chunk gets :data:`DIGEST_BYTES` of XXH3-128.
-The prefill rank computes them from its own KV, where it was computed: for a push right after
-posting the WRITE (while the transport moves the bytes), for a pull when it stages the KV (the
+The prefill rank computes them from its own KV, where it was computed: for a push as the
+WRITE's copy reads it (shm, every range mapped: :func:`landing` with ``source``) or else right
+after posting the WRITE (while the transport moves the bytes), for a pull when it stages the KV (the
 whole prompt as a decode rank of its own shape reads it: the usual claim) or right after
 granting any other claim (while the decode rank's READ moves the bytes): the answer to the
 decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests
@@ -112,11 +113,12 @@ Native = Callable[[np.ndarray, int, int, bool], bytes]
 needs it), else let it go for the hash."""
 
 
-CopyNative = Callable[[np.ndarray, int, int, bool, int], bytes | None]
-"""``(moves, chunk, threads, keep_gil, stop) -> digests``: copy ``moves`` (C-contiguous ``(n, 3)``
-uint64: dst, src, length) and digest the destination stream (the dsts in row order) in one
-pass, each piece hashed right after it is copied; ``stop``: the address of an int32 checked
-before each chunk (0: none); None when it stopped the copy (part of it may have landed)."""
+CopyNative = Callable[[np.ndarray, int, int, bool, int, bool], bytes | None]
+"""``(moves, chunk, threads, keep_gil, stop, source) -> digests``: copy ``moves`` (C-contiguous
+``(n, 3)`` uint64: dst, src, length) and digest the destination stream (the dsts in row order;
+``source``: the srcs) in one pass, each piece hashed right after it is copied; ``stop``: the
+address of an int32 checked before each chunk (0: none); None when it stopped the copy (part
+of it may have landed)."""
 
 
 def _xxh3_addresses() -> tuple[int, ...]:
@@ -168,10 +170,10 @@ def _load_copy() -> CopyNative | None:
         return None
 
     def copy_digest(moves: np.ndarray, size: int, threads: int, keep_gil: bool,
-                    stop: int = 0) -> bytes | None:
+                    stop: int = 0, source: bool = False) -> bytes | None:
         out = np.empty(DIGEST_BYTES * -(-int(moves[:, 2].sum()) // size), dtype=np.uint8)
         done = fn(addresses, moves.ctypes.data, moves.shape[0], size, out.ctypes.data, threads,
-                  keep_gil, stop)
+                  keep_gil, stop, source)
         return None if done is None else out.tobytes()
 
     src = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
@@ -182,8 +184,8 @@ def _load_copy() -> CopyNative | None:
         dst = np.zeros_like(src)
         moves = np.array([(dst.ctypes.data + a, src.ctypes.data + a, b - a)
                           for a, b in zip(cuts, cuts[1:], strict=False)], dtype=np.uint64)
-        if copy_digest(moves, 64 << 10, threads, threads == 1) != want or not np.array_equal(
-                dst, src):
+        if copy_digest(moves, 64 << 10, threads, threads == 1, 0, threads == 2) != want or \
+                not np.array_equal(dst, src):
             log.warning("no native copy-and-digest: its copy or digests differ from xxhash's "
                         "on a test stream")
             return None
@@ -222,11 +224,12 @@ def compute(descs: DescriptorArray) -> bytes:
     return compute_python(descs, size)
 
 
-def copy_compute(moves: np.ndarray, stop: int = 0) -> bytes | None:
+def copy_compute(moves: np.ndarray, stop: int = 0, source: bool = False) -> bytes | None:
     """Copy ``moves`` (``(n, 3)`` uint64 rows of dst, src, length; not empty) and return the
-    digests of the destination stream (the dsts in row order), as :func:`compute` would give
-    them after the copy, in one pass (:func:`native_copy`: each piece hashed right after it is
-    copied, while it is still in the cache; with a helper thread from :data:`SPLIT_BYTES`).
+    digests of the destination stream (the dsts in row order; ``source``: the srcs), as
+    :func:`compute` would give them, in one pass (:func:`native_copy`: each piece hashed right
+    after it is copied, while it is still in the cache; with a helper thread from
+    :data:`SPLIT_BYTES`).
     None when ``stop`` (the address of an int32, or 0) stopped the copy: part of it may have
     landed. Needs the extension: the caller checks :func:`native_copy` first (without it,
     copy and then :func:`compute`)."""
@@ -237,22 +240,26 @@ def copy_compute(moves: np.ndarray, stop: int = 0) -> bytes | None:
     total = int(rows[:, 2].sum())
     return fn(rows, chunk_size(total),
               2 if total >= SPLIT_BYTES and (os.cpu_count() or 1) > 1 else 1,
-              total < KEEP_GIL_BYTES, stop)
+              total < KEEP_GIL_BYTES, stop, source)
 
 
-def landing(stream: DescriptorArray) -> Callable[[np.ndarray, int], bytes | None] | None:
-    """A copy for a READ whose destination is ``stream`` (:data:`kvbridge.blocks.LandingCopy`:
-    shm copies a prepared request with it): it copies the moves it is given and returns the
-    digests of ``stream`` as :func:`compute` gives them after the copy, each piece hashed
-    right after it is copied (:func:`copy_compute`). Where the moves' destinations are not
-    ``stream`` in order (compared as runs of bytes, however each is cut), it still copies them
-    all and then hashes ``stream``. None without the extension, or for an empty stream."""
+def landing(stream: DescriptorArray,
+            source: bool = False) -> Callable[[np.ndarray, int], bytes | None] | None:
+    """A copy for a READ whose destination is ``stream`` (``source``: a WRITE whose source is)
+    (:data:`kvbridge.blocks.LandingCopy`: shm copies a prepared request with it): it copies the
+    moves it is given and returns the digests of ``stream`` as :func:`compute` gives them, each
+    piece hashed right after it is copied (:func:`copy_compute`). Where the moves' destinations
+    (sources) are not ``stream`` in order (compared as runs of bytes, however each is cut), it
+    still copies them all and then hashes ``stream``. None without the extension, or for an
+    empty stream."""
     if not len(stream) or native_copy() is None:
         return None
+    side = 1 if source else 0
 
     def copy(moves: np.ndarray, stop: int) -> bytes | None:
-        got = copy_compute(moves, stop)
-        if got is None or _runs(moves[:, 0], moves[:, 2]) == _runs(stream[:, 0], stream[:, 1]):
+        got = copy_compute(moves, stop, source)
+        if got is None or _runs(moves[:, side], moves[:, 2]) == _runs(stream[:, 0],
+                                                                      stream[:, 1]):
             return got
         return compute(stream)
 

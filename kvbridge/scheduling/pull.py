@@ -330,10 +330,8 @@ class PullSource:
         st = self.staged.get(tid)
         if st is None or (st.claimant(ctx.conn) is None and not st.open()):
             return False
-        lease = self.core.config.lease_s
-        if st.claims:
-            lease += self.core.config.transfer_timeout_s
-        return self.staged.extend(tid, lease)
+        cfg = self.core.config
+        return self.staged.extend(tid, cfg.lease_s + (cfg.transfer_timeout_s if st.claims else 0))
 
     def _expired(self, tid: str, st: _Staged) -> None:
         """``tid``'s lease ended (already out of the buffer): free its blocks."""
@@ -418,7 +416,8 @@ class PullSink(Receiver[_Pull]):
                                          mapping.parts(job.subs))
         except KVBridgeError as exc:
             log.debug("pull %s: READ not prepared ahead: %s", job.tid, exc)
-        if job.prepared is not None and (self.core.config.checksum or peer.info.checksum):
+        if job.prepared is not None and job.prepared.takes_landing() and (
+                self.core.config.checksum or peer.info.checksum):
             job.prepared.landing = digests.landing(mapping.side_descriptors(
                 [(x.local, x.local_ids) for x in job.subs]))  # digested as the READ lands
 

@@ -18,7 +18,8 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    both the plan and D's confirmation are known): ids validated, the transport's request built
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
    A prepared WRITE that is not posted is discarded with its registration. P digests its KV
-   while the last WRITE moves it; once all stopped, D checks the result's bytes and digests.
+   as the prepared WRITE's copy reads it (shm: :func:`~kvbridge.scheduling.digests.landing`),
+   else while the last WRITE moves it; once all stopped, D checks the result's bytes and digests.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
@@ -48,7 +49,7 @@ import functools
 import logging
 import time
 
-from kvbridge.blocks import prepare_parts, submit_parts
+from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
 from kvbridge.layout import DescriptorArray
@@ -144,13 +145,8 @@ class PushSource:
         core, tid = self.core, plan.transfer_id
         if layer is None:
             core.mark(tid, "ready_seen")
-        why = core.ended.get(tid)
-        if why is not None:
-            if layer is None:
-                core.results.sent(plan.req_id)
-            return
-        out = self._with_plan(plan)
-        if out is None:
+        out = None if core.ended.get(tid) is not None else self._with_plan(plan)
+        if out is None:  # ended, or the push table is full
             if layer is None:
                 core.results.sent(plan.req_id)
             return
@@ -415,6 +411,8 @@ class PushSource:
                 mapping.parts(self._subs(out, t, list(range(len(self.core.layout.planes))))))
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
+        if t.prepared is not None and t.stream is not None and t.prepared.takes_landing():
+            t.prepared.landing = digests.landing(t.stream, source=True)  # hashed as it is read
 
     def _discard(self, t: Target) -> None:
         if t.prepared is not None:
@@ -424,6 +422,7 @@ class PushSource:
     def _post(self, out: Out, t: Target) -> None:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
+        prep: PreparedRequest | None = None
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
@@ -450,8 +449,8 @@ class PushSource:
             if len(t.handles) == 1:
                 core.timers.set(("write", out.tid, id(t)), core.config.transfer_timeout_s,
                                 lambda: self._write_timeout(out, t))
-        if (t.digests is None and len(t.posted) == len(core.layout.planes)
-                and (core.config.checksum or t.peer.info.checksum)):  # while the bytes move
+        if (t.digests is None and len(t.posted) == len(core.layout.planes) and not (
+                prep and prep.landing) and (core.config.checksum or t.peer.info.checksum)):
             t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
 
     def poll(self) -> None:
@@ -562,6 +561,8 @@ class PushSource:
         else:
             core.count("push_failed", "push", t.peer)
             log.warning("push %s failed: %s", out.tid, error)
+        if error is None and t.digests is None and t.stream is not None:  # (see _prepare)
+            t.digests = t.handles[-1].landed or digests.compute(t.stream)
         if answer:
             core.server.reply(t.ctx, PushResult(
                 transfer_id=out.tid, ok=error is None, nbytes=t.nbytes, error=error,

@@ -95,3 +95,36 @@ def test_a_byte_flipped_in_transit_is_caught_on_every_transport(
     finally:
         p.close()
         d.close()
+
+
+def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
+    """shm with every range mapped: D digests its READ in the pass that copies it (no fault
+    wrapper, so the transport copies with the pull's copy). P's KV changes after P digested it
+    when staged, so what lands is not what P digested: the receive fails naming the chunks;
+    the next pull, of unchanged KV, passes with the bytes equal. Both were digested as they
+    landed (``pull_digested_landing``)."""
+    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
+    p = AgentProcess("prefill", SHAPE, extra)
+    d = AgentProcess("decode", SHAPE, extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        src = list(range(1, 9))
+        for n, ok in ((1, False), (2, True)):
+            p.stage(send(f"p-pull{n}", f"pull{n}", src))
+            p.drain(set(), timeout=0)  # a barrier: the stage (and P's digests) is done
+            if not ok:
+                p.fill(3)  # after P digested it
+            dst = [10 * n + i for i in range(8)]
+            d.pull(pull(f"d-pull{n}", f"pull{n}", p, dst, src))
+            rd = d.drain({f"d-pull{n}"})
+            assert rd["results"]["failed_recving"] == (set() if ok else {f"d-pull{n}"})
+            if ok:
+                np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+        stats = d.drain(set())["stats"]
+        assert stats["checksum_mismatch"] == 1 and stats["pull_digested_landing"] == 2, stats
+        assert "digest mismatch in 8 of 8 chunks" in (d.outcome("pull1") or "")
+        assert p.drain(set())["pending"] == 0  # released at each DONE, before its answer
+    finally:
+        p.close()
+        d.close()

@@ -174,11 +174,12 @@ def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
         assert t.mapped_bytes >= local.nbytes - 2 * size  # at most the two edge blocks by CMA
 
 
-def test_a_prepared_read_with_a_landing_copy_puts_what_it_learnt_on_the_handle() -> None:
+def test_a_prepared_request_with_a_landing_copy_puts_what_it_learnt_on_the_handle() -> None:
     """The decode rank's READ with digests on (``PreparedRequest.landing``, as the pull sink sets
     it): every range mapped, shm copies with the caller's copy, which digests each piece as it
     lands, and the handle carries the digests of what landed; a range by CMA (the peer's
-    partial edge pages) and shm makes its own copy, ``landed`` stays None; a landing copy that
+    partial edge pages) and shm makes its own copy (``takes_landing`` says so ahead), ``landed``
+    stays None. A WRITE's (push) copy digests its sources, what was sent. A landing copy that
     stops or raises fails the handle."""
     layers, blocks, size = 2, 32, 64 << 10
     with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
@@ -196,7 +197,7 @@ def test_a_prepared_read_with_a_landing_copy_puts_what_it_learnt_on_the_handle()
             local[:] = 0
             before = t.cma_bytes
             prep = prepare_parts(t, Op.READ, name, [(pair_.local, lids, pair_.remote, rids)])
-            assert prep is not None
+            assert prep is not None and prep.takes_landing() is mapped
             stream = pair_.local.descriptors(lids)
             prep.landing = digests.landing(stream)
             h = prep.post()
@@ -204,6 +205,17 @@ def test_a_prepared_read_with_a_landing_copy_puts_what_it_learnt_on_the_handle()
             np.testing.assert_array_equal(local[:, :, lids], theirs[:, :, rids])
             assert (t.cma_bytes == before) is mapped
             assert h.landed == (digests.compute(stream) if mapped else None)
+        # a WRITE (push): the copy hashes its sources, what was sent, as it reads them
+        lids = rng.permutation(blocks)[:inner.size]
+        prep = prepare_parts(t, Op.WRITE, name, [(pair_.local, lids, pair_.remote, inner)])
+        assert prep is not None and prep.takes_landing()
+        sent = pair_.local.descriptors(lids)
+        prep.landing = digests.landing(sent, source=True)
+        h = prep.post()
+        assert t.wait(h, 20) is HandleState.DONE, h.error
+        theirs = peer.buffer(mem.index).reshape(layers, 2, blocks, size)  # as it is now
+        np.testing.assert_array_equal(theirs[:, :, inner], local[:, :, lids])
+        assert h.landed == digests.compute(sent)
         for landing, error in ((lambda moves, stop: None, "transport closed during the transfer"),
                                (lambda moves, stop: 1 / 0, "division by zero")):
             prep = prepare_parts(t, Op.READ, name, [(pair_.local, inner[:4], pair_.remote,

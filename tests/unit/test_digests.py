@@ -202,14 +202,16 @@ def _scattered(rng: np.random.Generator, src: np.ndarray, dst: np.ndarray,
 
 
 @pytest.mark.skipif(digests.native_copy() is None, reason="kvbridge built without _digest")
+@pytest.mark.parametrize("source", [False, True])
 @pytest.mark.parametrize("keep_gil", [False, True])
 @pytest.mark.parametrize("threads", [0, 1, 2])
 def test_a_copy_digested_in_one_pass_lands_every_byte_and_digests_what_landed(
-        threads: int, keep_gil: bool) -> None:
+        threads: int, keep_gil: bool, source: bool) -> None:
     """The fused copy (each piece hashed right after it is copied): every byte lands where its
-    row says, and the digests are those of the destination stream (the dsts in row order) that
-    :func:`compute` gives after the copy: ranges across chunk ends, a short tail, empty ranges,
-    pieces longer than the 64 KiB the copy runs ahead, the two threads meeting inside a range."""
+    row says, and the digests are those of the destination stream (the dsts in row order; with
+    ``source`` the srcs: what a WRITE sent) that :func:`compute` gives: ranges across chunk
+    ends, a short tail, empty ranges, pieces longer than the 64 KiB the copy runs ahead, the
+    two threads meeting inside a range."""
     fn = digests.native_copy()
     assert fn is not None
     rng = np.random.default_rng(10 + threads)
@@ -219,8 +221,9 @@ def test_a_copy_digested_in_one_pass_lands_every_byte_and_digests_what_landed(
         for size in (CHUNK_BYTES, 3 * 4096, 2 * CHUNK_BYTES):
             dst = np.zeros_like(src)
             moves, landed = _scattered(rng, src, dst, cuts)
-            got = fn(moves, size, threads, keep_gil)
-            assert got == digests.compute_python(landed, size), (cuts, size)
+            got = fn(moves, size, threads, keep_gil, 0, source)
+            sent = np.array([(int(m[1]), int(m[2]), 0) for m in moves], dtype=np.int64)
+            assert got == digests.compute_python(sent if source else landed, size), (cuts, size)
             for d, s, n in moves.tolist():  # every byte where its row says
                 assert np.array_equal(dst[d - dst.ctypes.data:][:n], src[s - src.ctypes.data:][:n])
 
@@ -261,4 +264,11 @@ def test_a_landing_copy_digests_its_stream_however_the_moves_cut_or_order_it() -
     dst[:] = 0
     assert copy(np.ascontiguousarray(moves[::-1]), 0) == digests.compute(stream)
     assert np.array_equal(np.sort(dst), np.sort(src))
+    # a WRITE's copy: the stream is its sources (the sender's KV, digested as it is read)
+    sent = np.array([(int(m[1]), int(m[2]), 0) for m in moves], dtype=np.int64)
+    writing = digests.landing(sent, source=True)
+    assert writing is not None
+    dst[:] = 0
+    assert writing(moves, 0) == digests.compute(sent) == digests.compute(landed)
+    assert writing(np.ascontiguousarray(moves[::-1]), 0) == digests.compute(sent)
     assert digests.landing(np.zeros((0, 3), dtype=np.int64)) is None

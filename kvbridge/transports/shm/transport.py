@@ -424,6 +424,10 @@ class ShmTransport(BlockTransport):
         peer = self._pair_peer(pair)
         return _Prepared(peer, self._worker.block_parts(peer, op, pair, req))
 
+    def _takes_landing(self, native: _Prepared) -> bool:
+        """The worker copies with the caller's copy where every range is mapped (Worker._run)."""
+        return native.peer.copy is not None and not any(p.local.shape[0] for p in native.parts)
+
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""
         handle = TransferHandle(prep.op, prep.pair.peer, prep.req.nbytes, prep.req.count)

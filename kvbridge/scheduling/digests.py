@@ -131,26 +131,42 @@ def _xxh3_addresses() -> tuple[int, ...]:
     return tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in fns)
 
 
+#: the loaders' test stream: 300 KiB (chunks of 64 KiB), cut across chunk ends, with a 1-byte range
+_PROBE_CUTS = (0, 1000, 70_000, 70_001, 200_000, 300 << 10)
+
+
+def _probe() -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The loaders' test stream and its ranges (offset, length)."""
+    data = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)
+    return data, [(a, b - a) for a, b in zip(_PROBE_CUTS, _PROBE_CUTS[1:], strict=False)]
+
+
+def _function(name: str, without: str) -> tuple[Callable[..., object], tuple[int, ...]] | None:
+    """``_digest``'s function ``name`` and the addresses of xxhash's XXH3 functions; None
+    (logged: ``without``) where the extension was not built or xxhash does not export them."""
+    try:
+        return getattr(importlib.import_module(NATIVE), name), _xxh3_addresses()
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("%s: %s", without, exc)
+        return None
+
+
 def _load_native() -> Native | None:
     """The native digests, or None (logged once): where the extension was not built, where
     xxhash does not export its functions, or where their digests differ from xxhash's own on a
     test stream (a changed signature would; nothing is trusted unchecked)."""
-    try:
-        fn = importlib.import_module(NATIVE).digest_ranges
-        addresses = _xxh3_addresses()
-    except (ImportError, OSError, AttributeError) as exc:
-        log.info("hand-off digests are hashed in Python: %s", exc)
+    found = _function("digest_ranges", "hand-off digests are hashed in Python")
+    if found is None:
         return None
+    fn, addresses = found
 
     def digest(rows: np.ndarray, size: int, threads: int, keep_gil: bool) -> bytes:
         out = np.empty(DIGEST_BYTES * -(-int(rows[:, 1].sum()) // size), dtype=np.uint8)
         fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, threads, keep_gil)
         return out.tobytes()
 
-    probe = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
-    base, cuts = probe.ctypes.data, (0, 1000, 70_000, 70_001, 200_000, probe.nbytes)
-    rows = np.array([(base + a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)],
-                    dtype=np.uint64)
+    data, ranges = _probe()
+    rows = np.array([(data.ctypes.data + a, n) for a, n in ranges], dtype=np.uint64)
     want = compute_python(rows.astype(np.int64), 64 << 10)
     if digest(rows, 64 << 10, 1, True) != want or digest(rows, 64 << 10, 2, False) != want:
         log.warning("hand-off digests are hashed in Python: the native digests differ from "
@@ -160,14 +176,12 @@ def _load_native() -> Native | None:
 
 
 def _load_copy() -> CopyNative | None:
-    """The native copy-and-digest, or None: as :func:`_load_native`, its digests and its copy
-    checked on a test stream first."""
-    try:
-        fn = importlib.import_module(NATIVE).copy_digest_ranges
-        addresses = _xxh3_addresses()
-    except (ImportError, OSError, AttributeError) as exc:
-        log.info("no native copy-and-digest: %s", exc)
+    """The native copy-and-digest, or None: as :func:`_load_native`, its digests (of what
+    landed and of what was read) and its copy checked on a test stream first."""
+    found = _function("copy_digest_ranges", "no native copy-and-digest")
+    if found is None:
         return None
+    fn, addresses = found
 
     def copy_digest(moves: np.ndarray, size: int, threads: int, keep_gil: bool,
                     stop: int = 0, source: bool = False) -> bytes | None:
@@ -176,14 +190,13 @@ def _load_copy() -> CopyNative | None:
                   keep_gil, stop, source)
         return None if done is None else out.tobytes()
 
-    src = np.frombuffer(bytes(range(256)) * 1200, dtype=np.uint8)  # 300 KiB, 5 chunks
-    cuts = (0, 1000, 70_000, 70_001, 200_000, src.nbytes)
-    want = compute_python(np.array([(src.ctypes.data + a, b - a) for a, b in
-                                    zip(cuts, cuts[1:], strict=False)], dtype=np.int64), 64 << 10)
+    src, ranges = _probe()
+    want = compute_python(np.array([(src.ctypes.data + a, n) for a, n in ranges],
+                                   dtype=np.int64), 64 << 10)
     for threads in (1, 2):
         dst = np.zeros_like(src)
-        moves = np.array([(dst.ctypes.data + a, src.ctypes.data + a, b - a)
-                          for a, b in zip(cuts, cuts[1:], strict=False)], dtype=np.uint64)
+        moves = np.array([(dst.ctypes.data + a, src.ctypes.data + a, n) for a, n in ranges],
+                         dtype=np.uint64)
         if copy_digest(moves, 64 << 10, threads, threads == 1, 0, threads == 2) != want or \
                 not np.array_equal(dst, src):
             log.warning("no native copy-and-digest: its copy or digests differ from xxhash's "

@@ -5,6 +5,7 @@ moved, that a registration keeps every byte, and hostile fds and pieces from a p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -151,18 +152,27 @@ def test_mapped_ranges_move_by_memcpy_and_the_edges_by_cma(
     assert (mapper.mapped_bytes, mapper.cma_bytes) == (n * size - edges, edges)
 
 
-def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
-    """The connector's path: the peer in another process, a READ by block ids prepared ahead;
-    every block lands, and all but the blocks on the peer's partial edge pages are copied
-    through the mapping."""
-    layers, blocks, size = 2, 32, 64 << 10
+@contextlib.contextmanager
+def _block_pair(layers: int, blocks: int,
+                size: int) -> Iterator[tuple[PeerProcess, Any, ShmTransport, str, Any, Any]]:
+    """A peer process holding a random KV cache of ``layers`` x 2 x ``blocks`` x ``size`` bytes
+    (mapped memory) and a transport here with one of its own, the peer added and the block pair
+    prepared: (peer, its memory, the transport, the peer's name, the pair, the local cache)."""
     with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
             ShmTransport("mapper", {"map_memory": True}) as t:
         mem = peer.setup(layers, blocks, size, 6)
         local, lay = kv_buffer(layers, blocks, size, 99)
         own = t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
         name = t.add_peer(mem.metadata, peer.invite(own))
-        pair_ = prepare_blocks(t, name, lay, mem.layout)
+        yield peer, mem, t, name, prepare_blocks(t, name, lay, mem.layout), local
+
+
+def test_block_requests_prepared_ahead_copy_through_the_mapping() -> None:
+    """The connector's path: the peer in another process, a READ by block ids prepared ahead;
+    every block lands, and all but the blocks on the peer's partial edge pages are copied
+    through the mapping."""
+    layers, blocks, size = 2, 32, 64 << 10
+    with _block_pair(layers, blocks, size) as (peer, mem, t, name, pair_, local):
         lids, rids = np.arange(blocks), np.random.default_rng(7).permutation(blocks)
         prep = prepare_parts(t, Op.READ, name, [(pair_.local, lids, pair_.remote, rids)])
         assert prep is not None
@@ -182,13 +192,7 @@ def test_a_prepared_request_with_a_landing_copy_puts_what_it_learnt_on_the_handl
     stays None. A WRITE's (push) copy digests its sources, what was sent. A landing copy that
     stops or raises fails the handle."""
     layers, blocks, size = 2, 32, 64 << 10
-    with PeerProcess("shm", options={"map_memory": True}, timeout=30) as peer, \
-            ShmTransport("mapper", {"map_memory": True}) as t:
-        mem = peer.setup(layers, blocks, size, 6)
-        local, lay = kv_buffer(layers, blocks, size, 99)
-        own = t.register_memory([MemoryRegion(local.ctypes.data, local.nbytes)])
-        name = t.add_peer(mem.metadata, peer.invite(own))
-        pair_ = prepare_blocks(t, name, lay, mem.layout)
+    with _block_pair(layers, blocks, size) as (peer, mem, t, name, pair_, local):
         theirs = peer.buffer(mem.index).reshape(layers, 2, blocks, size)
         rng = np.random.default_rng(8)
         inner = rng.permutation(np.arange(1, blocks - 1))  # no block of a partial page

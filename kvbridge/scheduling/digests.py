@@ -11,14 +11,14 @@ model's layer — or more for transfers past :data:`MAX_CHUNKS` chunks, so the d
 part stay under 64 KiB on the wire) and each chunk gets :data:`DIGEST_BYTES` of XXH3-128.
 The prefill rank computes them from its own KV, where it was computed: for a push as the
 WRITE's copy reads it (shm, every range mapped: :func:`landing` with ``source``) or else right
-after posting the WRITE (while the transport moves the bytes), for a pull when it stages the KV (the
-whole prompt as a decode rank of its own shape reads it: the usual claim) or right after
-granting any other claim (while the decode rank's READ moves the bytes): the answer to the
-decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests
+after posting the WRITE (while the transport moves the bytes); for a pull when it stages the
+KV (the whole prompt as a decode rank of its own shape reads it: the usual claim) or right
+after granting any other claim (while the decode rank's READ moves the bytes): the answer to
+the decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests
 what landed in its blocks and compares — for a pull over shm, in the pass that copies it
 (:func:`landing`: each piece of at most 64 KiB hashed right after it is copied, while it is
-still in the core's cache; a 22.5 MiB READ's check then adds 0.8–0.9 ms to its copy instead of
-1.6–1.8 ms, benchmarks/copy_digest.py): a mismatch fails the receive (vLLM's
+still in the core's cache; a 22.5 MiB READ's check then adds 0.55–0.86 ms to its copy instead
+of 1.0–1.8 ms, benchmarks/copy_digest.py): a mismatch fails the receive (vLLM's
 ``kv_load_failure_policy`` then recomputes or fails the request), is counted
 (``checksum_mismatch``) and logged with the first bad chunk's place in the stream. KV whose
 digest did not match is never used.
@@ -64,6 +64,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
+from kvbridge.blocks import LandingCopy
 from kvbridge.hashing import feed
 from kvbridge.layout import DescriptorArray
 from kvbridge.messages import MAX_DIGEST_BYTES
@@ -256,8 +257,7 @@ def copy_compute(moves: np.ndarray, stop: int = 0, source: bool = False) -> byte
               total < KEEP_GIL_BYTES, stop, source)
 
 
-def landing(stream: DescriptorArray,
-            source: bool = False) -> Callable[[np.ndarray, int], bytes | None] | None:
+def landing(stream: DescriptorArray, source: bool = False) -> LandingCopy | None:
     """A copy for a READ whose destination is ``stream`` (``source``: a WRITE whose source is)
     (:data:`kvbridge.blocks.LandingCopy`: shm copies a prepared request with it): it copies the
     moves it is given and returns the digests of ``stream`` as :func:`compute` gives them, each
@@ -267,12 +267,11 @@ def landing(stream: DescriptorArray,
     empty stream."""
     if not len(stream) or native_copy() is None:
         return None
-    side = 1 if source else 0
+    side, runs = (1 if source else 0), _runs(stream[:, 0], stream[:, 1])  # now, off the path
 
     def copy(moves: np.ndarray, stop: int) -> bytes | None:
         got = copy_compute(moves, stop, source)
-        if got is None or _runs(moves[:, side], moves[:, 2]) == _runs(stream[:, 0],
-                                                                      stream[:, 1]):
+        if got is None or _runs(moves[:, side], moves[:, 2]) == runs:
             return got
         return compute(stream)
 

@@ -180,7 +180,7 @@ def test_compute_keeps_the_gil_for_streams_under_keep_gil_bytes(
                         or b"")
     for total in (4096, digests.SPLIT_BYTES, digests.KEEP_GIL_BYTES - 1, digests.KEEP_GIL_BYTES):
         digests.compute(np.array([(1 << 40, total, 0)], dtype=np.int64))
-    two = 2 if (os.cpu_count() or 1) > 1 else 1
+    two = 2 if len(os.sched_getaffinity(0)) > 1 else 1
     assert calls == [(1, True), (two, True), (two, True), (two, False)]
 
 
@@ -272,3 +272,19 @@ def test_a_landing_copy_digests_its_stream_however_the_moves_cut_or_order_it() -
     assert writing(moves, 0) == digests.compute(sent) == digests.compute(landed)
     assert writing(np.ascontiguousarray(moves[::-1]), 0) == digests.compute(sent)
     assert digests.landing(np.zeros((0, 3), dtype=np.int64)) is None
+
+
+def test_a_thread_pinned_to_one_core_hashes_without_a_helper(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper would only take turns with the caller on one core: an engine pinned to one
+    core (as kvbridge's benches and engine tests pin each engine, ``cpu_bind``) hashes on its
+    own thread."""
+    calls: list[int] = []
+    monkeypatch.setattr(digests, "native",
+                        lambda: lambda rows, size, threads, keep: calls.append(threads) or b"")
+    big = np.array([(1 << 40, digests.SPLIT_BYTES, 0)], dtype=np.int64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    digests.compute(big)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    digests.compute(big)
+    assert calls == [1, 2]

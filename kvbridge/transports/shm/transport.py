@@ -67,7 +67,7 @@ from kvbridge.transports.shm.wire import (
     _Registration,
     decode_metadata,
 )
-from kvbridge.transports.shm.worker import Worker, _BlockJob, _Job, _Prepared
+from kvbridge.transports.shm.worker import Worker, _BlockJob, _Job, _Prepared, all_mapped
 from kvbridge.values import parse_bool
 
 __all__ = ["ShmTransport", "DEFAULT_THREADS"]
@@ -426,7 +426,7 @@ class ShmTransport(BlockTransport):
 
     def _takes_landing(self, native: _Prepared) -> bool:
         """The worker copies with the caller's copy where every range is mapped (Worker._run)."""
-        return native.peer.copy is not None and not any(p.local.shape[0] for p in native.parts)
+        return all_mapped(native.peer, native.parts)
 
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""

@@ -169,16 +169,7 @@ class Worker:
         try:
             parts = (job.parts if isinstance(job, _Job)
                      else self.block_parts(peer, h.op, job.pair, job.req))
-            landing = job.landing if isinstance(job, _Job) else None
-            if landing is not None and peer.copy is not None and not any(
-                    p.local.shape[0] for p in parts):  # every range mapped: the caller's copy
-                whole = parts[0].moves if len(parts) == 1 else np.concatenate(
-                    [p.moves for p in parts])
-                h.landed = landing(whole, ctypes.addressof(self._stop))
-                if h.landed is None:
-                    raise TransferFailed("transport closed during the transfer; abandoned")
-            else:
-                self._copy(fn, peer, parts)
+            h.landed = self._copy(fn, peer, parts, job.landing if isinstance(job, _Job) else None)
             mapped = sum(p.mapped_bytes for p in parts)
             if mapped and not peer.alive():  # CMA would have failed with ESRCH
                 raise TransferFailed(_explain(errno.ESRCH, peer.pid))
@@ -192,20 +183,28 @@ class Worker:
             return
         h.succeed()
 
-    def _copy(self, fn: Callable[..., int], peer: _Peer, parts: Parts) -> None:
-        """Copy the parts: every range mapped, in one native call on the worker and its helper
-        thread (the GIL let go and taken back once: a pool thread's copy would take it back
-        too, and the worker then waited for that as well, up to a switch interval each while
-        the engine runs Python); else the first part on the worker and the others on the pool
-        threads, returning once every part stopped, also when one failed (its bytes may be
+    def _copy(self, fn: Callable[..., int], peer: _Peer, parts: Parts,
+              landing: LandingCopy | None = None) -> bytes | None:
+        """Copy the parts: every range mapped, with the caller's copy ``landing`` where there is
+        one (its result returned; None otherwise), else in one native call on the worker and its
+        helper thread (the GIL let go and taken back once: a pool thread's copy would take it
+        back too, and the worker then waited for that as well, up to a switch interval each
+        while the engine runs Python); else the first part on the worker and the others on the
+        pool threads, returning once every part stopped, also when one failed (its bytes may be
         landing), then raising the first failure."""
+        mapped = all_mapped(peer, parts)
+        if mapped and landing is not None:
+            landed = landing(_moves(parts), ctypes.addressof(self._stop))
+            if landed is None:
+                raise TransferFailed("transport closed during the transfer; abandoned")
+            return landed
         if len(parts) == 1:
             self._copy_part(fn, peer, parts[0])
-            return
-        if peer.copy is not None and not any(p.local.shape[0] for p in parts):
-            whole = np.concatenate([p.moves for p in parts])
-            self._copy_part(fn, peer, _Part(whole, _NO_MOVES, _NO_MOVES), threads=len(parts))
-            return
+            return None
+        if mapped:
+            self._copy_part(fn, peer, _Part(_moves(parts), _NO_MOVES, _NO_MOVES),
+                            threads=len(parts))
+            return None
         if self.helpers is None:
             self.helpers = ThreadPoolExecutor(self._threads - 1,
                                               thread_name_prefix=f"kvbridge-shm-{self.agent_name}")
@@ -222,6 +221,7 @@ class Worker:
                 errors.append(failure)
         if errors:
             raise errors[0]
+        return None
 
     def _copy_part(self, fn: Callable[..., int], peer: _Peer, part: _Part,
                    threads: int = 1) -> None:
@@ -245,6 +245,16 @@ class Worker:
                 job.handle.fail("transport closed before the transfer ran")
             elif job is not None:
                 job()
+
+
+def all_mapped(peer: _Peer, parts: Parts) -> bool:
+    """Every range of ``parts`` is copied through ``peer``'s mapping (none by CMA)."""
+    return peer.copy is not None and not any(p.local.shape[0] for p in parts)
+
+
+def _moves(parts: Parts) -> IovArray:
+    """The parts' mapped moves as one array, in order."""
+    return parts[0].moves if len(parts) == 1 else np.concatenate([p.moves for p in parts])
 
 
 def _part(mapping: PeerMapping | None, op: Op, local: IovArray, remote: IovArray) -> _Part:

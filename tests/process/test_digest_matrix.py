@@ -57,6 +57,17 @@ def loopback() -> Iterator[None]:
         os.environ["UCX_NET_DEVICES"] = old
 
 
+def _pull_checked(p: AgentProcess, d: AgentProcess, tid: str, src: list[int], dst: list[int],
+                  ok: bool) -> None:
+    """D pulls ``tid`` (staged on P from ``src``) into ``dst``: the receive fails unless
+    ``ok``, and when ``ok`` the bytes are P's."""
+    d.pull(pull(f"d-{tid}", tid, p, dst, src))
+    rd = d.drain({f"d-{tid}"})
+    assert rd["results"]["failed_recving"] == (set() if ok else {f"d-{tid}"})
+    if ok:
+        np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+
+
 @pytest.mark.parametrize("offset", OFFSETS, ids=["first-chunk", "middle-chunk", "last-byte"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_byte_flipped_in_transit_is_caught_on_every_transport(
@@ -78,11 +89,7 @@ def test_a_byte_flipped_in_transit_is_caught_on_every_transport(
             assert rd["results"]["failed_recving"] == (set() if ok else {f"d-push{n}"})
             dst = [10 * n + 30 + i for i in range(8)]
             p.stage(send(f"p-pull{n}", f"pull{n}", src))
-            d.pull(pull(f"d-pull{n}", f"pull{n}", p, dst, src))
-            rd2 = d.drain({f"d-pull{n}"})
-            assert rd2["results"]["failed_recving"] == (set() if ok else {f"d-pull{n}"})
-            if ok:
-                np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+            _pull_checked(p, d, f"pull{n}", src, dst, ok)
         stats = d.drain(set())["stats"]
         assert stats["checksum_mismatch"] == 2  # both corrupted receives, nothing else
         why = d.outcome("push1") or ""
@@ -115,12 +122,7 @@ def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
             p.drain(set(), timeout=0)  # a barrier: the stage (and P's digests) is done
             if not ok:
                 p.fill(3)  # after P digested it
-            dst = [10 * n + i for i in range(8)]
-            d.pull(pull(f"d-pull{n}", f"pull{n}", p, dst, src))
-            rd = d.drain({f"d-pull{n}"})
-            assert rd["results"]["failed_recving"] == (set() if ok else {f"d-pull{n}"})
-            if ok:
-                np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+            _pull_checked(p, d, f"pull{n}", src, [10 * n + i for i in range(8)], ok)
         stats = d.drain(set())["stats"]
         assert stats["checksum_mismatch"] == 1 and stats["pull_digested_landing"] == 2, stats
         assert "digest mismatch in 8 of 8 chunks" in (d.outcome("pull1") or "")

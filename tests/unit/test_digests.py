@@ -117,28 +117,20 @@ def test_compute_is_the_same_with_and_without_the_extension(
     assert digests.compute(descs) == native
 
 
+@pytest.mark.parametrize("which", ["digests", "copy-and-digest"])
 def test_native_digests_that_differ_from_xxhash_are_not_used(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader checks the native path against xxhash on a test stream: a native function
-    giving other digests (a changed signature would) leaves the Python path in use."""
-    if digests.native() is None:
+        monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """The loaders check each native path against xxhash on a test stream: a native function
+    giving other digests (a changed signature would) leaves it unused (digests: hashed in
+    Python; the copy-and-digest: the READ hashed after its copy)."""
+    loaded, load = ((digests.native, digests._load_native) if which == "digests"
+                    else (digests.native_copy, digests._load_copy))
+    if loaded() is None:
         pytest.skip("kvbridge built without _digest")
     real = digests.compute_python
     monkeypatch.setattr(digests, "compute_python",
                         lambda descs, size: bytes(len(real(descs, size))))
-    assert digests._load_native() is None
-
-
-def test_a_native_copy_whose_digests_differ_from_xxhash_is_not_used(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copy-and-digest is checked on a test stream as well: other digests than xxhash's
-    leave it unused (the READ is then hashed after its copy)."""
-    if digests.native_copy() is None:
-        pytest.skip("kvbridge built without _digest")
-    real = digests.compute_python
-    monkeypatch.setattr(digests, "compute_python",
-                        lambda descs, size: bytes(len(real(descs, size))))
-    assert digests._load_copy() is None
+    assert load() is None
 
 
 @pytest.mark.skipif(digests.native() is None, reason="kvbridge built without _digest")

@@ -106,12 +106,14 @@ class BlockPair:
     evicted: bool = False
 
 
-LandingCopy = Callable[[npt.NDArray[np.uint64], int], "bytes | None"]
-"""A copy the caller of a request supplies (:attr:`PreparedRequest.landing`): ``(moves, stop) ->
-result``, ``moves`` C-contiguous ``(n, 3)`` uint64 rows of (dst, src, length) in the request's
-local order, ``stop`` the address of an int32 the transport sets when it is closed; it copies
-every row (or, once ``stop`` is set, returns None) and returns what it learnt on the way (the
-digests of what landed), which the transport puts on the handle (``TransferHandle.landed``)."""
+LandingCopy = Callable[[npt.NDArray[np.uint64], int, int], "bytes | None"]
+"""A copy the caller of a request supplies (:attr:`PreparedRequest.landing`): ``(moves, stop,
+progress) -> result``, ``moves`` C-contiguous ``(n, 3)`` uint64 rows of (dst, src, length) in
+the request's local order, ``stop`` the address of an int32 the transport sets when it is
+closed, ``progress`` where :attr:`PreparedRequest.progress` is here (0: none); it copies every
+row (or, once ``stop`` is set, returns None), keeps the word at ``progress`` at the bytes copied
+so far where it can, and returns what it learnt on the way (the digests of what landed), which
+the transport puts on the handle (``TransferHandle.landed``)."""
 
 
 @dataclass(eq=False)
@@ -121,7 +123,10 @@ class PreparedRequest:
     ``landing``, set by the caller before posting: a transport that copies the whole request
     itself through memory it mapped (shm) copies with it instead of its own copy, on its own
     thread, and puts its result on the handle; any other transport (or shm where some range is
-    not mapped) ignores it and ``TransferHandle.landed`` stays None."""
+    not mapped) ignores it and ``TransferHandle.landed`` stays None. ``progress``, with it: the
+    address, in the peer's registered memory, of an 8-byte word the copy keeps at the bytes it
+    copied (a push's receiver hashes behind it: :mod:`kvbridge.scheduling.follow`); passed to
+    ``landing`` only where 8 aligned bytes there are mapped, else ignored."""
 
     op: Op
     pair: BlockPair
@@ -130,6 +135,7 @@ class PreparedRequest:
     native: Any = None  # the transport's request, None once posted or discarded (or never)
     done: bool = False
     landing: LandingCopy | None = None
+    progress: int = 0
 
     def post(self) -> TransferHandle:
         """:meth:`BlockTransport.post_prepared` on the transport that prepared it."""
@@ -310,6 +316,10 @@ class BlockTransport(Transport):
 
     #: Most prepared pairs kept (least recently used are dropped and prepared again on use).
     max_block_pairs: ClassVar[int] = 1024
+    #: Whether a prepared request may be copied with the caller's ``landing`` copy, which then
+    #: keeps a peer's progress word (:attr:`PreparedRequest.progress`): a peer that follows
+    #: such copies registers its words with this transport (kvbridge.scheduling.follow).
+    copies_landing: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(agent_name, options)

@@ -275,6 +275,10 @@ class PushRegister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     num_tokens: Count
     prompt_digest: Digest
     layout_fingerprint: Digest
+    progress: Annotated[int, msgspec.Meta(ge=8, le=1 << 62, multiple_of=8)] | None = None
+    """The address, in D's registered memory, of an 8-byte word D follows: P's copy may keep it
+    at the stream bytes it wrote, and D hashes behind it (:mod:`kvbridge.scheduling.follow`);
+    None: D hashes after the result. Only *when* D reads: a wrong word fails the receive."""
 
 
 class PushConfirm(msgspec.Struct, tag=True, frozen=True, kw_only=True):

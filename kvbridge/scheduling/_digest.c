@@ -1,7 +1,9 @@
 /* kvbridge.scheduling._digest: a hand-off's digests (XXH3-128 per chunk of its byte stream) in
  * one call, with the GIL released once, on the calling thread and at most one helper; or a copy
  * and the digests of its destination in one pass (each piece hashed right after it is copied,
- * while it is still in the cache).
+ * while it is still in the cache), which may publish how far it got in a word of shared memory;
+ * or the digests of a stream another process is writing, each chunk once that word says it
+ * landed (digest_behind: a push's receiver hashes behind the sender's copy).
  *
  * It links nothing: the XXH3 functions are called through addresses the caller passes, taken
  * from the xxhash package kvbridge already depends on (its extension exports them, with its
@@ -16,6 +18,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "../_share.h"
 
@@ -44,6 +50,11 @@ typedef struct {
     uint64_t n, chunk, chunks, total, stride;
     int copy, hash_src; /* with `copy`: hash each piece's source (as read), not its destination */
     const volatile int32_t *stop; /* checked before each chunk is taken; NULL: never stops */
+    /* with `copy` on one thread: after each piece is copied, the stream bytes copied so far
+     * are stored here (release), for a reader in another process to hash behind the copy;
+     * without `copy`: the word digest_behind waits on. NULL: none */
+    _Atomic uint64_t *progress;
+    int woke; /* the copy woke the progress word's waiter (once, after its first piece) */
     unsigned char *out;
 } job;
 
@@ -52,13 +63,28 @@ typedef struct {
 
 static uint64_t row_len(const job *j, uint64_t r) { return j->rows[j->stride * r + j->stride - 1]; }
 
+/* The progress word's low 32 bits, the futex a reader sleeps on until the copy starts. */
+static uint32_t *futex_word(_Atomic uint64_t *word) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)(void *)word;
+#else
+    return (uint32_t *)(void *)word + 1;
+#endif
+}
+
+/* Wake whoever sleeps on `word` (in any process that maps it: not a private futex). */
+static void wake_word(_Atomic uint64_t *word) {
+    syscall(SYS_futex, futex_word(word), FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+}
+
 static void put_be64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--) { p[i] = (unsigned char)(v & 0xff); v >>= 8; }
 }
 
 /* Hash `len` stream bytes from row `row`, `off` bytes in, into digest `c`. */
-static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uint64_t len,
+static void digest_chunk(job *j, void *st, uint64_t row, uint64_t off, uint64_t len,
                          uint64_t c) {
+    uint64_t pos = c * j->chunk;  /* stream bytes before this row's piece */
     j->f.reset(st);
     while (len && row < j->n) {
         uint64_t have = row_len(j, row) - off, take = have < len ? have : len;
@@ -68,12 +94,20 @@ static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uin
             for (uint64_t done = 0; done < take;) {
                 uint64_t piece = take - done < PIECE ? take - done : PIECE;
                 memmove(at + done, from + done, (size_t)piece);
+                if (j->progress) {
+                    atomic_store_explicit(j->progress, pos + done + piece, memory_order_release);
+                    if (!j->woke) {
+                        j->woke = 1;
+                        wake_word(j->progress);
+                    }
+                }
                 j->f.update(st, (j->hash_src ? from : at) + done, (size_t)piece);
                 done += piece;
             }
         } else if (take) {
             j->f.update(st, at, (size_t)take);
         }
+        pos += take;
         len -= take;
         off += take;
         if (off == row_len(j, row)) { row++; off = 0; }
@@ -81,6 +115,20 @@ static void digest_chunk(const job *j, void *st, uint64_t row, uint64_t off, uin
     hash128 h = j->f.digest(st);  /* canonical form: high64 then low64, big-endian */
     put_be64(j->out + 16 * c, h.high64);
     put_be64(j->out + 16 * c + 8, h.low64);
+}
+
+static uint64_t chunk_len(const job *j, uint64_t c) {
+    return c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+}
+
+/* Move (row, off) `len` stream bytes on. */
+static void skip(const job *j, uint64_t *row, uint64_t *off, uint64_t len) {
+    for (uint64_t left = len; left && *row < j->n;) {
+        uint64_t have = row_len(j, *row) - *off, step = have < left ? have : left;
+        left -= step;
+        *off += step;
+        if (*off == row_len(j, *row)) { (*row)++; *off = 0; }
+    }
 }
 
 static int take(job *j) {
@@ -97,14 +145,9 @@ static int front(job *j) {
     if (st == NULL) return 0;
     uint64_t row = 0, off = 0;
     for (uint64_t c = 0; take(j); c++) {
-        uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+        uint64_t len = chunk_len(j, c);
         digest_chunk(j, st, row, off, len, c);
-        for (uint64_t left = len; left && row < j->n;) {  /* on to the next chunk's start */
-            uint64_t have = row_len(j, row) - off, step = have < left ? have : left;
-            left -= step;
-            off += step;
-            if (off == row_len(j, row)) { row++; off = 0; }
-        }
+        skip(j, &row, &off, len);
     }
     j->f.release(st);
     return 1;
@@ -120,7 +163,7 @@ static void *back(void *arg) {
             uint64_t row = j->n, off = 0, c = j->chunks;
             while (take(j)) {
                 c--;
-                uint64_t len = c + 1 < j->chunks ? j->chunk : j->total - c * j->chunk;
+                uint64_t len = chunk_len(j, c);
                 for (uint64_t left = len; left;) {  /* back by len bytes */
                     if (off == 0) { row--; off = row_len(j, row); continue; }
                     uint64_t step = off < left ? off : left;
@@ -135,6 +178,53 @@ static void *back(void *arg) {
     }
     drop(j);
     return NULL;
+}
+
+/* Wait until the progress word reaches `want` (1) or the stop word is set (0). While the word
+ * is 0 (the copy has not started) it sleeps on it as a futex (the copy wakes it after its first
+ * piece; whoever sets the stop word wakes it too; 50 ms at most, to look again); after, it
+ * looks again 20 us after the word moved and twice as late each time it did not, up to
+ * `max_ns`. */
+static int wait_for(job *j, uint64_t want, long max_ns, uint64_t *seen) {
+    long nap = max_ns < 20000 ? max_ns : 20000;
+    for (;;) {
+        uint64_t now = atomic_load_explicit(j->progress, memory_order_acquire);
+        if (now >= want) return 1;
+        if (j->stop && *j->stop) return 0;
+        if (now == 0) {
+            struct timespec most = {0, 50000000};
+            syscall(SYS_futex, futex_word(j->progress), FUTEX_WAIT, 0, &most, NULL, 0);
+            continue;
+        }
+        if (now != *seen) {
+            *seen = now;
+            nap = max_ns < 20000 ? max_ns : 20000;
+        } else if (nap < max_ns) {
+            nap = nap * 2 < max_ns ? nap * 2 : max_ns;
+        }
+        struct timespec ts = {0, nap};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Each chunk once the progress word says it landed, in order: 1 when every digest was
+ * written, 0 when out of memory, -1 when stopped. */
+static int behind(job *j, long max_ns) {
+    void *st = j->f.create();
+    if (st == NULL) return 0;
+    uint64_t row = 0, off = 0, seen = 0;
+    int ok = 1;
+    for (uint64_t c = 0; c < j->chunks; c++) {
+        uint64_t len = chunk_len(j, c);
+        if (!wait_for(j, c * j->chunk + len, max_ns, &seen)) {
+            ok = -1;
+            break;
+        }
+        digest_chunk(j, st, row, off, len, c);
+        skip(j, &row, &off, len);
+    }
+    j->f.release(st);
+    return ok;
 }
 
 /* The call's work on the calling thread (and a helper): 1 when every digest was written, 0
@@ -191,6 +281,14 @@ static int run_call(job *j, int threads, int keep_gil) {
     return ok;
 }
 
+static int check_word(unsigned long long addr) {
+    if (addr % 8) {
+        PyErr_SetString(PyExc_ValueError, "a progress word must be 8-byte aligned");
+        return 0;
+    }
+    return 1;
+}
+
 static int check_args(const unsigned long long a[5], unsigned long long chunk) {
     if (chunk == 0 || !a[0] || !a[1] || !a[2] || !a[3] || !a[4]) {
         PyErr_SetString(PyExc_ValueError, "a positive chunk and five function addresses");
@@ -224,31 +322,84 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(chunks);
 }
 
-/* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop[, hash_src]) -> digests
- * or None. As digest_ranges, for a copy made in the same pass: rows: address of n rows of (dst,
+/* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop[, hash_src[, progress]])
+ * -> digests or None. As digest_ranges, for a copy made in the same pass: rows: address of n rows of (dst,
  * src, length) uint64, the stream being the destinations in row order (hash_src: the sources);
  * each piece of at most 64 KiB is copied (memmove) and at once hashed where it landed (or where
  * it was read), still in the cache; stop: address of an int32 checked before each chunk is
  * taken, or 0. None when stopped: the chunks taken before it are copied and digested, the
- * others neither. */
+ * others neither. progress: the address of an 8-byte-aligned uint64 where the stream bytes
+ * copied so far are stored (release) after each piece, or 0; with one, the copy runs on the
+ * calling thread alone, in stream order. */
 static PyObject *copy_digest_ranges(PyObject *self, PyObject *args) {
-    unsigned long long a[5], rows_addr, n, chunk, out_addr, stop_addr;
+    unsigned long long a[5], rows_addr, n, chunk, out_addr, stop_addr, progress = 0;
     int threads, keep_gil, hash_src = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKipK|p:copy_digest_ranges", &a[0], &a[1], &a[2],
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKipK|pK:copy_digest_ranges", &a[0], &a[1], &a[2],
                           &a[3], &a[4], &rows_addr, &n, &chunk, &out_addr, &threads, &keep_gil,
-                          &stop_addr, &hash_src)
-        || !check_args(a, chunk)) {
+                          &stop_addr, &hash_src, &progress)
+        || !check_args(a, chunk) || !check_word(progress)) {
         return NULL;
     }
     job *j = new_job(a, rows_addr, n, chunk, out_addr, 1, stop_addr);
     if (j == NULL) return NULL;
     j->hash_src = hash_src;
+    j->progress = (_Atomic uint64_t *)(uintptr_t)progress;
+    if (progress) threads = 1;
     uint64_t chunks = j->chunks;
     int ok = run_call(j, threads, keep_gil);
     if (ok == 0) return PyErr_NoMemory();
     if (ok < 0) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(chunks);
+}
+
+/* digest_behind(fns, rows, n, chunk, out, progress, stop, max_wait_us) -> digests or None.
+ * As digest_ranges on one thread with the GIL released, for a stream another process is
+ * writing in order: each chunk is hashed once the uint64 at `progress` (8-byte aligned, loaded
+ * with acquire) says the stream bytes up to its end landed; between looks it sleeps, from 20 us
+ * after the word moved up to max_wait_us while it does not. stop: the address of an int32
+ * looked at between waits (0: none). None when stopped: the chunks before are digested. A word
+ * that runs ahead of the bytes makes digests of what was there, which then differ from the
+ * writer's: never a digest of bytes that were not read. */
+static PyObject *digest_behind(PyObject *self, PyObject *args) {
+    unsigned long long a[5], rows_addr, n, chunk, out_addr, progress, stop_addr, max_us;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKKKK:digest_behind", &a[0], &a[1], &a[2], &a[3],
+                          &a[4], &rows_addr, &n, &chunk, &out_addr, &progress, &stop_addr,
+                          &max_us)
+        || !check_args(a, chunk) || !check_word(progress)) {
+        return NULL;
+    }
+    if (!progress || max_us == 0 || max_us > 1000000) {
+        PyErr_SetString(PyExc_ValueError, "a progress word and 0 < max_wait_us <= 1000000");
+        return NULL;
+    }
+    job *j = new_job(a, rows_addr, n, chunk, out_addr, 0, stop_addr);
+    if (j == NULL) return NULL;
+    j->progress = (_Atomic uint64_t *)(uintptr_t)progress;
+    uint64_t chunks = j->chunks;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = behind(j, (long)max_us * 1000);
+    Py_END_ALLOW_THREADS
+    drop(j);
+    if (ok == 0) return PyErr_NoMemory();
+    if (ok < 0) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(chunks);
+}
+
+/* wake(progress) -> None: wake a digest_behind sleeping on the word at `progress` (after
+ * setting its stop word, or the word itself). */
+static PyObject *wake(PyObject *self, PyObject *args) {
+    unsigned long long progress;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "K:wake", &progress) || !check_word(progress)) return NULL;
+    if (!progress) {
+        PyErr_SetString(PyExc_ValueError, "no progress word");
+        return NULL;
+    }
+    wake_word((_Atomic uint64_t *)(uintptr_t)progress);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -261,6 +412,12 @@ static PyMethodDef methods[] = {
      "[, hash_src]) -> digests written, or None when stopped; copies (dst, src, length) uint64 "
      "rows and digests the destination (or source) stream in one pass, each piece hashed right "
      "after it is copied"},
+    {"digest_behind", digest_behind, METH_VARARGS,
+     "digest_behind(fns, rows_addr, n, chunk, out_addr, progress_addr, stop_addr, max_wait_us) "
+     "-> digests written, or None when stopped; digests each chunk of the stream once the "
+     "progress word says it landed"},
+    {"wake", wake, METH_VARARGS, "wake(progress_addr) -> None; wakes a digest_behind waiting on "
+     "the word"},
     {NULL, NULL, 0, NULL},
 };
 

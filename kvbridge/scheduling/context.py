@@ -23,6 +23,7 @@ from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import EngineInfo, Message
 from kvbridge.scheduling.fences import Fence
+from kvbridge.scheduling.follow import Board
 from kvbridge.scheduling.leases import Timers
 from kvbridge.scheduling.mapping import Shape
 from kvbridge.scheduling.observations import Observations
@@ -95,6 +96,8 @@ class LoopContext(Protocol):
     ended: Outcomes
     results: ResultBox
     timers: Timers
+    #: the words P's copies keep for its push receives, or None (kvbridge.scheduling.follow)
+    board: Board | None
 
     @property
     def control_address(self) -> str: ...

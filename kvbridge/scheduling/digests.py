@@ -71,7 +71,7 @@ from kvbridge.messages import MAX_DIGEST_BYTES
 
 __all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "DIGEST_BYTES", "KEEP_GIL_BYTES", "SPLIT_BYTES",
            "chunk_size", "compute", "compute_python", "copy_compute", "landing", "mismatch",
-           "native", "native_copy"]
+           "native", "native_behind", "native_copy"]
 
 #: stream bytes per digest (unless the stream has more than MAX_CHUNKS of them)
 CHUNK_BYTES = 256 << 10
@@ -114,12 +114,20 @@ Native = Callable[[np.ndarray, int, int, bool], bytes]
 needs it), else let it go for the hash."""
 
 
-CopyNative = Callable[[np.ndarray, int, int, bool, int, bool], bytes | None]
-"""``(moves, chunk, threads, keep_gil, stop, source) -> digests``: copy ``moves`` (C-contiguous
-``(n, 3)`` uint64: dst, src, length) and digest the destination stream (the dsts in row order;
-``source``: the srcs) in one pass, each piece hashed right after it is copied; ``stop``: the
-address of an int32 checked before each chunk (0: none); None when it stopped the copy (part
-of it may have landed)."""
+CopyNative = Callable[[np.ndarray, int, int, bool, int, bool, int], bytes | None]
+"""``(moves, chunk, threads, keep_gil, stop, source, progress) -> digests``: copy ``moves``
+(C-contiguous ``(n, 3)`` uint64: dst, src, length) and digest the destination stream (the dsts
+in row order; ``source``: the srcs) in one pass, each piece hashed right after it is copied;
+``stop``: the address of an int32 checked before each chunk (0: none); ``progress``: the
+address of an 8-byte-aligned uint64 the copy keeps at the stream bytes copied so far (on one
+thread, in order; 0: none); None when it stopped the copy (part of it may have landed)."""
+
+Behind = Callable[[np.ndarray, int, int, int, int], bytes | None]
+"""``(rows, chunk, progress, stop, max_wait_us) -> digests``: the digests of the stream ``rows``
+(C-contiguous ``(n, 2)`` uint64: address, length) names, each chunk hashed once the uint64 at
+``progress`` says the stream bytes up to its end landed (the GIL let go; between looks it sleeps
+on the word while it is 0, then up to ``max_wait_us``); ``stop``: the address of an int32 (0:
+none); None when stopped. :func:`native_behind` gives it with the function that wakes it."""
 
 
 def _xxh3_addresses() -> tuple[int, ...]:
@@ -185,25 +193,62 @@ def _load_copy() -> CopyNative | None:
     fn, addresses = found
 
     def copy_digest(moves: np.ndarray, size: int, threads: int, keep_gil: bool,
-                    stop: int = 0, source: bool = False) -> bytes | None:
+                    stop: int = 0, source: bool = False, progress: int = 0) -> bytes | None:
         out = np.empty(DIGEST_BYTES * -(-int(moves[:, 2].sum()) // size), dtype=np.uint8)
         done = fn(addresses, moves.ctypes.data, moves.shape[0], size, out.ctypes.data, threads,
-                  keep_gil, stop, source)
+                  keep_gil, stop, source, progress)
         return None if done is None else out.tobytes()
 
     src, ranges = _probe()
     want = compute_python(np.array([(src.ctypes.data + a, n) for a, n in ranges],
                                    dtype=np.int64), 64 << 10)
     for threads in (1, 2):
-        dst = np.zeros_like(src)
+        dst, word = np.zeros_like(src), np.zeros(1, dtype=np.uint64)
         moves = np.array([(dst.ctypes.data + a, src.ctypes.data + a, n) for a, n in ranges],
                          dtype=np.uint64)
-        if copy_digest(moves, 64 << 10, threads, threads == 1, 0, threads == 2) != want or \
-                not np.array_equal(dst, src):
+        if copy_digest(moves, 64 << 10, threads, threads == 1, 0, threads == 2,
+                       word.ctypes.data if threads == 1 else 0) != want or \
+                not np.array_equal(dst, src) or int(word[0]) != (src.nbytes if threads == 1
+                                                               else 0):
             log.warning("no native copy-and-digest: its copy or digests differ from xxhash's "
                         "on a test stream")
             return None
     return copy_digest
+
+
+def _load_behind() -> tuple[Behind, Callable[[int], None]] | None:
+    """The native digests behind a copy and the function that wakes them, or None: as
+    :func:`_load_native`, checked on a test stream whose word already says it all landed."""
+    found = _function("digest_behind", "no native digests behind a copy")
+    if found is None:
+        return None
+    fn, addresses = found
+    wake = importlib.import_module(NATIVE).wake
+
+    def behind(rows: np.ndarray, size: int, progress: int, stop: int,
+               max_wait_us: int) -> bytes | None:
+        out = np.empty(DIGEST_BYTES * -(-int(rows[:, 1].sum()) // size), dtype=np.uint8)
+        done = fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, progress,
+                  stop, max_wait_us)
+        return None if done is None else out.tobytes()
+
+    data, ranges = _probe()
+    rows = np.array([(data.ctypes.data + a, n) for a, n in ranges], dtype=np.uint64)
+    word = np.array([data.nbytes], dtype=np.uint64)
+    if behind(rows, 64 << 10, word.ctypes.data, 0, 1000) != compute_python(
+            rows.astype(np.int64), 64 << 10):
+        log.warning("no native digests behind a copy: they differ from xxhash's on a test "
+                    "stream")
+        return None
+    return behind, wake
+
+
+@functools.cache
+def native_behind() -> tuple[Behind, Callable[[int], None]] | None:
+    """The native digests behind another process's copy (``_digest.c``'s ``digest_behind``)
+    and ``wake(progress)``, which wakes one sleeping on that word; loaded and checked once;
+    None without them (kvbridge.scheduling.follow)."""
+    return _load_behind()
 
 
 @functools.cache
@@ -244,12 +289,15 @@ def _threads(total: int) -> int:
     return 2 if total >= SPLIT_BYTES and len(os.sched_getaffinity(0)) > 1 else 1
 
 
-def copy_compute(moves: np.ndarray, stop: int = 0, source: bool = False) -> bytes | None:
+def copy_compute(moves: np.ndarray, stop: int = 0, source: bool = False,
+                 progress: int = 0) -> bytes | None:
     """Copy ``moves`` (``(n, 3)`` uint64 rows of dst, src, length; not empty) and return the
     digests of the destination stream (the dsts in row order; ``source``: the srcs), as
     :func:`compute` would give them, in one pass (:func:`native_copy`: each piece hashed right
     after it is copied, while it is still in the cache; with a helper thread from
-    :data:`SPLIT_BYTES`).
+    :data:`SPLIT_BYTES`, unless ``progress``: the address of an 8-byte-aligned uint64 kept at
+    the bytes copied so far, on this thread alone, in order, for a follower in another process:
+    :mod:`kvbridge.scheduling.follow`).
     None when ``stop`` (the address of an int32, or 0) stopped the copy: part of it may have
     landed. Needs the extension: the caller checks :func:`native_copy` first (without it,
     copy and then :func:`compute`)."""
@@ -258,28 +306,27 @@ def copy_compute(moves: np.ndarray, stop: int = 0, source: bool = False) -> byte
         raise RuntimeError("kvbridge was built without its native digests")
     rows = np.ascontiguousarray(moves, dtype=np.uint64)
     total = int(rows[:, 2].sum())
-    return fn(rows, chunk_size(total),
-              _threads(total),
-              total < KEEP_GIL_BYTES, stop, source)
+    return fn(rows, chunk_size(total), _threads(total), total < KEEP_GIL_BYTES, stop, source,
+              progress)
 
 
 def landing(stream: DescriptorArray, source: bool = False) -> LandingCopy | None:
     """A copy for a READ whose destination is ``stream`` (``source``: a WRITE whose source is)
     (:data:`kvbridge.blocks.LandingCopy`: shm copies a prepared request with it): it copies the
     moves it is given and returns the digests of ``stream`` as :func:`compute` gives them, each
-    piece hashed right after it is copied (:func:`copy_compute`). Where the moves' destinations
-    (sources) are not ``stream`` in order (compared as runs of bytes, however each is cut), it
-    still copies them all and then hashes ``stream``. None without the extension, or for an
-    empty stream."""
+    piece hashed right after it is copied (:func:`copy_compute`; with the progress word the
+    transport passes, kept at the bytes copied). Where the moves' destinations (sources) are not
+    ``stream`` in order (compared as runs of bytes, however each is cut), it still copies them
+    all, without the progress word, and then hashes ``stream``. None without the extension, or
+    for an empty stream."""
     if not len(stream) or native_copy() is None:
         return None
     side, runs = (1 if source else 0), _runs(stream[:, 0], stream[:, 1])  # now, off the path
 
-    def copy(moves: np.ndarray, stop: int) -> bytes | None:
-        got = copy_compute(moves, stop, source)
-        if got is None or _runs(moves[:, side], moves[:, 2]) == runs:
-            return got
-        return compute(stream)
+    def copy(moves: np.ndarray, stop: int, progress: int = 0) -> bytes | None:
+        in_order = _runs(moves[:, side], moves[:, 2]) == runs
+        got = copy_compute(moves, stop, source, progress if in_order else 0)
+        return got if got is None or in_order else compute(stream)
 
     return copy
 
@@ -327,12 +374,15 @@ def compute_python(descs: DescriptorArray, size: int) -> bytes:
     return bytes(out)
 
 
-def mismatch(expected: bytes | None, descs: DescriptorArray) -> str | None:
+def mismatch(expected: bytes | None, descs: DescriptorArray,
+             actual: bytes | None = None) -> str | None:
     """None when the stream ``descs`` covers has the digests ``expected`` (the sender's);
-    otherwise what differs, naming the first bad chunk and its byte range in the stream."""
+    otherwise what differs, naming the first bad chunk and its byte range in the stream.
+    ``actual``: the stream's digests, computed already (else computed here)."""
     if expected is None:
         return "the sender sent no digests"
-    actual = compute(descs)
+    if actual is None:
+        actual = compute(descs)
     if actual == expected:
         return None
     if len(actual) != len(expected):

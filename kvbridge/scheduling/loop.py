@@ -40,6 +40,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.heads import HeadSplit
 from kvbridge.layout import KVLayout
 from kvbridge.messages import Cancel, Codec
+from kvbridge.scheduling import follow
 from kvbridge.scheduling.dispatch import answer, outcome
 from kvbridge.scheduling.fences import Fence, FenceWaiter
 from kvbridge.scheduling.layer_stream import LayerStream
@@ -93,8 +94,12 @@ class TransferLoop(PeerEvents):
             options.setdefault("secret", self.trust.secret)
         self.transport = transport or registry.create(
             config.backend, identity.agent_name(engine_id, self.generation, rank), options)
+        #: the words P's copies keep for this rank's push receives (kvbridge.scheduling.follow)
+        self.board = (follow.Board() if getattr(self.transport, "copies_landing", False)
+                      and follow.available() else None)
         metadata = self.transport.register_memory(
-            [MemoryRegion(a, n, layout.device) for a, n in layout.regions()])
+            [MemoryRegion(a, n, layout.device) for a, n in layout.regions()]
+            + ([MemoryRegion(*self.board.region)] if self.board is not None else []))
         port = config.side_channel_port + rank if config.side_channel_port else 0
         self.server = ControlServer(self.codec, config.side_channel_host, port,
                                     allow_insecure=config.allow_insecure_control,

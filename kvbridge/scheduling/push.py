@@ -17,9 +17,9 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    earlier, while the forward that writes the KV runs (:meth:`PushSource.prepare`, as soon as
    both the plan and D's confirmation are known): ids validated, the transport's request built
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
-   A prepared WRITE that is not posted is discarded with its registration. P digests its KV
-   as the prepared WRITE's copy reads it (shm: :func:`~kvbridge.scheduling.digests.landing`),
-   else while the last WRITE moves it; once all stopped, D checks the result's bytes and digests.
+   A prepared WRITE that is not posted is discarded with its registration. P digests its KV as
+   the prepared WRITE's copy reads it (shm: :func:`~kvbridge.scheduling.digests.landing`, D
+   hashing behind it: :mod:`~kvbridge.scheduling.follow`), else while the last WRITE moves it.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never
@@ -413,6 +413,7 @@ class PushSource:
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
         if t.prepared is not None and t.stream is not None and t.prepared.takes_landing():
             t.prepared.landing = digests.landing(t.stream, source=True)  # hashed as it is read
+            t.prepared.progress = t.reg.progress or 0  # and D hashes behind it (follow.py)
 
     def _discard(self, t: Target) -> None:
         if t.prepared is not None:
@@ -575,9 +576,8 @@ class PushSource:
         assert out.plan is not None and t.shape is not None
         span, _ = self._span(out, t)
         src, first = self._src(out, t)
-        half = mapping.side(self.core.layout, self.core.shape, t.shape, t.share, src, first,
-                            span)
-        return mapping.side_descriptors(half)
+        return mapping.side_descriptors(mapping.side(self.core.layout, self.core.shape, t.shape,
+                                                     t.share, src, first, span))
 
     def _close(self, out: Out) -> None:
         """End the transfer once no decode rank's push is left to serve."""

@@ -34,7 +34,7 @@ from kvbridge.messages import (
     PushRegister,
     PushResult,
 )
-from kvbridge.scheduling import digests, mapping
+from kvbridge.scheduling import digests, follow, mapping
 from kvbridge.scheduling.peers import Peer
 from kvbridge.scheduling.receive import Half, Part, Receiver, check_source
 from kvbridge.scheduling.specs import PushSpec
@@ -63,6 +63,10 @@ class _In(Part[PushSpec]):
     call: int | None = None
     #: HeartbeatBook.sent when P's confirmation came: earlier heartbeats' answers predate it
     confirmed_after: int = 0
+    #: the board word P's copy may keep (given back when the part is forgotten) and the
+    #: follower hashing behind it (kvbridge.scheduling.follow)
+    word: int | None = None
+    follower: follow.Follower | None = None
 
 
 class PushSink(Receiver[_In]):
@@ -88,19 +92,25 @@ class PushSink(Receiver[_In]):
             return
         w.state = _Wait.REGISTERING
         core, s = self.core, w.spec
+        checked = core.config.checksum or result.info.checksum
+        if checked and core.board is not None and w.half and \
+                core.backend_of(result.name) == "shm":  # its copy may keep a word of ours
+            w.word = core.board.take()
         reg = PushRegister(
             transfer_id=s.transfer_id, generation=result.info.generation,
             engine_id=core.engine_id, sender_generation=core.generation,
             control_address=core.control_address, block_ids=list(s.local_ids),
             skip_blocks=s.skip_blocks, num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
-            layout_fingerprint=core.info.layout_fingerprint)
+            layout_fingerprint=core.info.layout_fingerprint, progress=w.word)
         self._expect(w, core.config.stall_s,
                      f"prefill {w.address} did not answer the registration")
         w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
                                lambda reply: self._answer(w, reply))
         core.stats["push_registered"] += 1
-        if core.config.checksum or result.info.checksum:  # off the hand-off's path
+        if checked:  # off the hand-off's path
             w.stream = mapping.side_descriptors(w.half)
+            if w.word is not None and len(w.stream):
+                w.follower = follow.Follower(w.stream, w.word)
 
     def _half(self, w: _In, peer: Peer) -> Half:
         """This rank's side of the part, after checking the peer is the rank expected."""
@@ -151,8 +161,11 @@ class PushSink(Receiver[_In]):
         elif msg.nbytes != expected:
             problem = f"prefill wrote {msg.nbytes} bytes, {expected} were expected"
         elif expected and (core.config.checksum or msg.digests is not None):
+            landed = w.follower.finish() if w.follower is not None else None
+            if landed is not None:
+                core.stats["push_digested_behind"] += 1
             problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half)
-                                       if w.stream is None else w.stream)
+                                       if w.stream is None else w.stream, landed)
             if problem is not None:
                 core.count("checksum_mismatch", "push", w.peer)
                 problem = f"the pushed KV is not what prefill computed: {problem}"
@@ -271,6 +284,11 @@ class PushSink(Receiver[_In]):
             w.box.release(w.spec.req_id)
 
     def _forget(self, w: _In) -> None:
+        if w.follower is not None:
+            w.follower.stop()
+        if w.word is not None and self.core.board is not None:  # no WRITE of P's can follow
+            self.core.board.give(w.word)
+            w.word = None
         self._drop(w)
         if w.call is not None:
             self.core.rpc.cancel(w.call)

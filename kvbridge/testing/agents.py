@@ -72,6 +72,7 @@ class Agent(Protocol):
     generation: str
 
     def stage(self, plan: SendPlan) -> None: ...
+    def prepare(self, plan: SendPlan) -> None: ...
     def ready(self, plan: SendPlan) -> None: ...
     def layer(self, plan: SendPlan, layer: str) -> None: ...
     def pull(self, spec: PullSpec) -> None: ...
@@ -102,6 +103,10 @@ class LocalAgent:
 
     def stage(self, plan: SendPlan) -> None:
         self.loop.stage_pull(plan)
+
+    def prepare(self, plan: SendPlan) -> None:
+        """The connector's call while the forward runs: build the push's WRITE ahead."""
+        self.loop.push_prepare(plan)
 
     def ready(self, plan: SendPlan) -> None:
         stream = self._streams.pop(plan.transfer_id, None)
@@ -200,6 +205,9 @@ class AgentProcess:
 
     def stage(self, plan: SendPlan) -> None:
         self.call("stage", plan)
+
+    def prepare(self, plan: SendPlan) -> None:
+        self.call("prepare", plan)
 
     def ready(self, plan: SendPlan) -> None:
         self.call("ready", plan)

@@ -28,6 +28,7 @@ from kvbridge import params, registry
 from kvbridge.config import TransferMode
 from kvbridge.host.hugepages import thp_mode
 from kvbridge.messages import StatsQuery, StatsReply
+from kvbridge.scheduling import follow
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools.client import complete, output_token_ids, probe
 from kvbridge.tools.cpumeter import group_cpu
@@ -154,6 +155,12 @@ def test_sequential_outputs_match_single_engine(cluster: Cluster, mode: str) -> 
         # every range mapped: D digested each pull in the pass that copied it (issue 27)
         landed = after.get("pull_digested_landing", 0) - before.get("pull_digested_landing", 0)
         assert landed == len(prompts), (before, after)
+    if mode == "push" and cluster.backend == "shm" and follow.available():
+        # P's copy kept D's word: D hashed behind it (kvbridge.scheduling.follow). Only a
+        # WRITE built ahead (D confirmed before P's forward ended) takes the word: the first
+        # hand-off's registration may come after it (the peers' first handshake)
+        behind = after.get("push_digested_behind", 0) - before.get("push_digested_behind", 0)
+        assert behind >= len(prompts) - 1, (before, after)
 
 
 def test_d_alone_and_the_planner_match_single_engine_and_a_held_prefix_moves_only_the_rest(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -127,6 +128,36 @@ def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
         assert stats["checksum_mismatch"] == 1 and stats["pull_digested_landing"] == 2, stats
         assert "digest mismatch in 8 of 8 chunks" in (d.outcome("pull1") or "")
         assert p.drain(set())["pending"] == 0  # released at each DONE, before its answer
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
+    """shm with every range mapped (no fault wrapper): D names a word of its board in each
+    ``PushRegister``, P's copy keeps it at the bytes written, and D hashes each chunk behind
+    the copy (``push_digested_behind``; kvbridge.scheduling.follow). Every push lands equal,
+    no digest differs, and P holds nothing at the end."""
+    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
+    p = AgentProcess("prefill", SHAPE, extra)
+    d = AgentProcess("decode", SHAPE, extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        src = list(range(1, 9))
+        for n in (1, 2, 3):
+            dst = [10 * n + i for i in range(8)]
+            d.expect(expect(f"d-push{n}", f"push{n}", p, dst))
+            plan = send(f"p-push{n}", f"push{n}", src)
+            p.prepare(plan)  # as the connector does while the forward runs
+            time.sleep(1.0)  # D registered and confirmed meanwhile: P built the WRITE ahead
+            p.ready(plan)
+            rd = d.drain({f"d-push{n}"})
+            assert rd["results"]["failed_recving"] == set()
+            np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+        stats = d.drain(set())["stats"]
+        assert stats["push_digested_behind"] == 3 and not stats.get("checksum_mismatch"), stats
+        assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
     finally:
         p.close()
         d.close()

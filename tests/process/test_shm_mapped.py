@@ -22,7 +22,7 @@ import pytest
 
 from kvbridge.blocks import prepare_blocks, prepare_parts
 from kvbridge.errors import ConfigError, PeerUnreachable
-from kvbridge.scheduling import digests
+from kvbridge.scheduling import digests, follow
 from kvbridge.testing.peer import PeerProcess, kv_buffer
 from kvbridge.transport import HandleState, MemoryRegion, Op
 from kvbridge.transports.shm import ShmTransport, _encoder, _Registration, memfd
@@ -220,14 +220,62 @@ def test_a_prepared_request_with_a_landing_copy_puts_what_it_learnt_on_the_handl
         theirs = peer.buffer(mem.index).reshape(layers, 2, blocks, size)  # as it is now
         np.testing.assert_array_equal(theirs[:, :, inner], local[:, :, lids])
         assert h.landed == digests.compute(sent)
-        for landing, error in ((lambda moves, stop: None, "transport closed during the transfer"),
-                               (lambda moves, stop: 1 / 0, "division by zero")):
+        for landing, error in ((lambda moves, stop, word: None, "transport closed during the"),
+                               (lambda moves, stop, word: 1 / 0, "division by zero")):
             prep = prepare_parts(t, Op.READ, name, [(pair_.local, inner[:4], pair_.remote,
                                                      inner[:4])])
             assert prep is not None
             prep.landing = landing
             h = prep.post()
             assert t.wait(h, 20) is HandleState.FAILED and error in (h.error or ""), h.error
+
+
+@pytest.mark.skipif(not follow.available(), reason="kvbridge built without _digest")
+def test_a_push_write_keeps_the_receivers_word_and_the_receiver_hashes_behind_it(
+        pair: tuple[ShmTransport, ShmTransport]) -> None:
+    """Push over shm with digests (kvbridge.scheduling.follow): D registers its board of words
+    beside its KV; P's prepared WRITE, with its landing copy and D's word
+    (``PreparedRequest.progress``, as the push source sets it from D's ``PushRegister``), keeps
+    the word through P's mapping of D's memfd, waking D's follower asleep on it; the follower's
+    digests (D's, of what landed) equal P's (of what it read). A word P has not mapped as 8
+    aligned bytes of D's (outside D's regions, misaligned) is ignored: the WRITE lands the same,
+    and no byte outside the KV named is written."""
+    d, p = pair
+    board = follow.Board(slots=4)
+    theirs, rlay = kv_buffer(2, 16, 64 << 10, 5)  # D's KV, written
+    mine, lay = kv_buffer(2, 16, 64 << 10, 6)  # P's KV
+    dmeta = d.register_memory([MemoryRegion(theirs.ctypes.data, theirs.nbytes),
+                               MemoryRegion(*board.region)])
+    name = p.add_peer(dmeta, d.invite(p.register_memory([MemoryRegion(mine.ctypes.data,
+                                                                      mine.nbytes)])))
+    pair_ = prepare_blocks(p, name, lay, rlay)
+    rng = np.random.default_rng(9)
+    inner = rng.permutation(np.arange(1, 15))  # no block on a partial edge page (moved by CMA)
+    outside = np.zeros(2, dtype=np.uint64)  # 8 aligned bytes of P's, none of D's
+    first, second = board.take(), board.take()
+    assert first is not None and second is not None
+    # (D's word, what P is asked to keep, whether P keeps it)
+    for word, named, followed in ((first, first, True), (outside.ctypes.data, outside.ctypes.data,
+                                                         False), (second, second + 4, False)):
+        lids = rng.permutation(16)[:inner.size]
+        prep = prepare_parts(p, Op.WRITE, name, [(pair_.local, lids, pair_.remote, inner)])
+        assert prep is not None and prep.takes_landing()
+        sent = pair_.local.descriptors(lids)
+        prep.landing = digests.landing(sent, source=True)
+        prep.progress = named
+        follower = follow.Follower(pair_.remote.descriptors(inner), word)
+        h = prep.post()
+        assert p.wait(h, 20) is HandleState.DONE, h.error
+        np.testing.assert_array_equal(theirs[:, :, inner], mine[:, :, lids])
+        assert h.landed == digests.compute(sent)
+        assert follower.moved is followed
+        if followed:
+            assert ctypes.c_uint64.from_address(word).value == h.nbytes
+            assert follower.finish() == h.landed
+        else:
+            assert follower.finish() is None  # D hashes after the result, as before
+            assert ctypes.c_uint64.from_address(word).value == 0
+    assert not outside.any()
 
 
 # -- hostile fds and pieces -----------------------------------------------------------------------

@@ -74,6 +74,10 @@ ALL_MESSAGES: list[Message] = [
                  sender_generation="gen-2", control_address="tcp://127.0.0.1:6000",
                  block_ids=[5, 6, 7], skip_blocks=2, num_tokens=80, prompt_digest="ab",
                  layout_fingerprint="0123456789abcdef"),
+    PushRegister(transfer_id="t-1", generation="*", engine_id="engine-d",
+                 sender_generation="gen-2", control_address="tcp://127.0.0.1:6000",
+                 block_ids=[5], num_tokens=16, prompt_digest="ab",
+                 layout_fingerprint="0123456789abcdef", progress=0x7F00_0000_1040),
     PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7]),
     PushConfirm(transfer_id="t-1", generation="gen-2", block_ids=[5, 6, 7], rank=3),
     PushResult(transfer_id="t-1", ok=True, nbytes=3 << 20),
@@ -209,6 +213,20 @@ def test_garbage_rejected(body: bytes) -> None:
     with pytest.raises(MessageError) as info:
         Codec().decode(_HEADER + body)
     assert isinstance(info.value, KVBridgeError)
+
+
+@pytest.mark.parametrize("progress", [3, 0, -8, 1 << 63, "0x10", 2.5, [8]])
+def test_a_push_registration_with_a_bad_progress_word_is_refused_naming_it(
+        progress: object) -> None:
+    """The word P's copy would keep (kvbridge.scheduling.follow): 8-byte aligned, positive,
+    an address; anything else is refused before P looks at it, naming the field."""
+    body = msgspec.msgpack.encode({
+        "type": "PushRegister", "transfer_id": "t", "generation": "*", "engine_id": "d",
+        "sender_generation": "g", "control_address": "tcp://127.0.0.1:6000", "block_ids": [1],
+        "num_tokens": 16, "prompt_digest": "ab", "layout_fingerprint": "0123456789abcdef",
+        "progress": progress})
+    with pytest.raises(MessageError, match="progress"):
+        Codec().decode(_HEADER + body)
 
 
 def test_short_frames_and_unknown_versions_rejected() -> None:

@@ -87,6 +87,16 @@ def _check_bounds(local: DescriptorArray, remote: DescriptorArray) -> None:
         raise DescriptorError("descriptors hold an address or length above 2**62")
 
 
+def _word(peer: _Peer, address: int) -> int:
+    """Where the peer's 8-byte-aligned word at ``address`` is mapped here; 0 where it is not
+    (no mapping, not aligned, not wholly inside one piece the peer shared)."""
+    if peer.mapping is None or address <= 0 or address % 8 or address > _MAX_ADDR:
+        return 0
+    inside, here = peer.mapping.translate(np.array([address], dtype=np.int64),
+                                          np.array([8], dtype=np.int64))
+    return int(here[0]) if inside[0] else 0
+
+
 def _option(options: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     try:
         value = float(options.get(key, default))
@@ -105,6 +115,7 @@ class ShmTransport(BlockTransport):
         read=True, write=True, notifications=True, device_memory=False, cross_host=False,
         map_memory=True,
     )
+    copies_landing = True
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(agent_name, options)
@@ -431,7 +442,9 @@ class ShmTransport(BlockTransport):
     def _post_prepared(self, prep: PreparedRequest, native: _Prepared) -> TransferHandle:
         """Queue the prepared parts: nothing is built or validated on this path."""
         handle = TransferHandle(prep.op, prep.pair.peer, prep.req.nbytes, prep.req.count)
-        self._queue(_Job(handle, native.peer, native.parts, prep.notification, prep.landing))
+        progress = _word(native.peer, prep.progress) if prep.landing is not None else 0
+        self._queue(_Job(handle, native.peer, native.parts, prep.notification, prep.landing,
+                         progress))
         return handle
 
     def _pair_peer(self, pair: BlockPair) -> _Peer:

@@ -59,6 +59,7 @@ class _Job:
     parts: Parts
     notification: bytes | None
     landing: LandingCopy | None = None  # the caller's copy (PreparedRequest.landing)
+    progress: int = 0  # where PreparedRequest.progress is mapped here, or 0
 
 
 @dataclass
@@ -169,7 +170,8 @@ class Worker:
         try:
             parts = (job.parts if isinstance(job, _Job)
                      else self.block_parts(peer, h.op, job.pair, job.req))
-            h.landed = self._copy(fn, peer, parts, job.landing if isinstance(job, _Job) else None)
+            h.landed = (self._copy(fn, peer, parts, job.landing, job.progress)
+                        if isinstance(job, _Job) else self._copy(fn, peer, parts))
             mapped = sum(p.mapped_bytes for p in parts)
             if mapped and not peer.alive():  # CMA would have failed with ESRCH
                 raise TransferFailed(_explain(errno.ESRCH, peer.pid))
@@ -184,17 +186,17 @@ class Worker:
         h.succeed()
 
     def _copy(self, fn: Callable[..., int], peer: _Peer, parts: Parts,
-              landing: LandingCopy | None = None) -> bytes | None:
+              landing: LandingCopy | None = None, progress: int = 0) -> bytes | None:
         """Copy the parts: every range mapped, with the caller's copy ``landing`` where there is
-        one (its result returned; None otherwise), else in one native call on the worker and its
-        helper thread (the GIL let go and taken back once: a pool thread's copy would take it
-        back too, and the worker then waited for that as well, up to a switch interval each
-        while the engine runs Python); else the first part on the worker and the others on the
-        pool threads, returning once every part stopped, also when one failed (its bytes may be
-        landing), then raising the first failure."""
+        one (given ``progress``; its result returned; None otherwise), else in one native call
+        on the worker and its helper thread (the GIL let go and taken back once: a pool
+        thread's copy would take it back too, and the worker then waited for that as well, up
+        to a switch interval each while the engine runs Python); else the first part on the
+        worker and the others on the pool threads, returning once every part stopped, also
+        when one failed (its bytes may be landing), then raising the first failure."""
         mapped = all_mapped(peer, parts)
         if mapped and landing is not None:
-            landed = landing(_moves(parts), ctypes.addressof(self._stop))
+            landed = landing(_moves(parts), ctypes.addressof(self._stop), progress)
             if landed is None:
                 raise TransferFailed("transport closed during the transfer; abandoned")
             return landed

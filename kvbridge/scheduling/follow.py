@@ -97,6 +97,10 @@ class Board:
         """Words taken."""
         return len(self._taken)
 
+    def words(self) -> list[int]:
+        """The addresses of the words taken, in address order."""
+        return [self.address + i * SLOT_BYTES for i in sorted(self._taken)]
+
 
 class Follower:
     """Digests ``stream`` (this process's memory, in stream order) behind a writer that keeps

@@ -150,6 +150,12 @@ class LocalAgent:
         for c in self.caches.values():
             c[...] = rng.standard_normal(c.shape, dtype=np.float32)
 
+    def board_words(self) -> list[int]:
+        """The addresses of the progress words this rank's push receives hold now (tests of a
+        stranger that writes one: kvbridge.scheduling.follow)."""
+        board = self.loop.board
+        return [] if board is None else board.words()
+
     def close(self) -> None:
         self.loop.close()
 
@@ -240,6 +246,10 @@ class AgentProcess:
 
     def fill(self, seed: int) -> None:
         self.call("fill", seed)
+
+    def board_words(self) -> list[int]:
+        out: list[int] = self.call("board_words")
+        return out
 
     def kill(self) -> None:
         if self.proc.is_alive():

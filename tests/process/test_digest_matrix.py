@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -158,6 +160,62 @@ def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
         stats = d.drain(set())["stats"]
         assert stats["push_digested_behind"] == 3 and not stats.get("checksum_mismatch"), stats
         assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+_STRANGER = r"""
+import ctypes, sys
+pid, word = int(sys.argv[1]), int(sys.argv[2])
+libc = ctypes.CDLL(None, use_errno=True)
+
+class Iov(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+value = ctypes.c_uint64(1 << 40)  # "every byte landed", before P wrote any
+local, remote = Iov(ctypes.addressof(value), 8), Iov(word, 8)
+libc.process_vm_writev.restype = ctypes.c_ssize_t
+n = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+sys.exit(0 if n == 8 else f"process_vm_writev: {ctypes.get_errno()}")
+"""
+
+
+def test_a_stranger_that_moves_ds_word_fails_the_push_and_never_passes_it_unchecked() -> None:
+    """A process of D's uid that is not its peer writes D's progress word (shm lets any process
+    of the uid attach to D's memory: cross-memory attach needs it) after D registered and before
+    P's WRITE. D's follower hashes the blocks as they were; the digests differ from P's; the
+    receive fails naming every chunk (``checksum_mismatch``), so no KV is used unchecked. The
+    next push, left alone, lands equal."""
+    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
+    p = AgentProcess("prefill", SHAPE, extra)
+    d = AgentProcess("decode", SHAPE, extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        src = list(range(1, 9))
+        for n, hostile in ((1, True), (2, False)):
+            dst = [10 * n + i for i in range(8)]
+            d.expect(expect(f"d-push{n}", f"push{n}", p, dst))
+            plan = send(f"p-push{n}", f"push{n}", src)
+            p.prepare(plan)
+            time.sleep(1.0)  # D registered (its word taken) and confirmed
+            if hostile:
+                words = d.board_words()
+                assert len(words) == 1, words
+                subprocess.run([sys.executable, "-c", _STRANGER, str(d.proc.pid), str(words[0])],
+                               check=True, timeout=30)
+                time.sleep(0.3)  # D's follower looks (at most 50 ms asleep) before P writes
+            p.ready(plan)
+            rd = d.drain({f"d-push{n}"})
+            assert rd["results"]["failed_recving"] == ({f"d-push{n}"} if hostile else set())
+            if not hostile:
+                np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+        assert "digest mismatch in 8 of 8 chunks" in (d.outcome("push1") or "")
+        stats = d.drain(set())["stats"]
+        assert stats["checksum_mismatch"] == 1 and stats["push_digested_behind"] == 2, stats
+        assert d.board_words() == []  # both words given back
+        assert p.drain({"p-push1", "p-push2"})["pending"] == 0
     finally:
         p.close()
         d.close()

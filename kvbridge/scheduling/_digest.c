@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 #include <linux/futex.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -42,7 +43,8 @@ typedef struct {
  * so each walks its own rows in order and the two never take the same chunk. */
 typedef struct {
     kvb_share sh;
-    _Atomic uint64_t taken;
+    _Atomic uint64_t own_taken;
+    _Atomic uint64_t *taken; /* &own_taken, or a counter shared with another call's job */
     xxh3 f;
     /* n rows, the stream in order: (address, length), or with `copy` (dst, src, length), the
      * stream being the destination's */
@@ -132,7 +134,7 @@ static void skip(const job *j, uint64_t *row, uint64_t *off, uint64_t len) {
 }
 
 static int take(job *j) {
-    return !(j->stop && *j->stop) && atomic_fetch_add(&j->taken, 1) < j->chunks;
+    return !(j->stop && *j->stop) && atomic_fetch_add(j->taken, 1) < j->chunks;
 }
 
 static void drop(job *j) {
@@ -153,27 +155,33 @@ static int front(job *j) {
     return 1;
 }
 
-/* The helper's share: the last chunk, the one before, ... while any is left. */
+/* The last chunk, the one before, ... while any is left to take: the chunks hashed, or -1 when
+ * out of memory. */
+static int64_t from_back(job *j) {
+    void *st = j->f.create();
+    if (st == NULL) return -1;
+    /* (row, off): the end of the stream, then the start of each chunk taken */
+    uint64_t row = j->n, off = 0, c = j->chunks;
+    while (take(j)) {
+        c--;
+        uint64_t len = chunk_len(j, c);
+        for (uint64_t left = len; left;) {  /* back by len bytes */
+            if (off == 0) { row--; off = row_len(j, row); continue; }
+            uint64_t step = off < left ? off : left;
+            off -= step;
+            left -= step;
+        }
+        digest_chunk(j, st, row, off, len, c);
+    }
+    j->f.release(st);
+    return (int64_t)(j->chunks - c);
+}
+
+/* The helper's share (from_back). */
 static void *back(void *arg) {
     job *j = arg;
     if (kvb_share_enter(&j->sh)) {
-        void *st = j->f.create();
-        if (st != NULL) {
-            /* (row, off): the end of the stream, then the start of each chunk taken */
-            uint64_t row = j->n, off = 0, c = j->chunks;
-            while (take(j)) {
-                c--;
-                uint64_t len = chunk_len(j, c);
-                for (uint64_t left = len; left;) {  /* back by len bytes */
-                    if (off == 0) { row--; off = row_len(j, row); continue; }
-                    uint64_t step = off < left ? off : left;
-                    off -= step;
-                    left -= step;
-                }
-                digest_chunk(j, st, row, off, len, c);
-            }
-            j->f.release(st);
-        }
+        from_back(j);
         kvb_share_leave(&j->sh);
     }
     drop(j);
@@ -207,14 +215,17 @@ static int wait_for(job *j, uint64_t want, long max_ns, uint64_t *seen) {
     }
 }
 
-/* Each chunk once the progress word says it landed, in order: 1 when every digest was
- * written, 0 when out of memory, -1 when stopped. */
+/* Each chunk from the front, taken (from `taken`: a digest_back call may take them from the
+ * back meanwhile) and hashed once the progress word says it landed: 1 when no chunk is left to
+ * take, 0 when out of memory, -1 when stopped. Its naps are as short as asked (a thread's
+ * default timer slack adds 50 us to each). */
 static int behind(job *j, long max_ns) {
     void *st = j->f.create();
     if (st == NULL) return 0;
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  /* this thread's: it serves this call alone */
     uint64_t row = 0, off = 0, seen = 0;
     int ok = 1;
-    for (uint64_t c = 0; c < j->chunks; c++) {
+    for (uint64_t c = 0; take(j); c++) {
         uint64_t len = chunk_len(j, c);
         if (!wait_for(j, c * j->chunk + len, max_ns, &seen)) {
             ok = -1;
@@ -223,6 +234,7 @@ static int behind(job *j, long max_ns) {
         digest_chunk(j, st, row, off, len, c);
         skip(j, &row, &off, len);
     }
+    if (j->stop && *j->stop) ok = -1;
     j->f.release(st);
     return ok;
 }
@@ -236,7 +248,7 @@ static int run(job *j, int threads) {
     }
     int ok = front(j);
     kvb_share_close(&j->sh);
-    if (ok && atomic_load(&j->taken) >= j->chunks) return 1;
+    if (ok && atomic_load(j->taken) >= j->chunks) return 1;
     /* stopped, or out of memory in the caller: chunks nobody took stay undone */
     return j->stop && *j->stop ? -1 : 0;
 }
@@ -262,7 +274,8 @@ static job *new_job(const unsigned long long a[5], unsigned long long rows_addr,
     for (uint64_t i = 0; i < n; i++) j->total += row_len(j, i);
     j->chunks = (j->total + chunk - 1) / chunk;
     j->out = (unsigned char *)(uintptr_t)out_addr;
-    atomic_init(&j->taken, 0);
+    atomic_init(&j->own_taken, 0);
+    j->taken = &j->own_taken;
     kvb_share_init(&j->sh);
     return j;
 }
@@ -353,21 +366,25 @@ static PyObject *copy_digest_ranges(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(chunks);
 }
 
-/* digest_behind(fns, rows, n, chunk, out, progress, stop, max_wait_us) -> digests or None.
+/* digest_behind(fns, rows, n, chunk, out, progress, stop, max_wait_us[, taken]) -> digests or
+ * None.
  * As digest_ranges on one thread with the GIL released, for a stream another process is
  * writing in order: each chunk is hashed once the uint64 at `progress` (8-byte aligned, loaded
  * with acquire) says the stream bytes up to its end landed; between looks it sleeps, from 20 us
  * after the word moved up to max_wait_us while it does not. stop: the address of an int32
  * looked at between waits (0: none). None when stopped: the chunks before are digested. A word
  * that runs ahead of the bytes makes digests of what was there, which then differ from the
- * writer's: never a digest of bytes that were not read. */
+ * writer's: never a digest of bytes that were not read. taken: the address of an 8-byte-aligned
+ * uint64 counting the chunks taken, shared with a digest_back call on the same rows and out
+ * that takes them from the back (0: its own); each chunk is hashed by one of the two. */
 static PyObject *digest_behind(PyObject *self, PyObject *args) {
-    unsigned long long a[5], rows_addr, n, chunk, out_addr, progress, stop_addr, max_us;
+    unsigned long long a[5], rows_addr, n, chunk, out_addr, progress, stop_addr, max_us,
+        taken = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKKKK:digest_behind", &a[0], &a[1], &a[2], &a[3],
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKKKK|K:digest_behind", &a[0], &a[1], &a[2], &a[3],
                           &a[4], &rows_addr, &n, &chunk, &out_addr, &progress, &stop_addr,
-                          &max_us)
-        || !check_args(a, chunk) || !check_word(progress)) {
+                          &max_us, &taken)
+        || !check_args(a, chunk) || !check_word(progress) || !check_word(taken)) {
         return NULL;
     }
     if (!progress || max_us == 0 || max_us > 1000000) {
@@ -377,6 +394,7 @@ static PyObject *digest_behind(PyObject *self, PyObject *args) {
     job *j = new_job(a, rows_addr, n, chunk, out_addr, 0, stop_addr);
     if (j == NULL) return NULL;
     j->progress = (_Atomic uint64_t *)(uintptr_t)progress;
+    if (taken) j->taken = (_Atomic uint64_t *)(uintptr_t)taken;
     uint64_t chunks = j->chunks;
     int ok;
     Py_BEGIN_ALLOW_THREADS
@@ -386,6 +404,34 @@ static PyObject *digest_behind(PyObject *self, PyObject *args) {
     if (ok == 0) return PyErr_NoMemory();
     if (ok < 0) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(chunks);
+}
+
+/* digest_back(fns, rows, n, chunk, out, taken) -> chunks hashed here. The caller's help to a
+ * digest_behind on the same rows and out once every byte landed: it takes chunks from the back
+ * through the shared counter at `taken` (8-byte aligned) until none is left, the GIL released;
+ * the follower's chunks are done once its call returned. */
+static PyObject *digest_back(PyObject *self, PyObject *args) {
+    unsigned long long a[5], rows_addr, n, chunk, out_addr, taken;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKK)KKKKK:digest_back", &a[0], &a[1], &a[2], &a[3], &a[4],
+                          &rows_addr, &n, &chunk, &out_addr, &taken)
+        || !check_args(a, chunk) || !check_word(taken)) {
+        return NULL;
+    }
+    if (!taken) {
+        PyErr_SetString(PyExc_ValueError, "no counter of the chunks taken");
+        return NULL;
+    }
+    job *j = new_job(a, rows_addr, n, chunk, out_addr, 0, 0);
+    if (j == NULL) return NULL;
+    j->taken = (_Atomic uint64_t *)(uintptr_t)taken;
+    int64_t done;
+    Py_BEGIN_ALLOW_THREADS
+    done = from_back(j);
+    Py_END_ALLOW_THREADS
+    drop(j);
+    if (done < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(done);
 }
 
 /* wake(progress) -> None: wake a digest_behind sleeping on the word at `progress` (after
@@ -416,6 +462,9 @@ static PyMethodDef methods[] = {
      "digest_behind(fns, rows_addr, n, chunk, out_addr, progress_addr, stop_addr, max_wait_us) "
      "-> digests written, or None when stopped; digests each chunk of the stream once the "
      "progress word says it landed"},
+    {"digest_back", digest_back, METH_VARARGS,
+     "digest_back(fns, rows_addr, n, chunk, out_addr, taken_addr) -> chunks hashed; takes the "
+     "chunks of a digest_behind's stream from the back once every byte landed"},
     {"wake", wake, METH_VARARGS, "wake(progress_addr) -> None; wakes a digest_behind waiting on "
      "the word"},
     {NULL, NULL, 0, NULL},

@@ -60,6 +60,7 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -122,12 +123,22 @@ in row order; ``source``: the srcs) in one pass, each piece hashed right after i
 address of an 8-byte-aligned uint64 the copy keeps at the stream bytes copied so far (on one
 thread, in order; 0: none); None when it stopped the copy (part of it may have landed)."""
 
-Behind = Callable[[np.ndarray, int, int, int, int], bytes | None]
-"""``(rows, chunk, progress, stop, max_wait_us) -> digests``: the digests of the stream ``rows``
-(C-contiguous ``(n, 2)`` uint64: address, length) names, each chunk hashed once the uint64 at
-``progress`` says the stream bytes up to its end landed (the GIL let go; between looks it sleeps
-on the word while it is 0, then up to ``max_wait_us``); ``stop``: the address of an int32 (0:
-none); None when stopped. :func:`native_behind` gives it with the function that wakes it."""
+class BehindFns(NamedTuple):
+    """The native calls of a follower (:func:`native_behind`, kvbridge.scheduling.follow).
+
+    ``follow(rows, chunk, out, taken, progress, stop, max_wait_us) -> bool``: digest the stream
+    ``rows`` (C-contiguous ``(n, 2)`` uint64: address, length) names into ``out`` (uint8, 16
+    bytes per chunk), each chunk taken from the front (through the uint64 counter ``taken``) and
+    hashed once the uint64 at ``progress`` says the stream bytes up to its end landed (the GIL
+    let go; between looks it sleeps on the word while it is 0, then up to ``max_wait_us``);
+    ``stop``: the address of an int32 (0: none); False when stopped.
+    ``back(rows, chunk, out, taken) -> int``: once every byte landed, hash the chunks nobody
+    took yet from the back, sharing ``taken`` with ``follow`` (the GIL let go); how many.
+    ``wake(progress)``: wake a ``follow`` asleep on that word."""
+
+    follow: Callable[[np.ndarray, int, np.ndarray, np.ndarray, int, int, int], bool]
+    back: Callable[[np.ndarray, int, np.ndarray, np.ndarray], int]
+    wake: Callable[[int], None]
 
 
 def _xxh3_addresses() -> tuple[int, ...]:
@@ -216,38 +227,48 @@ def _load_copy() -> CopyNative | None:
     return copy_digest
 
 
-def _load_behind() -> tuple[Behind, Callable[[int], None]] | None:
-    """The native digests behind a copy and the function that wakes them, or None: as
-    :func:`_load_native`, checked on a test stream whose word already says it all landed."""
+def _load_behind() -> BehindFns | None:
+    """The native calls of a follower, or None: as :func:`_load_native`, checked on a test
+    stream whose word already says it all landed, alone and with ``back`` taking its share."""
     found = _function("digest_behind", "no native digests behind a copy")
     if found is None:
         return None
     fn, addresses = found
-    wake = importlib.import_module(NATIVE).wake
+    module = importlib.import_module(NATIVE)
+    back_fn = module.digest_back
 
-    def behind(rows: np.ndarray, size: int, progress: int, stop: int,
-               max_wait_us: int) -> bytes | None:
-        out = np.empty(DIGEST_BYTES * -(-int(rows[:, 1].sum()) // size), dtype=np.uint8)
-        done = fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, progress,
-                  stop, max_wait_us)
-        return None if done is None else out.tobytes()
+    def follow(rows: np.ndarray, size: int, out: np.ndarray, taken: np.ndarray, progress: int,
+               stop: int, max_wait_us: int) -> bool:
+        return fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data, progress,
+                  stop, max_wait_us, taken.ctypes.data) is not None
+
+    def back(rows: np.ndarray, size: int, out: np.ndarray, taken: np.ndarray) -> int:
+        return int(back_fn(addresses, rows.ctypes.data, rows.shape[0], size, out.ctypes.data,
+                           taken.ctypes.data))
 
     data, ranges = _probe()
     rows = np.array([(data.ctypes.data + a, n) for a, n in ranges], dtype=np.uint64)
+    want = compute_python(rows.astype(np.int64), 64 << 10)
     word = np.array([data.nbytes], dtype=np.uint64)
-    if behind(rows, 64 << 10, word.ctypes.data, 0, 1000) != compute_python(
-            rows.astype(np.int64), 64 << 10):
+    size, chunks = 64 << 10, len(want) // DIGEST_BYTES
+    alone = np.zeros(len(want), dtype=np.uint8)  # the follower takes every chunk
+    ok = follow(rows, size, alone, np.zeros(1, dtype=np.uint64), word.ctypes.data, 0, 1000)
+    last = np.zeros(len(want), dtype=np.uint8)  # the back takes them all, then none is left
+    taken = np.zeros(1, dtype=np.uint64)
+    ok = ok and back(rows, size, last, taken) == chunks and follow(
+        rows, size, last, taken, word.ctypes.data, 0, 1000) and back(rows, size, last, taken) == 0
+    if not ok or alone.tobytes() != want or last.tobytes() != want:
         log.warning("no native digests behind a copy: they differ from xxhash's on a test "
                     "stream")
         return None
-    return behind, wake
+    return BehindFns(follow, back, module.wake)
 
 
 @functools.cache
-def native_behind() -> tuple[Behind, Callable[[int], None]] | None:
-    """The native digests behind another process's copy (``_digest.c``'s ``digest_behind``)
-    and ``wake(progress)``, which wakes one sleeping on that word; loaded and checked once;
-    None without them (kvbridge.scheduling.follow)."""
+def native_behind() -> BehindFns | None:
+    """The native calls of a follower behind another process's copy (``_digest.c``'s
+    ``digest_behind``, ``digest_back`` and ``wake``), loaded and checked once; None without
+    them (kvbridge.scheduling.follow)."""
     return _load_behind()
 
 

@@ -16,8 +16,10 @@ mapped), P can say how far it got, and D hashes behind it on its own core:
   hashes each chunk once the word passes its end, while P copies the next ones.
 * At P's ``PushResult`` (every WRITE stopped), D sets the word to the end itself and takes the
   digests from the follower (:meth:`Follower.finish`): what is left to hash is what the follower
-  had not caught up with; where P never moved the word (another transport, ranges moved by
-  cross-memory attach, an older P), nothing was hashed and D hashes it all as before.
+  had not caught up with, and the loop's thread hashes it from the stream's back while the
+  follower goes on from the front (a shared count of the chunks taken). Where P never moved
+  the word (another transport, ranges moved by cross-memory attach, an older P), nothing was
+  hashed and D hashes it all as before.
 
 Trust: the word says only *when* to read. A word that runs ahead of the bytes (a P that lies, a
 bug, anything else that writes D's memory) makes D hash what was there before, whose digest then
@@ -111,19 +113,23 @@ class Follower:
 
     def __init__(self, stream: DescriptorArray, word: int, max_wait_us: int = MAX_WAIT_US
                  ) -> None:
-        found = digests.native_behind()
-        if found is None:
+        fns = digests.native_behind()
+        if fns is None:
             raise RuntimeError("kvbridge was built without its native digests")
-        behind, self._wake = found
-        rows = np.ascontiguousarray(stream[:, :2], dtype=np.uint64)
-        self.total = int(rows[:, 1].sum())
+        self._fns = fns
+        self._rows = np.ascontiguousarray(stream[:, :2], dtype=np.uint64)
+        self.total = int(self._rows[:, 1].sum())
+        self._size = digests.chunk_size(self.total)
+        self._out = np.zeros(digests.DIGEST_BYTES * -(-self.total // self._size), dtype=np.uint8)
+        self._taken = np.zeros(1, dtype=np.uint64)  # chunks taken, by the follower or the back
         self._word = ctypes.c_uint64.from_address(word)
         self._stop = ctypes.c_int32(0)
-        self._digests: bytes | None = None
-        size = digests.chunk_size(self.total)
+        self._done = False
+        args = (self._rows, self._size, self._out, self._taken, word,
+                ctypes.addressof(self._stop), max_wait_us)
 
         def run() -> None:
-            self._digests = behind(rows, size, word, ctypes.addressof(self._stop), max_wait_us)
+            self._done = fns.follow(*args)
 
         self._thread = threading.Thread(target=run, name="kvbridge-follow", daemon=True)
         self._thread.start()
@@ -134,20 +140,22 @@ class Follower:
         return self._word.value != 0
 
     def finish(self) -> bytes | None:
-        """Every byte landed (the writer stopped): the stream's digests, hashing what the
-        follower had not; None where the writer never moved the word (nothing was hashed: the
-        caller hashes the stream itself, on more threads). Blocks until the follower is done."""
+        """Every byte landed (the writer stopped): the stream's digests. What the follower had
+        not taken yet is hashed here too, from the stream's back, while it goes on from the
+        front. None where the writer never moved the word (nothing was hashed: the caller
+        hashes the stream itself, on more threads). Blocks until both are done."""
         if not self.moved:
             self.stop()
             return None
         self._word.value = self.total
-        self._wake(ctypes.addressof(self._word))
+        self._fns.wake(ctypes.addressof(self._word))
+        self._fns.back(self._rows, self._size, self._out, self._taken)
         self._thread.join()
-        return self._digests
+        return self._out.tobytes() if self._done else None
 
     def stop(self) -> None:
         """Stop following (idempotent); blocks until the follower's thread ended (at most one
         chunk's hash)."""
         self._stop.value = 1
-        self._wake(ctypes.addressof(self._word))
+        self._fns.wake(ctypes.addressof(self._word))
         self._thread.join()

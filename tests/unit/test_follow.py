@@ -137,17 +137,17 @@ def test_a_landing_copy_keeps_the_word_only_when_its_moves_are_the_stream_in_ord
 
 
 def test_the_native_calls_refuse_a_misaligned_word() -> None:
-    found = digests.native_behind()
-    assert found is not None
-    behind, wake = found
+    fns = digests.native_behind()
+    assert fns is not None
     rows = np.zeros((1, 2), dtype=np.uint64)
-    buf = np.zeros(4, dtype=np.uint64)
+    buf, out = np.zeros(4, dtype=np.uint64), np.zeros(16, dtype=np.uint8)
+    taken = np.zeros(1, dtype=np.uint64)
     with pytest.raises(ValueError, match="8-byte aligned"):
-        wake(buf.ctypes.data + 4)
+        fns.wake(buf.ctypes.data + 4)
     with pytest.raises(ValueError, match="8-byte aligned"):
-        behind(rows, 64, buf.ctypes.data + 4, 0, 100)
+        fns.follow(rows, 64, out, taken, buf.ctypes.data + 4, 0, 100)
     with pytest.raises(ValueError, match="max_wait_us"):
-        behind(rows, 64, buf.ctypes.data, 0, 0)
+        fns.follow(rows, 64, out, taken, buf.ctypes.data, 0, 0)
     moves = np.array([(buf.ctypes.data, buf.ctypes.data + 16, 8)], dtype=np.uint64)
     with pytest.raises(ValueError, match="8-byte aligned"):
         digests.copy_compute(moves, 0, False, buf.ctypes.data + 12)
@@ -170,3 +170,20 @@ def test_many_followers_at_once_each_get_their_own_stream() -> None:
         t.join()
     for _src, _dst, descs, _, follower in jobs:
         assert follower.finish() == digests.compute(descs)
+
+
+@pytest.mark.parametrize("landed_first", [1, 40 * CHUNK_BYTES])
+def test_finish_hashes_what_the_follower_had_not_taken_from_the_back(landed_first: int) -> None:
+    """At the result, the loop's thread takes the chunks nobody took yet from the stream's back
+    while the follower goes on from the front (one shared count): each chunk hashed once, the
+    digests the stream's, whether the follower had barely started or was half way."""
+    src, dst, descs = _stream(80 * CHUNK_BYTES + 17, 6)
+    dst[:] = src  # every byte is there; the word says otherwise until finish
+    board = follow.Board(slots=1)
+    word = board.take()
+    assert word is not None
+    follower = follow.Follower(descs, word)
+    ctypes.c_uint64.from_address(word).value = landed_first
+    time.sleep(0.01)
+    assert follower.finish() == digests.compute(descs)
+    assert int(follower._taken[0]) >= 81  # every chunk taken once (later takes find none)

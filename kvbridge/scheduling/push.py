@@ -86,8 +86,7 @@ class PushSource:
     def __init__(self, core: LoopContext) -> None:
         self.core = core
         self.outs: LookupBuffer[str, Out] = push_table(clock=core.timers.clock)
-        self.limits = RegistrationLimits(core.config.max_pending_per_peer,
-                                         core.config.max_pending)
+        self.limits = RegistrationLimits(core.config.max_pending_per_peer, core.config.max_pending)
         self._announced: dict[str, None] = {}  # bounded, oldest first
 
     def __len__(self) -> int:
@@ -406,9 +405,8 @@ class PushSource:
         if self.core.config.checksum or t.peer.info.checksum:
             t.stream = self._side(out, t)
         try:
-            t.prepared = prepare_parts(
-                self.core.transport, Op.WRITE, t.peer.name,
-                mapping.parts(self._subs(out, t, list(range(len(self.core.layout.planes))))))
+            t.prepared = prepare_parts(self.core.transport, Op.WRITE, t.peer.name, mapping.parts(
+                self._subs(out, t, list(range(len(self.core.layout.planes))))))
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
         if t.prepared is not None and t.stream is not None and t.prepared.takes_landing():
@@ -424,6 +422,8 @@ class PushSource:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
         prep: PreparedRequest | None = None
+        if not t.posted:  # not built ahead: now, so its copy digests (and keeps D's word)
+            self._prepare(out, t)
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:

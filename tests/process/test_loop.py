@@ -906,6 +906,7 @@ def test_write_posted_is_stamped_before_the_post(local_pd: PD,
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(push, "submit_parts", slow_post)
+    monkeypatch.setattr(push, "prepare_parts", lambda *args, **kwargs: None)  # builds nothing
     p, d = local_pd
     d.expect(expect("d", "tw", p, [3]))
     time.sleep(0.2)

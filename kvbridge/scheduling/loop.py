@@ -558,6 +558,7 @@ class TransferLoop(PeerEvents):
             self.results.fail(spec.req_id, spec.local_ids, why,
                               safe=all(job.handle is None for job in parts),
                               transfer_id=spec.transfer_id)
+        self.push_sink.close()
         for waits in list(self.push_sink.jobs.values()):
             expected = waits[0].spec
             self.results.fail(expected.req_id, expected.local_ids, why, safe=False,

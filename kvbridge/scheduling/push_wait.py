@@ -198,6 +198,12 @@ class PushSink(Receiver[_In]):
         w.confirmed_after = core.heartbeats.sent
         return Ack()
 
+    def close(self) -> None:
+        """The loop stops: every follower thread ends (the parts' words stay taken)."""
+        for w in self.parts():
+            if w.follower is not None:
+                w.follower.stop()
+
     def _stalled_part(self, part: _In, why: str) -> None:
         self._give_up(part, why)
 

@@ -10,6 +10,7 @@ every clean one passes with the bytes equal, and P holds nothing at the end.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -107,18 +108,28 @@ def test_a_byte_flipped_in_transit_is_caught_on_every_transport(
         d.close()
 
 
-def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
-    """shm with every range mapped: D digests its READ in the pass that copies it (no fault
-    wrapper, so the transport copies with the pull's copy). P's KV changes after P digested it
-    when staged, so what lands is not what P digested: the receive fails naming the chunks;
-    the next pull, of unchanged KV, passes with the bytes equal. Both were digested as they
-    landed (``pull_digested_landing``)."""
+@contextlib.contextmanager
+def _mapped_pair() -> Iterator[tuple[AgentProcess, AgentProcess]]:
+    """P and D over shm with every range mapped (no fault wrapper), their KV filled apart."""
     extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
     p = AgentProcess("prefill", SHAPE, extra)
     d = AgentProcess("decode", SHAPE, extra)
     try:
         p.fill(1)
         d.fill(2)
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
+    """shm with every range mapped: D digests its READ in the pass that copies it (no fault
+    wrapper, so the transport copies with the pull's copy). P's KV changes after P digested it
+    when staged, so what lands is not what P digested: the receive fails naming the chunks;
+    the next pull, of unchanged KV, passes with the bytes equal. Both were digested as they
+    landed (``pull_digested_landing``)."""
+    with _mapped_pair() as (p, d):
         src = list(range(1, 9))
         for n, ok in ((1, False), (2, True)):
             p.stage(send(f"p-pull{n}", f"pull{n}", src))
@@ -130,9 +141,6 @@ def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
         assert stats["checksum_mismatch"] == 1 and stats["pull_digested_landing"] == 2, stats
         assert "digest mismatch in 8 of 8 chunks" in (d.outcome("pull1") or "")
         assert p.drain(set())["pending"] == 0  # released at each DONE, before its answer
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
@@ -141,12 +149,7 @@ def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
     the copy (``push_digested_behind``; kvbridge.scheduling.follow), whether P built the WRITE
     ahead (while the forward runs) or when it posts it. Every push lands equal, no digest
     differs, and P holds nothing at the end."""
-    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
-    p = AgentProcess("prefill", SHAPE, extra)
-    d = AgentProcess("decode", SHAPE, extra)
-    try:
-        p.fill(1)
-        d.fill(2)
+    with _mapped_pair() as (p, d):
         src = list(range(1, 9))
         for n in (1, 2, 3):
             dst = [10 * n + i for i in range(8)]
@@ -162,9 +165,6 @@ def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
         stats = d.drain(set())["stats"]
         assert stats["push_digested_behind"] == 3 and not stats.get("checksum_mismatch"), stats
         assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
-    finally:
-        p.close()
-        d.close()
 
 
 _STRANGER = r"""
@@ -189,12 +189,7 @@ def test_a_stranger_that_moves_ds_word_fails_the_push_and_never_passes_it_unchec
     P's WRITE. D's follower hashes the blocks as they were; the digests differ from P's; the
     receive fails naming every chunk (``checksum_mismatch``), so no KV is used unchecked. The
     next push, left alone, lands equal."""
-    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
-    p = AgentProcess("prefill", SHAPE, extra)
-    d = AgentProcess("decode", SHAPE, extra)
-    try:
-        p.fill(1)
-        d.fill(2)
+    with _mapped_pair() as (p, d):
         src = list(range(1, 9))
         for n, hostile in ((1, True), (2, False)):
             dst = [10 * n + i for i in range(8)]
@@ -218,6 +213,3 @@ def test_a_stranger_that_moves_ds_word_fails_the_push_and_never_passes_it_unchec
         assert stats["checksum_mismatch"] == 1 and stats["push_digested_behind"] == 2, stats
         assert d.board_words() == []  # both words given back
         assert p.drain({"p-push1", "p-push2"})["pending"] == 0
-    finally:
-        p.close()
-        d.close()

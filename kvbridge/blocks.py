@@ -316,10 +316,6 @@ class BlockTransport(Transport):
 
     #: Most prepared pairs kept (least recently used are dropped and prepared again on use).
     max_block_pairs: ClassVar[int] = 1024
-    #: Whether a prepared request may be copied with the caller's ``landing`` copy, which then
-    #: keeps a peer's progress word (:attr:`PreparedRequest.progress`): a peer that follows
-    #: such copies registers its words with this transport (kvbridge.scheduling.follow).
-    copies_landing: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(agent_name, options)

@@ -124,6 +124,10 @@ class Capabilities:
     #: registration (same addresses, same bytes) for same-host peers to map; the vLLM adapter
     #: then asks for it on a CPU engine (``Config.map_kv_cache``)
     map_memory: bool = False
+    #: True when a prepared request may be copied with its caller's ``landing`` copy, which
+    #: then keeps the peer's progress word (``PreparedRequest.progress``); a decode rank on such
+    #: a transport registers a board of those words (kvbridge.scheduling.follow)
+    copies_landing: bool = False
 
 
 class HandleState(enum.Enum):

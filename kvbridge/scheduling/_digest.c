@@ -217,12 +217,13 @@ static int wait_for(job *j, uint64_t want, long max_ns, uint64_t *seen) {
 
 /* Each chunk from the front, taken (from `taken`: a digest_back call may take them from the
  * back meanwhile) and hashed once the progress word says it landed: 1 when no chunk is left to
- * take, 0 when out of memory, -1 when stopped. Its naps are as short as asked (a thread's
- * default timer slack adds 50 us to each). */
+ * take, 0 when out of memory, -1 when stopped. Its naps are as short as asked: the calling
+ * thread's timer slack (50 us by default, added to each) is 1 us during the call. */
 static int behind(job *j, long max_ns) {
     void *st = j->f.create();
     if (st == NULL) return 0;
-    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  /* this thread's: it serves this call alone */
+    int slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     uint64_t row = 0, off = 0, seen = 0;
     int ok = 1;
     for (uint64_t c = 0; take(j); c++) {
@@ -235,6 +236,7 @@ static int behind(job *j, long max_ns) {
         skip(j, &row, &off, len);
     }
     if (j->stop && *j->stop) ok = -1;
+    if (slack > 0) prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
     j->f.release(st);
     return ok;
 }
@@ -336,10 +338,10 @@ static PyObject *digest_ranges(PyObject *self, PyObject *args) {
 }
 
 /* copy_digest_ranges(fns, rows, n, chunk, out, threads, keep_gil, stop[, hash_src[, progress]])
- * -> digests or None. As digest_ranges, for a copy made in the same pass: rows: address of n rows of (dst,
- * src, length) uint64, the stream being the destinations in row order (hash_src: the sources);
- * each piece of at most 64 KiB is copied (memmove) and at once hashed where it landed (or where
- * it was read), still in the cache; stop: address of an int32 checked before each chunk is
+ * -> digests or None. As digest_ranges, for a copy made in the same pass: rows: address of n
+ * rows of (dst, src, length) uint64, the stream being the destinations in row order (hash_src:
+ * the sources); each piece of at most 64 KiB is copied (memmove) and at once hashed where it
+ * landed (or where it was read), still in the cache; stop: address of an int32 checked before each chunk is
  * taken, or 0. None when stopped: the chunks taken before it are copied and digested, the
  * others neither. progress: the address of an 8-byte-aligned uint64 where the stream bytes
  * copied so far are stored (release) after each piece, or 0; with one, the copy runs on the
@@ -387,8 +389,8 @@ static PyObject *digest_behind(PyObject *self, PyObject *args) {
         || !check_args(a, chunk) || !check_word(progress) || !check_word(taken)) {
         return NULL;
     }
-    if (!progress || max_us == 0 || max_us > 1000000) {
-        PyErr_SetString(PyExc_ValueError, "a progress word and 0 < max_wait_us <= 1000000");
+    if (!progress || max_us == 0 || max_us >= 1000000) {  /* a nap is under one second */
+        PyErr_SetString(PyExc_ValueError, "a progress word and 0 < max_wait_us < 1000000");
         return NULL;
     }
     job *j = new_job(a, rows_addr, n, chunk, out_addr, 0, stop_addr);
@@ -455,13 +457,13 @@ static PyMethodDef methods[] = {
      "released once or kept"},
     {"copy_digest_ranges", copy_digest_ranges, METH_VARARGS,
      "copy_digest_ranges(fns, rows_addr, n, chunk, out_addr, threads, keep_gil, stop_addr"
-     "[, hash_src]) -> digests written, or None when stopped; copies (dst, src, length) uint64 "
-     "rows and digests the destination (or source) stream in one pass, each piece hashed right "
-     "after it is copied"},
+     "[, hash_src[, progress_addr]]) -> digests written, or None when stopped; copies (dst, "
+     "src, length) uint64 rows and digests the destination (or source) stream in one pass, each "
+     "piece hashed right after it is copied (and the progress word kept)"},
     {"digest_behind", digest_behind, METH_VARARGS,
-     "digest_behind(fns, rows_addr, n, chunk, out_addr, progress_addr, stop_addr, max_wait_us) "
-     "-> digests written, or None when stopped; digests each chunk of the stream once the "
-     "progress word says it landed"},
+     "digest_behind(fns, rows_addr, n, chunk, out_addr, progress_addr, stop_addr, max_wait_us"
+     "[, taken_addr]) -> digests written, or None when stopped; digests each chunk of the "
+     "stream once the progress word says it landed"},
     {"digest_back", digest_back, METH_VARARGS,
      "digest_back(fns, rows_addr, n, chunk, out_addr, taken_addr) -> chunks hashed; takes the "
      "chunks of a digest_behind's stream from the back once every byte landed"},

@@ -123,6 +123,7 @@ in row order; ``source``: the srcs) in one pass, each piece hashed right after i
 address of an 8-byte-aligned uint64 the copy keeps at the stream bytes copied so far (on one
 thread, in order; 0: none); None when it stopped the copy (part of it may have landed)."""
 
+
 class BehindFns(NamedTuple):
     """The native calls of a follower (:func:`native_behind`, kvbridge.scheduling.follow).
 

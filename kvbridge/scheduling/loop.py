@@ -95,7 +95,7 @@ class TransferLoop(PeerEvents):
         self.transport = transport or registry.create(
             config.backend, identity.agent_name(engine_id, self.generation, rank), options)
         #: the words P's copies keep for this rank's push receives (kvbridge.scheduling.follow)
-        self.board = (follow.Board() if getattr(self.transport, "copies_landing", False)
+        self.board = (follow.Board() if self.transport.capabilities.copies_landing
                       and follow.available() else None)
         metadata = self.transport.register_memory(
             [MemoryRegion(a, n, layout.device) for a, n in layout.regions()]

@@ -395,14 +395,17 @@ class PushSource:
                             t.peer.layout.select(planes), t.shape, t.reg.block_ids,
                             t.reg.skip_blocks, t.share, span)
 
-    def _prepare(self, out: Out, t: Target) -> None:
-        """Build ``t``'s whole-request WRITE ahead (see :meth:`prepare`), where the transport
-        can and the mapping is one sub-transfer; anything else is left to :meth:`_post`."""
+    def _prepare(self, out: Out, t: Target, posting: bool = False) -> None:
+        """Build ``t``'s whole-request WRITE ahead (:meth:`prepare`) where the transport can and
+        the mapping is one sub-transfer; ``posting``: at the post, only where its copy digests."""
         if (out.plan is None or out.plan.layerwise or out.error is not None
                 or t.stage is not Stage.CONFIRMED or t.error is not None or t.posted
                 or t.prepared is not None or not t.reg.block_ids or t.peer is None):
             return
-        if self.core.config.checksum or t.peer.info.checksum:
+        checked = self.core.config.checksum or t.peer.info.checksum
+        if posting and not (checked and self.core.transport.capabilities.copies_landing):
+            return
+        if checked:
             t.stream = self._side(out, t)
         try:
             t.prepared = prepare_parts(self.core.transport, Op.WRITE, t.peer.name, mapping.parts(
@@ -422,8 +425,7 @@ class PushSource:
         core = self.core
         assert out.plan is not None and t.peer is not None and t.shape is not None
         prep: PreparedRequest | None = None
-        if not t.posted:  # not built ahead: now, so its copy digests (and keeps D's word)
-            self._prepare(out, t)
+        self._prepare(out, t, posting=True)  # not built ahead: now, so its copy digests
         for group in out.ready:
             todo = [i for i in group if i not in t.posted]
             if not todo or not t.reg.block_ids:
@@ -486,8 +488,7 @@ class PushSource:
             t.error = t.error or (f"WRITE did not finish within "
                                   f"{self.core.config.transfer_timeout_s} s")
             self.core.count("transfer_timeout", "push", t.peer)
-            log.warning("push %s: %s (waiting for it to stop before answering)", out.tid,
-                        t.error)
+            log.warning("push %s: %s (waiting for it to stop before answering)", out.tid, t.error)
 
     def _unclaimed(self, tid: str) -> None:
         out = self.outs.get(tid)
@@ -518,8 +519,7 @@ class PushSource:
         self._discard(t)
         self.limits.give_back(t.ctx.conn, t.reg.control_address)  # t left out.targets
         self.core.stats["register_refused"] += 1
-        log.warning("push %s: registration by %s refused: %s", out.tid, t.reg.control_address,
-                    why)
+        log.warning("push %s: registration by %s refused: %s", out.tid, t.reg.control_address, why)
         if answer:
             self.core.server.reply(t.ctx, PushResult(transfer_id=out.tid, ok=False, nbytes=0,
                                                      error=why))

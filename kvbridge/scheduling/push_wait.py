@@ -93,8 +93,7 @@ class PushSink(Receiver[_In]):
         w.state = _Wait.REGISTERING
         core, s = self.core, w.spec
         checked = core.config.checksum or result.info.checksum
-        if checked and core.board is not None and w.half and \
-                core.backend_of(result.name) == "shm":  # its copy may keep a word of ours
+        if checked and core.board is not None and w.half:  # P's copy may keep a word of ours
             w.word = core.board.take()
         reg = PushRegister(
             transfer_id=s.transfer_id, generation=result.info.generation,

@@ -146,8 +146,9 @@ def test_the_native_calls_refuse_a_misaligned_word() -> None:
         fns.wake(buf.ctypes.data + 4)
     with pytest.raises(ValueError, match="8-byte aligned"):
         fns.follow(rows, 64, out, taken, buf.ctypes.data + 4, 0, 100)
-    with pytest.raises(ValueError, match="max_wait_us"):
-        fns.follow(rows, 64, out, taken, buf.ctypes.data, 0, 0)
+    for bad in (0, 1_000_000):  # a nap is more than nothing and less than a second
+        with pytest.raises(ValueError, match="max_wait_us"):
+            fns.follow(rows, 64, out, taken, buf.ctypes.data, 0, bad)
     moves = np.array([(buf.ctypes.data, buf.ctypes.data + 16, 8)], dtype=np.uint64)
     with pytest.raises(ValueError, match="8-byte aligned"):
         digests.copy_compute(moves, 0, False, buf.ctypes.data + 12)
@@ -187,3 +188,22 @@ def test_finish_hashes_what_the_follower_had_not_taken_from_the_back(landed_firs
     time.sleep(0.01)
     assert follower.finish() == digests.compute(descs)
     assert int(follower._taken[0]) >= 81  # every chunk taken once (later takes find none)
+
+
+def test_following_leaves_the_callers_timer_slack_as_it_was() -> None:
+    """The follower naps with a 1 us timer slack, and gives the calling thread its own back
+    (the loader runs it once on whichever thread first asks: an engine's)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_get_timerslack = 30
+    before = libc.prctl(pr_get_timerslack, 0, 0, 0, 0)
+    src, dst, descs = _stream(CHUNK_BYTES, 7)
+    dst[:] = src
+    fns = digests.native_behind()
+    assert fns is not None
+    rows = np.ascontiguousarray(descs[:, :2], dtype=np.uint64)
+    out = np.zeros(digests.DIGEST_BYTES, dtype=np.uint8)
+    word = np.array([src.nbytes], dtype=np.uint64)
+    assert fns.follow(rows, CHUNK_BYTES, out, np.zeros(1, dtype=np.uint64), word.ctypes.data, 0,
+                      100)
+    assert out.tobytes() == digests.compute(descs)
+    assert libc.prctl(pr_get_timerslack, 0, 0, 0, 0) == before > 0

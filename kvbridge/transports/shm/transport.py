@@ -113,9 +113,8 @@ class ShmTransport(BlockTransport):
     name = "shm"
     capabilities = Capabilities(
         read=True, write=True, notifications=True, device_memory=False, cross_host=False,
-        map_memory=True,
+        map_memory=True, copies_landing=True,
     )
-    copies_landing = True
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(agent_name, options)

@@ -27,7 +27,13 @@ from kvbridge.tools.bench.e2e_report import (
     summarize,
     workload_prompts,
 )
-from kvbridge.tools.bench.fleet import CONFIG_NAMES, VLLM_PUSH_P_ENGINE, engine_specs
+from kvbridge.tools.bench.fleet import (
+    CONFIG_NAMES,
+    KVBRIDGE_BACKENDS,
+    VLLM_PUSH_P_ENGINE,
+    engine_specs,
+    fleet_specs,
+)
 from kvbridge.tools.bench.timings import (
     beyond_wire,
     handoff_breakdown,
@@ -296,6 +302,27 @@ def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
     p, d = engine_specs("kvbridge-shm", model, tmp_path, pin=True)
     assert p.pin_cpus and d.pin_cpus and (p.cpus(), d.cpus()) == ({0}, {1})
     assert b.settings_from_args(_args("--pin-engines")).pin_engines
+
+
+def test_every_kvbridge_backend_is_a_configuration_and_nothing_else_is(tmp_path: Path) -> None:
+    """``kvbridge-<backend>`` for each transport the benches know (mooncake too, though not in
+    bench e2e's default set); any other name is refused, naming it."""
+    assert "mooncake" in KVBRIDGE_BACKENDS and "kvbridge-mooncake" not in CONFIG_NAMES
+    for backend in KVBRIDGE_BACKENDS:
+        p, d = engine_specs(f"kvbridge-{backend}", tmp_path / "model", tmp_path)
+        for server, role in ((p, "kv_producer"), (d, "kv_consumer")):
+            assert server.kv_transfer_config is not None
+            assert server.kv_transfer_config["kv_role"] == role
+            assert server.kv_transfer_config["kv_connector_extra_config"] == {"backend": backend}
+        ps, ds = fleet_specs(f"kvbridge-{backend}", tmp_path / "model", tmp_path, prefill=2,
+                             decode=2)
+        assert [s.kv_transfer_config["engine_id"] for s in ps + ds  # type: ignore[index]
+                ] == [f"bench-{backend}-{t}" for t in ("P0", "P1", "D0", "D1")]
+    for bad in ("kvbridge-tcp", "kvbridge", "mooncake", "kvbridge-"):
+        with pytest.raises(ConfigError, match="unknown configuration"):
+            engine_specs(bad, tmp_path / "model", tmp_path)
+        with pytest.raises(ConfigError, match="needs a kvbridge configuration"):
+            fleet_specs(bad, tmp_path / "model", tmp_path, prefill=2, decode=2)
 
 
 def test_bars_line_judges_push_seq_hand_off_minus_wire() -> None:

@@ -19,9 +19,12 @@ from kvbridge.errors import ConfigError
 from kvbridge.host.placement import fleet_cores
 from kvbridge.tools.engines import VllmServer, free_port
 
-__all__ = ["CONFIG_NAMES", "MAX_FLEET", "PIN_HELP", "VLLM_PUSH_D_ENGINE", "VLLM_PUSH_P_ENGINE",
-           "engine_specs", "fleet_specs", "side_channel_port"]
+__all__ = ["CONFIG_NAMES", "KVBRIDGE_BACKENDS", "MAX_FLEET", "PIN_HELP", "VLLM_PUSH_D_ENGINE",
+           "VLLM_PUSH_P_ENGINE", "engine_specs", "fleet_specs", "side_channel_port"]
 
+#: the transports a bench can run kvbridge's engines on (configuration ``kvbridge-<backend>``)
+KVBRIDGE_BACKENDS: tuple[str, ...] = ("shm", "nixl", "mooncake")
+#: what ``kvbridge bench e2e`` compares by default (every ``kvbridge-<backend>`` is accepted)
 CONFIG_NAMES: tuple[str, ...] = ("vllm-nixl-pull", "vllm-nixl-push", "kvbridge-shm",
                                  "kvbridge-nixl")
 BASELINE = "vllm-nixl-pull"
@@ -31,6 +34,12 @@ VLLM_PUSH_D_ENGINE = "decode-engine-001"
 PIN_HELP = ("restrict every process and thread of each engine to its core (P 0, D 1), not only "
             "vLLM's OpenMP threads, so one engine's API server and threads do not run on the "
             "other's core")
+
+
+def _kvbridge_backend(config: str) -> str | None:
+    """The backend of a ``kvbridge-<backend>`` configuration, else None."""
+    kind, _, backend = config.partition("-")
+    return backend if kind == "kvbridge" and backend in KVBRIDGE_BACKENDS else None
 
 
 def _kvbridge_connector(role: str, engine_id: str, backend: str) -> dict[str, Any]:
@@ -63,7 +72,7 @@ def engine_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float 
             d_port = free_port()
         env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p_port)
         env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(d_port)
-    elif config in ("kvbridge-shm", "kvbridge-nixl"):
+    elif _kvbridge_backend(config) is not None:
         backend = config.split("-", 1)[1]
         kv_p = _kvbridge_connector("kv_producer", f"bench-{backend}-P", backend)
         kv_d = _kvbridge_connector("kv_consumer", f"bench-{backend}-D", backend)
@@ -101,7 +110,7 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     if (prefill, decode) == (1, 1):
         p, d = engine_specs(config, model, log_dir, engine_spin_ms, pin)
         return [p], [d]
-    if config not in ("kvbridge-shm", "kvbridge-nixl"):
+    if _kvbridge_backend(config) is None:
         raise ConfigError(f"{config} runs 1P1D only (its stock proxy has one P and one D); "
                           f"{prefill}P{decode}D needs a kvbridge configuration")
     backend = config.split("-", 1)[1]

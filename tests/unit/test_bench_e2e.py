@@ -28,8 +28,8 @@ from kvbridge.tools.bench.e2e_report import (
     workload_prompts,
 )
 from kvbridge.tools.bench.fleet import (
+    BENCH_BACKENDS,
     CONFIG_NAMES,
-    KVBRIDGE_BACKENDS,
     VLLM_PUSH_P_ENGINE,
     engine_specs,
     fleet_specs,
@@ -307,8 +307,8 @@ def test_engine_specs_follow_the_recipes(tmp_path: Path) -> None:
 def test_every_kvbridge_backend_is_a_configuration_and_nothing_else_is(tmp_path: Path) -> None:
     """``kvbridge-<backend>`` for each transport the benches know (mooncake too, though not in
     bench e2e's default set); any other name is refused, naming it."""
-    assert "mooncake" in KVBRIDGE_BACKENDS and "kvbridge-mooncake" not in CONFIG_NAMES
-    for backend in KVBRIDGE_BACKENDS:
+    assert "mooncake" in BENCH_BACKENDS and "kvbridge-mooncake" not in CONFIG_NAMES
+    for backend in BENCH_BACKENDS:
         p, d = engine_specs(f"kvbridge-{backend}", tmp_path / "model", tmp_path)
         for server, role in ((p, "kv_producer"), (d, "kv_consumer")):
             assert server.kv_transfer_config is not None

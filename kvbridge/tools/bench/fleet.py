@@ -19,11 +19,11 @@ from kvbridge.errors import ConfigError
 from kvbridge.host.placement import fleet_cores
 from kvbridge.tools.engines import VllmServer, free_port
 
-__all__ = ["CONFIG_NAMES", "KVBRIDGE_BACKENDS", "MAX_FLEET", "PIN_HELP", "VLLM_PUSH_D_ENGINE",
+__all__ = ["BENCH_BACKENDS", "CONFIG_NAMES", "MAX_FLEET", "PIN_HELP", "VLLM_PUSH_D_ENGINE",
            "VLLM_PUSH_P_ENGINE", "engine_specs", "fleet_specs", "side_channel_port"]
 
 #: the transports a bench can run kvbridge's engines on (configuration ``kvbridge-<backend>``)
-KVBRIDGE_BACKENDS: tuple[str, ...] = ("shm", "nixl", "mooncake")
+BENCH_BACKENDS: tuple[str, ...] = ("shm", "nixl", "mooncake")
 #: what ``kvbridge bench e2e`` compares by default (every ``kvbridge-<backend>`` is accepted)
 CONFIG_NAMES: tuple[str, ...] = ("vllm-nixl-pull", "vllm-nixl-push", "kvbridge-shm",
                                  "kvbridge-nixl")
@@ -39,7 +39,7 @@ PIN_HELP = ("restrict every process and thread of each engine to its core (P 0, 
 def _kvbridge_backend(config: str) -> str | None:
     """The backend of a ``kvbridge-<backend>`` configuration, else None."""
     kind, _, backend = config.partition("-")
-    return backend if kind == "kvbridge" and backend in KVBRIDGE_BACKENDS else None
+    return backend if kind == "kvbridge" and backend in BENCH_BACKENDS else None
 
 
 def _kvbridge_connector(role: str, engine_id: str, backend: str) -> dict[str, Any]:

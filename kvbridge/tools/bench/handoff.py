@@ -61,7 +61,7 @@ from kvbridge.tools.bench.dispatch import (
     kvbridge_prefill_params,
 )
 from kvbridge.tools.bench.e2e_report import BenchSettings, RequestRecord
-from kvbridge.tools.bench.fleet import KVBRIDGE_BACKENDS, PIN_HELP, engine_specs
+from kvbridge.tools.bench.fleet import BENCH_BACKENDS, PIN_HELP, engine_specs
 from kvbridge.tools.bench.handshake import code_path
 from kvbridge.tools.bench.timings import (
     HANDOFF_BAR_MS,
@@ -444,7 +444,7 @@ def run_handoff_bench(settings: HandoffSettings, say: Say) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = HandoffSettings()
-    p.add_argument("--backend", choices=KVBRIDGE_BACKENDS, default=d.backend,
+    p.add_argument("--backend", choices=BENCH_BACKENDS, default=d.backend,
                    help="kvbridge transport of both pairs")
     p.add_argument("--requests", type=int, default=d.requests, help="rounds per mode")
     p.add_argument("--modes", default=",".join(d.modes), help="comma-separated: push, pull")

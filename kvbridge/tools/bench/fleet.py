@@ -72,8 +72,7 @@ def engine_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float 
             d_port = free_port()
         env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p_port)
         env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(d_port)
-    elif _kvbridge_backend(config) is not None:
-        backend = config.split("-", 1)[1]
+    elif (backend := _kvbridge_backend(config)) is not None:
         kv_p = _kvbridge_connector("kv_producer", f"bench-{backend}-P", backend)
         kv_d = _kvbridge_connector("kv_consumer", f"bench-{backend}-D", backend)
         if engine_spin_ms >= 0:
@@ -110,10 +109,10 @@ def fleet_specs(config: str, model: Path, log_dir: Path, engine_spin_ms: float =
     if (prefill, decode) == (1, 1):
         p, d = engine_specs(config, model, log_dir, engine_spin_ms, pin)
         return [p], [d]
-    if _kvbridge_backend(config) is None:
+    backend = _kvbridge_backend(config)
+    if backend is None:
         raise ConfigError(f"{config} runs 1P1D only (its stock proxy has one P and one D); "
                           f"{prefill}P{decode}D needs a kvbridge configuration")
-    backend = config.split("-", 1)[1]
     env = {"VLLM_TARGET_DEVICE": "cpu"}
     if engine_spin_ms >= 0:
         env["KVBRIDGE_ENGINE_SPIN_MS"] = str(engine_spin_ms)

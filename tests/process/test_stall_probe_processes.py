@@ -17,7 +17,7 @@ from kvbridge.tools.priority import autogroup_enabled
 def test_the_probe_bounces_and_stops_cleanly(tmp_path: Path) -> None:
     probe = StallProbe(tmp_path / "probe.json", interval_ms=2.0)
     t0 = time.time()
-    probe.start()
+    assert probe.start()  # returns once the probe bounces (it may take seconds to import)
     pid = probe.proc.pid if probe.proc is not None else -1
     time.sleep(0.5)
     samples = probe.stop()
@@ -29,6 +29,34 @@ def test_the_probe_bounces_and_stops_cleanly(tmp_path: Path) -> None:
     # both processes are gone (the partner exits when its socket closes)
     out = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True)
     assert out.stdout.strip() == ""
+
+
+def test_a_probe_stopped_at_once_after_start_still_reports(tmp_path: Path) -> None:
+    """start() waits for the probe's handler: stopped right away, it writes what it has (the
+    CI once stopped a probe still importing after 0.5 s, which died with nothing written)."""
+    probe = StallProbe(tmp_path / "probe.json", interval_ms=1.0)
+    assert probe.start()
+    assert probe.proc is not None and probe.proc.poll() is None
+    probe.stop()
+    assert (tmp_path / "probe.json").exists()  # written on SIGTERM, not killed
+
+
+@pytest.mark.parametrize("program", ["exit", "hang"])
+def test_a_probe_that_never_says_ready_is_reported_and_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, program: str) -> None:
+    """A probe that dies before it is ready (EOF) or says nothing (the bound) makes start()
+    say False, and stop() ends it and reports nothing."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + ("exit 1\n" if program == "exit" else "exec sleep 30\n"))
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    probe = StallProbe(tmp_path / "probe.json")
+    t0 = time.monotonic()
+    assert probe.start(ready_s=30.0 if program == "exit" else 1.0) is False
+    took = time.monotonic() - t0
+    assert took < 15.0 if program == "exit" else 1.0 <= took < 15.0  # EOF, else the bound
+    assert probe.stop() == []
+    assert probe.proc is None
 
 
 def test_a_probe_killed_before_it_wrote_gives_no_samples(tmp_path: Path) -> None:

@@ -250,7 +250,8 @@ def _run_setup(setup: str, url: str, settings: ServeSettings, model: Path, out: 
 
         seen = set(control_stats(controls[1]).timings) if controls else set()
         probe = StallProbe(out / f"{name}.probe.json")
-        probe.start()
+        if not probe.start():
+            rec.say(f"{setup}: the host stall probe did not start; no stall figures this run")
         try:
             rc = run_bench_process(cmd, out / f"{name}.bench.log", settings.bench_timeout)
         finally:

@@ -11,7 +11,9 @@ the tail to explain.
 
 Contract: :meth:`StallProbe.start` spawns ``python -m kvbridge.tools.bench.stallprobe`` (the
 process forks its partner) in a session of its own at the caller's niceness (its session too,
-:mod:`kvbridge.tools.priority`); :meth:`StallProbe.stop` ends it and returns its samples,
+:mod:`kvbridge.tools.priority`), and blocks until the probe says it bounces (at most
+``ready_s``; a probe stopped before then, still importing, would die of the SIGTERM with nothing
+written); :meth:`StallProbe.stop` ends it and returns its samples,
 ``[wall-clock time the round trip ended, round trip ms]`` (empty when it failed);
 :func:`summarize` gives ``probe_n``, ``probe_p50``/``probe_p99``/``probe_max`` (ms) and
 ``probe_over_5ms`` of those within a time window. At most :data:`MAX_SAMPLES` round trips
@@ -26,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -42,6 +45,7 @@ __all__ = ["StallProbe", "parse", "summarize", "MAX_SAMPLES", "MAX_BYTES"]
 
 MAX_SAMPLES = 200_000
 MAX_BYTES = MAX_SAMPLES * 40  # "[1796572529.6951, 16.0812]," is 28 bytes
+READY = b"stallprobe ready"  # the probe's one line to stdout: its SIGTERM handler is set
 
 
 def parse(data: bytes) -> list[list[float]]:
@@ -83,14 +87,21 @@ class StallProbe:
         self.interval_ms = interval_ms
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, ready_s: float = 30.0) -> bool:
+        """Start the probe; True once it bounces, False if it did not say so within
+        ``ready_s`` (it is left running: :meth:`stop` ends it and reports what it wrote)."""
         self.out.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvbridge.tools.bench.stallprobe", "--out", str(self.out),
              "--interval-ms", str(self.interval_ms)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True)  # fmt: skip
         follow_niceness(self.proc.pid)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], ready_s)
+        line = self.proc.stdout.readline() if ready else b""  # EOF too: it died
+        self.proc.stdout.close()  # nothing more is written there
+        return line.strip() == READY
 
     def stop(self) -> list[list[float]]:
         proc, self.proc = self.proc, None
@@ -122,6 +133,8 @@ def _run(out: Path, interval_s: float) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     rtts: list[tuple[float, float]] = []
+    with contextlib.suppress(OSError):  # the caller waits for this (its end may be closed)
+        os.write(1, READY + b"\n")
     try:
         while not stop and len(rtts) < MAX_SAMPLES:
             time.sleep(interval_s)

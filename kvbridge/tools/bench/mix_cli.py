@@ -85,6 +85,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_arguments", "cli_main", "parse_max_tokens", "proxy_mode"]
 
+#: the transports the mix has been run on (mooncake, in fleet.BENCH_BACKENDS, not yet)
 BACKENDS = ("shm", "nixl")
 P_COUNTER = "vllm:request_success_total"
 

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.tools.bench.fleet import PIN_HELP
+from kvbridge.tools.bench.fleet import BENCH_BACKENDS, PIN_HELP
 from kvbridge.tools.bench.serve_plots import matplotlib_available, write_plots
 from kvbridge.tools.bench.serve_results import (
     RESULTS_FILE,
@@ -81,7 +81,6 @@ from kvbridge.tools.bench.serve_results import (
 )
 from kvbridge.tools.bench.serve_run import run_serve_bench
 from kvbridge.tools.bench.serve_settings import (
-    BACKENDS,
     KVBRIDGE_GROUP,
     SETUP_NAMES,
     ServeSettings,
@@ -113,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output tokens (--ignore-eos)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="base seed of the prompts and arrival times")
-    p.add_argument("--backend", choices=BACKENDS, default=d.backend,
+    p.add_argument("--backend", choices=BENCH_BACKENDS, default=d.backend,
                    help="transport of the kvbridge setups")
     p.add_argument("--warmups", type=int, default=d.warmups,
                    help="unmeasured requests through each setup's endpoint before its runs")

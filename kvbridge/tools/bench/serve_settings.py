@@ -17,17 +17,14 @@ from pathlib import Path
 
 from kvbridge.errors import ConfigError
 from kvbridge.tools.args import parse_names
-from kvbridge.tools.bench.fleet import BENCH_BACKENDS, MAX_FLEET
+from kvbridge.tools.bench.fleet import MAX_FLEET
 
-__all__ = ["BACKENDS", "KVBRIDGE_GROUP", "MAX_RATES", "MODE_SLOT", "SETUP_NAMES", "ServeSettings",
+__all__ = ["KVBRIDGE_GROUP", "MAX_RATES", "MODE_SLOT", "SETUP_NAMES", "ServeSettings",
            "fleet_name", "parse_fleet", "parse_rates", "parse_setups", "rate_name", "run_seed",
            "setup_group", "setup_groups", "setup_mode"]
 
 SETUP_NAMES: tuple[str, ...] = ("kvbridge-pull", "kvbridge-push", "kvbridge-auto",
                                 "kvbridge-headroom", "vllm-nixl-pull", "vllm-nixl-push")
-#: kvbridge backends the setups can run on (those :func:`~kvbridge.tools.bench.fleet.engine_specs`
-#: builds)
-BACKENDS: tuple[str, ...] = BENCH_BACKENDS
 KVBRIDGE_GROUP = "kvbridge"
 MAX_RATES = 100
 MODE_SLOT = {"pull": 0, "push": 1, "auto": 2, "headroom": 3}

@@ -20,8 +20,11 @@ exit).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -127,14 +130,46 @@ def _bool(options: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def import_nixl() -> ModuleType:
-    """Import ``nixl._api`` or raise :class:`BackendUnavailable` naming what to install."""
+    """Import ``nixl._api`` or raise :class:`BackendUnavailable` naming what to install.
+
+    nixl's package picks its wheel by the CUDA version torch was built for. Where torch is
+    installed, not imported, and built without CUDA (``torch/version.py`` says ``cuda = None``),
+    nixl 1.5 finds nothing on disk and imports torch to ask again (about 2 s, and a few hundred
+    MiB, in a process that has no other use for torch: a test peer, a bench agent,
+    ``kvbridge doctor``), to get the same None. There the answer is given without the import
+    (:func:`_torch_without_cuda`); anywhere else nixl detects as it does."""
     try:
+        import nixl_meta_utils  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        nixl_meta_utils = None
+    real = getattr(nixl_meta_utils, "detect_cuda_major", None)
+    try:
+        if real is not None and "nixl" not in sys.modules and _torch_without_cuda():
+            nixl_meta_utils.detect_cuda_major = lambda: None
         from nixl import _api  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:
         raise BackendUnavailable(
             f"the nixl backend needs the nixl package ({exc}); {NIXL_INSTALL_HINT}"
         ) from exc
+    finally:
+        if real is not None:
+            nixl_meta_utils.detect_cuda_major = real
     return _api  # type: ignore[no-any-return,unused-ignore]
+
+
+def _torch_without_cuda() -> bool:
+    """Torch is installed, not imported, and its ``version.py`` says it was built without CUDA
+    (read as a file, without importing torch). False when any of that is not known."""
+    if "torch" in sys.modules:
+        return False
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return False
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except (ImportError, ValueError, OSError):
+        return False
+    return re.search(r"^cuda\s*(:[^=]*)?=\s*None\s*$", text, re.MULTILINE) is not None
 
 
 class _DelayedBindings:

@@ -132,6 +132,56 @@ def test_efa_advice() -> None:
     assert text is not None and "LIBFABRIC" in text and "efa_0" in text
 
 
+# -- importing nixl without torch ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "cpu"), [
+    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n", True),
+    ("cuda = None\n", True),
+    ("cuda: Optional[str] = '12.8'\n", False),
+    ("cuda = '13.0'\n", False),
+    ("git_version = 'x'\n", False),  # says nothing: unknown
+])
+def test_a_torch_without_cuda_is_read_from_its_version_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, cpu: bool) -> None:
+    import importlib.machinery
+
+    from kvbridge_nixl import _agent
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(text)
+    spec = importlib.machinery.ModuleSpec("torch", None, origin=str(tmp_path / "torch" /
+                                                                   "__init__.py"))
+    monkeypatch.setattr(_agent.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert _agent._torch_without_cuda() is cpu
+    monkeypatch.setitem(sys.modules, "torch", object())  # imported already: nixl asks it
+    assert _agent._torch_without_cuda() is False
+    monkeypatch.delitem(sys.modules, "torch")
+    (tmp_path / "torch" / "version.py").unlink()  # no file: unknown
+    assert _agent._torch_without_cuda() is False
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="the nixl package is not installed")
+def test_importing_nixl_picks_nixls_own_wheel_without_importing_torch() -> None:
+    """In a fresh process (a test peer, a bench agent, ``kvbridge doctor``) the backend's
+    import gives the module nixl's own import picks, does not import torch (nixl 1.5 does, on
+    a CPU torch: ~2 s), and leaves nixl's detection as it found it."""
+    ours = ("import sys, nixl_meta_utils; from kvbridge_nixl._agent import import_nixl; "
+            "api = import_nixl(); print(api.nixl_agent.__module__, 'torch' in sys.modules, "
+            "nixl_meta_utils.detect_cuda_major.__name__)")
+    theirs = "import nixl._api as api; print(api.nixl_agent.__module__)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).parents[2] / "backends"), os.environ.get("PYTHONPATH"))
+        if p)}
+    got = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True, env=env).stdout.split()
+           for code in (ours, theirs)]
+    assert got[0] == [got[1][0], "False", "detect_cuda_major"], got
+    assert got[1][0].startswith("nixl_"), got
+
+
 # -- agent creation and backend selection (real nixl) -----------------------------------------
 
 

@@ -20,13 +20,14 @@ exit).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import re
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -54,6 +55,7 @@ _KNOWN = {
     "xfer_mode", "granule", "max_prepped_entries", "efa_check", "ucx_modules",
 }
 _patch_lock = threading.Lock()
+_import_lock = threading.Lock()  # one first import of nixl at a time (import_nixl)
 
 
 @dataclass(frozen=True)
@@ -137,24 +139,36 @@ def import_nixl() -> ModuleType:
     nixl 1.5 finds nothing on disk and imports torch to ask again (about 2 s, and a few hundred
     MiB, in a process that has no other use for torch: a test peer, a bench agent,
     ``kvbridge doctor``), to get the same None. There the answer is given without the import
-    (:func:`_torch_without_cuda`); anywhere else nixl detects as it does."""
+    (:func:`_no_cuda_detected`); anywhere else nixl detects as it does. Thread-safe."""
     try:
-        import nixl_meta_utils  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        nixl_meta_utils = None
-    real = getattr(nixl_meta_utils, "detect_cuda_major", None)
-    try:
-        if real is not None and "nixl" not in sys.modules and _torch_without_cuda():
-            nixl_meta_utils.detect_cuda_major = lambda: None
-        from nixl import _api  # type: ignore[import-not-found,unused-ignore]
+        with _import_lock, _no_cuda_detected():
+            from nixl import _api  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:
         raise BackendUnavailable(
             f"the nixl backend needs the nixl package ({exc}); {NIXL_INSTALL_HINT}"
         ) from exc
-    finally:
-        if real is not None:
-            nixl_meta_utils.detect_cuda_major = real
     return _api  # type: ignore[no-any-return,unused-ignore]
+
+
+@contextlib.contextmanager
+def _no_cuda_detected() -> Iterator[None]:
+    """While nixl is first imported on a host whose torch has no CUDA (:func:`_torch_without_cuda`),
+    nixl's CUDA detection answers None at once; what it replaced is put back after (the caller
+    holds ``_import_lock``)."""
+    try:
+        import nixl_meta_utils  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        yield
+        return
+    real = getattr(nixl_meta_utils, "detect_cuda_major", None)
+    if real is None or "nixl" in sys.modules or not _torch_without_cuda():
+        yield
+        return
+    nixl_meta_utils.detect_cuda_major = lambda: None
+    try:
+        yield
+    finally:
+        nixl_meta_utils.detect_cuda_major = real
 
 
 def _torch_without_cuda() -> bool:

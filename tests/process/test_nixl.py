@@ -167,9 +167,13 @@ def test_a_torch_without_cuda_is_read_from_its_version_file(
 def test_importing_nixl_picks_nixls_own_wheel_without_importing_torch() -> None:
     """In a fresh process (a test peer, a bench agent, ``kvbridge doctor``) the backend's
     import gives the module nixl's own import picks, does not import torch (nixl 1.5 does, on
-    a CPU torch: ~2 s), and leaves nixl's detection as it found it."""
-    ours = ("import sys, nixl_meta_utils; from kvbridge_nixl._agent import import_nixl; "
-            "api = import_nixl(); print(api.nixl_agent.__module__, 'torch' in sys.modules, "
+    a CPU torch: ~2 s), and leaves nixl's detection as it found it, four threads importing at
+    once included."""
+    ours = ("import sys, nixl_meta_utils; from concurrent.futures import ThreadPoolExecutor; "
+            "from kvbridge_nixl._agent import import_nixl; "
+            "apis = list(ThreadPoolExecutor(4).map(lambda _: import_nixl(), range(4))); "
+            "assert all(a is apis[0] for a in apis); api = apis[0]; "
+            "print(api.nixl_agent.__module__, 'torch' in sys.modules, "
             "nixl_meta_utils.detect_cuda_major.__name__)")
     theirs = "import nixl._api as api; print(api.nixl_agent.__module__)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

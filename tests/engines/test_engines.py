@@ -237,3 +237,8 @@ def test_real_vllm_engine_greedy(tmp_path: Path) -> None:
     finally:
         s.stop()
     assert s.pid is not None and _gone(s.pid)
+    # this tier runs the worker inside the engine core (tests/engines/conftest.py): no worker
+    # process of its own was started (the CPU default, mp, names one "VllmWorker-0")
+    log = (tmp_path / "vllm.log").read_text(errors="replace")
+    assert "Starting to load model" in log
+    assert "VllmWorker-" not in log

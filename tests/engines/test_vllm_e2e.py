@@ -32,7 +32,7 @@ from kvbridge.scheduling import follow
 from kvbridge.testing.clients import engine_client
 from kvbridge.tools.client import complete, output_token_ids, probe
 from kvbridge.tools.cpumeter import group_cpu
-from kvbridge.tools.engines import EngineError, VllmServer, start_servers
+from kvbridge.tools.engines import WORKER_PROCESS_ENV, EngineError, VllmServer, start_servers
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.tiny_model import build_tiny_model, random_prompts
 from kvbridge.transports.shm import rangecopy as _rangecopy
@@ -105,7 +105,9 @@ def cluster(request: pytest.FixtureRequest,
                     f"{status[backend].detail if backend in status else 'not installed'}")
     model = build_tiny_model()
     logs = tmp_path_factory.mktemp(f"logs-{backend}")
-    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2"}
+    # the CPU default, a worker process of its own (the rest of the tier runs it in the
+    # engine core: tests/engines/conftest.py)
+    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2", **WORKER_PROCESS_ENV}
     args = ["--block-size", "32"]
     p = VllmServer(model, name="prefill",
                    kv_transfer_config=_connector("kv_producer", "e2e-P", backend), cpu_bind="0",
@@ -134,6 +136,14 @@ def _via(url: str, prompt: list[int]) -> list[int]:
     out = output_token_ids(complete(url, prompt, MAX_TOKENS, extra=_GREEDY, timeout=180))
     assert out is not None
     return out
+
+
+def test_the_pairs_run_the_cpu_default_a_worker_process_each(cluster: Cluster) -> None:
+    """The rest of the tier runs vLLM's worker inside the engine core (conftest.py): these pairs
+    keep the CPU platform's default, so the connector's halves are tested in two processes."""
+    for engine in (cluster.p, cluster.d):
+        assert engine.log_path is not None
+        assert "(VllmWorker-0 pid=" in engine.log_path.read_text(errors="replace")
 
 
 # headroom, not auto: every request must hand off (the planner may choose D alone)

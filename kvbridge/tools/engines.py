@@ -78,7 +78,8 @@ WORKER_IN_CORE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 what vLLM runs on one GPU) instead of in a process of its own (the CPU platform's default, the
 ``mp`` executor). An engine then starts one Python process fewer: about 27 s instead of 40 s for
 the tiny model on the 2-core CI host. ``tests/engines`` runs most engines this way; the demo and
-the benches keep the CPU default (vLLM pins OpenMP threads only there)."""
+the benches keep the CPU default. vLLM pins threads to ``cpu_bind`` only in a worker process of
+their own: inside the engine core every thread may run on any core."""
 
 WORKER_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 """Environment for the CPU platform's default: the worker in a process of its own (``mp``)."""

@@ -6,9 +6,15 @@ single GPU, and an engine starts one Python process fewer (27 s instead of 40 s 
 what most of this tier runs: the scheduler's and the worker's halves of the connector then share
 a process, as they do on one GPU.
 
-The CPU default stays covered: ``test_vllm_e2e.py``'s pairs (every backend, every mode) ask for
-a worker process (:data:`kvbridge.tools.engines.WORKER_PROCESS_ENV`), so each half of the
-connector is also tested in a process of its own.
+vLLM pins a worker process to its ``VLLM_CPU_OMP_THREADS_BIND`` cores; inside the engine core
+it pins nothing (``cpu_bind`` then has no effect on where threads run). Tests that need the
+engines on cores of their own ask for the CPU default with
+:data:`kvbridge.tools.engines.WORKER_PROCESS_ENV`:
+
+- ``test_vllm_e2e.py``'s pairs (every backend, every mode), so each half of the connector is
+  also tested in a process of its own;
+- ``test_vllm_recorder.py``, whose phase sums were calibrated on pinned engines (with roaming
+  engine threads the client's and the proxy's stalls grew: one CI run missed the 25 ms p99).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from kvbridge.testing.otlp import Receiver
 from kvbridge.tools import prom
 from kvbridge.tools.bench.dispatch import control_addresses, control_stats
 from kvbridge.tools.client import complete, output_token_ids, stream_complete
-from kvbridge.tools.engines import VllmServer, free_port, start_servers
+from kvbridge.tools.engines import WORKER_PROCESS_ENV, VllmServer, free_port, start_servers
 from kvbridge.tools.fleetctl import AdminClient
 from kvbridge.tools.proxies import ProxyThread
 from kvbridge.tools.report import percentile
@@ -86,7 +86,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory,
           receiver: Receiver) -> Iterator[tuple[ProxyThread, str]]:
     logs = tmp_path_factory.mktemp("recorder")
     model = str(build_tiny_model())
-    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2", **OTLP_ENV}
+    # the CPU default, a worker process of its own, pinned to its cpu_bind core: these timings
+    # were calibrated on it. With the worker inside the engine core vLLM pins nothing, both
+    # engines' threads roam both cores, and one CI run saw a 32 ms tail against the 25 ms
+    # bound (tests/engines/conftest.py)
+    env = {"VLLM_TARGET_DEVICE": "cpu", "KVBRIDGE_ENGINE_SPIN_MS": "2", **OTLP_ENV,
+           **WORKER_PROCESS_ENV}
     traced = ["--block-size", "32", "--otlp-traces-endpoint", receiver.endpoint]
     p = VllmServer(model, name="prefill", port=free_port(),
                    kv_transfer_config=_kv("kv_producer", "rec-P", free_port(), False),

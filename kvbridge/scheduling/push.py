@@ -52,7 +52,6 @@ import time
 from kvbridge.blocks import PreparedRequest, prepare_parts, submit_parts
 from kvbridge.control import RequestContext
 from kvbridge.errors import KVBridgeError, LayoutError, LayoutMismatch
-from kvbridge.layout import DescriptorArray
 from kvbridge.lookup import BufferFull, LookupBuffer
 from kvbridge.messages import (
     Ack,
@@ -65,11 +64,10 @@ from kvbridge.messages import (
     PushResult,
 )
 from kvbridge.params import MAX_TP
-from kvbridge.scheduling import digests, mapping
+from kvbridge.scheduling import digests, mapping, push_map
 from kvbridge.scheduling.context import LoopContext
 from kvbridge.scheduling.fences import Fence
 from kvbridge.scheduling.peers import ANY_GENERATION, Peer
-from kvbridge.scheduling.planner import sources_for
 from kvbridge.scheduling.push_limits import RegistrationLimits
 from kvbridge.scheduling.push_state import Out, Stage, Target, push_table
 from kvbridge.scheduling.specs import SendPlan
@@ -134,7 +132,7 @@ class PushSource:
         if out.plan is None:
             out.plan = plan
             for t in list(out.targets):
-                problem = self._mismatch(out, t)
+                problem = push_map.mismatch(self.core, out, t)
                 if problem is not None:
                     self._refuse(out, t, problem)
         return out
@@ -217,7 +215,7 @@ class PushSource:
                                                                      cfg.prefill_wait_s)
         core.timers.set(("register", tid), wait, lambda: self._never_ready(tid))
         core.stats["push_registrations"] += 1
-        problem = self._mismatch(out, t)
+        problem = push_map.mismatch(self.core, out, t)
         if problem is not None:
             self._refuse(out, t, problem, answer=False)
             return Ack(ok=False, kind=ErrorKind.MISMATCH, error=problem)
@@ -256,40 +254,6 @@ class PushSource:
     def _live(self, out: Out, t: Target) -> bool:
         return self.outs.get(out.tid) is out and t in out.targets
 
-    def _mismatch(self, out: Out, t: Target) -> str | None:
-        plan, reg = out.plan, t.reg
-        if plan is None:
-            return None
-        if reg.num_tokens != plan.num_tokens:
-            return f"prefill computed {plan.num_tokens} tokens, decode expects {reg.num_tokens}"
-        if reg.prompt_digest != plan.prompt_digest:
-            return "decode's prompt differs from the prompt prefilled here"
-        if self.core.layout.groups:  # a hybrid model: P's blocks pair with D's per group
-            try:
-                self._src(out, t)
-            except KVBridgeError as exc:
-                return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
-                        f"prompt has {len(plan.block_ids)} here ({exc})")
-            return None
-        blocks = (len(plan.block_ids) if t.shape is None
-                  else -(-plan.num_tokens // t.shape.block_size))
-        if t.shape is not None or self.core.heads is None:
-            if reg.skip_blocks + len(reg.block_ids) != blocks:
-                return (f"decode wants {len(reg.block_ids)} blocks after {reg.skip_blocks}, the "
-                        f"prompt has {blocks}")
-        return None
-
-    def _src(self, out: Out, t: Target) -> tuple[tuple[int, ...], int]:
-        """P's blocks that pair with the ones ``t`` registered, and the prompt block they
-        start at: per KV-cache group for a hybrid model (equal shapes only), else from the
-        first of D's missing tokens (in this rank's block size)."""
-        assert out.plan is not None
-        if self.core.layout.groups:
-            return (sources_for(out.plan.block_ids, t.reg.block_ids, t.reg.skip_blocks,
-                                len(self.core.layout.groups)), t.reg.skip_blocks)
-        _, first = self._span(out, t)
-        return out.plan.block_ids[first:], first
-
     def _dialled(self, out: Out, t: Target, result: Peer | KVBridgeError) -> None:
         if not self._live(out, t) or t.stage is not Stage.CONFIRMING:
             return
@@ -307,7 +271,7 @@ class PushSource:
         except (LayoutError, LayoutMismatch) as exc:
             self._refuse(out, t, f"cannot write decode rank {result.info.rank}: {exc}")
             return
-        problem = self._mismatch(out, t)
+        problem = push_map.mismatch(self.core, out, t)
         if problem is not None:
             self._refuse(out, t, problem)
             return
@@ -362,12 +326,6 @@ class PushSource:
         self._advance(out)
         return False
 
-    def _span(self, out: Out, t: Target) -> tuple[mapping.Span, int]:
-        """The tokens ``t`` receives and this rank's first prompt block of them."""
-        assert out.plan is not None and t.shape is not None
-        first = t.reg.skip_blocks * t.shape.block_size
-        return mapping.Span(first, out.plan.num_tokens), first // self.core.layout.block_size
-
     def _advance(self, out: Out) -> None:
         """Post every WRITE whose KV is ready and fence passed, to each decode rank that
         confirmed."""
@@ -385,16 +343,6 @@ class PushSource:
                 self._post(out, t)
             self.poll_one(out, t)
 
-    def _subs(self, out: Out, t: Target, planes: list[int]) -> list[mapping.SubTransfer]:
-        """The sub-transfers of ``t``'s WRITE in ``planes``."""
-        core = self.core
-        assert out.plan is not None and t.peer is not None and t.shape is not None
-        span, _ = self._span(out, t)
-        src, first = self._src(out, t)
-        return mapping.pair(core.layout.select(planes), core.shape, src, first,
-                            t.peer.layout.select(planes), t.shape, t.reg.block_ids,
-                            t.reg.skip_blocks, t.share, span)
-
     def _prepare(self, out: Out, t: Target, posting: bool = False) -> None:
         """Build ``t``'s whole-request WRITE ahead (:meth:`prepare`) where the transport can and
         the mapping is one sub-transfer; ``posting``: at the post, only where its copy digests."""
@@ -406,10 +354,10 @@ class PushSource:
         if posting and not (checked and self.core.transport.capabilities.copies_landing):
             return
         if checked:
-            t.stream = self._side(out, t)
+            t.stream = push_map.side(self.core, out, t)
         try:
             t.prepared = prepare_parts(self.core.transport, Op.WRITE, t.peer.name, mapping.parts(
-                self._subs(out, t, list(range(len(self.core.layout.planes))))))
+                push_map.subs(self.core, out, t, list(range(len(self.core.layout.planes))))))
         except KVBridgeError as exc:  # _post builds it again and reports the problem
             log.debug("push %s: WRITE not prepared ahead: %s", out.tid, exc)
         if t.prepared is not None and t.stream is not None and t.prepared.takes_landing():
@@ -441,7 +389,7 @@ class PushSource:
                     handle = prep.post()
                 else:
                     handle = submit_parts(core.transport, Op.WRITE, t.peer.name,
-                                          mapping.parts(self._subs(out, t, todo)))
+                                          mapping.parts(push_map.subs(self.core, out, t, todo)))
             except KVBridgeError as exc:
                 t.error = f"cannot post the WRITE: {exc}"
                 return
@@ -454,7 +402,8 @@ class PushSource:
                                 lambda: self._write_timeout(out, t))
         if (t.digests is None and len(t.posted) == len(core.layout.planes) and not (
                 prep and prep.landing) and (core.config.checksum or t.peer.info.checksum)):
-            t.digests = digests.compute(self._side(out, t) if t.stream is None else t.stream)
+            t.digests = digests.compute(push_map.side(core, out, t) if t.stream is None
+                                        else t.stream)
 
     def poll(self) -> None:
         for out in list(self.outs.values()):
@@ -570,14 +519,6 @@ class PushSource:
                 digests=t.digests if error is None else None))
         if error is None:
             self._close(out)
-
-    def _side(self, out: Out, t: Target) -> DescriptorArray:
-        """This rank's side of ``t``'s part (every plane), as its digests cover it."""
-        assert out.plan is not None and t.shape is not None
-        span, _ = self._span(out, t)
-        src, first = self._src(out, t)
-        return mapping.side_descriptors(mapping.side(self.core.layout, self.core.shape, t.shape,
-                                                     t.share, src, first, span))
 
     def _close(self, out: Out) -> None:
         """End the transfer once no decode rank's push is left to serve."""

@@ -60,6 +60,7 @@ __all__ = [
     "PushRegister",
     "PushConfirm",
     "PushResult",
+    "PushLanded",
     "Cancel",
     "CancelReply",
     "StatsQuery",
@@ -279,6 +280,10 @@ class PushRegister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """The address, in D's registered memory, of an 8-byte word D follows: P's copy may keep it
     at the stream bytes it wrote, and D hashes behind it (:mod:`kvbridge.scheduling.follow`);
     None: D hashes after the result. Only *when* D reads: a wrong word fails the receive."""
+    check_early: bool = False
+    """D checks what landed as soon as P says every WRITE stopped (:class:`PushLanded`), while
+    P still digests its side; False (or a P that does not know it): at the :class:`PushResult`.
+    Only *when* D reads: the result decides."""
 
 
 class PushConfirm(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -303,6 +308,16 @@ class PushResult(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     #: P's digests of the part's byte stream (when either side digests hand-offs)
     digests: Digests | None = None
     error: Reason | None = None
+
+
+class PushLanded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """P → D, on a :class:`PushRegister` that asked for it (``check_early``), before the
+    :class:`PushResult`: every WRITE stopped and succeeded (the transport copied inside its
+    post), and P digests its side now. D may digest what landed meanwhile; the result, with
+    P's digests, still decides."""
+
+    transfer_id: TransferId
+    nbytes: Count
 
 
 # -- both -------------------------------------------------------------------------------------
@@ -381,8 +396,8 @@ class PipeFrame(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 Message = Union[
     Hello, HelloReply, Heartbeat, HeartbeatReply, PullClaim, PullDone, PullServed, PushRegister,
-    PushConfirm, PushResult, Cancel, CancelReply, StatsQuery, StatsReply, TransferQuery,
-    TransferReply, DrainNotice, Ack, PipeFrame,
+    PushConfirm, PushResult, PushLanded, Cancel, CancelReply, StatsQuery, StatsReply,
+    TransferQuery, TransferReply, DrainNotice, Ack, PipeFrame,
 ]
 
 

@@ -11,7 +11,9 @@ model's layer — or more for transfers past :data:`MAX_CHUNKS` chunks, so the d
 part stay under 64 KiB on the wire) and each chunk gets :data:`DIGEST_BYTES` of XXH3-128.
 The prefill rank computes them from its own KV, where it was computed: for a push as the
 WRITE's copy reads it (shm, every range mapped: :func:`landing` with ``source``) or else right
-after posting the WRITE (while the transport moves the bytes); for a pull when it stages the
+after posting the WRITE (while the transport moves the bytes; where it copied them inside the
+post, as NIXL over UCX's cross-memory attach does, P first tells the decode rank, which hashes
+what landed meanwhile: ``PushLanded``); for a pull when it stages the
 KV (the whole prompt as a decode rank of its own shape reads it: the usual claim) or right
 after granting any other claim (while the decode rank's READ moves the bytes): the answer to
 the decode rank's ``PullDone`` carries them ready made, off its path. The decode rank digests

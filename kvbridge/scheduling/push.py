@@ -60,6 +60,7 @@ from kvbridge.messages import (
     ErrorKind,
     Message,
     PushConfirm,
+    PushLanded,
     PushRegister,
     PushResult,
 )
@@ -402,6 +403,10 @@ class PushSource:
                                 lambda: self._write_timeout(out, t))
         if (t.digests is None and len(t.posted) == len(core.layout.planes) and not (
                 prep and prep.landing) and (core.config.checksum or t.peer.info.checksum)):
+            if t.reg.check_early and all(h.state is HandleState.DONE for h in t.handles):
+                # copied inside the post (NIXL over UCX's cross-memory attach): D digests what
+                # landed while this rank digests what it sent (the result still decides)
+                core.server.reply(t.ctx, PushLanded(transfer_id=out.tid, nbytes=t.nbytes))
             t.digests = digests.compute(push_map.side(core, out, t) if t.stream is None
                                         else t.stream)
 

@@ -31,6 +31,7 @@ from kvbridge.messages import (
     ErrorKind,
     Message,
     PushConfirm,
+    PushLanded,
     PushRegister,
     PushResult,
 )
@@ -67,6 +68,8 @@ class _In(Part[PushSpec]):
     #: follower hashing behind it (kvbridge.scheduling.follow)
     word: int | None = None
     follower: follow.Follower | None = None
+    #: the digests of what landed, made when P said every WRITE stopped (``PushLanded``)
+    early: bytes | None = None
 
 
 class PushSink(Receiver[_In]):
@@ -100,7 +103,8 @@ class PushSink(Receiver[_In]):
             engine_id=core.engine_id, sender_generation=core.generation,
             control_address=core.control_address, block_ids=list(s.local_ids),
             skip_blocks=s.skip_blocks, num_tokens=s.num_tokens, prompt_digest=s.prompt_digest,
-            layout_fingerprint=core.info.layout_fingerprint, progress=w.word)
+            layout_fingerprint=core.info.layout_fingerprint, progress=w.word,
+            check_early=checked and w.word is None)
         self._expect(w, core.config.stall_s,
                      f"prefill {w.address} did not answer the registration")
         w.call = core.rpc.call(w.address, reg, core.config.control_timeout_s,
@@ -135,6 +139,9 @@ class PushSink(Receiver[_In]):
         if isinstance(reply, PushResult):
             self._result(w, reply)
             return False
+        if isinstance(reply, PushLanded):  # the PushResult follows on this call
+            self._landed(w, reply)
+            return True
         if isinstance(reply, KVBridgeError):
             # No answer at all: P never saw it, or is gone; it cannot have written unconfirmed.
             safe = w.state is not _Wait.CONFIRMED
@@ -143,6 +150,13 @@ class PushSink(Receiver[_In]):
         self._fail(w, f"unexpected answer {type(reply).__name__} to a registration",
                    safe=w.state is not _Wait.CONFIRMED)
         return False
+
+    def _landed(self, w: _In, msg: PushLanded) -> None:
+        """P's WRITEs stopped and P digests its side: digest what landed meanwhile (for the
+        result to compare), where it is what this registration expects."""
+        if (w.failure is None and w.state is _Wait.CONFIRMED and w.stream is not None
+                and w.early is None and msg.nbytes == mapping.side_bytes(w.half)):
+            w.early = digests.compute(w.stream)
 
     def _result(self, w: _In, msg: PushResult) -> None:
         core, s = self.core, w.spec
@@ -163,6 +177,9 @@ class PushSink(Receiver[_In]):
             landed = w.follower.finish() if w.follower is not None else None
             if landed is not None:
                 core.stats["push_digested_behind"] += 1
+            elif w.early is not None:
+                landed = w.early
+                core.stats["push_checked_early"] += 1
             problem = digests.mismatch(msg.digests, mapping.side_descriptors(w.half)
                                        if w.stream is None else w.stream, landed)
             if problem is not None:

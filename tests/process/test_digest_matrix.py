@@ -167,6 +167,38 @@ def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
         assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
 
 
+@pytest.mark.nixl
+@pytest.mark.skipif(not _have("nixl._api"), reason="no nixl")
+def test_a_push_over_nixl_is_checked_on_d_while_p_digests(loopback: None) -> None:
+    """Over UCX's cross-memory attach a WRITE is copied inside its post: P tells D every WRITE
+    stopped (``PushLanded``, asked for by D's ``check_early``) before it hashes what it sent,
+    and D hashes what landed meanwhile (``push_checked_early``), whether P built the WRITE ahead
+    or when it posts it. Every push lands equal, no digest differs, P holds nothing at the end."""
+    extra = {**EXTRA, "backend": "nixl"}
+    p = AgentProcess("prefill", SHAPE, extra)
+    d = AgentProcess("decode", SHAPE, extra)
+    try:
+        p.fill(1)
+        d.fill(2)
+        src = list(range(1, 9))
+        for n in (1, 2, 3):
+            dst = [10 * n + i for i in range(8)]
+            d.expect(expect(f"d-push{n}", f"push{n}", p, dst))
+            plan = send(f"p-push{n}", f"push{n}", src)
+            if n == 1:  # built ahead, as while the forward runs; the others when posted
+                p.prepare(plan)
+                time.sleep(1.0)  # D registered and confirmed meanwhile
+            p.ready(plan)
+            assert d.drain({f"d-push{n}"})["results"]["failed_recving"] == set()
+            np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
+        stats = d.drain(set())["stats"]
+        assert stats.get("push_checked_early") == 3 and not stats.get("checksum_mismatch"), stats
+        assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
 _STRANGER = r"""
 import ctypes, sys
 pid, word = int(sys.argv[1]), int(sys.argv[2])

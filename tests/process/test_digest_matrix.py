@@ -109,9 +109,12 @@ def test_a_byte_flipped_in_transit_is_caught_on_every_transport(
 
 
 @contextlib.contextmanager
-def _mapped_pair() -> Iterator[tuple[AgentProcess, AgentProcess]]:
-    """P and D over shm with every range mapped (no fault wrapper), their KV filled apart."""
-    extra = {**EXTRA, "backend": "shm", "backend_options": {"map_memory": True}}
+def _mapped_pair(backend: str = "shm") -> Iterator[tuple[AgentProcess, AgentProcess]]:
+    """P and D (no fault wrapper), their KV filled apart: over shm with every range mapped,
+    or over ``backend``."""
+    extra: dict[str, object] = {**EXTRA, "backend": backend}
+    if backend == "shm":
+        extra["backend_options"] = {"map_memory": True}
     p = AgentProcess("prefill", SHAPE, extra)
     d = AgentProcess("decode", SHAPE, extra)
     try:
@@ -143,13 +146,21 @@ def test_a_pull_digested_as_it_lands_still_finds_bytes_that_changed() -> None:
         assert p.drain(set())["pending"] == 0  # released at each DONE, before its answer
 
 
-def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
-    """shm with every range mapped (no fault wrapper): D names a word of its board in each
-    ``PushRegister``, P's copy keeps it at the bytes written, and D hashes each chunk behind
-    the copy (``push_digested_behind``; kvbridge.scheduling.follow), whether P built the WRITE
-    ahead (while the forward runs) or when it posts it. Every push lands equal, no digest
-    differs, and P holds nothing at the end."""
-    with _mapped_pair() as (p, d):
+@pytest.mark.parametrize(("backend", "stat"), [
+    pytest.param("shm", "push_digested_behind", id="shm"),
+    pytest.param("nixl", "push_checked_early", id="nixl", marks=[
+        pytest.mark.nixl, pytest.mark.skipif(not _have("nixl._api"), reason="no nixl")]),
+])
+def test_a_push_is_checked_on_d_while_it_lands(backend: str, stat: str, loopback: None) -> None:
+    """D's check of a push overlaps P's work, whether P built the WRITE ahead (while the
+    forward runs) or when it posts it. shm with every range mapped (no fault wrapper): D names
+    a word of its board in each ``PushRegister``, P's copy keeps it at the bytes written, and D
+    hashes each chunk behind the copy (``push_digested_behind``; kvbridge.scheduling.follow).
+    NIXL: UCX's cross-memory attach copies a WRITE inside its post, so P tells D every WRITE
+    stopped (``PushLanded``, asked for by D's ``check_early``) before it hashes what it sent,
+    and D hashes what landed meanwhile (``push_checked_early``). Every push lands equal, no
+    digest differs, and P holds nothing at the end."""
+    with _mapped_pair(backend) as (p, d):
         src = list(range(1, 9))
         for n in (1, 2, 3):
             dst = [10 * n + i for i in range(8)]
@@ -163,40 +174,8 @@ def test_a_push_over_shm_is_digested_behind_the_copy() -> None:
             assert rd["results"]["failed_recving"] == set()
             np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
         stats = d.drain(set())["stats"]
-        assert stats["push_digested_behind"] == 3 and not stats.get("checksum_mismatch"), stats
+        assert stats.get(stat) == 3 and not stats.get("checksum_mismatch"), stats
         assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
-
-
-@pytest.mark.nixl
-@pytest.mark.skipif(not _have("nixl._api"), reason="no nixl")
-def test_a_push_over_nixl_is_checked_on_d_while_p_digests(loopback: None) -> None:
-    """Over UCX's cross-memory attach a WRITE is copied inside its post: P tells D every WRITE
-    stopped (``PushLanded``, asked for by D's ``check_early``) before it hashes what it sent,
-    and D hashes what landed meanwhile (``push_checked_early``), whether P built the WRITE ahead
-    or when it posts it. Every push lands equal, no digest differs, P holds nothing at the end."""
-    extra = {**EXTRA, "backend": "nixl"}
-    p = AgentProcess("prefill", SHAPE, extra)
-    d = AgentProcess("decode", SHAPE, extra)
-    try:
-        p.fill(1)
-        d.fill(2)
-        src = list(range(1, 9))
-        for n in (1, 2, 3):
-            dst = [10 * n + i for i in range(8)]
-            d.expect(expect(f"d-push{n}", f"push{n}", p, dst))
-            plan = send(f"p-push{n}", f"push{n}", src)
-            if n == 1:  # built ahead, as while the forward runs; the others when posted
-                p.prepare(plan)
-                time.sleep(1.0)  # D registered and confirmed meanwhile
-            p.ready(plan)
-            assert d.drain({f"d-push{n}"})["results"]["failed_recving"] == set()
-            np.testing.assert_array_equal(d.blocks(dst), p.blocks(src))
-        stats = d.drain(set())["stats"]
-        assert stats.get("push_checked_early") == 3 and not stats.get("checksum_mismatch"), stats
-        assert p.drain({"p-push1", "p-push2", "p-push3"})["pending"] == 0
-    finally:
-        p.close()
-        d.close()
 
 
 _STRANGER = r"""

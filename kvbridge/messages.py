@@ -260,7 +260,8 @@ class PushRegister(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """D → P: write transfer ``transfer_id`` into these blocks of mine.
 
     P answers at once with :class:`Ack` (registered, or refused), and later, on the same
-    request, with one :class:`PushResult`. ``skip_blocks`` leading prompt blocks are already on
+    request, with one :class:`PushResult` (where D asked, ``check_early``, a
+    :class:`PushLanded` may come before it). ``skip_blocks`` leading prompt blocks are already on
     D and are not sent; ``block_ids`` are D's blocks for the rest, in prompt order.
     """
 

@@ -19,7 +19,10 @@ The protocol (every step is serialised by the loop that owns the transfer, so "c
    (:func:`~kvbridge.blocks.prepare_parts`), so that readiness only posts it.
    A prepared WRITE that is not posted is discarded with its registration. P digests its KV as
    the prepared WRITE's copy reads it (shm: :func:`~kvbridge.scheduling.digests.landing`, D
-   hashing behind it: :mod:`~kvbridge.scheduling.follow`), else while the last WRITE moves it.
+   hashing behind it: :mod:`~kvbridge.scheduling.follow`), else while the last WRITE moves it;
+   where the transport copied inside the post (every WRITE DONE when it returned, as NIXL over
+   UCX's cross-memory attach) and D asked (``check_early``), P first answers ``PushLanded`` on
+   the same request, so that D digests what landed while P digests what it sent.
 
 A Cancel from D before anything is posted is answered ``safe``; after, ``not safe`` and the
 ``PushResult`` follows when the WRITEs stopped. One that P cannot serve (prefill aborted, never

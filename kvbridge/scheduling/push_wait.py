@@ -124,7 +124,8 @@ class PushSink(Receiver[_In]):
                             s.local_ids, s.skip_blocks, span)
 
     def _answer(self, w: _In, reply: Message | KVBridgeError) -> bool:
-        """The registration's answers: first an Ack, finally a PushResult."""
+        """The registration's answers: first an Ack, maybe a PushLanded, finally a
+        PushResult."""
         if w not in self.jobs.get(w.tid, ()):
             return False
         if isinstance(reply, Ack):

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvbridge.blocks import BlockPair, BlockRequest
+from kvbridge.messages import PushLanded
 from kvbridge.testing.agents import LocalAgent
 from kvbridge.testing.handoffs import FAST, expect, send
 from kvbridge.transport import HandleState, Op, TransferHandle
@@ -122,5 +124,26 @@ def test_a_landed_notice_before_the_bytes_fails_the_receive_and_never_passes_it_
         assert stats["checksum_mismatch"] == 1 and stats["push_checked_early"] == 1, stats
     finally:
         threading.Event().wait(0.5)  # the late copies land before the loops close
+        p.close()
+        d.close()
+
+
+def test_a_notice_that_names_other_bytes_is_ignored_and_the_result_decides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``PushLanded`` whose byte count is not the part D registered (a confused or forged
+    answer on D's own call) makes D digest nothing early: it checks at the ``PushResult``, the
+    push lands equal and nothing is counted as checked early."""
+    from kvbridge.scheduling import push
+
+    monkeypatch.setattr(push, "PushLanded", lambda transfer_id, nbytes: PushLanded(
+        transfer_id=transfer_id, nbytes=nbytes + 1))
+    p, d = _pair(_CopiesInPost)
+    try:
+        failed, dst = _push(p, d, 1)
+        assert failed == set()
+        np.testing.assert_array_equal(d.blocks(dst), p.blocks(list(range(1, 9))))
+        stats = d.drain(set())["stats"]
+        assert "push_checked_early" not in stats and not stats.get("checksum_mismatch"), stats
+    finally:
         p.close()
         d.close()

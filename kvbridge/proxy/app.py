@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.proxy.admin import AdminApi
+from kvbridge.proxy.arrival import socket_wait_ns
 from kvbridge.proxy.credit import KvAdmission
 from kvbridge.proxy.discovery import Resolver, from_settings
 from kvbridge.proxy.dispatch import Dispatcher
@@ -232,6 +233,11 @@ class ProxyServer:
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         flight = Flight("")  # its steps start now: "receive"
+        if request.transport is not None:  # and the bytes were there this long before
+            waited = socket_wait_ns(request.transport.get_extra_info("socket"))
+            if waited is not None:
+                flight.waited(waited)
+                self.metrics.observe_socket_wait(waited / 1e9)
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -273,7 +279,7 @@ class ProxyServer:
         call = Call(t0=t0, rid=rid, stream=bool(body.get("stream")), headers=headers,
                     flight=flight, requested=requested, slo_ms=slo_ms)
         if self.tracing is not None:
-            call.trace = self.tracing.start(request.headers, rid, path)
+            call.trace = self.tracing.start(request.headers, rid, path, flight.began_ns())
         else:  # no spans of ours: vLLM's still join the client's trace
             pass_on(request.headers, headers)
         try:

@@ -6,14 +6,18 @@
 the request's mode, its last attempt's ``transfer_id`` and engines, and the proxy's own steps:
 ``receive``, ``prefill_sent``, ``prefill_answer``, ``decode_sent``, ``first_token`` — each one
 ``time.monotonic_ns()`` (plus one ``time.time_ns()`` anchor per flight). A retry starts the
-attempt's steps again (``retries`` counts them).
+attempt's steps again (``retries`` counts them). Where the kernel says the request's bytes
+waited in the proxy's socket before its handler ran (:mod:`kvbridge.proxy.arrival`, a lower
+bound), the flight also holds ``arrived`` (``receive`` less that wait), and the request's path
+starts there.
 
 :func:`critical_path` joins a flight with the engines' records of its ``transfer_id``
 (:mod:`kvbridge.scheduling.recorder`, wall-clock seconds from each engine's own anchor) into a
 chain of phases. A phase between two steps of one process is a difference on that process's
 monotonic clock; a phase from one process to the next (``hop``: HTTP, tokenization, a
 notification) is a difference of two wall clocks and carries their disagreement. The chain
-telescopes: the phases always sum to the proxy's own ``receive → first_token``, whatever the
+telescopes: the phases always sum to the proxy's own ``arrived`` (else ``receive``) →
+``first_token``, whatever the
 clocks say; only how that time is split between the hops and their neighbours depends on the
 hosts' clocks agreeing (on one host they do).
 
@@ -32,7 +36,7 @@ from typing import Any
 __all__ = ["CAPACITY", "Flight", "FlightLog", "critical_path", "safe_request_id", "PROXY_STEPS"]
 
 CAPACITY = 4096
-PROXY_STEPS = ("receive", "prefill_sent", "prefill_answer", "decode_sent", "first_token")
+PROXY_STEPS = ("arrived", "receive", "prefill_sent", "prefill_answer", "decode_sent", "first_token")
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
@@ -65,11 +69,21 @@ class Flight:
     def __post_init__(self) -> None:
         self.steps["receive"] = self.mono0
 
+    def waited(self, ns: int | None) -> None:
+        """The request's bytes had been in the proxy's socket at least ``ns`` when its handler
+        ran (``receive``): record ``arrived`` that much earlier (nothing for None or 0)."""
+        if ns is not None and ns > 0:
+            self.steps["arrived"] = self.steps["receive"] - ns
+
+    def began_ns(self) -> int:
+        """Wall-clock ns of the request's first point: ``arrived``, else ``receive``."""
+        return self.wall0 + self.steps.get("arrived", self.mono0) - self.mono0
+
     def attempt(self, mode: str, tid: str, prefill: str, decode: str = "") -> None:
         """A dispatch starts (the first or a retry): its steps replace the last one's."""
         self.mode, self.tid, self.prefill, self.decode = mode, tid, prefill, decode
         self.retries += 1
-        self.steps = {"receive": self.steps["receive"]}
+        self.steps = {s: t for s, t in self.steps.items() if s in ("arrived", "receive")}
 
     def mark(self, step: str) -> None:
         """The proxy did ``step`` now (the first mark of a step in an attempt wins)."""
@@ -108,14 +122,17 @@ class FlightLog:
 
 # (process, step) points of each mode's critical path, in order; the phase between two
 # consecutive points present is named after its end point (and, for a hop, both).
-_PUSH = (("proxy", "receive"), ("proxy", "prefill_sent"), ("P", "arrived"), ("P", "scheduled"),
+_PUSH = (("proxy", "arrived"), ("proxy", "receive"), ("proxy", "prefill_sent"),
+         ("P", "arrived"), ("P", "scheduled"),
          ("P", "kv_ready"), ("P", "write_posted"), ("P", "write_done"), ("D", "recv_done"),
          ("D", "recv_seen"), ("D", "first_step"), ("proxy", "first_token"))
-_PULL = (("proxy", "receive"), ("proxy", "prefill_sent"), ("P", "arrived"), ("P", "scheduled"),
+_PULL = (("proxy", "arrived"), ("proxy", "receive"), ("proxy", "prefill_sent"),
+         ("P", "arrived"), ("P", "scheduled"),
          ("P", "kv_ready"), ("proxy", "prefill_answer"), ("proxy", "decode_sent"),
          ("D", "arrived"), ("D", "scheduled"), ("D", "recv_start"), ("D", "read_posted"),
          ("D", "recv_done"), ("D", "recv_seen"), ("D", "first_step"), ("proxy", "first_token"))
 _NAMES = {
+    ("proxy", "receive"): "in the proxy's socket (before its handler ran)",
     ("proxy", "prefill_sent"): "proxy: receive → prefill leg sent",
     ("P", "arrived"): "proxy → P (HTTP, tokenize)",
     ("P", "scheduled"): "P queue wait",
@@ -140,7 +157,8 @@ def critical_path(mode: str, proxy: dict[str, float], p: dict[str, float] | None
     """The phases of one request: ``[{"phase", "from", "to", "seconds", "hop"}, …]`` from the
     proxy's, P's and D's wall-clock steps (see the module docstring). Points a process did not
     record are skipped (the phase spans to the next one present); without ``receive`` and
-    ``first_token`` of the proxy the path is empty."""
+    ``first_token`` of the proxy the path is empty. It starts at the proxy's ``arrived``
+    where the flight has one (the request waited in the proxy's socket)."""
     if "receive" not in proxy or "first_token" not in proxy:
         return []
     sides = {"proxy": proxy, "P": p or {}, "D": d or {}}

@@ -30,6 +30,9 @@ proxies in one process (tests, one per mode) never collide. Used from the proxy'
 - ``upstream_seconds{role}`` — histogram: a request to an engine sent → its response headers
   received (for D, in streaming mode, about its time to first token, KV wait included).
 - ``prefill_leg_seconds{mode}`` — histogram: P's one-token prefill leg, sent → answer read.
+- ``socket_wait_seconds`` — histogram: how long a request's bytes waited in the proxy's socket
+  before its handler ran (a lower bound from the kernel, :mod:`kvbridge.proxy.arrival`; 0 under
+  one scheduler tick). Its tail growing is the proxy's event loop, or its host, falling behind.
 
 Every label value comes from a fixed set or from the configured engine URLs, so the number of
 series is bounded by the deployment, never by clients.
@@ -164,6 +167,9 @@ class ProxyMetrics:
                                    "response headers received.", ("role",))
         self._prefill_leg = histogram("prefill_leg_seconds", "P's prefill leg, sent to answer "
                                       "read.", ("mode",))
+        self._socket_wait = histogram("socket_wait_seconds", "Time a request waited in the "
+                                      "proxy's socket before its handler ran (a lower bound).",
+                                      ())
         self._engines = _Engines()
         r.register(self._engines)
 
@@ -206,6 +212,9 @@ class ProxyMetrics:
 
     def observe_prefill_leg(self, mode: str, seconds: float) -> None:
         self._prefill_leg.labels(mode).observe(seconds)
+
+    def observe_socket_wait(self, seconds: float) -> None:
+        self._socket_wait.observe(seconds)
 
     def chosen_modes(self) -> dict[str, int]:
         """How many routing decisions chose each mode (``push`` / ``pull``), over all reasons."""

@@ -91,8 +91,11 @@ class ProxyTracing:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("kvbridge.proxy")
 
-    def start(self, headers: Mapping[str, str], rid: str, path: str) -> RequestTrace:
-        """The span of one client request, under the client's ``traceparent`` if it is valid."""
+    def start(self, headers: Mapping[str, str], rid: str, path: str,
+              start_ns: int | None = None) -> RequestTrace:
+        """The span of one client request, under the client's ``traceparent`` if it is valid;
+        ``start_ns``: when it started (wall clock, ns), else now: the proxy passes the time its
+        bytes reached its socket (:mod:`kvbridge.proxy.arrival`)."""
         from opentelemetry import trace
 
         parent = parse_traceparent(headers.get("traceparent"))
@@ -103,7 +106,7 @@ class ProxyTracing:
             ctx = trace.set_span_in_context(trace.NonRecordingSpan(remote))
         span = self.tracer.start_span("kvbridge.request", context=ctx, kind=self._kind.SERVER,
                                       attributes={"kvbridge.request_id": rid,
-                                                  "http.route": path})
+                                                  "http.route": path}, start_time=start_ns)
         state = _tracestate(headers.get("tracestate")) if parent is not None else None
         return RequestTrace(self, span, state)
 

@@ -89,7 +89,7 @@ def plot_why(row: dict[str, Any], path: str) -> None:
         start += ms
     ax.set_yticks(range(len(phases)), [p["phase"] for p in phases])
     ax.invert_yaxis()
-    ax.set_xlabel("ms after the proxy received the request")
+    ax.set_xlabel("ms after the request reached the proxy")
     ax.set_title(f"{row.get('request_id')} ({row.get('mode')}): time to first token "
                  f"{start:.1f} ms (orange: hop between processes)")
     fig.tight_layout()

@@ -1090,6 +1090,7 @@ async def test_models_health_and_metrics(engines: Any, proxies: Any, client: Any
     assert value("kvbridge_proxy_upstream_seconds_count", role="prefill") == 1
     assert value("kvbridge_proxy_upstream_seconds_count", role="decode") == 1
     assert value("kvbridge_proxy_prefill_leg_seconds_count", mode="push") == 1
+    assert value("kvbridge_proxy_socket_wait_seconds_count") == 1  # known for every request
     assert any(name == "kvbridge_proxy_mode_decisions_total" and ("chosen", "push") in labels
                for name, labels in samples)
 
@@ -2094,6 +2095,48 @@ async def test_why_of_a_request_sent_with_record_0_names_it_and_asks_no_engine(
     assert row["proxy"]["first_token"] > row["proxy"]["receive"]  # the proxy's own steps stay
     assert sum(x["seconds"] for x in row["phases"]) == pytest.approx(
         row["proxy"]["first_token"] - row["proxy"]["receive"])
+
+
+async def test_a_request_left_in_the_proxys_socket_is_in_its_record(
+        engines: Any, proxies: Any, client: Any) -> None:
+    """The proxy's event loop is held (here by this test, which shares it; in production by
+    other requests or by the host) while a request's bytes sit in the proxy's socket: the
+    kernel's TCP_INFO puts that wait into the record as its first phase."""
+    from kvbridge.proxy.arrival import TICK_NS
+
+    p, d = await engines("prefill"), await engines("decode")
+    proxy = await proxies([p.url], [d.url], mode=ProxyMode.PULL)
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(COMPLETION).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: held-1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        sent = time.monotonic()
+        time.sleep(0.08)  # the loop (the proxy's too) does nothing while the bytes wait
+        answer = await asyncio.wait_for(reader.read(), 20)
+        elapsed = time.monotonic() - sent
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    status, row = await admin(client, proxy, "GET", "/admin/why/held-1", token=LOCAL_TOKEN)
+    assert status == 200, row
+    first = row["phases"][0]
+    assert first["phase"] == "in the proxy's socket (before its handler ran)", row["phases"]
+    assert 0.08 - 2 * TICK_NS / 1e9 - 0.002 <= first["seconds"] <= elapsed
+    steps = row["proxy"]
+    assert steps["receive"] - steps["arrived"] == pytest.approx(first["seconds"])
+    assert row["ttft_s"] == pytest.approx(steps["first_token"] - steps["arrived"])
+    # the next request, not held, records no wait (or only what the host took, far less)
+    async with client.post(proxy.url + "/v1/completions", json=COMPLETION,
+                           headers={"X-Request-Id": "free-1"}) as r:
+        assert r.status == 200
+        await r.read()
+    status, row = await admin(client, proxy, "GET", "/admin/why/free-1", token=LOCAL_TOKEN)
+    assert status == 200
+    assert row["phases"][0]["from"] == "proxy.receive" or row["phases"][0]["seconds"] < 0.04
 
 
 @pytest.mark.parametrize("mode", [ProxyMode.PUSH, ProxyMode.PULL])

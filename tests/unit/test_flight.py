@@ -111,3 +111,23 @@ def test_kvbridge_why_plots_a_timeline(tmp_path: Path) -> None:
     plot_why({"request_id": "r1", "mode": "push",
               "phases": critical_path("push", PROXY, P_PUSH, D_PUSH)}, str(tmp_path / "w.png"))
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_wait_in_the_proxys_socket_starts_the_path_earlier_and_survives_a_retry() -> None:
+    f = Flight("r")
+    f.waited(None)
+    f.waited(0)
+    assert "arrived" not in f.steps
+    f.waited(7_000_000)
+    assert f.steps["receive"] - f.steps["arrived"] == 7_000_000
+    f.attempt("push", "xfer-1", "http://p:1", "http://d:1")
+    f.attempt("push", "xfer-2", "http://p:2", "http://d:2")
+    assert set(f.steps) == {"arrived", "receive"}
+    proxy = {"arrived": 99.993, **PROXY}
+    path = critical_path("push", proxy, P_PUSH, D_PUSH)
+    assert path[0]["phase"] == "in the proxy's socket (before its handler ran)"
+    assert path[0]["seconds"] == pytest.approx(0.007) and not path[0]["hop"]
+    assert sum(p["seconds"] for p in path) == pytest.approx(0.127)
+    pulled = critical_path("pull", proxy, None, None)
+    assert pulled[0]["from"] == "proxy.arrived" and sum(
+        p["seconds"] for p in pulled) == pytest.approx(0.127)

@@ -26,7 +26,7 @@ LAYERS = (
      "tracing"),
     ("settings",),
     ("routing", "credit", "planner", "kvevents"),
-    ("members", "prefixes"),
+    ("members", "prefixes", "arrival"),
 )
 
 

@@ -92,3 +92,19 @@ def test_spans_into_the_in_memory_exporter() -> None:
     assert root.attributes["kvbridge.transfer_id"] == "xfer-1"
     assert root.resource.attributes["service.name"] == "kvbridge-proxy"
 
+
+
+def test_a_request_span_starts_when_its_bytes_reached_the_proxy() -> None:
+    memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    from kvbridge.proxy.flight import Flight
+    from kvbridge.proxy.tracing import ProxyTracing
+
+    exporter = memory.InMemorySpanExporter()
+    tracing = ProxyTracing("http://unused:4317", exporter)
+    flight = Flight("rid-2")
+    flight.waited(25_000_000)  # 25 ms in the proxy's socket
+    assert flight.began_ns() == flight.wall0 - 25_000_000
+    tracing.start({}, "rid-2", "/v1/completions", flight.began_ns()).finish("pull", "ok", "", 0)
+    tracing.shutdown()
+    (root,) = exporter.get_finished_spans()
+    assert root.start_time == flight.wall0 - 25_000_000

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvbridge.tools.bench.serve_results import format_phases, phase_gaps
 
 
@@ -77,7 +79,22 @@ def test_each_request_of_the_split_is_listed_with_its_send_time() -> None:
             1: {**_why(29), "proxy": {"receive": 1005.501, "first_token": 1005.530}}}
     out = phase_gaps(result, whys, offset)
     assert [r[:2] for r in out["phases_requests"]] == [[0, 0.0], [1, 0.5]]
-    assert out["phases_requests"][0][2:] == [10.0, 4.0, 6.0]
+    assert out["phases_requests"][0][2:] == [10.0, 4.0, 6.0, 0.0]
+
+
+def test_time_in_the_proxys_socket_is_in_the_record_not_before_it() -> None:
+    """A request whose bytes waited 12 ms in the proxy's socket: the record starts at
+    ``arrived``, so the way in is the client's 2 ms and the socket's 12 ms is reported apart."""
+    offset = 1000.0
+    result = {"ttfts": [0.050], "errors": [""], "start_times": [5.0]}
+    why = {**_why(48), "proxy": {"arrived": 1005.002, "receive": 1005.014,
+                                 "first_token": 1005.050}}
+    out = phase_gaps(result, {0: why}, offset)
+    assert abs(out["phases_before_p50"] - 2.0) < 1e-6
+    assert abs(out["phases_socket_max"] - 12.0) < 1e-6
+    assert out["phases_requests"][0][5] == pytest.approx(12.0)
+    assert "in the proxy's socket (recorded) p99/max 12.00/12.00" in format_phases(
+        [{"setup": "kvbridge-pull", "rate": 1.0, **out}])
 
 
 def test_the_run_window_spans_first_send_to_last_end() -> None:

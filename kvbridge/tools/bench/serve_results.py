@@ -99,13 +99,16 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
 
     With ``mono_to_wall`` (``time.time() - time.perf_counter()`` on the host that ran both the
     client and the proxy: bench serve's ``start_times`` are ``perf_counter`` values), the gap is
-    also split where it lies: ``phases_before_*`` (the client's send to the proxy's handler)
-    and ``phases_after_*`` (the proxy's first write to the client's first token), p50/p99 ms,
-    and ``phases_requests`` lists each request's ``[i, sent (s after the run's first send),
-    gap, before, after]`` (ms) to find where a tail sits in the run."""
+    also split where it lies: ``phases_before_*`` (the client's send to the first point of
+    the proxy's record: the request's bytes in its socket, else its handler) and
+    ``phases_after_*`` (the proxy's first write to the client's first token), p50/p99 ms;
+    ``phases_socket_*`` is the part of the record spent in the proxy's socket before its
+    handler ran (0 where the kernel gave no wait), and ``phases_requests`` lists each
+    request's ``[i, sent (s after the run's first send), gap, before, after, socket]`` (ms) to
+    find where a tail sits in the run."""
     ttfts, errors = result.get("ttfts") or [], result.get("errors") or []
     starts = result.get("start_times") or []
-    gaps, shares, before, after = [], [], [], []
+    gaps, shares, before, after, socket = [], [], [], [], []
     per: list[list[float]] = []
     first = min((t for t in starts if finite(t) is not None), default=0.0)
     for i, ttft in enumerate(ttfts):
@@ -121,10 +124,12 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
         if mono_to_wall is not None and i < len(starts) and finite(starts[i]) is not None \
                 and "receive" in proxy and "first_token" in proxy:
             sent = starts[i] + mono_to_wall
-            before.append((proxy["receive"] - sent) * 1000.0)
+            reached = proxy.get("arrived", proxy["receive"])
+            before.append((reached - sent) * 1000.0)
             after.append((sent + ttft - proxy["first_token"]) * 1000.0)
+            socket.append((proxy["receive"] - reached) * 1000.0)
             per.append([i, round(starts[i] - first, 4), round(gaps[-1], 3),
-                        round(before[-1], 3), round(after[-1], 3)])
+                        round(before[-1], 3), round(after[-1], 3), round(socket[-1], 3)])
     out = {"phases_n": len(gaps), "phases_gap_p50": percentile(gaps, 50),
            "phases_gap_p99": percentile(gaps, 99), "phases_gap_max": max(gaps, default=None),
            "phases_proxy_p50": percentile(shares, 50)}
@@ -132,6 +137,7 @@ def phase_gaps(result: Mapping[str, Any], whys: Mapping[int, Mapping[str, Any]],
         out.update(phases_before_p50=percentile(before, 50),
                    phases_before_p99=percentile(before, 99),
                    phases_after_p50=percentile(after, 50), phases_after_p99=percentile(after, 99),
+                   phases_socket_p99=percentile(socket, 99), phases_socket_max=max(socket),
                    phases_requests=per)
     return out
 
@@ -158,6 +164,8 @@ def format_phases(rows: Sequence[Mapping[str, Any]]) -> str:
                  f"; client send -> proxy p50/p99 {_f(r.get('phases_before_p50'), 2)}/"
                  f"{_f(r.get('phases_before_p99'), 2)}, proxy first write -> client "
                  f"{_f(r.get('phases_after_p50'), 2)}/{_f(r.get('phases_after_p99'), 2)}"
+                 f"; in the proxy's socket (recorded) p99/max "
+                 f"{_f(r.get('phases_socket_p99'), 2)}/{_f(r.get('phases_socket_max'), 2)}"
                  if r.get("phases_before_p50") is not None else "") + (
                  f"; host stall probe p99/max {_f(r.get('probe_p99'), 2)}/"
                  f"{_f(r.get('probe_max'), 2)} ({r.get('probe_over_5ms')} of "

@@ -173,7 +173,8 @@ def _check_sums(runs: list[tuple[float, dict[str, Any]]]) -> None:
     errors, gaps = [], []
     for ttft, why in runs:
         proxy = why["proxy"]
-        gaps.append((round((proxy["receive"] - why["client_sent"]) * 1e3, 2),
+        reached = proxy.get("arrived", proxy["receive"])  # the bytes in the proxy's socket
+        gaps.append((round((reached - why["client_sent"]) * 1e3, 2),
                      round((why["client_sent"] + ttft - proxy["first_token"]) * 1e3, 2)))
         assert why["P"] and why["D"], why["engines"]  # both engines answered with a record
         # no step went unrecorded (a phase spanning a missing step is named by its ends)

@@ -17,9 +17,8 @@ chain of phases. A phase between two steps of one process is a difference on tha
 monotonic clock; a phase from one process to the next (``hop``: HTTP, tokenization, a
 notification) is a difference of two wall clocks and carries their disagreement. The chain
 telescopes: the phases always sum to the proxy's own ``arrived`` (else ``receive``) →
-``first_token``, whatever the
-clocks say; only how that time is split between the hops and their neighbours depends on the
-hosts' clocks agreeing (on one host they do).
+``first_token``, whatever the clocks say; only how that time is split between the hops and
+their neighbours depends on the hosts' clocks agreeing (on one host they do).
 
 Bounded: :data:`CAPACITY` flights (the oldest is evicted). Not thread-safe: the proxy's one event
 loop owns the log. Pure Python, no aiohttp.

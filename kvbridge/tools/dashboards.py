@@ -124,6 +124,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Request duration, p99", "Request received to response done, at the proxy.",
                   "s", (Query(_quantile(0.99, "kvbridge_proxy_request_duration_seconds", "mode"),
                               "{{mode}}"),)),
+        PanelSpec("Wait in the proxy's socket", "How long requests waited in the proxy's "
+                  "socket before its handler ran, p50 and p99 (a lower bound from the kernel; "
+                  "0 under one scheduler tick). A growing tail is the proxy, or its host, "
+                  "falling behind.", "s",
+                  (Query(_quantile(0.5, "kvbridge_proxy_socket_wait_seconds", "instance"),
+                         "p50 {{instance}}"),
+                   Query(_quantile(0.99, "kvbridge_proxy_socket_wait_seconds", "instance"),
+                         "p99 {{instance}}"))),
     )),
     ("Transfers per backend and peer", (
         PanelSpec("KV bytes per second", "Bytes of finished transfers.", "Bps",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import time
 from typing import Any
 
@@ -30,13 +31,17 @@ __all__ = ["TICK_NS", "socket_wait_ns", "last_data_recv_ms"]
 # lost, retrans, fackets, last_data_sent, last_ack_sent, last_data_recv, ...
 _LAST_DATA_RECV = 8 + 11 * 4
 _U32 = struct.Struct("=I")
-_TCP_INFO = getattr(socket, "TCP_INFO", None)
-_COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)
+_LINUX = sys.platform.startswith("linux")
+# other systems' TCP_INFO (FreeBSD's) has another layout: read Linux's only
+_TCP_INFO = getattr(socket, "TCP_INFO", None) if _LINUX else None
+_COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", 6)  # Linux's clock id
 
 
 def _tick_ns() -> int:
     """The kernel's scheduler tick (the unit of ``tcpi_last_data_recv``), or 10 ms when the
     coarse clock cannot say (the longest tick Linux has: ``HZ=100``)."""
+    if not _LINUX:
+        return 10_000_000
     try:
         res = time.clock_getres(_COARSE)
     except (OSError, AttributeError):

@@ -49,7 +49,7 @@ def test_a_fresh_arrival_reads_as_no_wait(pair: tuple[socket.socket, socket.sock
     assert wait is not None and wait < 2 * TICK_NS  # a short wait is never overstated
 
 
-def test_what_is_not_a_tcp_socket_says_nothing(tmp_path: object) -> None:
+def test_what_is_not_a_tcp_socket_says_nothing() -> None:
     a, b = socket.socketpair()
     with a, b, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         assert socket_wait_ns(a) is None and last_data_recv_ms(udp) is None
